@@ -1,0 +1,54 @@
+"""Array adapters: any supported array in, a flat zero-copy bit-pattern view out, and back.
+
+``srround.adapters`` recognises an array by the module its type comes from, so it never imports
+a framework the caller did not import. Each adapter module turns one framework's arrays into
+``View`` objects (``_view.py``): a flat, contiguous ``uint32`` (fp32) or ``uint16`` (narrow)
+buffer the kernels can take - a NumPy array on the CPU, a Numba device array on CUDA - plus what
+is needed to hand the result back as the caller's own type and dtype.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ._view import View
+
+__all__ = ["View", "adapter_for"]
+
+# first component of type(x).__module__  ->  adapter module in this package
+_ADAPTERS = {
+    "numpy": "numpy",
+    "ml_dtypes": "numpy",
+    "numba": "numba",
+    "numba_cuda": "numba",
+}
+
+
+def adapter_for(**arrays):
+    """The adapter module shared by every given array (``name=array``; ``None`` is skipped).
+
+    Raises ``TypeError`` naming the argument for an unsupported type, and for arrays of
+    different frameworks in one call (no silent conversion between frameworks).
+    """
+    found = None
+    for name, array in arrays.items():
+        if array is None:
+            continue
+        root = type(array).__module__.split(".", 1)[0]
+        key = _ADAPTERS.get(root)
+        if key is None:
+            supported = "NumPy arrays and Numba CUDA device arrays"
+            raise TypeError(
+                f"{name}: unsupported array type {type(array).__module__}.{type(array).__name__};"
+                f" expected one of: {supported}"
+            )
+        if found is None:
+            found = (name, key)
+        elif found[1] != key:
+            raise TypeError(
+                f"{name}: is a {key} array but {found[0]} is a {found[1]} array; pass arrays of"
+                " one framework per call"
+            )
+    if found is None:
+        raise TypeError("no array given")
+    return importlib.import_module(f"{__name__}.{found[1]}")

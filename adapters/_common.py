@@ -1,0 +1,40 @@
+"""Validation shared by the NumPy and Numba adapters (both expose NumPy dtypes and flags)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from srround._formats import FORMATS, Format
+
+
+def narrow_format(dtype, name: str, fmt: Format | None) -> Format:
+    """The format of a narrow array: from its dtype, or from ``dtype=`` for raw ``uint16``."""
+    for candidate in FORMATS.values():
+        if dtype == candidate.numpy_dtype:
+            if fmt is not None and fmt is not candidate:
+                raise TypeError(f"{name}: dtype {dtype} does not match dtype={fmt.name!r}")
+            return candidate
+    if dtype == np.uint16 and fmt is not None:
+        return fmt
+    expected = ", ".join(str(f.numpy_dtype) for f in FORMATS.values())
+    hint = " (or uint16 bit patterns with dtype= given)"
+    raise TypeError(f"{name}: expected a narrow float array ({expected}{hint}), got {dtype}")
+
+
+def check_float32(dtype, name: str) -> None:
+    if dtype != np.float32:
+        extra = ""
+        if dtype == np.float64:
+            extra = (
+                "; float64 is rejected rather than rounded through float32, which would round"
+                " twice - cast with .astype(np.float32) if that is what you want"
+            )
+        raise TypeError(f"{name}: expected a float32 array, got {dtype}{extra}")
+
+
+def check_contiguous(is_contiguous: bool, name: str, fix: str) -> None:
+    if not is_contiguous:
+        raise ValueError(
+            f"{name}: must be C-contiguous (srround works in place on the caller's memory and"
+            f" never copies silently); pass {fix} to copy it explicitly"
+        )

@@ -1,0 +1,66 @@
+"""Numba CUDA device-array adapter (real GPU and ``NUMBA_ENABLE_CUDASIM=1``).
+
+Numba has no bf16 type: bf16 device arrays carry the ``ml_dtypes.bfloat16`` dtype (results are
+allocated so) or are ``uint16`` bit patterns with ``dtype=`` given. Kernels launch on the
+stream given as ``stream=`` to the adapter functions, else Numba's default stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from srround._formats import Format
+from srround._numba_cuda_compat import import_numba_cuda
+
+from ._common import check_contiguous, check_float32, narrow_format
+from ._view import View, check_shape
+
+_FIX = "a contiguous copy (numba.cuda.device_array + copy_to_device)"
+
+
+def _device_id() -> int:
+    cuda = import_numba_cuda()
+    return getattr(cuda.get_current_device(), "id", 0)  # the simulator's device has no id
+
+
+def _view(a, bits_dtype) -> View:
+    flat = a.reshape(a.size) if a.ndim != 1 else a
+    return View(
+        bits=flat.view(bits_dtype),
+        device="cuda",
+        shape=tuple(a.shape),
+        result=a,
+        stream=0,
+        device_id=_device_id(),
+    )
+
+
+def _contiguous(a) -> bool:
+    return a.is_c_contiguous()
+
+
+def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False) -> tuple[View, Format | None]:
+    if narrow:
+        fmt = narrow_format(x.dtype, name, fmt)
+    else:
+        check_float32(x.dtype, name)
+    check_contiguous(_contiguous(x), name, _FIX)
+    return _view(x, np.uint16 if narrow else np.uint32), fmt
+
+
+def target(out, name: str, like: View, fmt: Format | None) -> View:
+    dtype = np.dtype(np.float32) if fmt is None else fmt.numpy_dtype
+    if out is None:
+        cuda = import_numba_cuda()
+        out = cuda.device_array(like.shape, dtype=dtype)
+    elif fmt is None:
+        check_float32(out.dtype, name)
+    else:
+        narrow_format(out.dtype, name, fmt)
+    check_shape(name, out.shape, like.shape, "the input's")
+    check_contiguous(_contiguous(out), name, _FIX)
+    return _view(out, np.uint32 if fmt is None else np.uint16)
+
+
+def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
+    return source(w, name, fmt, narrow=True)

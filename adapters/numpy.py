@@ -1,0 +1,70 @@
+"""NumPy adapter: CPU arrays. bf16 is ``ml_dtypes.bfloat16`` (the dtype JAX uses), fp16 is
+``np.float16``; fp32 data must be ``np.float32``. Read-only arrays work as inputs and are
+refused as outputs or in-place targets."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from srround._formats import Format
+
+from ._common import check_contiguous, check_float32, narrow_format
+from ._view import View, check_shape
+
+_FIX = "np.ascontiguousarray(...)"
+
+
+def _as_array(x, name):
+    if isinstance(x, np.generic):
+        return np.asarray(x)
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a NumPy array, got {type(x).__name__}")
+    return x
+
+
+def _view(a, bits_dtype) -> View:
+    return View(bits=a.reshape(-1).view(bits_dtype), device="cpu", shape=a.shape, result=a)
+
+
+def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False) -> tuple[View, Format | None]:
+    """A read view of ``x``: float32 data (``narrow=False``) or narrow data (``narrow=True``,
+    format from the dtype or ``fmt``). Returns ``(view, format)``."""
+    a = _as_array(x, name)
+    if narrow:
+        fmt = narrow_format(a.dtype, name, fmt)
+    else:
+        check_float32(a.dtype, name)
+    check_contiguous(a.flags.c_contiguous, name, _FIX)
+    return _view(a, np.uint16 if narrow else np.uint32), fmt
+
+
+def _check_writable(a, name):
+    if not a.flags.writeable:
+        raise ValueError(
+            f"{name}: is read-only and this call writes to it; pass a writable array"
+            " (e.g. a copy: np.array(x))"
+        )
+
+
+def target(out, name: str, like: View, fmt: Format | None) -> View:
+    """A write view for the result: ``out`` validated, or a new array shaped like ``like``.
+    ``fmt=None`` means float32."""
+    dtype = np.dtype(np.float32) if fmt is None else fmt.numpy_dtype
+    if out is None:
+        return _view(np.empty(like.shape, dtype), np.uint32 if fmt is None else np.uint16)
+    a = _as_array(out, name)
+    if fmt is None:
+        check_float32(a.dtype, name)
+    else:
+        narrow_format(a.dtype, name, fmt)
+    check_shape(name, a.shape, like.shape, "the input's")
+    check_contiguous(a.flags.c_contiguous, name, _FIX)
+    _check_writable(a, name)
+    return _view(a, np.uint32 if fmt is None else np.uint16)
+
+
+def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
+    """A read-write view of a narrow array updated in place."""
+    view, fmt = source(w, name, fmt, narrow=True)
+    _check_writable(view.result, name)
+    return view, fmt

@@ -1,0 +1,22 @@
+"""srround: stochastic rounding, fused low-precision optimizer updates and loss scaling, as
+Numba kernels for CPU and CUDA, usable from NumPy, CuPy, PyTorch and JAX."""
+
+from srround._api import round_nearest
+from srround._api import stochastic_add
+from srround._api import stochastic_round
+from srround._api import to_float32
+from srround._formats import FORMATS
+from srround._formats import Format
+from srround._rng import manual_seed
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMATS",
+    "Format",
+    "manual_seed",
+    "round_nearest",
+    "stochastic_add",
+    "stochastic_round",
+    "to_float32",
+]

@@ -1,0 +1,7 @@
+"""Launch tunables in one place. Tests patch them small so that the CUDA simulator covers the
+multi-block, grid-stride paths quickly (``monkeypatch.setattr(srround._config, ...)``)."""
+
+# CUDA: threads per block, and the grid size cap (blocks); each thread handles one counter block
+# of four elements per grid-stride iteration.
+CUDA_THREADS_PER_BLOCK = 256
+CUDA_MAX_BLOCKS = 4096

@@ -1,0 +1,167 @@
+"""CUDA backend: the scalar bodies of ``_scalar.py`` in grid-stride ``numba.cuda`` kernels.
+
+Imported only when a device array is seen (``_backends.py``), so ``import srround`` never
+initialises CUDA. Buffers are Numba device arrays of bit patterns (fp32 as ``uint32``, narrow
+formats as ``uint16``). Each thread handles whole counter blocks of four elements (one Threefry
+call, ``_rng.py``). When a call is block-aligned (``offset % 4 == 0``, 8-byte aligned pointers)
+the fast kernels move four elements per thread with 8-byte loads and stores (``uint64`` views:
+two fp32 words, or four narrow words); the remainder goes through the general kernels. Results
+never depend on the launch configuration.
+
+Kernels run on the stream the caller passes (the adapters pass the framework's current stream).
+"""
+
+from __future__ import annotations
+
+from . import _config
+from ._numba_cuda_compat import import_numba_cuda
+from ._rng import lane_bits16, random_block
+from ._scalar import add_stochastic, decode, encode_nearest, encode_stochastic, pack4, unpack
+
+cuda = import_numba_cuda()
+
+@cuda.jit(cache=True)
+def _stochastic_round_general(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
+    n = x.size
+    first = offset >> 2
+    nblocks = ((offset + n - 1) >> 2) - first + 1
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for b in range(start, nblocks, stride):
+        block = first + b
+        x0, x1 = random_block(k0, k1, block)
+        for lane in range(4):
+            i = block * 4 + lane - offset
+            if 0 <= i < n:
+                r16 = lane_bits16(x0, x1, lane)
+                out[i] = encode_stochastic(x[i], r16, mantissa_bits, exponent_bits, saturate)
+
+
+@cuda.jit(cache=True)
+def _stochastic_round_vec4(x2, out4, k0, k1, first, mantissa_bits, exponent_bits, saturate):
+    """x2: uint64[n/2] (fp32 pairs), out4: uint64[n/4] (four narrow words); block-aligned."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for b in range(start, out4.size, stride):
+        x0, x1 = random_block(k0, k1, first + b)
+        lo = x2[2 * b]
+        hi = x2[2 * b + 1]
+        m, e, sat = mantissa_bits, exponent_bits, saturate
+        out4[b] = pack4(
+            encode_stochastic(unpack(lo, 0, 32), unpack(x0, 0, 16), m, e, sat),
+            encode_stochastic(unpack(lo, 1, 32), unpack(x0, 1, 16), m, e, sat),
+            encode_stochastic(unpack(hi, 0, 32), unpack(x1, 0, 16), m, e, sat),
+            encode_stochastic(unpack(hi, 1, 32), unpack(x1, 1, 16), m, e, sat),
+        )
+
+
+@cuda.jit(cache=True)
+def _stochastic_add_general(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
+    n = w.size
+    first = offset >> 2
+    nblocks = ((offset + n - 1) >> 2) - first + 1
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for b in range(start, nblocks, stride):
+        block = first + b
+        x0, x1 = random_block(k0, k1, block)
+        for lane in range(4):
+            i = block * 4 + lane - offset
+            if 0 <= i < n:
+                r16 = lane_bits16(x0, x1, lane)
+                w[i] = add_stochastic(w[i], u[i], alpha, r16, mantissa_bits, exponent_bits, saturate)
+
+
+@cuda.jit(cache=True)
+def _stochastic_add_vec4(w4, u2, alpha, k0, k1, first, mantissa_bits, exponent_bits, saturate):
+    """w4: uint64[n/4] (four narrow words, updated in place), u2: uint64[n/2] (fp32 pairs)."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for b in range(start, w4.size, stride):
+        x0, x1 = random_block(k0, k1, first + b)
+        old = w4[b]
+        lo = u2[2 * b]
+        hi = u2[2 * b + 1]
+        m, e, sat = mantissa_bits, exponent_bits, saturate
+        w4[b] = pack4(
+            add_stochastic(unpack(old, 0, 16), unpack(lo, 0, 32), alpha, unpack(x0, 0, 16), m, e, sat),
+            add_stochastic(unpack(old, 1, 16), unpack(lo, 1, 32), alpha, unpack(x0, 1, 16), m, e, sat),
+            add_stochastic(unpack(old, 2, 16), unpack(hi, 0, 32), alpha, unpack(x1, 0, 16), m, e, sat),
+            add_stochastic(unpack(old, 3, 16), unpack(hi, 1, 32), alpha, unpack(x1, 1, 16), m, e, sat),
+        )
+
+
+@cuda.jit(cache=True)
+def _round_nearest(x, out, mantissa_bits, exponent_bits, saturate):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, x.size, stride):
+        out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate)
+
+
+@cuda.jit(cache=True)
+def _to_float32(h, out, mantissa_bits, exponent_bits):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, h.size, stride):
+        out[i] = decode(h[i], mantissa_bits, exponent_bits)
+
+
+def _grid(work_items: int) -> tuple[int, int]:
+    threads = _config.CUDA_THREADS_PER_BLOCK
+    blocks = max(1, min(_config.CUDA_MAX_BLOCKS, -(-work_items // threads)))
+    return blocks, threads
+
+
+def _address(a) -> int:
+    pointer = getattr(a, "device_ctypes_pointer", None)
+    if pointer is None:  # the simulator: device arrays wrap host NumPy arrays
+        return a.__array_interface__["data"][0] if hasattr(a, "__array_interface__") else 0
+    return pointer.value or 0
+
+
+def _aligned(*arrays) -> bool:
+    """True when every buffer starts on an 8-byte boundary (needed by the uint64 views)."""
+    return all(_address(a) % 8 == 0 for a in arrays)
+
+
+def _split_aligned(n: int, offset: int) -> int:
+    """Number of leading elements the vec4 kernels can take (a multiple of 4), 0 if none."""
+    return n - n % 4 if offset % 4 == 0 else 0
+
+
+def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream):
+    n = x.size
+    head = _split_aligned(n, offset) if _aligned(x, out) else 0
+    if head:
+        grid = _grid(head // 4)
+        _stochastic_round_vec4[grid[0], grid[1], stream](
+            x[:head].view("uint64"), out[:head].view("uint64"), k0, k1, offset >> 2,
+            mantissa_bits, exponent_bits, saturate,
+        )
+    if head < n:
+        grid = _grid((n - head) // 4 + 2)
+        _stochastic_round_general[grid[0], grid[1], stream](
+            x[head:], out[head:], k0, k1, offset + head, mantissa_bits, exponent_bits, saturate
+        )
+
+
+def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream):
+    n = w.size
+    head = _split_aligned(n, offset) if _aligned(w, u) else 0
+    if head:
+        grid = _grid(head // 4)
+        _stochastic_add_vec4[grid[0], grid[1], stream](
+            w[:head].view("uint64"), u[:head].view("uint64"), alpha, k0, k1, offset >> 2,
+            mantissa_bits, exponent_bits, saturate,
+        )
+    if head < n:
+        grid = _grid((n - head) // 4 + 2)
+        _stochastic_add_general[grid[0], grid[1], stream](
+            w[head:], u[head:], alpha, k0, k1, offset + head, mantissa_bits, exponent_bits,
+            saturate,
+        )
+
+
+def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, stream):
+    grid = _grid(x.size)
+    _round_nearest[grid[0], grid[1], stream](x, out, mantissa_bits, exponent_bits, saturate)
+
+
+def to_float32(h, out, mantissa_bits, exponent_bits, stream):
+    grid = _grid(h.size)
+    _to_float32[grid[0], grid[1], stream](h, out, mantissa_bits, exponent_bits)

@@ -1,0 +1,197 @@
+"""Scalar kernel bodies: one element, written once, compiled for CPU (njit) and CUDA.
+
+Every function here is a plain ``@njit`` function on integer bit patterns. The CPU backend calls
+it from a ``prange`` loop, the CUDA backend from a grid-stride ``cuda.jit`` kernel (numba-cuda
+compiles ``njit`` functions for the device). Backends differ only in the loop around a body.
+
+Formats are passed as ``(mantissa_bits, exponent_bits)`` of the narrow format (``_formats.py``).
+
+Rounding an fp32 value ``x`` (bits ``u``) to a narrow format, exactly, in integers:
+
+    m, e     = significand (implicit bit included) and unbiased exponent of |x|
+    e_eff    = max(e, emin)                    # emin = 1 - bias: subnormals share emin's quantum
+    s        = (23 - mantissa_bits) + (e_eff - e)   # low bits of m below the format's quantum
+    q, r     = m >> s, m & (2**s - 1)          # quanta kept, remainder (fraction r / 2**s)
+    result   = ((e_eff + bias - 1) << mantissa_bits) + q + up
+
+Adding ``q`` (which holds the implicit bit for normals) to the exponent field minus one rebuilds
+the pattern, a carry from rounding up moves into the exponent by itself, and a carry out of the
+largest finite value lands on the infinity pattern. ``up`` is the rounding decision:
+
+* stochastic: ``up = bits16 < (r * 2**16) >> s``, i.e. P(up) = floor(2**16 * r / 2**s) / 2**16.
+  With 16 random bits the probability is exact whenever the format drops at most 16 bits
+  (fp32 -> bf16 everywhere, fp32 -> fp16 in the normal range); below that it is floored to a
+  multiple of 2**-16, a bias of less than 2**-16 quantum toward zero. ``r = 0`` never rounds up,
+  so representable values come back unchanged.
+* nearest: ``up = r > half or (r == half and q is odd)`` (round half to even).
+
+Special values: NaN -> the format's canonical quiet NaN with the sign kept (sign | exponent all
+ones | top fraction bit), the policy of ml_dtypes and torch; +-inf -> +-inf; +-0 and values that
+round to zero keep their sign. A finite value above the largest finite one becomes inf under
+``saturate=False`` (the format's rule) and the largest finite value under ``saturate=True``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_F32_ABS = 0x7FFFFFFF
+_F32_INF = 0x7F800000
+
+
+@njit(inline="always", cache=True)
+def _split_f32(a):
+    """Significand (with implicit bit) and unbiased exponent of a non-negative finite fp32
+    pattern ``a``; fp32 subnormals report exponent -126 with no implicit bit."""
+    biased = a >> 23
+    if biased == 0:
+        return a & 0x7FFFFF, -126
+    return (a & 0x7FFFFF) | 0x800000, biased - 127
+
+
+@njit(inline="always", cache=True)
+def _special(u, mantissa_bits, exponent_bits):
+    """For NaN and +-inf inputs, the narrow pattern; -1 for every other input."""
+    a = u & _F32_ABS
+    if a < _F32_INF:
+        return -1
+    sign = ((u >> 31) & 1) << (exponent_bits + mantissa_bits)
+    inf = ((1 << exponent_bits) - 1) << mantissa_bits
+    if a == _F32_INF:
+        return sign | inf
+    return sign | inf | (1 << (mantissa_bits - 1))
+
+
+@njit(inline="always", cache=True)
+def _quantize(u, mantissa_bits, exponent_bits):
+    """``(base, q, r, s)`` of a finite fp32 pattern: the result is ``base + q + up`` (plus the
+    sign), with ``r / 2**s`` the fraction of a quantum that was dropped."""
+    m, e = _split_f32(u & _F32_ABS)
+    bias = (1 << (exponent_bits - 1)) - 1
+    e_eff = max(e, 1 - bias)
+    s = min(23 - mantissa_bits + (e_eff - e), 40)  # past 40 bits nothing of m survives
+    q = m >> s
+    r = m & ((1 << s) - 1)
+    return (e_eff + bias - 1) << mantissa_bits, q, r, s
+
+
+@njit(inline="always", cache=True)
+def _finish(u, magnitude, mantissa_bits, exponent_bits, saturate):
+    """Apply the overflow policy and the sign to a rounded magnitude pattern."""
+    inf = ((1 << exponent_bits) - 1) << mantissa_bits
+    if magnitude >= inf:
+        magnitude = inf - 1 if saturate else inf
+    return (((u >> 31) & 1) << (exponent_bits + mantissa_bits)) | magnitude
+
+
+@njit(inline="always", cache=True)
+def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate):
+    """Stochastically round fp32 pattern ``u`` to the narrow format using 16 random bits.
+
+    Returns the narrow pattern (an int). P(round away from zero) = floor(2**16 * frac) / 2**16
+    where frac is the dropped fraction of a quantum; see the module docstring.
+    """
+    special = _special(u, mantissa_bits, exponent_bits)
+    if special >= 0:
+        return special
+    base, q, r, s = _quantize(u, mantissa_bits, exponent_bits)
+    threshold = (r << 16) >> s
+    up = 1 if bits16 < threshold else 0
+    return _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate)
+
+
+@njit(inline="always", cache=True)
+def encode_nearest(u, mantissa_bits, exponent_bits, saturate):
+    """Round fp32 pattern ``u`` to the nearest narrow value, ties to even (IEEE default)."""
+    special = _special(u, mantissa_bits, exponent_bits)
+    if special >= 0:
+        return special
+    base, q, r, s = _quantize(u, mantissa_bits, exponent_bits)
+    half = 1 << (s - 1)
+    up = 1 if (r > half or (r == half and (q & 1) == 1)) else 0
+    return _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate)
+
+
+@njit(inline="always", cache=True)
+def decode(h, mantissa_bits, exponent_bits):
+    """Widen a narrow pattern ``h`` to the exact fp32 pattern. NaN payloads are kept (shifted
+    into the top of the fp32 fraction), as ml_dtypes and NumPy do."""
+    sign = ((h >> (exponent_bits + mantissa_bits)) & 1) << 31
+    biased = (h >> mantissa_bits) & ((1 << exponent_bits) - 1)
+    frac = h & ((1 << mantissa_bits) - 1)
+    bias = (1 << (exponent_bits - 1)) - 1
+    if biased == (1 << exponent_bits) - 1:
+        return sign | _F32_INF | (frac << (23 - mantissa_bits))
+    if biased == 0:
+        if frac == 0:
+            return sign
+        # subnormal: normalise (every narrow subnormal is an fp32 normal or subnormal value)
+        e = 1 - bias
+        while frac < (1 << mantissa_bits) and e > -126:
+            frac <<= 1
+            e -= 1
+        if frac < (1 << mantissa_bits):  # still subnormal in fp32 (bf16 subnormals)
+            return sign | (frac << (23 - mantissa_bits))
+        return sign | ((e + 127) << 23) | ((frac - (1 << mantissa_bits)) << (23 - mantissa_bits))
+    return sign | ((biased - bias + 127) << 23) | (frac << (23 - mantissa_bits))
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a * b + c`` in float32 with a single rounding (llvm.fma.f32) on CPU and CUDA.
+
+    Kernels write every multiply-add as ``fma32``: NVVM contracts ``a * b + c`` into an FMA by
+    default while the CPU compiler does not, so a plain expression would round differently on the
+    two targets and break bit-identity.
+    """
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_to_f32(typingctx, u):
+    """Reinterpret the low 32 bits of integer ``u`` as a float32 (a scalar ``view``)."""
+
+    def codegen(context, builder, signature, args):
+        low = builder.trunc(args[0], ir.IntType(32))
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(u), codegen
+
+
+@intrinsic
+def f32_to_bits(typingctx, f):
+    """The bit pattern of float32 ``f`` as a non-negative int64."""
+
+    def codegen(context, builder, signature, args):
+        return builder.zext(builder.bitcast(args[0], ir.IntType(32)), ir.IntType(64))
+
+    return types.int64(types.float32), codegen
+
+
+@njit(inline="always", cache=True)
+def add_stochastic(w, update, alpha, bits16, mantissa_bits, exponent_bits, saturate):
+    """``SR(w + alpha * update)`` for narrow pattern ``w``, fp32 pattern ``update`` and float32
+    ``alpha``: the sum is formed in fp32 with one rounding (fma), then stochastically rounded."""
+    weight = bits_to_f32(decode(w, mantissa_bits, exponent_bits))
+    total = fma32(alpha, bits_to_f32(update), weight)
+    return encode_stochastic(f32_to_bits(total), bits16, mantissa_bits, exponent_bits, saturate)
+
+
+@njit(inline="always", cache=True)
+def unpack(word, index, width):
+    """Field ``index`` of ``width`` bits (16 or 32) of a 64-bit word, as a non-negative int64."""
+    return (np.int64(word) >> (width * index)) & ((1 << width) - 1)
+
+
+@njit(inline="always", cache=True)
+def pack4(a, b, c, d):
+    """Four 16-bit patterns as one uint64 word, ``a`` in the low bits (little-endian order)."""
+    return np.uint64(a | (b << 16) | (c << 32) | (d << 48))
