@@ -1,0 +1,643 @@
+#!/usr/bin/env python
+"""Throughput of srround's fp32 -> bf16/fp16 rounding kernels against a bandwidth floor and
+against what users write today (torch, torchao, JAX, ml_dtypes).
+
+Usage::
+
+    python benchmarks/bench_round.py                 # CPU 2^20..2^26, GPU 2^20..2^28 if present
+    python benchmarks/bench_round.py --quick         # CPU 2^20..2^22, GPU 2^20..2^24, ~1 min
+    python benchmarks/bench_round.py --device cpu --sizes 20 24 --json out.json
+
+What is measured
+----------------
+Every row converts (or moves the bytes of) ``n`` float32 values into ``n`` 16-bit values.
+Throughput is reported as **GB/s of useful traffic: 6 bytes per element** (4 B read + 2 B
+written), whatever the implementation really moves (torchao/JAX materialise int32 temporaries,
+so they move more; their GB/s is still "6 B per element / time", i.e. an element rate).
+
+``% floor`` divides by a bandwidth floor measured in the same run on the same buffers:
+
+* CPU floor: a Numba ``prange`` truncation kernel ``out[i] = x[i] >> 16`` (uint32 -> uint16), the
+  cheapest possible kernel with exactly srround's access pattern and thread pool. A NumPy
+  ``copyto`` of 3n bytes into 3n bytes (the same 6n bytes of traffic, one thread) is printed
+  beside it for context.
+* GPU floor: a trivial ``numba.cuda`` device-to-device copy of the same bytes (3n bytes read,
+  3n bytes written, 8-byte words, one word per thread); torch/cupy copies and a CUDA
+  ``x >> 16`` kernel are printed for context when available.
+
+A kernel at ~100 % is memory-bound; far below means compute- (RNG-) or overhead-bound.
+
+Rows (``op`` column: SR = stochastic rounding, RNE = round to nearest even):
+
+* ``srround`` - the public API (``stochastic_round`` / ``round_nearest``) with a preallocated
+  ``out=`` and a fixed seed, so the time includes the Python-side validation of each call.
+* ``torch .to(bf16)`` - allocating cast; ``torch out.copy_(x)`` - the same cast into a
+  preallocated tensor (RNE anchors).
+* ``torchao SR`` - ``torchao.optim.quant_utils._fp32_to_bf16_sr`` (the SR cast torchao's
+  low-bit optimizers use), eager and under ``torch.compile``. If torchao is not importable, a
+  "torchao-style" reimplementation of the same formula is used and labelled so.
+* ``jax SR (jit)`` - a user-level SR: ``jax.random.bits`` uint32, add the low 16 bits to the fp32
+  pattern, mask, bitcast, convert to bf16; timed with ``block_until_ready``.
+* ``ml_dtypes astype`` - ``x.astype(ml_dtypes.bfloat16)`` (single-threaded RNE, allocating).
+
+Timing: every callable is warmed up (JIT / torch.compile / XLA compile, page faults) before it is
+timed; then it runs for about ``--cell-time`` seconds (0.2 s, 0.1 s with --quick; at least 3
+samples). CPU: ``perf_counter`` around each call, median reported. GPU: ``perf_counter`` around a
+batch of calls closed by a device synchronize (so launch overhead is pipelined and counted as a
+user would see it), median over batches; no host<->device copies are timed.
+
+The script also measures **first-call latency**: two fresh subprocesses with
+``NUMBA_CACHE_DIR`` pointing at a new empty directory - the first compiles srround's CPU kernel
+(cold), the second loads it from that cache (warm) - each timing ``import srround`` and the first
+``stochastic_round`` on a small array.
+
+Numbers depend on the machine (cores, memory channels, turbo) and on what else runs on it; only
+compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+
+BYTES_PER_ELEMENT = 6  # 4 B fp32 read + 2 B written
+SEED = 1234
+
+
+class Unavailable(Exception):
+    """A row that cannot run here (missing package/backend); the reason is printed as a note."""
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------
+
+
+def measure(fn, sync=None, *, cell_time: float, batch_time: float = 0.0, min_samples: int = 3,
+            max_samples: int = 200) -> dict:
+    """Median seconds per call of ``fn``.
+
+    ``sync(result)`` waits for asynchronous work (device synchronize, ``block_until_ready``).
+    ``batch_time`` > 0 groups calls into batches of about that length with one sync at the end
+    (GPU); otherwise every call is timed on its own (CPU).
+    """
+    sync = sync or (lambda r: None)
+
+    def run(k):
+        t0 = time.perf_counter()
+        for _ in range(k):
+            r = fn()
+        sync(r)
+        return (time.perf_counter() - t0) / k
+
+    sync(fn())  # compile / first touch
+    est = min(run(1), run(1))  # also faults in any page the first call did not touch
+    per_sample = max(1, math.ceil(batch_time / est)) if batch_time > 0 else 1
+    samples = int(min(max_samples, max(min_samples, math.ceil(cell_time / (est * per_sample)))))
+    times = [run(per_sample) for _ in range(samples)]
+    return {"median_s": statistics.median(times), "min_s": min(times),
+            "samples": samples, "calls_per_sample": per_sample}
+
+
+# --------------------------------------------------------------------------------------------
+# anchors shared by CPU and GPU
+# --------------------------------------------------------------------------------------------
+
+
+def _quiet_import(name: str):
+    """Import ``name`` with its import-time log/warning chatter suppressed (torchao prints
+    'Failed to load' lines for optional CUDA extensions on CPU-only torch)."""
+    import importlib
+
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return importlib.import_module(name)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def torch_module():
+    try:
+        return _quiet_import("torch")
+    except ImportError as exc:
+        raise Unavailable(f"torch not importable ({exc})") from None
+
+
+_TORCHAO = None
+
+
+def torchao_sr():
+    """(function, label): torchao's SR cast, or the same formula reimplemented."""
+    global _TORCHAO
+    if _TORCHAO is None:
+        torch = torch_module()
+        try:
+            mod = _quiet_import("torchao.optim.quant_utils")
+            _TORCHAO = (mod._fp32_to_bf16_sr, "torchao SR")
+        except Exception:  # noqa: BLE001 - any import failure means "use the fallback"
+
+            def torchao_style_sr(x):
+                """torchao's ``_fp32_to_bf16_sr`` formula (torchao 0.x), reimplemented: round
+                away from zero when 16 random bits < the 16 bits bf16 drops."""
+                rand_16bit = torch.randint(0, 1 << 16, x.shape, device=x.device,
+                                           dtype=torch.int32)
+                x_fp32 = x.view(torch.int32)
+                x_fraction = x_fp32 & 0xFFFF
+                x_bf16_towards_zero = x_fp32 & 0xFFFF0000
+                x_fp32 = torch.where(rand_16bit < x_fraction, x_bf16_towards_zero + 0x10000,
+                                     x_bf16_towards_zero)
+                return x_fp32.view(torch.float32).bfloat16()
+
+            _TORCHAO = (torchao_style_sr, "torchao-style SR")
+    return _TORCHAO
+
+
+_COMPILED = {}
+
+
+def torchao_sr_compiled():
+    torch = torch_module()
+    fn, label = torchao_sr()
+    if "sr" not in _COMPILED:
+        _COMPILED["sr"] = torch.compile(fn)
+    return _COMPILED["sr"], label
+
+
+def jax_sr_fn():
+    try:
+        jax = _quiet_import("jax")
+    except ImportError as exc:
+        raise Unavailable(f"jax not importable ({exc})") from None
+    import jax.numpy as jnp
+
+    @jax.jit
+    def jax_sr(key, x):
+        """User-level SR to bf16: add 16 random bits below the bf16 mantissa, truncate.
+        (No special care for inf/NaN/overflow - what a user typically writes.)"""
+        bits = jax.random.bits(key, x.shape, jnp.uint32)
+        xb = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        yb = (xb + (bits & jnp.uint32(0xFFFF))) & jnp.uint32(0xFFFF0000)
+        return jax.lax.bitcast_convert_type(yb, jnp.float32).astype(jnp.bfloat16)
+
+    return jax, jax_sr
+
+
+# --------------------------------------------------------------------------------------------
+# CPU rows
+# --------------------------------------------------------------------------------------------
+
+
+def cpu_rows():
+    """[(label, op, setup)]; ``setup(x)`` (x: float32[n]) returns ``(fn, sync)`` or raises
+    ``Unavailable``. The first row is the floor."""
+    import ml_dtypes
+    from numba import njit, prange
+
+    import srround
+
+    @njit(parallel=True, cache=False)
+    def trunc16(x, out):
+        for i in prange(x.size):
+            out[i] = np.uint16(x[i] >> np.uint32(16))
+
+    def floor(x):
+        bits, out = x.view(np.uint32), np.empty(x.size, np.uint16)
+        return (lambda: trunc16(bits, out)), None
+
+    def numpy_copy(x):
+        src = x.view(np.uint8)[: 3 * x.size]
+        dst = np.empty_like(src)
+        return (lambda: np.copyto(dst, src)), None
+
+    def sr(dtype):
+        def setup(x):
+            out = np.empty(x.size, ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
+            return (lambda: srround.stochastic_round(x, dtype=dtype, seed=SEED, out=out)), None
+        return setup
+
+    def rne(x):
+        out = np.empty(x.size, ml_dtypes.bfloat16)
+        return (lambda: srround.round_nearest(x, dtype="bfloat16", out=out)), None
+
+    def torch_to(x):
+        torch = torch_module()
+        t = torch.from_numpy(x)
+        return (lambda: t.to(torch.bfloat16)), None
+
+    def torch_copy(x):
+        torch = torch_module()
+        t, out = torch.from_numpy(x), torch.empty(x.size, dtype=torch.bfloat16)
+        return (lambda: out.copy_(t)), None
+
+    def torchao_eager(x):
+        fn, _ = torchao_sr()
+        t = torch_module().from_numpy(x)
+        return (lambda: fn(t)), None
+
+    def torchao_compiled(x):
+        fn, _ = torchao_sr_compiled()
+        t = torch_module().from_numpy(x)
+        return (lambda: fn(t)), None
+
+    def jax_sr(x):
+        jax, fn = jax_sr_fn()
+        xj = jax.device_put(x, jax.devices("cpu")[0])
+        key = jax.random.key(SEED)
+        return (lambda: fn(key, xj)), (lambda r: r.block_until_ready())
+
+    def mldtypes(x):
+        return (lambda: x.astype(ml_dtypes.bfloat16)), None
+
+    try:
+        ao_label = torchao_sr()[1]
+    except Unavailable:
+        ao_label = "torchao SR"
+    return [
+        ("floor: numba prange x>>16", "trunc", floor),
+        ("numpy copyto 3n B", "copy", numpy_copy),
+        ("srround stochastic_round", "SR bf16", sr("bfloat16")),
+        ("srround stochastic_round", "SR fp16", sr("float16")),
+        ("srround round_nearest", "RNE bf16", rne),
+        ("torch .to(bf16)", "RNE bf16", torch_to),
+        ("torch out.copy_(x)", "RNE bf16", torch_copy),
+        (f"{ao_label} eager", "SR bf16", torchao_eager),
+        (f"{ao_label} torch.compile", "SR bf16", torchao_compiled),
+        ("jax SR (jit)", "SR bf16", jax_sr),
+        ("ml_dtypes astype", "RNE bf16", mldtypes),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# GPU rows (real GPU only: numba.cuda.is_available())
+# --------------------------------------------------------------------------------------------
+
+
+def cuda_rows():
+    """As ``cpu_rows``, but ``setup(dx)`` gets a Numba device array float32[n] (a prefix of
+    one uploaded buffer). Results go to preallocated device arrays; nothing crosses PCIe."""
+    import srround
+    from srround._numba_cuda_compat import import_numba_cuda
+
+    cuda = import_numba_cuda()
+    threads = 256
+
+    @cuda.jit
+    def copy_words(src, dst):
+        i = cuda.grid(1)
+        if i < src.size:
+            dst[i] = src[i]
+
+    @cuda.jit
+    def trunc16(x, out):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = np.uint16(x[i] >> np.uint32(16))
+
+    def numba_sync(_):
+        cuda.synchronize()
+
+    def launch(kernel, n, *args):
+        blocks = (n + threads - 1) // threads
+        return lambda: kernel[blocks, threads](*args)
+
+    def floor(dx):
+        # the same 6n bytes as the rounding kernels: 3n bytes read, 3n written, as uint64
+        words = dx.size * 3 // 8
+        src = dx.view(np.uint32).view(np.uint64)[:words]
+        dst = cuda.device_array(words, np.uint64)
+        return launch(copy_words, words, src, dst), numba_sync
+
+    def trunc(dx):
+        out = cuda.device_array(dx.size, np.uint16)
+        return launch(trunc16, dx.size, dx.view(np.uint32), out), numba_sync
+
+    def sr(dtype):
+        def setup(dx):
+            out = cuda.device_array(dx.size, np.uint16)  # uint16 bits + dtype= is accepted
+            return (lambda: srround.stochastic_round(dx, dtype=dtype, seed=SEED, out=out)), \
+                numba_sync
+        return setup
+
+    def rne(dx):
+        out = cuda.device_array(dx.size, np.uint16)
+        return (lambda: srround.round_nearest(dx, dtype="bfloat16", out=out)), numba_sync
+
+    def torch_cuda():
+        torch = torch_module()
+        if not torch.cuda.is_available():
+            raise Unavailable("torch has no CUDA")
+        return torch
+
+    def torch_view(dx):
+        torch = torch_cuda()
+        return torch, torch.as_tensor(dx, device="cuda")  # zero-copy (__cuda_array_interface__)
+
+    def torch_sync(_):
+        torch_module().cuda.synchronize()
+
+    def torch_copy_bytes(dx):
+        torch, t = torch_view(dx)
+        src = t.view(torch.uint8)[: 3 * dx.size]
+        dst = torch.empty_like(src)
+        return (lambda: dst.copy_(src)), torch_sync
+
+    def cupy_copy_bytes(dx):
+        try:
+            import cupy
+        except ImportError:
+            raise Unavailable("cupy not installed") from None
+        src = cupy.asarray(dx).view(cupy.uint8)[: 3 * dx.size]
+        dst = cupy.empty_like(src)
+        return (lambda: cupy.copyto(dst, src)), (lambda _: cupy.cuda.Device().synchronize())
+
+    def torch_to(dx):
+        torch, t = torch_view(dx)
+        return (lambda: t.to(torch.bfloat16)), torch_sync
+
+    def torch_copy(dx):
+        torch, t = torch_view(dx)
+        out = torch.empty(dx.size, dtype=torch.bfloat16, device="cuda")
+        return (lambda: out.copy_(t)), torch_sync
+
+    def torchao_eager(dx):
+        fn, _ = torchao_sr()
+        _, t = torch_view(dx)
+        return (lambda: fn(t)), torch_sync
+
+    def torchao_compiled(dx):
+        fn, _ = torchao_sr_compiled()
+        _, t = torch_view(dx)
+        return (lambda: fn(t)), torch_sync
+
+    def jax_sr(dx):
+        jax, fn = jax_sr_fn()
+        try:
+            dev = jax.devices("gpu")[0]
+        except RuntimeError:
+            raise Unavailable("jax has no GPU backend") from None
+        xj = jax.device_put(dx.copy_to_host(), dev)
+        key = jax.device_put(jax.random.key(SEED), dev)
+        return (lambda: fn(key, xj)), (lambda r: r.block_until_ready())
+
+    try:
+        ao_label = torchao_sr()[1]
+    except Unavailable:
+        ao_label = "torchao SR"
+    return [
+        ("floor: numba.cuda copy 3n B", "copy", floor),
+        ("torch copy_ 3n B", "copy", torch_copy_bytes),
+        ("cupy copyto 3n B", "copy", cupy_copy_bytes),
+        ("numba.cuda x>>16", "trunc", trunc),
+        ("srround stochastic_round", "SR bf16", sr("bfloat16")),
+        ("srround stochastic_round", "SR fp16", sr("float16")),
+        ("srround round_nearest", "RNE bf16", rne),
+        ("torch .to(bf16)", "RNE bf16", torch_to),
+        ("torch out.copy_(x)", "RNE bf16", torch_copy),
+        (f"{ao_label} eager", "SR bf16", torchao_eager),
+        (f"{ao_label} torch.compile", "SR bf16", torchao_compiled),
+        ("jax SR (jit)", "SR bf16", jax_sr),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------------------------
+
+
+def run_device(device: str, sizes: list[int], cell_time: float, notes: list[str]) -> list[dict]:
+    rng = np.random.default_rng(0)
+    x_host = rng.standard_normal(max(sizes), dtype=np.float32)
+    if device == "cpu":
+        rows, batch_time = cpu_rows(), 0.0
+        full = x_host
+    else:
+        from srround._numba_cuda_compat import import_numba_cuda
+
+        rows, batch_time = cuda_rows(), 0.02
+        full = import_numba_cuda().to_device(x_host)
+
+    try:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(rows) * len(sizes), desc=device, leave=False, disable=None,
+                        file=sys.stderr)
+    except ImportError:
+        progress = None
+
+    results, skipped = [], set()
+    for n in sizes:
+        x = full[:n]
+        floor_gbps = None
+        for label, op, setup in rows:
+            if progress is not None:
+                progress.set_postfix_str(f"2^{int(math.log2(n))} {label} {op}"[:48])
+            if (label, op) not in skipped:
+                try:
+                    fn, sync = setup(x)
+                    m = measure(fn, sync, cell_time=cell_time, batch_time=batch_time)
+                except Unavailable as exc:
+                    skipped.add((label, op))
+                    notes.append(f"[{device}] skipped {label} ({op}): {exc}")
+                except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
+                    skipped.add((label, op))
+                    notes.append(f"[{device}] FAILED {label} ({op}) at n={n}: "
+                                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                else:
+                    gbps = BYTES_PER_ELEMENT * n / m["median_s"] / 1e9
+                    floor_gbps = floor_gbps or gbps  # the first row is the floor
+                    results.append({"device": device, "method": label, "op": op, "n": n,
+                                    **m, "gbps": gbps, "frac_of_floor": gbps / floor_gbps,
+                                    "ns_per_element": m["median_s"] / n * 1e9})
+                fn = sync = None  # free this size's buffers before the next row
+            if progress is not None:
+                progress.update()
+    if progress is not None:
+        progress.close()
+    return results
+
+
+def print_table(results: list[dict], device: str) -> None:
+    rows = [r for r in results if r["device"] == device]
+    if not rows:
+        return
+    sizes = sorted({r["n"] for r in rows})
+    keys = list(dict.fromkeys((r["method"], r["op"]) for r in rows))
+    cell = {(r["method"], r["op"], r["n"]): r for r in rows}
+    w_m = max(len(k[0]) for k in keys)
+    w_o = max(len("op"), *(len(k[1]) for k in keys))
+    head = f"{'method':<{w_m}}  {'op':<{w_o}}" + "".join(f"  {'n=2^%d' % math.log2(n):>17}"
+                                                         for n in sizes)
+    print(f"\n== {device.upper()}: GB/s (6 B/element) and % of the same-size floor ==")
+    print(head)
+    print("-" * len(head))
+    for method, op in keys:
+        line = f"{method:<{w_m}}  {op:<{w_o}}"
+        for n in sizes:
+            r = cell.get((method, op, n))
+            line += f"  {r['gbps']:8.2f} {100 * r['frac_of_floor']:5.0f}% " if r else \
+                f"  {'-':>17}"
+        print(line)
+    print("ms per call at the largest size: " + ", ".join(
+        f"{m} {o}: {cell[(m, o, sizes[-1])]['median_s'] * 1e3:.2f}"
+        for m, o in keys if (m, o, sizes[-1]) in cell))
+
+
+LATENCY_SNIPPET = r"""
+import json, time
+import numpy as np
+t0 = time.perf_counter()
+import srround
+t1 = time.perf_counter()
+x = np.linspace(-3, 3, 4096, dtype=np.float32)
+t2 = time.perf_counter()
+srround.stochastic_round(x, seed=0)
+t3 = time.perf_counter()
+srround.stochastic_round(x, seed=1)
+t4 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "first_call_s": t3 - t2, "second_call_s": t4 - t3}))
+"""
+
+
+def first_call_latency(notes: list[str]) -> dict | None:
+    """Cold (empty NUMBA_CACHE_DIR) vs warm (same dir, second process) import + first call."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="srround-numba-cache-") as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        for case in ("cold", "warm"):
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-c", LATENCY_SNIPPET], env=env,
+                                  capture_output=True, text=True, timeout=600)
+            wall = time.perf_counter() - t0
+            if proc.returncode != 0:
+                notes.append(f"latency {case} subprocess failed: {proc.stderr.strip()[-300:]}")
+                return None
+            out[case] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
+                         "process_wall_s": wall}
+    return out
+
+
+def print_latency(lat: dict) -> None:
+    print("\n== first-call latency of srround.stochastic_round (fresh process, 4096 elements) ==")
+    print(f"{'case':<34}{'import srround':>16}{'first call':>14}{'second call':>14}"
+          f"{'process wall':>15}")
+    for case, desc in (("cold", "cold (empty NUMBA_CACHE_DIR)"),
+                       ("warm", "warm (same cache dir, new proc)")):
+        r = lat[case]
+        print(f"{desc:<34}{r['import_s'] * 1e3:13.0f} ms{r['first_call_s'] * 1e3:11.0f} ms"
+              f"{r['second_call_s'] * 1e3:11.2f} ms{r['process_wall_s']:13.2f} s")
+
+
+def parse_size(token: str) -> int:
+    """'24', '2^24', '2**24' -> 2**24 (a bare number below 64 is an exponent); '5000000' -> n."""
+    t = token.replace("**", "^")
+    if t.startswith("2^"):
+        return 1 << int(t[2:])
+    v = int(float(t))
+    return 1 << v if v < 64 else v
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="CPU 2^20..2^22, GPU 2^20..2^24, 0.1 s per cell")
+    p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
+                   help="'all' = CPU, plus CUDA when numba.cuda.is_available()")
+    p.add_argument("--sizes", nargs="+", type=parse_size, metavar="N",
+                   help="element counts for every device: 24, 2^24 or 16777216")
+    p.add_argument("--cell-time", type=float, default=None,
+                   help="seconds of timed calls per cell (default 0.2, 0.1 with --quick)")
+    p.add_argument("--no-latency", action="store_true", help="skip the cold/warm subprocesses")
+    p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
+    args = p.parse_args(argv)
+    cell_time = args.cell_time or (0.1 if args.quick else 0.2)
+
+    import numba
+
+    import srround
+
+    devices = ["cpu"] if args.device in ("cpu", "all") else []
+    notes: list[str] = []
+    if args.device in ("cuda", "all"):
+        from srround._numba_cuda_compat import import_numba_cuda
+
+        cuda = import_numba_cuda()
+        if cuda.is_available() and not numba.config.ENABLE_CUDASIM:
+            devices.append("cuda")
+            gpu_name = cuda.get_current_device().name
+            gpu_name = gpu_name.decode() if isinstance(gpu_name, bytes) else gpu_name
+        else:
+            notes.append("CUDA: numba.cuda.is_available() is False (or the simulator is on); "
+                         "GPU rows skipped")
+
+    sizes_for = {
+        "cpu": args.sizes or [1 << k for k in range(20, (22 if args.quick else 26) + 1)],
+        "cuda": args.sizes or [1 << k for k in range(20, (24 if args.quick else 28) + 1)],
+    }
+
+    meta = {
+        "python": platform.python_version(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "numba": numba.__version__,
+        "numba_threads": numba.get_num_threads(), "numpy": np.__version__,
+        "srround": srround.__version__, "cell_time_s": cell_time, "quick": args.quick,
+        "bytes_per_element": BYTES_PER_ELEMENT,
+        "loadavg_1min_at_start": round(os.getloadavg()[0], 2),
+    }
+    with contextlib.suppress(Exception):
+        torch = torch_module()
+        meta["torch"], meta["torch_threads"] = torch.__version__, torch.get_num_threads()
+    with contextlib.suppress(Exception):
+        meta["torchao"] = _quiet_import("torchao").__version__
+    with contextlib.suppress(Exception):
+        meta["jax"] = _quiet_import("jax").__version__
+    if "cuda" in devices:
+        meta["gpu"] = gpu_name
+    print("srround rounding benchmark | " + ", ".join(f"{k}={v}" for k, v in meta.items()))
+
+    t_start = time.perf_counter()
+    results = []
+    for device in devices:
+        results += run_device(device, sizes_for[device], cell_time, notes)
+        print_table(results, device)
+
+    load = os.getloadavg()[0]
+    meta["loadavg_1min_at_end"] = round(load, 2)
+    if max(load, meta["loadavg_1min_at_start"]) > 0.5 * (os.cpu_count() or 1):
+        notes.append(f"the machine was busy (1-min load average {meta['loadavg_1min_at_start']}"
+                     f" at start, {load:.2f} at end, {os.cpu_count()} CPUs): other processes"
+                     " share the cores and memory bandwidth, so CPU numbers are noisy")
+    latency = None if args.no_latency else first_call_latency(notes)
+    if latency:
+        print_latency(latency)
+    if notes:
+        print("\nnotes:")
+        for note in notes:
+            print("  - " + note)
+    print(f"\ntotal benchmark time {time.perf_counter() - t_start:.1f} s")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results, "latency": latency, "notes": notes},
+                      f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

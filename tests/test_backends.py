@@ -1,0 +1,92 @@
+"""CPU and CUDA give the same bits; so do one and two CPU threads. CUDA runs on a real GPU when
+there is one, else in Numba's simulator with a tiny launch configuration."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import srround
+
+from .reference import FORMAT_NAMES, bits
+
+
+def _inputs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(np.float32)
+    x[::17] = np.array([0x7FFFFFFF], np.uint32).view(np.float32)[0]
+    x[5::19] = np.float32(1e-41)  # fp32 subnormal
+    x[7::23] = np.float32(-np.inf)
+    return x
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("n,offset", [(203, 0), (203, 3), (64, 8), (5, 2**34 + 2)])
+def test_cpu_and_cuda_bit_identical(name, n, offset, small_cuda_launch):
+    from numba import cuda
+
+    if not cuda.is_available():
+        pytest.skip("no CUDA")
+    x = _inputs(n)
+    cpu = bits(srround.stochastic_round(x, dtype=name, seed=5, offset=offset))
+    gpu = srround.stochastic_round(cuda.to_device(x), dtype=name, seed=5, offset=offset)
+    assert np.array_equal(cpu, bits(gpu.copy_to_host()))
+
+    assert np.array_equal(
+        bits(srround.round_nearest(x, dtype=name)),
+        bits(srround.round_nearest(cuda.to_device(x), dtype=name).copy_to_host()),
+    )
+    narrow = srround.round_nearest(x, dtype=name)
+    assert np.array_equal(
+        bits(srround.to_float32(narrow)),
+        bits(srround.to_float32(cuda.to_device(narrow)).copy_to_host()),
+    )
+    u = (np.random.default_rng(1).standard_normal(n) * 1e-3).astype(np.float32)
+    w_cpu, w_gpu = narrow.copy(), cuda.to_device(narrow)
+    srround.stochastic_add(w_cpu, u, alpha=-0.3, seed=9, offset=offset)
+    srround.stochastic_add(w_gpu, cuda.to_device(u), alpha=-0.3, seed=9, offset=offset)
+    assert np.array_equal(bits(w_cpu), bits(w_gpu.copy_to_host()))
+
+
+@pytest.mark.cuda
+def test_cuda_unaligned_slice_uses_general_kernel_same_bits(small_cuda_launch):
+    from numba import cuda
+
+    if not cuda.is_available():
+        pytest.skip("no CUDA")
+    x = _inputs(64)
+    dx = cuda.to_device(x)
+    got = srround.stochastic_round(dx[1:], seed=3, offset=1)
+    assert np.array_equal(
+        bits(got.copy_to_host()), bits(srround.stochastic_round(x, seed=3))[1:]
+    )
+
+
+_HASH_SCRIPT = """
+import hashlib, numpy as np, srround
+x = np.random.default_rng(0).standard_normal(300_001).astype(np.float32)
+h = hashlib.sha256()
+for name in ("bfloat16", "float16"):
+    h.update(srround.stochastic_round(x, dtype=name, seed=77, offset=3).view(np.uint16).tobytes())
+    w = srround.round_nearest(x, dtype=name)
+    srround.stochastic_add(w, x * np.float32(1e-3), alpha=0.5, seed=78, offset=1)
+    h.update(w.view(np.uint16).tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_thread_count_does_not_change_bits():
+    digests = []
+    for threads in ("1", "2"):
+        env = dict(os.environ, NUMBA_NUM_THREADS=threads)
+        result = subprocess.run(
+            [sys.executable, "-c", _HASH_SCRIPT], env=env, capture_output=True, text=True,
+            check=True,
+        )
+        digests.append(result.stdout.strip())
+    assert digests[0] == digests[1]

@@ -1,0 +1,95 @@
+"""Bad input gets a clear error naming the argument, never a Numba traceback or a silent copy."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import srround
+
+
+def test_wrong_input_dtype():
+    with pytest.raises(TypeError, match=r"x: expected a float32 array, got int32"):
+        srround.stochastic_round(np.ones(4, np.int32), seed=0)
+
+
+def test_float64_rejected_with_double_rounding_note():
+    with pytest.raises(TypeError, match=r"x: expected a float32 array, got float64.*twice"):
+        srround.stochastic_round(np.ones(4), seed=0)
+
+
+def test_out_shape_mismatch():
+    out = np.empty(5, ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match=r"out: shape \(5,\) does not match"):
+        srround.stochastic_round(np.ones(4, np.float32), seed=0, out=out)
+
+
+def test_out_wrong_dtype():
+    with pytest.raises(TypeError, match=r"out: dtype float16 does not match dtype='bfloat16'"):
+        srround.stochastic_round(np.ones(4, np.float32), seed=0, out=np.empty(4, np.float16))
+
+
+def test_non_contiguous_input():
+    x = np.ones((4, 4), np.float32)[:, ::2]
+    with pytest.raises(ValueError, match=r"x: must be C-contiguous.*np.ascontiguousarray"):
+        srround.stochastic_round(x, seed=0)
+
+
+def test_read_only_out_and_inplace_target():
+    out = np.empty(4, ml_dtypes.bfloat16)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match=r"out: is read-only"):
+        srround.stochastic_round(np.ones(4, np.float32), seed=0, out=out)
+    w = np.zeros(4, ml_dtypes.bfloat16)
+    w.flags.writeable = False
+    with pytest.raises(ValueError, match=r"w: is read-only"):
+        srround.stochastic_add(w, np.ones(4, np.float32), seed=0)
+
+
+def test_read_only_input_is_fine():
+    x = np.ones(4, np.float32)
+    x.flags.writeable = False
+    assert srround.stochastic_round(x, seed=0).dtype == ml_dtypes.bfloat16
+
+
+def test_out_is_honoured():
+    out = np.empty((2, 2), np.float16)
+    result = srround.stochastic_round(np.ones((2, 2), np.float32), dtype="fp16", seed=0, out=out)
+    assert result is out and np.all(out == 1)
+
+
+def test_stochastic_add_shape_and_dtype():
+    w = np.zeros(4, ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match=r"u: shape \(3,\) does not match w's shape \(4,\)"):
+        srround.stochastic_add(w, np.ones(3, np.float32), seed=0)
+    with pytest.raises(TypeError, match=r"w: expected a narrow float array"):
+        srround.stochastic_add(np.zeros(4, np.float32), np.ones(4, np.float32), seed=0)
+    raw = np.zeros(4, np.uint16)  # bit patterns: fine once the format is named
+    srround.stochastic_add(raw, np.ones(4, np.float32), seed=0, dtype="bfloat16")
+    assert np.all(raw == 0x3F80)
+
+
+def test_unsupported_type_and_mixed_frameworks():
+    with pytest.raises(TypeError, match=r"x: unsupported array type builtins.list"):
+        srround.stochastic_round([1.0, 2.0], seed=0)
+    from numba import cuda
+
+    if not cuda.is_available():
+        pytest.skip("mixing needs a (simulated) CUDA array")
+    with pytest.raises(TypeError, match=r"out: is a numba array but x is a numpy array"):
+        srround.stochastic_round(
+            np.ones(4, np.float32), seed=0, out=cuda.device_array(4, np.float16), dtype="fp16"
+        )
+
+
+def test_bad_dtype_and_overflow_names():
+    with pytest.raises(ValueError, match=r"dtype: unsupported target format 'float8'.*'bfloat16'"):
+        srround.stochastic_round(np.ones(4, np.float32), dtype="float8", seed=0)
+    with pytest.raises(ValueError, match=r"overflow: expected one of \['inf', 'saturate'\]"):
+        srround.stochastic_round(np.ones(4, np.float32), seed=0, overflow="clip")
+
+
+def test_empty_and_scalar_inputs():
+    assert srround.stochastic_round(np.empty(0, np.float32), seed=0).shape == (0,)
+    assert srround.round_nearest(np.float32(1.5)).shape == ()

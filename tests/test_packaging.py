@@ -1,0 +1,100 @@
+"""Install-level contracts: what ``import srround`` pulls in, the NumPy 2.5 shim for
+numba-cuda, and real CUDA code generation (PTX) where the CUDA compilers are installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+
+def _run(code, **env):
+    """Run ``code`` in a fresh interpreter, outside the source tree (so only the installed
+    package is importable) and without the CUDA simulator."""
+    environment = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    environment.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+        env=environment, cwd=tempfile.gettempdir(),
+    )
+
+
+def test_import_srround_imports_no_framework_and_no_cuda():
+    result = _run(
+        """
+        import sys, numpy as np, srround
+        srround.stochastic_round(np.ones(8, np.float32), seed=0)
+        bad = [m for m in ("torch", "jax", "cupy", "tensorflow", "numba.cuda") if m in sys.modules]
+        print(bad)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_adapters_installed_under_srround_only():
+    result = _run("import srround.adapters, importlib.util; print(importlib.util.find_spec('adapters'))")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "None"
+
+
+_WITHOUT_ROW_STACK = """
+import numpy as np
+if hasattr(np, "row_stack"):
+    del np.row_stack            # what NumPy 2.5 looks like
+{import_line}
+import numba.cuda.np.arrayobj   # the module that registers np.row_stack's overload
+print("ok")
+"""
+
+
+def test_numpy_25_shim_makes_numba_cuda_importable():
+    fixed = _run(_WITHOUT_ROW_STACK.format(
+        import_line="from srround._numba_cuda_compat import import_numba_cuda; import_numba_cuda()"
+    ))
+    assert fixed.returncode == 0 and fixed.stdout.strip() == "ok", fixed.stderr
+    unfixed = _run(_WITHOUT_ROW_STACK.format(import_line="from numba import cuda"))
+    if unfixed.returncode == 0:
+        pytest.skip("this numba-cuda no longer needs np.row_stack: the shim can go")
+    assert "row_stack" in unfixed.stderr
+
+
+_PTX = """
+import re
+from numba import types as t
+from numba.cuda import compile_ptx
+from srround import _cuda
+u64, u32, u16, i64, f32, b = t.uint64[::1], t.uint32[::1], t.uint16[::1], t.int64, t.float32, t.boolean
+kernels = {
+    "_stochastic_round_vec4": (u64, u64, i64, i64, i64, i64, i64, b),
+    "_stochastic_add_vec4": (u64, u64, f32, i64, i64, i64, i64, i64, b),
+    "_stochastic_round_general": (u32, u16, i64, i64, i64, i64, i64, b),
+    "_stochastic_add_general": (u16, u32, f32, i64, i64, i64, i64, i64, b),
+    "_round_nearest": (u32, u16, i64, i64, b),
+    "_to_float32": (u16, u32, i64, i64),
+}
+for name, sig in kernels.items():
+    ptx, _ = compile_ptx(getattr(_cuda, name).py_func, sig, cc=(9, 0))
+    ops = sorted(set(re.findall(r"(ld\\.global\\S*|st\\.global\\S*|fma\\.\\S*|\\.local)", ptx)))
+    print(name, " ".join(ops))
+"""
+
+
+def test_cuda_kernels_compile_to_ptx_with_8_byte_accesses():
+    """Compiles every CUDA kernel for sm_90 (needs libnvvm and NVRTC, no GPU): the fast kernels
+    move 8 bytes per load and store, no kernel spills to local memory, and the fused add is one
+    ``fma.rn.f32`` (the same single rounding as the CPU's llvm.fma)."""
+    result = _run(_PTX)
+    if result.returncode != 0:
+        if "nvvm" in result.stderr.lower() or "nvrtc" in result.stderr.lower():
+            pytest.skip("CUDA compilers (libnvvm, NVRTC) not installed")
+        pytest.fail(result.stderr)
+    lines = dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
+    assert lines["_stochastic_round_vec4"] == "ld.global.u64 st.global.u64"
+    assert lines["_stochastic_add_vec4"] == "fma.rn.f32 ld.global.u64 st.global.u64"
+    assert "fma.rn.f32" in lines["_stochastic_add_general"]
+    assert not any(".local" in ops for ops in lines.values())
