@@ -76,6 +76,7 @@ import numpy as np
 
 BYTES_PER_ELEMENT = 6  # 4 B fp32 read + 2 B written
 SEED = 1234
+BUSY_MARK = 0.3  # CPUs used by other processes during a cell above which it is flagged
 
 
 class Unavailable(Exception):
@@ -108,9 +109,31 @@ def measure(fn, sync=None, *, cell_time: float, batch_time: float = 0.0, min_sam
     est = min(run(1), run(1))  # also faults in any page the first call did not touch
     per_sample = max(1, math.ceil(batch_time / est)) if batch_time > 0 else 1
     samples = int(min(max_samples, max(min_samples, math.ceil(cell_time / (est * per_sample)))))
+    before = _cpu_counters()
     times = [run(per_sample) for _ in range(samples)]
     return {"median_s": statistics.median(times), "min_s": min(times),
-            "samples": samples, "calls_per_sample": per_sample}
+            "samples": samples, "calls_per_sample": per_sample,
+            "others_busy_cpus": _others_busy(before, _cpu_counters())}
+
+
+def _cpu_counters():
+    """(wall s, machine busy s over all CPUs, this process's CPU s), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(t) for t in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    own = os.times()
+    return time.perf_counter(), busy, own.user + own.system
+
+
+def _others_busy(before, after) -> float | None:
+    """CPUs used by other processes between two ``_cpu_counters`` (clock-tick resolution)."""
+    if before is None or after is None or after[0] - before[0] <= 0:
+        return None
+    wall = after[0] - before[0]
+    return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,14 +311,15 @@ def cpu_rows():
 # --------------------------------------------------------------------------------------------
 
 
-def cuda_rows():
-    """As ``cpu_rows``, but ``setup(dx)`` gets a Numba device array float32[n] (a prefix of
-    one uploaded buffer). Results go to preallocated device arrays; nothing crosses PCIe."""
-    import srround
+cuda = None  # numba.cuda, set by _cuda_reference_kernels (module-level for the CUDA simulator)
+
+
+def _cuda_reference_kernels():
+    """The GPU floor kernels: a word copy and ``out[i] = x[i] >> 16``, one element per thread."""
+    global cuda
     from srround._numba_cuda_compat import import_numba_cuda
 
     cuda = import_numba_cuda()
-    threads = 256
 
     @cuda.jit
     def copy_words(src, dst):
@@ -308,6 +332,17 @@ def cuda_rows():
         i = cuda.grid(1)
         if i < x.size:
             out[i] = np.uint16(x[i] >> np.uint32(16))
+
+    return copy_words, trunc16
+
+
+def cuda_rows():
+    """As ``cpu_rows``, but ``setup(dx)`` gets a Numba device array float32[n] (a prefix of
+    one uploaded buffer). Results go to preallocated device arrays; nothing crosses PCIe."""
+    import srround
+
+    copy_words, trunc16 = _cuda_reference_kernels()
+    threads = 256
 
     def numba_sync(_):
         cuda.synchronize()
@@ -486,13 +521,21 @@ def print_table(results: list[dict], device: str) -> None:
     print(f"\n== {device.upper()}: GB/s (6 B/element) and % of the same-size floor ==")
     print(head)
     print("-" * len(head))
+    marked = False
     for method, op in keys:
         line = f"{method:<{w_m}}  {op:<{w_o}}"
         for n in sizes:
             r = cell.get((method, op, n))
-            line += f"  {r['gbps']:8.2f} {100 * r['frac_of_floor']:5.0f}% " if r else \
-                f"  {'-':>17}"
+            if r is None:
+                line += f"  {'-':>17}"
+                continue
+            busy = device == "cpu" and (r.get("others_busy_cpus") or 0) > BUSY_MARK
+            marked = marked or busy
+            line += f"  {r['gbps']:8.2f} {100 * r['frac_of_floor']:5.0f}%{'*' if busy else ' '}"
         print(line)
+    if marked:
+        print(f"* other processes used more than {BUSY_MARK} CPU while this cell was timed "
+              "(others_busy_cpus in the JSON): treat it as noisy")
     print("ms per call at the largest size: " + ", ".join(
         f"{m} {o}: {cell[(m, o, sizes[-1])]['median_s'] * 1e3:.2f}"
         for m, o in keys if (m, o, sizes[-1]) in cell))
@@ -541,6 +584,15 @@ def print_latency(lat: dict) -> None:
         r = lat[case]
         print(f"{desc:<34}{r['import_s'] * 1e3:13.0f} ms{r['first_call_s'] * 1e3:11.0f} ms"
               f"{r['second_call_s'] * 1e3:11.2f} ms{r['process_wall_s']:13.2f} s")
+
+
+def busy_cpus(interval: float = 0.5) -> float | None:
+    """CPUs kept busy by *other* processes while this one sleeps, e.g. 1.0 = one core fully
+    used by someone else; None off Linux."""
+    before = _cpu_counters()
+    time.sleep(interval)
+    busy = _others_busy(before, _cpu_counters())
+    return None if busy is None else round(busy, 2)
 
 
 def parse_size(token: str) -> int:
@@ -597,7 +649,7 @@ def main(argv=None) -> int:
         "numba_threads": numba.get_num_threads(), "numpy": np.__version__,
         "srround": srround.__version__, "cell_time_s": cell_time, "quick": args.quick,
         "bytes_per_element": BYTES_PER_ELEMENT,
-        "loadavg_1min_at_start": round(os.getloadavg()[0], 2),
+        "others_busy_cpus_at_start": busy_cpus(),
     }
     with contextlib.suppress(Exception):
         torch = torch_module()
@@ -616,12 +668,11 @@ def main(argv=None) -> int:
         results += run_device(device, sizes_for[device], cell_time, notes)
         print_table(results, device)
 
-    load = os.getloadavg()[0]
-    meta["loadavg_1min_at_end"] = round(load, 2)
-    if max(load, meta["loadavg_1min_at_start"]) > 0.5 * (os.cpu_count() or 1):
-        notes.append(f"the machine was busy (1-min load average {meta['loadavg_1min_at_start']}"
-                     f" at start, {load:.2f} at end, {os.cpu_count()} CPUs): other processes"
-                     " share the cores and memory bandwidth, so CPU numbers are noisy")
+    meta["others_busy_cpus_at_end"] = busy = busy_cpus()
+    if busy is not None and max(busy, meta["others_busy_cpus_at_start"]) > 0.25:
+        notes.append(f"other processes kept {meta['others_busy_cpus_at_start']} CPUs busy before"
+                     f" the run and {busy} after it (of {os.cpu_count()}): they share the cores"
+                     " and memory bandwidth, so CPU numbers are noisy - rerun on a quiet machine")
     latency = None if args.no_latency else first_call_latency(notes)
     if latency:
         print_latency(latency)

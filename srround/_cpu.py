@@ -14,9 +14,11 @@ change a bit.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-from ._rng import random_block
+from ._rng import _KS_PARITY, MASK32
 from ._scalar import add_stochastic, decode, encode_nearest, encode_stochastic
 
 _CHUNK_BLOCKS = 1024  # counter blocks per random-bit buffer fill: 4096 elements, 8 KiB
@@ -36,14 +38,59 @@ def _block_range(n, offset):
     return first, ((offset + n - 1) >> 2) - first + 1
 
 
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # of even and odd groups of four rounds
+
+
+@intrinsic
+def _threefry2x32_i32(typingctx, k0, k1, c0, c1):
+    """``_rng.threefry2x32`` emitted as LLVM ``i32`` arithmetic (low 32 bits of each argument).
+
+    The same function as ``_rng.threefry2x32`` (the algorithm in that module's docstring, round
+    for round), but Numba computes on 64-bit integers and LLVM cannot narrow them back, so the
+    generic version vectorizes 4 blocks per AVX2 register with masking; this one vectorizes 8.
+    Returns ``(x0, x1)`` as uint32.
+    """
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        k0, k1, c0, c1 = (builder.trunc(a, i32) for a in args)
+        ks = (k0, k1, builder.xor(builder.xor(k0, k1), i32(_KS_PARITY)))
+        x0, x1 = builder.add(c0, ks[0]), builder.add(c1, ks[1])
+        for g in range(5):
+            for r in _ROTATIONS[g % 2]:
+                x0 = builder.add(x0, x1)
+                x1 = builder.xor(builder.or_(builder.shl(x1, i32(r)), builder.lshr(x1, i32(32 - r))), x0)
+            x0 = builder.add(x0, ks[(g + 1) % 3])
+            x1 = builder.add(builder.add(x1, ks[(g + 2) % 3]), i32(g + 1))
+        return context.make_tuple(builder, signature.return_type, (x0, x1))
+
+    return types.UniTuple(types.uint32, 2)(k0, k1, c0, c1), codegen
+
+
 @njit(inline="always", cache=True)
-def _fill_bits(buf, k0, k1, block0, nblocks):
-    """``buf[k]`` = the 64 random bits of counter block ``block0 + k`` (``x0`` in the low half)
-    for ``k < nblocks``. Viewed as ``uint16`` (little-endian), halfword ``4 * k + lane`` is
-    ``lane_bits16(x0, x1, lane)``: the bits of counter ``4 * (block0 + k) + lane``."""
-    for k in range(nblocks):
-        x0, x1 = random_block(k0, k1, block0 + k)
-        buf[k] = x0 | (x1 << 32)
+def _fill_run(words, k0, k1, low, high):
+    """Blocks ``(low + j, high)`` for ``j < words.size // 2`` into ``words[2j], words[2j+1]``
+    (``low + j`` must stay below 2**32); branch-free, vectorized 8 blocks wide."""
+    for j in range(words.size >> 1):
+        x0, x1 = _threefry2x32_i32(k0, k1, low + j, high)
+        words[2 * j] = x0
+        words[2 * j + 1] = x1
+
+
+@njit(inline="always", cache=True)
+def _fill_bits(words, k0, k1, block0, nblocks):
+    """``words[2k], words[2k+1]`` = ``(x0, x1)`` of counter block ``block0 + k``, ``k < nblocks``.
+
+    Viewed as ``uint16`` (little-endian), halfword ``4 * k + lane`` is ``lane_bits16(x0, x1,
+    lane)``: the 16 bits of counter ``4 * (block0 + k) + lane``.
+    """
+    k = 0
+    while k < nblocks:  # one run unless the block's high word changes inside the chunk
+        block = block0 + k
+        low = block & MASK32
+        stop = min(nblocks, k + (1 << 32) - low)
+        _fill_run(words[2 * k:2 * stop], k0, k1, low, block >> 32)
+        k = stop
 
 
 @njit(inline="always", cache=True)
@@ -101,11 +148,11 @@ def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, satur
     first, nblocks = _block_range(n, offset)
     task = _CHUNK_BLOCKS * _TASK_CHUNKS
     for t in prange((nblocks + task - 1) // task):
-        buf = np.empty(_CHUNK_BLOCKS, np.uint64)
-        bits = buf.view(np.uint16)
+        words = np.empty(2 * _CHUNK_BLOCKS, np.uint32)
+        bits = words.view(np.uint16)
         for c in range(t * task, min(t * task + task, nblocks), _CHUNK_BLOCKS):
             block0, m, lo, hi = _chunk_span(n, offset, first, c, nblocks)
-            _fill_bits(buf, k0, k1, block0, m)
+            _fill_bits(words, k0, k1, block0, m)
             b = offset + lo - 4 * block0
             _round_span(
                 x[lo:hi], out[lo:hi], bits[b:b + hi - lo], mantissa_bits, exponent_bits, saturate
@@ -134,11 +181,11 @@ def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, sa
     first, nblocks = _block_range(n, offset)
     task = _CHUNK_BLOCKS * _TASK_CHUNKS
     for t in prange((nblocks + task - 1) // task):
-        buf = np.empty(_CHUNK_BLOCKS, np.uint64)
-        bits = buf.view(np.uint16)
+        words = np.empty(2 * _CHUNK_BLOCKS, np.uint32)
+        bits = words.view(np.uint16)
         for c in range(t * task, min(t * task + task, nblocks), _CHUNK_BLOCKS):
             block0, m, lo, hi = _chunk_span(n, offset, first, c, nblocks)
-            _fill_bits(buf, k0, k1, block0, m)
+            _fill_bits(words, k0, k1, block0, m)
             b = offset + lo - 4 * block0
             _add_span(
                 w[lo:hi], u[lo:hi], alpha, bits[b:b + hi - lo], mantissa_bits, exponent_bits,

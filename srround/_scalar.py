@@ -95,12 +95,14 @@ def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate):
     where frac is the dropped fraction of a quantum; see the module docstring.
     """
     special = _special(u, mantissa_bits, exponent_bits)
-    if special >= 0:
-        return special
+    # Both paths are computed and one is selected (no early return): the body is branch-free,
+    # so the CPU compiler can vectorize a loop over it (NaN/inf inputs harmlessly compute a
+    # discarded finite result).
     base, q, r, s = _quantize(u, mantissa_bits, exponent_bits)
     threshold = (r << 16) >> s
     up = 1 if bits16 < threshold else 0
-    return _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate)
+    rounded = _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate)
+    return special if special >= 0 else rounded
 
 
 @njit(inline="always", cache=True)
