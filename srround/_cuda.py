@@ -1,6 +1,6 @@
 """CUDA backend: the scalar bodies of ``_scalar.py`` in grid-stride ``numba.cuda`` kernels.
 
-Imported only when a device array is seen (``_backends.py``), so ``import srround`` never
+Imported only when a device array is seen (``_api._launch``), so ``import srround`` never
 initialises CUDA. Buffers are Numba device arrays of bit patterns (fp32 as ``uint32``, narrow
 formats as ``uint16``). Each thread handles whole counter blocks of four elements (one Threefry
 call, ``_rng.py``). When a call is block-aligned (``offset % 4 == 0``, 8-byte aligned pointers)
@@ -16,7 +16,15 @@ from __future__ import annotations
 from . import _config
 from ._numba_cuda_compat import import_numba_cuda
 from ._rng import lane_bits16, random_block
-from ._scalar import add_stochastic, decode, encode_nearest, encode_stochastic, pack4, unpack
+from ._scalar import (
+    add_stochastic,
+    decode,
+    encode_nearest,
+    encode_stochastic,
+    pack2,
+    pack4,
+    unpack,
+)
 
 cuda = import_numba_cuda()
 
@@ -88,17 +96,49 @@ def _stochastic_add_vec4(w4, u2, alpha, k0, k1, first, mantissa_bits, exponent_b
 
 
 @cuda.jit(cache=True)
-def _round_nearest(x, out, mantissa_bits, exponent_bits, saturate):
+def _round_nearest_general(x, out, mantissa_bits, exponent_bits, saturate):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, x.size, stride):
         out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate)
 
 
 @cuda.jit(cache=True)
-def _to_float32(h, out, mantissa_bits, exponent_bits):
+def _round_nearest_vec4(x2, out4, mantissa_bits, exponent_bits, saturate):
+    """x2: uint64[n/2] (fp32 pairs), out4: uint64[n/4] (four narrow words)."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for b in range(start, out4.size, stride):
+        lo = x2[2 * b]
+        hi = x2[2 * b + 1]
+        m, e, sat = mantissa_bits, exponent_bits, saturate
+        out4[b] = pack4(
+            encode_nearest(unpack(lo, 0, 32), m, e, sat),
+            encode_nearest(unpack(lo, 1, 32), m, e, sat),
+            encode_nearest(unpack(hi, 0, 32), m, e, sat),
+            encode_nearest(unpack(hi, 1, 32), m, e, sat),
+        )
+
+
+@cuda.jit(cache=True)
+def _to_float32_general(h, out, mantissa_bits, exponent_bits):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, h.size, stride):
         out[i] = decode(h[i], mantissa_bits, exponent_bits)
+
+
+@cuda.jit(cache=True)
+def _to_float32_vec4(h4, out2, mantissa_bits, exponent_bits):
+    """h4: uint64[n/4] (four narrow words), out2: uint64[n/2] (fp32 pairs)."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for b in range(start, h4.size, stride):
+        word = h4[b]
+        out2[2 * b] = pack2(
+            decode(unpack(word, 0, 16), mantissa_bits, exponent_bits),
+            decode(unpack(word, 1, 16), mantissa_bits, exponent_bits),
+        )
+        out2[2 * b + 1] = pack2(
+            decode(unpack(word, 2, 16), mantissa_bits, exponent_bits),
+            decode(unpack(word, 3, 16), mantissa_bits, exponent_bits),
+        )
 
 
 def _grid(work_items: int) -> tuple[int, int]:
@@ -158,10 +198,31 @@ def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, sa
 
 
 def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, stream):
-    grid = _grid(x.size)
-    _round_nearest[grid[0], grid[1], stream](x, out, mantissa_bits, exponent_bits, saturate)
+    n = x.size
+    head = _split_aligned(n, 0) if _aligned(x, out) else 0
+    if head:
+        grid = _grid(head // 4)
+        _round_nearest_vec4[grid[0], grid[1], stream](
+            x[:head].view("uint64"), out[:head].view("uint64"), mantissa_bits, exponent_bits,
+            saturate,
+        )
+    if head < n:
+        grid = _grid(n - head)
+        _round_nearest_general[grid[0], grid[1], stream](
+            x[head:], out[head:], mantissa_bits, exponent_bits, saturate
+        )
 
 
 def to_float32(h, out, mantissa_bits, exponent_bits, stream):
-    grid = _grid(h.size)
-    _to_float32[grid[0], grid[1], stream](h, out, mantissa_bits, exponent_bits)
+    n = h.size
+    head = _split_aligned(n, 0) if _aligned(h, out) else 0
+    if head:
+        grid = _grid(head // 4)
+        _to_float32_vec4[grid[0], grid[1], stream](
+            h[:head].view("uint64"), out[:head].view("uint64"), mantissa_bits, exponent_bits
+        )
+    if head < n:
+        grid = _grid(n - head)
+        _to_float32_general[grid[0], grid[1], stream](
+            h[head:], out[head:], mantissa_bits, exponent_bits
+        )

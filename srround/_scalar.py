@@ -182,9 +182,16 @@ def f32_to_bits(typingctx, f):
 def add_stochastic(w, update, alpha, bits16, mantissa_bits, exponent_bits, saturate):
     """``SR(w + alpha * update)`` for narrow pattern ``w``, fp32 pattern ``update`` and float32
     ``alpha``: the sum is formed in fp32 with one rounding (fma), then stochastically rounded."""
+    total = add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits)
+    return encode_stochastic(total, bits16, mantissa_bits, exponent_bits, saturate)
+
+
+@njit(inline="always", cache=True)
+def add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits):
+    """The fp32 pattern of ``w + alpha * update`` (one rounding, fma) that ``add_stochastic``
+    rounds; exposed so a backend may run the two steps as separate loops."""
     weight = bits_to_f32(decode(w, mantissa_bits, exponent_bits))
-    total = fma32(alpha, bits_to_f32(update), weight)
-    return encode_stochastic(f32_to_bits(total), bits16, mantissa_bits, exponent_bits, saturate)
+    return f32_to_bits(fma32(alpha, bits_to_f32(update), weight))
 
 
 @njit(inline="always", cache=True)
@@ -197,3 +204,9 @@ def unpack(word, index, width):
 def pack4(a, b, c, d):
     """Four 16-bit patterns as one uint64 word, ``a`` in the low bits (little-endian order)."""
     return np.uint64(a | (b << 16) | (c << 32) | (d << 48))
+
+
+@njit(inline="always", cache=True)
+def pack2(a, b):
+    """Two 32-bit patterns as one uint64 word, ``a`` in the low bits."""
+    return np.uint64(a | (b << 32))

@@ -74,8 +74,10 @@ kernels = {
     "_stochastic_add_vec4": (u64, u64, f32, i64, i64, i64, i64, i64, b),
     "_stochastic_round_general": (u32, u16, i64, i64, i64, i64, i64, b),
     "_stochastic_add_general": (u16, u32, f32, i64, i64, i64, i64, i64, b),
-    "_round_nearest": (u32, u16, i64, i64, b),
-    "_to_float32": (u16, u32, i64, i64),
+    "_round_nearest_vec4": (u64, u64, i64, i64, b),
+    "_round_nearest_general": (u32, u16, i64, i64, b),
+    "_to_float32_vec4": (u64, u64, i64, i64),
+    "_to_float32_general": (u16, u32, i64, i64),
 }
 for name, sig in kernels.items():
     ptx, _ = compile_ptx(getattr(_cuda, name).py_func, sig, cc=(9, 0))
@@ -96,5 +98,7 @@ def test_cuda_kernels_compile_to_ptx_with_8_byte_accesses():
     lines = dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
     assert lines["_stochastic_round_vec4"] == "ld.global.u64 st.global.u64"
     assert lines["_stochastic_add_vec4"] == "fma.rn.f32 ld.global.u64 st.global.u64"
+    assert lines["_round_nearest_vec4"] == "ld.global.u64 st.global.u64"
+    assert lines["_to_float32_vec4"] == "ld.global.u64 st.global.u64"
     assert "fma.rn.f32" in lines["_stochastic_add_general"]
     assert not any(".local" in ops for ops in lines.values())
