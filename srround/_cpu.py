@@ -13,13 +13,18 @@ change a bit.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ._rng import _KS_PARITY, MASK32
-from ._scalar import add_stochastic, decode, encode_nearest, encode_stochastic
+from ._scalar import add_exact_f32, decode, encode_nearest, encode_stochastic
+
+if sys.byteorder != "little":  # the uint16 view of the random words below assumes it
+    raise ImportError("srround's CPU backend needs a little-endian CPU")
 
 _CHUNK_BLOCKS = 1024  # counter blocks per random-bit buffer fill: 4096 elements, 8 KiB
 _TASK_CHUNKS = 16  # chunks per prange iteration (one buffer allocation each)
@@ -124,21 +129,24 @@ def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate):
 
 
 @njit(inline="always", cache=True)
-def _add_loop(w, u, alpha, bits, mantissa_bits, exponent_bits, saturate):
-    """w[i] = add_stochastic(w[i], u[i], alpha, bits[i]) over equal-length slices."""
+def _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits):
+    """total[i] = add_exact_f32(w[i], u[i], alpha): the fp32 sums ``add_stochastic`` rounds."""
     for i in range(w.size):
-        w[i] = add_stochastic(w[i], u[i], alpha, bits[i], mantissa_bits, exponent_bits, saturate)
+        total[i] = add_exact_f32(w[i], u[i], alpha, mantissa_bits, exponent_bits)
 
 
 @njit(inline="always", cache=True)
-def _add_span(w, u, alpha, bits, mantissa_bits, exponent_bits, saturate):
-    """``_add_loop`` with bf16 and fp16 as literal formats (same results, folded constants)."""
+def _add_span(w, u, alpha, total, bits, mantissa_bits, exponent_bits, saturate):
+    """w[i] = add_stochastic(w[i], u[i], alpha, bits[i]) over equal-length slices, as its two
+    steps in two loops (each vectorizes better alone): fp32 sums into ``total``, then
+    ``_round_span``. Literal bf16/fp16 formats as in ``_round_span``."""
     if mantissa_bits == _BF16[0] and exponent_bits == _BF16[1]:
-        _add_loop(w, u, alpha, bits, _BF16[0], _BF16[1], saturate)
+        _sum_loop(w, u, alpha, total, _BF16[0], _BF16[1])
     elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
-        _add_loop(w, u, alpha, bits, _FP16[0], _FP16[1], saturate)
+        _sum_loop(w, u, alpha, total, _FP16[0], _FP16[1])
     else:
-        _add_loop(w, u, alpha, bits, mantissa_bits, exponent_bits, saturate)
+        _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits)
+    _round_span(total, w, bits, mantissa_bits, exponent_bits, saturate)
 
 
 @njit(parallel=True, cache=True)
@@ -183,11 +191,12 @@ def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, sa
     for t in prange((nblocks + task - 1) // task):
         words = np.empty(2 * _CHUNK_BLOCKS, np.uint32)
         bits = words.view(np.uint16)
+        total = np.empty(4 * _CHUNK_BLOCKS, np.uint32)
         for c in range(t * task, min(t * task + task, nblocks), _CHUNK_BLOCKS):
             block0, m, lo, hi = _chunk_span(n, offset, first, c, nblocks)
             _fill_bits(words, k0, k1, block0, m)
             b = offset + lo - 4 * block0
             _add_span(
-                w[lo:hi], u[lo:hi], alpha, bits[b:b + hi - lo], mantissa_bits, exponent_bits,
-                saturate,
+                w[lo:hi], u[lo:hi], alpha, total[:hi - lo], bits[b:b + hi - lo], mantissa_bits,
+                exponent_bits, saturate,
             )

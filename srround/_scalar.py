@@ -109,12 +109,12 @@ def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate):
 def encode_nearest(u, mantissa_bits, exponent_bits, saturate):
     """Round fp32 pattern ``u`` to the nearest narrow value, ties to even (IEEE default)."""
     special = _special(u, mantissa_bits, exponent_bits)
-    if special >= 0:
-        return special
+    # branch-free like encode_stochastic, so loops over it vectorize
     base, q, r, s = _quantize(u, mantissa_bits, exponent_bits)
     half = 1 << (s - 1)
     up = 1 if (r > half or (r == half and (q & 1) == 1)) else 0
-    return _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate)
+    rounded = _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate)
+    return special if special >= 0 else rounded
 
 
 @njit(inline="always", cache=True)
