@@ -1,6 +1,7 @@
 """srround: stochastic rounding, fused low-precision optimizer updates and loss scaling, as
 Numba kernels for CPU and CUDA, usable from NumPy, CuPy, PyTorch and JAX."""
 
+from srround import audit
 from srround._api import round_nearest
 from srround._api import stochastic_add
 from srround._api import stochastic_round
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMATS",
     "Format",
+    "audit",
     "manual_seed",
     "round_nearest",
     "stochastic_add",

@@ -8,6 +8,11 @@ at a small learning rate, its weights stored four ways:
                           a bf16 ulp are lost, so training stalls;
 * ``bf16 stochastic``   - bf16 weights updated with ``srround.stochastic_add``: the expected
                           weight follows the fp32 trajectory at bf16 memory cost;
+* ``bf16 kahan``        - bf16 weights plus a bf16 compensation buffer that carries what
+                          rounding dropped into the next step (optimi's Kahan summation);
+* ``bf16 + remainder``  - bf16 weights plus the 16 low bits of the fp32 value (int16): together
+                          exactly the fp32 weight, 2 extra bytes per weight; the forward pass
+                          uses the bf16 half;
 * ``bf16 + fp32 master``- fp32 master weights, a bf16 copy for the forward pass (apex/AMP).
 
 It prints final losses and how far each method got relative to fp32,
@@ -24,7 +29,14 @@ import numpy as np
 
 import srround
 
-METHODS = ("fp32", "bf16 nearest", "bf16 stochastic", "bf16 + fp32 master")
+METHODS = (
+    "fp32",
+    "bf16 nearest",
+    "bf16 stochastic",
+    "bf16 kahan",
+    "bf16 + remainder",
+    "bf16 + fp32 master",
+)
 
 
 @dataclasses.dataclass
@@ -61,8 +73,11 @@ def run_demo(
         "fp32": start.copy(),
         "bf16 nearest": start.astype(bf16),
         "bf16 stochastic": start.astype(bf16),
+        "bf16 kahan": start.astype(bf16),
+        "bf16 + remainder": start.copy(),  # stored as its two 16-bit halves, see forward_weights
         "bf16 + fp32 master": start.copy(),  # master; the forward pass uses its bf16 copy
     }
+    kahan_compensation = np.zeros(features, bf16)
     adam = {m: (np.zeros(features, np.float32), np.zeros(features, np.float32)) for m in METHODS}
     losses = {m: [] for m in METHODS}
     beta1, beta2, eps = 0.9, 0.999, 1e-8
@@ -72,6 +87,8 @@ def run_demo(
         w = weights[method]
         if method == "bf16 + fp32 master":
             return w.astype(bf16).astype(np.float32)
+        if method == "bf16 + remainder":  # the high (bf16) half of the pattern
+            return (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
         return w.astype(np.float32)
 
     def full_loss(method):
@@ -99,7 +116,15 @@ def run_demo(
                 weights[method] = srround.round_nearest(weights[method].astype(np.float32) + update)
             elif method == "bf16 stochastic":
                 srround.stochastic_add(weights[method], update, seed=seed, offset=step * features)
-            else:
+            elif method == "bf16 kahan":
+                exact = weights[method].astype(np.float32) + (
+                    kahan_compensation.astype(np.float32) + update
+                )
+                weights[method] = srround.round_nearest(exact)
+                kahan_compensation = srround.round_nearest(
+                    exact - weights[method].astype(np.float32)
+                )
+            else:  # fp32 arithmetic on the full value (remainder: the two halves together)
                 weights[method] += update
         if progress is not None:
             progress(step)
