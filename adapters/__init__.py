@@ -21,6 +21,7 @@ _ADAPTERS = {
     "ml_dtypes": "numpy",
     "numba": "numba",
     "numba_cuda": "numba",
+    "torch": "torch",
 }
 
 
@@ -37,7 +38,7 @@ def adapter_for(**arrays):
         root = type(array).__module__.split(".", 1)[0]
         key = _ADAPTERS.get(root)
         if key is None:
-            supported = "NumPy arrays and Numba CUDA device arrays"
+            supported = "NumPy arrays, Numba CUDA device arrays and torch tensors"
             raise TypeError(
                 f"{name}: unsupported array type {type(array).__module__}.{type(array).__name__};"
                 f" expected one of: {supported}"

@@ -87,8 +87,9 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
 
 def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
     """Round float32 ``x`` to the nearest bf16/fp16 value, ties to even: bit for bit the cast
-    of ml_dtypes, NumPy and torch, except that every NaN becomes the format's canonical quiet
-    NaN with its sign (ml_dtypes' and torch's rule; NumPy's fp16 cast keeps payload bits).
+    of ml_dtypes, NumPy and torch on every non-NaN input. Every NaN becomes the format's
+    canonical quiet NaN with its sign (ml_dtypes' bf16 rule); NumPy's fp16 cast keeps payload
+    bits, torch's CPU casts keep the top ones (fp16) or write 0xFFFF (vectorised bf16).
 
     Args and returns as ``stochastic_round`` (no randomness)."""
     fmt = get_format(dtype)

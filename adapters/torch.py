@@ -1,0 +1,208 @@
+"""PyTorch adapter: CPU and CUDA tensors, zero-copy, results as native torch dtypes.
+
+Tensors are viewed as raw bit patterns before any kernel sees them: fp32 as ``int32`` and
+bf16/fp16 as ``int16`` (then as NumPy ``uint32``/``uint16`` on the CPU via ``.numpy()``, or as a
+Numba device array through ``__cuda_array_interface__`` on CUDA). A bf16 tensor is never handed
+to Numba itself: numba-cuda would take it as ``__nv_bfloat16`` and convert stored values
+instead of copying bits. Results are ``torch.bfloat16`` / ``torch.float16`` / ``torch.float32``
+tensors on the input's device; ``out=`` and in-place targets are written in their own storage
+and returned as the same tensor objects. Raw bit patterns are ``torch.uint16`` tensors with
+``dtype=`` given, as with the NumPy adapter.
+
+CUDA work is launched on the caller's current torch stream of the tensor's device
+(``numba.cuda.external_stream``), so it is ordered with the surrounding torch work without any
+synchronisation. The tensor's device must be the current CUDA device
+(``torch.cuda.current_device()``; wrap calls in ``with torch.cuda.device(t.device):``
+otherwise), because Numba launches in the current CUDA context.
+
+Autograd: srround never records anything in the autograd graph. Out-of-place calls return new
+tensors that do not require grad (as if run under ``torch.no_grad()``), also for inputs that
+require grad. In-place calls (``stochastic_add``'s ``w``, ``out=``) on tensors that require
+grad - e.g. an ``nn.Parameter`` - behave like an in-place update under ``torch.no_grad()``: the
+data changes, no graph is recorded, and the tensor's version counter is bumped, so autograd
+still reports a tensor that a pending backward saved and that was modified since.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from srround._formats import FORMATS, Format
+
+from ._view import View, check_shape
+
+_FIX = ".contiguous()"
+
+# srround format name -> torch dtype
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_FORMAT_OF = {_TORCH_DTYPES[name]: FORMATS[name] for name in _TORCH_DTYPES}
+_RAW = torch.uint16  # raw bit patterns (torch >= 2.3; the extra needs >= 2.4)
+
+
+def _unsigned_numpy_works() -> bool:
+    try:  # torch's unsigned dtypes are "limited support"; their .numpy() came after their debut
+        return torch.empty(1, dtype=torch.uint32).numpy().dtype == np.uint32
+    except (TypeError, RuntimeError):
+        return False
+
+
+# CPU bit views: unsigned torch views convert straight to NumPy (one step fewer), else signed
+# views re-viewed in NumPy
+_UNSIGNED_NUMPY = _unsigned_numpy_works()
+
+# (device index, stream handle) -> numba external stream
+_STREAMS: dict = {}
+_MAX_STREAMS = 64
+
+
+def _as_tensor(x, name: str):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(
+            f"{name}: {x.layout} tensors are not supported; pass a dense tensor (.to_dense())"
+        )
+    return x
+
+
+def _narrow_format(dtype, name: str, fmt: Format | None) -> Format:
+    candidate = _FORMAT_OF.get(dtype)
+    if candidate is not None:
+        if fmt is not None and fmt is not candidate:
+            raise TypeError(f"{name}: dtype {dtype} does not match dtype={fmt.name!r}")
+        return candidate
+    if dtype == _RAW and fmt is not None:
+        return fmt
+    expected = ", ".join(str(d) for d in _TORCH_DTYPES.values())
+    hint = " (or torch.uint16 bit patterns with dtype= given)"
+    raise TypeError(f"{name}: expected a narrow float tensor ({expected}{hint}), got {dtype}")
+
+
+def _check_float32(dtype, name: str) -> None:
+    if dtype != torch.float32:
+        extra = ""
+        if dtype == torch.float64:
+            extra = (
+                "; float64 is rejected rather than rounded through float32, which would round"
+                " twice - cast with .float() if that is what you want"
+            )
+        raise TypeError(f"{name}: expected a torch.float32 tensor, got {dtype}{extra}")
+
+
+def _check_contiguous(t, name: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{name}: must be contiguous (srround works in place on the caller's memory and"
+            f" never copies silently); pass {name}{_FIX} to copy it explicitly"
+        )
+
+
+def _external_stream(device):
+    """The Numba stream object for torch's current stream on ``device``, cached by handle."""
+    handle = torch.cuda.current_stream(device).cuda_stream
+    key = (device.index, handle)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        from srround._numba_cuda_compat import import_numba_cuda
+
+        cuda = import_numba_cuda()
+        if len(_STREAMS) >= _MAX_STREAMS:  # many short-lived streams: drop the stale handles
+            _STREAMS.clear()
+        stream = _STREAMS[key] = cuda.external_stream(handle)
+    return stream
+
+
+def _cuda_view(t, flat, bits_dtype, name: str) -> View:
+    device = t.device
+    current = torch.cuda.current_device()
+    if device.index != current:
+        raise ValueError(
+            f"{name}: is on {device} but the current CUDA device is cuda:{current}; call inside"
+            f" `with torch.cuda.device({name}.device):` (Numba launches on the current device)"
+        )
+    if flat.numel() == 0:
+        # nothing to launch (the API returns before any kernel on empty views); avoid asking the
+        # driver about a null pointer
+        bits = np.empty(0, bits_dtype)
+    else:
+        from srround._numba_cuda_compat import import_numba_cuda
+
+        cuda = import_numba_cuda()
+        # int16/int32 view: bits, not values, reach Numba; torch's interface carries no stream
+        bits = cuda.as_cuda_array(flat, sync=False).view(bits_dtype)
+    return View(
+        bits=bits,
+        device="cuda",
+        shape=tuple(t.shape),
+        result=t,
+        stream=_external_stream(device),
+        device_id=device.index,
+    )
+
+
+def _view(t, narrow: bool, name: str) -> View:
+    """Zero-copy flat bit view of contiguous ``t`` (fp32 as uint32, narrow as uint16)."""
+    if t.is_cpu:
+        # numpy's reshape of a contiguous array (torch and NumPy agree on contiguity) is a
+        # view, never a copy
+        if _UNSIGNED_NUMPY:
+            bits = t.detach().view(torch.uint16 if narrow else torch.uint32).numpy().reshape(-1)
+        else:
+            a = t.detach().view(torch.int16 if narrow else torch.int32).numpy()
+            bits = a.reshape(-1).view(np.uint16 if narrow else np.uint32)
+        return View(bits=bits, device="cpu", shape=tuple(t.shape), result=t)
+    if t.is_cuda:
+        # signed views: their __cuda_array_interface__ typestr is supported by every torch
+        flat = t.detach().view(-1).view(torch.int16 if narrow else torch.int32)
+        return _cuda_view(t, flat, np.uint16 if narrow else np.uint32, name)
+    raise ValueError(f"{name}: is on {t.device}; srround runs on CPU and CUDA tensors only")
+
+
+def _mark_written(t) -> None:
+    """Bump ``t``'s version counter as a ``torch.no_grad()`` in-place op would."""
+    if not t.is_inference():
+        torch.autograd.graph.increment_version(t)
+
+
+def source(
+    x, name: str, fmt: Format | None = None, *, narrow: bool = False
+) -> tuple[View, Format | None]:
+    """A read view of ``x``: float32 data (``narrow=False``) or narrow data (``narrow=True``,
+    format from the dtype or ``fmt``). Returns ``(view, format)``."""
+    t = _as_tensor(x, name)
+    if narrow:
+        fmt = _narrow_format(t.dtype, name, fmt)
+    else:
+        _check_float32(t.dtype, name)
+    _check_contiguous(t, name)
+    return _view(t, narrow, name), fmt
+
+
+def target(out, name: str, like: View, fmt: Format | None) -> View:
+    """A write view for the result: ``out`` validated, or a new tensor shaped like ``like`` on
+    its device. ``fmt=None`` means float32."""
+    narrow = fmt is not None
+    if out is None:
+        dtype = _TORCH_DTYPES[fmt.name] if narrow else torch.float32
+        if like.device == "cpu":
+            return _view(torch.empty(like.shape, dtype=dtype), narrow, name)
+        return _view(torch.empty(like.shape, dtype=dtype, device=like.result.device), narrow, name)
+    t = _as_tensor(out, name)
+    if narrow:
+        _narrow_format(t.dtype, name, fmt)
+    else:
+        _check_float32(t.dtype, name)
+    check_shape(name, tuple(t.shape), like.shape, "the input's")
+    _check_contiguous(t, name)
+    view = _view(t, narrow, name)
+    _mark_written(t)
+    return view
+
+
+def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
+    """A read-write view of a narrow tensor updated in place (``requires_grad`` allowed: the
+    update acts as under ``torch.no_grad()``)."""
+    view, fmt = source(w, name, fmt, narrow=True)
+    _mark_written(view.result)
+    return view, fmt
