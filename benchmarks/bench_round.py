@@ -41,6 +41,9 @@ Rows (``op`` column: SR = stochastic rounding, RNE = round to nearest even):
 * ``jax SR (jit)`` - a user-level SR: ``jax.random.bits`` uint32, add the low 16 bits to the fp32
   pattern, mask, bitcast, convert to bf16; timed with ``block_until_ready``.
 * ``ml_dtypes astype`` - ``x.astype(ml_dtypes.bfloat16)`` (single-threaded RNE, allocating).
+* ``srround to_float32`` - bf16 -> fp32 widening (2 B read + 4 B written: the same 6 B).
+* ``srround stochastic_add`` - ``w <- SR(w + alpha * u)`` in place: 2 + 4 B read, 2 B written,
+  8 B per element, so its GB/s and % floor (counted at 6 B) understate its traffic by 4/3.
 
 Reading the table: one row per implementation, one column per size, each cell
 ``GB/s  % of floor`` (same size, same run); the last column is the median milliseconds per call
@@ -281,6 +284,15 @@ def cpu_rows():
         out = np.empty(x.size, ml_dtypes.bfloat16)
         return (lambda: srround.round_nearest(x, dtype="bfloat16", out=out)), None
 
+    def widen(x):
+        narrow, out = x.astype(ml_dtypes.bfloat16), np.empty(x.size, np.float32)
+        return (lambda: srround.to_float32(narrow, out=out)), None
+
+    def add(x):
+        w = x.astype(ml_dtypes.bfloat16)
+        u = x * np.float32(1e-3)
+        return (lambda: srround.stochastic_add(w, u, alpha=-1e-3, seed=SEED)), None
+
     def torch_to(x):
         torch = torch_module()
         t = torch.from_numpy(x)
@@ -320,6 +332,8 @@ def cpu_rows():
         ("srround stochastic_round", "SR bf16", sr("bfloat16")),
         ("srround stochastic_round", "SR fp16", sr("float16")),
         ("srround round_nearest", "RNE bf16", rne),
+        ("srround to_float32", "bf16->fp32", widen),
+        ("srround stochastic_add (8 B)", "SR add bf16", add),
         ("torch .to(bf16)", "RNE bf16", torch_to),
         ("torch out.copy_(x)", "RNE bf16", torch_copy),
         (f"{ao_label} eager", "SR bf16", torchao_eager),
@@ -465,6 +479,8 @@ def cuda_rows():
         ("srround stochastic_round", "SR bf16", sr("bfloat16")),
         ("srround stochastic_round", "SR fp16", sr("float16")),
         ("srround round_nearest", "RNE bf16", rne),
+        ("srround to_float32", "bf16->fp32", widen),
+        ("srround stochastic_add (8 B)", "SR add bf16", add),
         ("torch .to(bf16)", "RNE bf16", torch_to),
         ("torch out.copy_(x)", "RNE bf16", torch_copy),
         (f"{ao_label} eager", "SR bf16", torchao_eager),
