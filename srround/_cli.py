@@ -16,7 +16,8 @@ def _demo(args) -> int:
         tqdm = None
     bar = tqdm(total=args.steps, desc="training 4 variants", unit="step") if tqdm else None
     result = run_demo(
-        steps=args.steps, lr=args.lr, seed=args.seed,
+        steps=args.steps, lr=args.lr, seed=args.seed, framework=args.framework,
+        device=args.device,
         progress=(lambda _step: bar.update()) if bar else None,
     )
     if bar:
@@ -147,6 +148,10 @@ def main(argv=None) -> int:
     demo.add_argument("--lr", type=float, default=3e-5, help="Adam learning rate (default 3e-5)")
     demo.add_argument("--seed", type=int, default=0, help="data and rounding seed (default 0)")
     demo.add_argument("--out", default="srround-demo", help="folder for the plot")
+    demo.add_argument("--framework", default="numpy", choices=["numpy", "torch", "jax"],
+                      help="where the weights live (default numpy)")
+    demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                      help="cpu (default) or cuda (torch/jax on a GPU)")
     demo.set_defaults(run=_demo)
     audit = commands.add_parser(
         "audit", help="check a checkpoint for bf16/fp16 update stagnation and fp16 range"

@@ -45,6 +45,7 @@ class DemoResult:
     evaluated_at: np.ndarray  # int64[k]: 0, eval_every, 2 * eval_every, ..., steps
     lr: float
     steps: int
+    where: str = "numpy on cpu"
 
     def progress(self, method: str) -> float:
         """(L - L_fp32) / (L_0 - L_fp32) at the end of training."""
@@ -62,23 +63,65 @@ def _problem(features: int, samples: int, seed: int):
     return x, y, start
 
 
+class _Framework:
+    """The few framework-specific pieces of the demo: the array namespace, moving NumPy data
+    in, and the bf16 half of an fp32 pattern (for the remainder variant). Everything else is
+    written once with operators, ``xp.sqrt``/``xp.mean`` and srround calls."""
+
+    def __init__(self, name: str, device: str):
+        self.name = name
+        if name == "numpy":
+            if device != "cpu":
+                raise ValueError("device: the numpy framework runs on the cpu only")
+            self.xp, self.put = np, np.asarray
+            self.high_half = lambda w: (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        elif name == "torch":
+            import torch
+
+            target = torch.device(device)
+            self.xp = torch
+            self.put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(target)
+            self.high_half = lambda w: (w.view(torch.int32) & -65536).view(torch.float32)
+        elif name == "jax":
+            import jax
+            import jax.numpy as jnp
+
+            backend = "gpu" if device == "cuda" else device
+            target = jax.devices(backend)[0]
+            self.xp = jnp
+            self.put = lambda a: jax.device_put(a, target)
+            self.high_half = lambda w: jax.lax.bitcast_convert_type(
+                jax.lax.bitcast_convert_type(w, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32
+            )
+        else:
+            raise ValueError(f"framework: expected one of numpy, torch, jax; got {name!r}")
+
+
 def run_demo(
     steps=1500, lr=3e-5, features=512, samples=4096, batch=256, seed=0, eval_every=10,
-    progress=None,
+    framework="numpy", device="cpu", progress=None,
 ):
-    """Train the four variants; returns a ``DemoResult``. ``progress(i)`` is called per step."""
-    x, y, start = _problem(features, samples, seed)
-    bf16 = ml_dtypes.bfloat16
+    """Train every variant; returns a ``DemoResult``. ``progress(step)`` is called per step.
+
+    ``framework`` (``"numpy"``, ``"torch"``, ``"jax"``) and ``device`` (``"cpu"``, ``"cuda"``)
+    choose where the weights live; the srround calls are the same for all of them.
+    """
+    fw = _Framework(framework, device)
+    xp = fw.xp
+    x_host, y_host, start_host = _problem(features, samples, seed)
+    x, y, start = fw.put(x_host), fw.put(y_host), fw.put(start_host)
+    bf16_start = srround.round_nearest(start)
     weights = {
-        "fp32": start.copy(),
-        "bf16 nearest": start.astype(bf16),
-        "bf16 stochastic": start.astype(bf16),
-        "bf16 kahan": start.astype(bf16),
-        "bf16 + remainder": start.copy(),  # stored as its two 16-bit halves, see forward_weights
-        "bf16 + fp32 master": start.copy(),  # master; the forward pass uses its bf16 copy
+        "fp32": start,
+        "bf16 nearest": bf16_start,
+        "bf16 stochastic": srround.round_nearest(start),
+        "bf16 kahan": bf16_start,
+        "bf16 + remainder": start,  # fp32 kept as its bf16 half and 16 low bits (high_half)
+        "bf16 + fp32 master": start,  # master; the forward pass uses its bf16 copy
     }
-    kahan_compensation = np.zeros(features, bf16)
-    adam = {m: (np.zeros(features, np.float32), np.zeros(features, np.float32)) for m in METHODS}
+    kahan_compensation = srround.round_nearest(start * 0.0)
+    zeros = fw.put(np.zeros(features, np.float32))
+    adam = {m: (zeros, zeros) for m in METHODS}
     losses = {m: [] for m in METHODS}
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     batches = np.random.default_rng(seed + 1)
@@ -86,19 +129,21 @@ def run_demo(
     def forward_weights(method):
         w = weights[method]
         if method == "bf16 + fp32 master":
-            return w.astype(bf16).astype(np.float32)
-        if method == "bf16 + remainder":  # the high (bf16) half of the pattern
-            return (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
-        return w.astype(np.float32)
+            return srround.to_float32(srround.round_nearest(w))
+        if method == "bf16 + remainder":
+            return fw.high_half(w)
+        if method in ("fp32",):
+            return w
+        return srround.to_float32(w)
 
     def full_loss(method):
         r = x @ forward_weights(method) - y
-        return float(np.mean(r.astype(np.float64) ** 2))
+        return float(xp.mean(r * r))
 
     evaluated_at = []
     for step in range(1, steps + 1):
         rows = batches.integers(0, samples, batch)
-        xb, yb = x[rows], y[rows]
+        xb, yb = fw.put(x_host[rows]), fw.put(y_host[rows])
         if (step - 1) % eval_every == 0:
             evaluated_at.append(step - 1)
             for method in METHODS:
@@ -107,37 +152,36 @@ def run_demo(
             w32 = forward_weights(method)
             grad = (2.0 / batch) * (xb.T @ (xb @ w32 - yb))
             m, v = adam[method]
-            m[:] = beta1 * m + (1 - beta1) * grad
-            v[:] = beta2 * v + (1 - beta2) * grad * grad
+            m = beta1 * m + (1 - beta1) * grad
+            v = beta2 * v + (1 - beta2) * grad * grad
+            adam[method] = (m, v)
             m_hat = m / (1 - beta1**step)
             v_hat = v / (1 - beta2**step)
-            update = (-lr * m_hat / (np.sqrt(v_hat) + eps)).astype(np.float32)
+            update = -lr * m_hat / (xp.sqrt(v_hat) + eps)
+            w = weights[method]
             if method == "bf16 nearest":
-                weights[method] = srround.round_nearest(weights[method].astype(np.float32) + update)
+                w = srround.round_nearest(srround.to_float32(w) + update)
             elif method == "bf16 stochastic":
-                srround.stochastic_add(weights[method], update, seed=seed, offset=step * features)
+                w = srround.stochastic_add(w, update, seed=seed, offset=step * features)
             elif method == "bf16 kahan":
-                exact = weights[method].astype(np.float32) + (
-                    kahan_compensation.astype(np.float32) + update
-                )
-                weights[method] = srround.round_nearest(exact)
-                kahan_compensation = srround.round_nearest(
-                    exact - weights[method].astype(np.float32)
-                )
+                exact = srround.to_float32(w) + (srround.to_float32(kahan_compensation) + update)
+                w = srround.round_nearest(exact)
+                kahan_compensation = srround.round_nearest(exact - srround.to_float32(w))
             else:  # fp32 arithmetic on the full value (remainder: the two halves together)
-                weights[method] += update
+                w = w + update
+            weights[method] = w
         if progress is not None:
             progress(step)
     evaluated_at.append(steps)
     for method in METHODS:
         losses[method].append(full_loss(method))
     curves = {m: np.array(v) for m, v in losses.items()}
-    return DemoResult(curves, np.array(evaluated_at), lr, steps)
+    return DemoResult(curves, np.array(evaluated_at), lr, steps, f"{framework} on {device}")
 
 
 def format_table(result: DemoResult) -> str:
     lines = [
-        f"Adam, lr={result.lr:g}, {result.steps} steps; progress = (L - L_fp32) / (L_0 - L_fp32):"
+        f"{result.where}: Adam, lr={result.lr:g}, {result.steps} steps; progress = (L - L_fp32) / (L_0 - L_fp32):"
         " 0 is as far as fp32 got, 1 is no progress",
         f"{'method':<20} {'final loss':>12} {'progress':>10}",
     ]

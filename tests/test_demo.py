@@ -28,3 +28,12 @@ def test_demo_command_writes_table_and_plot(tmp_path):
     )
     assert "bf16 stochastic" in result.stdout
     assert (tmp_path / "demo_loss.png").stat().st_size > 10_000
+
+
+def test_demo_on_torch_matches_numpy():
+    pytest.importorskip("torch")
+    kwargs = dict(steps=60, features=64, samples=512, eval_every=20)
+    ours = run_demo(**kwargs)
+    theirs = run_demo(framework="torch", **kwargs)
+    for method, curve in ours.losses.items():
+        assert curve == pytest.approx(theirs.losses[method], rel=1e-4), method
