@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Everything that needs a real GPU, in one call (the lent GPU machine: torch, JAX, CuPy, numba
+# and numba-cuda preinstalled, no registry). Run from the repository root:
+#     bash benchmarks/gpu_session.sh            # logs and JSON under ${OUT:-gpu-out}/
+# 1. installs srround in place without dependencies, 2. runs the whole test suite on the real
+# GPU (tests/conftest.py uses the GPU when /dev/nvidiactl exists, so CUDA tests are not
+# simulated), 3. runs every benchmark for the GPU, each against its same-run baselines.
+set -uo pipefail
+out="${OUT:-gpu-out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$out/gpu.txt"
+python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+python -c "import numpy, numba, numba_cuda; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__)" | tee -a "$out/gpu.txt"
+python -m pytest -q -x -p no:cacheprovider 2>&1 | tee "$out/pytest.log" | tail -30
+for script in benchmarks/bench_*.py; do
+    name=$(basename "$script" .py)
+    python "$script" --device cuda --json "$out/$name.json" 2>&1 | tee "$out/$name.log" | tail -40
+done
