@@ -64,3 +64,14 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
 
 def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
     return source(w, name, fmt, narrow=True)
+
+
+def counter(c, name: str, like: View) -> View:
+    """An int32 device counter array of ``like``'s shape (a new zeroed one for ``None``)."""
+    if c is None:
+        c = import_numba_cuda().to_device(np.zeros(like.shape, np.int32))
+    if c.dtype != np.int32:
+        raise TypeError(f"{name}: expected an int32 device array, got {c.dtype}")
+    check_shape(name, c.shape, like.shape, "the scale's")
+    check_contiguous(_contiguous(c), name, _FIX)
+    return _view(c, np.uint32)

@@ -68,3 +68,17 @@ def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
     view, fmt = source(w, name, fmt, narrow=True)
     _check_writable(view.result, name)
     return view, fmt
+
+
+def counter(c, name: str, like: View) -> View:
+    """An int32 counter array of ``like``'s shape updated in place (a new zeroed one for
+    ``None``), as a ``uint32`` view."""
+    if c is None:
+        c = np.zeros(like.shape, np.int32)
+    a = _as_array(c, name)
+    if a.dtype != np.int32:
+        raise TypeError(f"{name}: expected an int32 array, got {a.dtype}")
+    check_shape(name, a.shape, like.shape, "the scale's")
+    check_contiguous(a.flags.c_contiguous, name, _FIX)
+    _check_writable(a, name)
+    return _view(a, np.uint32)

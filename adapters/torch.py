@@ -206,3 +206,18 @@ def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
     view, fmt = source(w, name, fmt, narrow=True)
     _mark_written(view.result)
     return view, fmt
+
+
+def counter(c, name: str, like: View) -> View:
+    """An int32 counter tensor of ``like``'s shape updated in place (a new zeroed one on
+    ``like``'s device for ``None``), as a 32-bit view."""
+    if c is None:
+        c = torch.zeros(like.shape, dtype=torch.int32, device=like.result.device)
+    t = _as_tensor(c, name)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name}: expected a torch.int32 tensor, got {t.dtype}")
+    check_shape(name, tuple(t.shape), like.shape, "the scale's")
+    _check_contiguous(t, name)
+    view = _view(t, False, name)
+    _mark_written(t)
+    return view

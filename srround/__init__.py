@@ -6,6 +6,8 @@ from srround._api import round_nearest
 from srround._api import stochastic_add
 from srround._api import stochastic_round
 from srround._api import to_float32
+from srround._api import unscale_and_check
+from srround._api import update_scale
 from srround._formats import FORMATS
 from srround._formats import Format
 from srround._rng import manual_seed
@@ -21,4 +23,6 @@ __all__ = [
     "stochastic_add",
     "stochastic_round",
     "to_float32",
+    "unscale_and_check",
+    "update_scale",
 ]

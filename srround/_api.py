@@ -7,14 +7,17 @@ for the stream and ``_scalar.py`` for the rounding rules.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from srround.adapters import adapter_for
 from srround.adapters._view import View, check_same_place, check_shape
 
-from . import _cpu
+from . import _cpu, _loss_scale
 from ._formats import get_format
 from ._rng import check_offset, check_seed, next_seed, split_seed
+from ._tensor_list import FORMAT_CODES, TensorList, address
 
 _OVERFLOW = {"inf": False, "saturate": True}
 
@@ -151,3 +154,136 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
         fmt.mantissa_bits, fmt.exponent_bits, saturate,
     )
     return dst.result
+
+
+# -- loss scaling ---------------------------------------------------------------------------
+
+
+def _is_float32(array) -> bool:
+    return str(getattr(array, "dtype", "")).rsplit(".", 1)[-1] == "float32"
+
+
+def _writable_view(adapter, array, name):
+    """``(view, format code)`` of an array updated in place: float32, bf16 or fp16."""
+    if _is_float32(array):
+        view, _ = adapter.source(array, name)
+        return adapter.target(array, name, view, None), FORMAT_CODES[None]
+    view, fmt = adapter.inplace(array, name, None)
+    return view, FORMAT_CODES[fmt.name]
+
+
+def _scalar_buffer(adapter, value, name, like: View, count: int, *, writable=False):
+    """A float32[count] device buffer (as bits) for a scalar argument: the caller's array, or a
+    new one holding ``value`` (a float) on ``like``'s device."""
+    if value is None or isinstance(value, (int, float, np.floating)):
+        host = np.full(count, np.float32(0.0 if value is None else value)).view(np.uint32)
+        if like.device == "cpu":
+            return View(host, "cpu", (count,), None)
+        from ._numba_cuda_compat import import_numba_cuda
+
+        device = import_numba_cuda().to_device(host, stream=like.stream)
+        return View(device, like.device, (count,), None, like.stream, like.device_id)
+    view, _ = adapter.source(value, name)
+    if view.bits.size not in (1, count):
+        raise ValueError(f"{name}: expected 1 or {count} values, got {view.bits.size}")
+    if writable:
+        view = adapter.target(value, name, view, None)
+    return view
+
+
+def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
+    """Multiply every gradient by ``inv_scale`` in place and flag any inf/NaN: one fused pass,
+    one launch whatever the number of tensors, no host synchronisation.
+
+    Args:
+        grads: an array or a list of arrays (float32, bf16 or fp16; one framework, one device),
+            updated in place. Narrow gradients are rounded back to nearest, as
+            ``grad.mul_(inv_scale)`` does in torch.
+        inv_scale: 1 / loss scale: a float, or a float32 array of 1 value (or one per tensor
+            with ``per_tensor=True``) on the gradients' device, read by the kernel.
+        found_inf: optional float32 array (1 value, or one per tensor) set to 1.0 where a
+            gradient was non-finite *before* unscaling; it is not cleared first, so one array
+            can accumulate over several calls. Allocated zeroed when omitted.
+        per_tensor: one scale and one flag per tensor (the per-layer scaling option).
+
+    Returns:
+        ``found_inf`` (the caller's array type, on the gradients' device).
+    """
+    grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
+    if not grads:
+        raise ValueError("grads: expected at least one array")
+    named = {f"grads[{i}]": g for i, g in enumerate(grads)}
+    extra = {n: v for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf))
+             if v is not None and not isinstance(v, (int, float, np.floating))}
+    adapter = adapter_for(**named, **extra)
+    views = [_writable_view(adapter, g, name) for name, g in named.items()]
+    first = views[0][0]
+    check_same_place(**{name: v for name, (v, _) in zip(named, views)})
+    count = len(grads) if per_tensor else 1
+    scales = _scalar_buffer(adapter, inv_scale, "inv_scale", first, count)
+    if found_inf is None:
+        flags = adapter.target(None, "found_inf", dataclasses.replace(first, shape=(count,)), None)
+        flags.bits[:] = 0
+    else:
+        flags = _scalar_buffer(adapter, found_inf, "found_inf", first, count, writable=True)
+        if flags.bits.size != count:
+            raise ValueError(f"found_inf: expected {count} values, got {flags.bits.size}")
+    check_same_place(**{"grads[0]": first, "inv_scale": scales, "found_inf": flags})
+    table = TensorList([address(v.bits) for v, _ in views], [c for _, c in views],
+                       [v.bits.size for v, _ in views], views)
+    if table.total:
+        args = (table.addresses, table.formats, table.starts, scales.bits, flags.bits, per_tensor)
+        if first.device == "cpu":
+            _loss_scale.unscale_and_check_cpu(*args)
+        else:
+            from . import _cuda
+
+            _cuda.unscale_and_check(*args, stream=first.stream)
+    return flags.result
+
+
+def update_scale(scale, growth_tracker, found_inf, *, overflow_tracker=None, growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=2000, hysteresis=1, min_scale=None,
+                 max_scale=None):
+    """Update loss scale(s) in place on their device (rule in ``srround/_loss_scale.py``):
+    back off on overflow, grow after ``growth_interval`` clean steps; no host sync.
+
+    Args:
+        scale: float32 array, 1 value or one per tensor; updated in place.
+        growth_tracker: int32 array like ``scale``: clean steps since the last change.
+        found_inf: float32 array like ``scale`` (from ``unscale_and_check``).
+        overflow_tracker: int32 array like ``scale``, consecutive overflows (needed when
+            ``hysteresis > 1``).
+        growth_factor, backoff_factor, growth_interval: torch GradScaler's parameters.
+        hysteresis: back off only after this many consecutive overflows (1: every overflow).
+        min_scale, max_scale: bounds of the scale (None: unbounded).
+    """
+    if growth_interval < 1:
+        raise ValueError(f"growth_interval: expected an int >= 1, got {growth_interval}")
+    if hysteresis < 1:
+        raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis}")
+    if overflow_tracker is None and hysteresis > 1:
+        raise ValueError("overflow_tracker: needed when hysteresis > 1")
+    adapter = adapter_for(scale=scale, growth_tracker=growth_tracker, found_inf=found_inf,
+                          overflow_tracker=overflow_tracker)
+    scale_view, _ = adapter.source(scale, "scale")
+    scale_view = adapter.target(scale, "scale", scale_view, None)
+    found_view, _ = adapter.source(found_inf, "found_inf")
+    check_shape("found_inf", found_view.shape, scale_view.shape, "scale's")
+    trackers = [adapter.counter(t, name, scale_view) for name, t in
+                (("growth_tracker", growth_tracker), ("overflow_tracker", overflow_tracker))]
+    check_same_place(scale=scale_view, found_inf=found_view, growth_tracker=trackers[0],
+                     overflow_tracker=trackers[1])
+    factors = (
+        np.float32(growth_factor), np.float32(backoff_factor), int(growth_interval),
+        int(hysteresis), np.float32(0.0 if min_scale is None else min_scale),
+        np.float32(np.inf if max_scale is None else max_scale),
+    )
+    args = (scale_view.bits, trackers[0].bits, trackers[1].bits, found_view.bits, *factors)
+    if scale_view.device == "cpu":
+        _loss_scale.update_scale_cpu(*args)
+    else:
+        from . import _cuda
+
+        _cuda.update_scale(*args, stream=scale_view.stream)
+    return scale

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from . import _config
 from ._numba_cuda_compat import import_numba_cuda
+from ._loss_scale import unscale_in_place, update_one
 from ._rng import lane_bits16, random_block
 from ._scalar import (
     add_stochastic,
@@ -25,6 +26,7 @@ from ._scalar import (
     pack4,
     unpack,
 )
+from ._tensor_list import address
 
 cuda = import_numba_cuda()
 
@@ -147,16 +149,9 @@ def _grid(work_items: int) -> tuple[int, int]:
     return blocks, threads
 
 
-def _address(a) -> int:
-    pointer = getattr(a, "device_ctypes_pointer", None)
-    if pointer is None:  # the simulator: device arrays wrap host NumPy arrays
-        return a.__array_interface__["data"][0] if hasattr(a, "__array_interface__") else 0
-    return pointer.value or 0
-
-
 def _aligned(*arrays) -> bool:
     """True when every buffer starts on an 8-byte boundary (needed by the uint64 views)."""
-    return all(_address(a) % 8 == 0 for a in arrays)
+    return all(address(a) % 8 == 0 for a in arrays)
 
 
 def _split_aligned(n: int, offset: int) -> int:
@@ -226,3 +221,46 @@ def to_float32(h, out, mantissa_bits, exponent_bits, stream):
         _to_float32_general[grid[0], grid[1], stream](
             h[head:], out[head:], mantissa_bits, exponent_bits
         )
+
+
+# -- loss scaling (tensor lists through a pointer table, see _tensor_list.py) -----------------
+
+
+@cuda.jit(cache=True)
+def _unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, starts[starts.size - 1], stride):
+        # _tensor_list.find_tensor, written out: the simulator cannot pass device arrays into
+        # njit functions, and a device function here would need a GPU to compile PTX in tests
+        k, hi = 0, starts.size - 2
+        while k < hi:
+            mid = (k + hi + 1) >> 1
+            if starts[mid] <= i:
+                k = mid
+            else:
+                hi = mid - 1
+        slot = k if per_tensor else 0
+        if not unscale_in_place(addresses[k], formats[k], i - starts[k], inv_scales[slot]):
+            found[slot] = 0x3F800000  # 1.0f
+
+
+@cuda.jit(cache=True)
+def _update_scale(scale, growth_tracker, overflow_tracker, found, growth_factor, backoff_factor,
+                  growth_interval, hysteresis, min_scale, max_scale):
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for k in range(start, scale.size, stride):
+        scale[k], growth_tracker[k], overflow_tracker[k] = update_one(
+            scale[k], growth_tracker[k], overflow_tracker[k], found[k], growth_factor,
+            backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+        )
+
+
+def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor, stream):
+    table = [cuda.to_device(a, stream=stream) for a in (addresses, formats, starts)]
+    grid = _grid(int(starts[-1]))
+    _unscale_and_check[grid[0], grid[1], stream](*table, inv_scales, found, per_tensor)
+
+
+def update_scale(scale, growth_tracker, overflow_tracker, found, *factors, stream):
+    grid = _grid(scale.size)
+    _update_scale[grid[0], grid[1], stream](scale, growth_tracker, overflow_tracker, found, *factors)

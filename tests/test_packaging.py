@@ -78,6 +78,8 @@ kernels = {
     "_round_nearest_general": (u32, u16, i64, i64, b),
     "_to_float32_vec4": (u64, u64, i64, i64),
     "_to_float32_general": (u16, u32, i64, i64),
+    "_unscale_and_check": (t.int64[::1], t.int64[::1], t.int64[::1], u32, u32, b),
+    "_update_scale": (u32, u32, u32, u32, f32, f32, i64, i64, f32, f32),
 }
 for name, sig in kernels.items():
     ptx, _ = compile_ptx(getattr(_cuda, name).py_func, sig, cc=(9, 0))
@@ -102,3 +104,4 @@ def test_cuda_kernels_compile_to_ptx_with_8_byte_accesses():
     assert lines["_to_float32_vec4"] == "ld.global.u64 st.global.u64"
     assert "fma.rn.f32" in lines["_stochastic_add_general"]
     assert not any(".local" in ops for ops in lines.values())
+    assert lines["_unscale_and_check"]  # the pointer-table kernel compiles for the device
