@@ -221,3 +221,6 @@ def counter(c, name: str, like: View) -> View:
     view = _view(t, False, name)
     _mark_written(t)
     return view
+
+
+from ._torch_amp import GradScaler  # noqa: E402  (the framework layer, after the adapter)
