@@ -21,8 +21,8 @@ def test_same_trajectory_as_torch_gradscaler():
     """Same scale, growth tracker, skipped steps and parameters as torch's scaler for the same
     sequence of overflow events (an inf injected into one gradient)."""
     ours_model, theirs_model = _model(), _model()
-    ours_opt = torch.optim.SGD(ours_model.parameters(), lr=3e7)
-    theirs_opt = torch.optim.SGD(theirs_model.parameters(), lr=3e7)
+    ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.01)
+    theirs_opt = torch.optim.SGD(theirs_model.parameters(), lr=0.01)
     ours = GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
@@ -55,7 +55,7 @@ def test_state_dict_round_trip_and_torch_compatibility():
 
 def test_skipped_step_leaves_parameters_bit_identical():
     model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=3e7)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
     scaler = GradScaler("cpu")
     before = [p.detach().clone() for p in model.parameters()]
     scaler.scale(model(torch.randn(4, 8)).sum()).backward()
@@ -69,7 +69,7 @@ def test_skipped_step_leaves_parameters_bit_identical():
 
 def test_bf16_gradients_are_accepted():
     model = _model(torch.bfloat16)
-    opt = torch.optim.SGD(model.parameters(), lr=3e7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = GradScaler("cpu", init_scale=256.0)
     scaler.scale(model(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum()).backward()
     grads = [p.grad.clone() for p in model.parameters()]
