@@ -38,3 +38,17 @@ def check_contiguous(is_contiguous: bool, name: str, fix: str) -> None:
             f"{name}: must be C-contiguous (srround works in place on the caller's memory and"
             f" never copies silently); pass {fix} to copy it explicitly"
         )
+
+
+# format codes of the tensor-list kernels (srround._tensor_list), by NumPy dtype
+BUFFER_CODES = {np.dtype(np.float32): 0, FORMATS["bfloat16"].numpy_dtype: 1,
+                FORMATS["float16"].numpy_dtype: 2}
+
+
+def buffer_code(dtype, name: str) -> int:
+    """Tensor-list format code of a float32 / bf16 / fp16 dtype, else a TypeError."""
+    try:
+        return BUFFER_CODES[dtype]
+    except KeyError:
+        expected = ", ".join(str(d) for d in BUFFER_CODES)
+        raise TypeError(f"{name}: expected a {expected} array, got {dtype}") from None

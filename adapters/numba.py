@@ -12,7 +12,9 @@ import numpy as np
 from srround._formats import Format
 from srround._numba_cuda_compat import import_numba_cuda
 
-from ._common import check_contiguous, check_float32, narrow_format
+from srround._tensor_list import address
+
+from ._common import buffer_code, check_contiguous, check_float32, narrow_format
 from ._view import View, check_shape
 
 _FIX = "a contiguous copy (numba.cuda.device_array + copy_to_device)"
@@ -75,3 +77,24 @@ def counter(c, name: str, like: View) -> View:
     check_shape(name, c.shape, like.shape, "the scale's")
     check_contiguous(_contiguous(c), name, _FIX)
     return _view(c, np.uint32)
+
+
+def buffer_table(arrays, name: str):
+    """``(addresses, sizes, format codes, place)`` of arrays updated in place by a tensor-list
+    kernel (checked one by one; errors name ``name[i]``)."""
+    infos = [_buffer_info(a, f"{name}[{i}]") for i, a in enumerate(arrays)]
+    places = {info[3] for info in infos}
+    if len(places) > 1:
+        raise ValueError(f"{name}: arrays on several devices ({sorted(places)}); pass one"
+                         " device's arrays per call")
+    addresses, sizes, codes, _ = zip(*infos)
+    return list(addresses), list(sizes), list(codes), places.pop()
+
+
+def _buffer_info(a, name: str) -> tuple[int, int, int, str]:
+    """``(address, size, format code, place)`` of a device array updated in place by a
+    tensor-list kernel."""
+    code = buffer_code(a.dtype, name)
+    check_contiguous(_contiguous(a), name, _FIX)
+    view = _view(a, np.uint16 if code else np.uint32)
+    return address(view.bits), a.size, code, view.where

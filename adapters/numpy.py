@@ -8,7 +8,7 @@ import numpy as np
 
 from srround._formats import Format
 
-from ._common import check_contiguous, check_float32, narrow_format
+from ._common import buffer_code, check_contiguous, check_float32, narrow_format
 from ._view import View, check_shape
 
 _FIX = "np.ascontiguousarray(...)"
@@ -82,3 +82,25 @@ def counter(c, name: str, like: View) -> View:
     check_contiguous(a.flags.c_contiguous, name, _FIX)
     _check_writable(a, name)
     return _view(a, np.uint32)
+
+
+def buffer_table(arrays, name: str):
+    """``(addresses, sizes, format codes, place)`` of arrays updated in place by a tensor-list
+    kernel (checked one by one; errors name ``name[i]``)."""
+    infos = [_buffer_info(a, f"{name}[{i}]") for i, a in enumerate(arrays)]
+    places = {info[3] for info in infos}
+    if len(places) > 1:
+        raise ValueError(f"{name}: arrays on several devices ({sorted(places)}); pass one"
+                         " device's arrays per call")
+    addresses, sizes, codes, _ = zip(*infos)
+    return list(addresses), list(sizes), list(codes), places.pop()
+
+
+def _buffer_info(a, name: str) -> tuple[int, int, int, str]:
+    """``(address, size, format code, place)`` of an array updated in place by a tensor-list
+    kernel: the cheap per-array path for lists of hundreds of arrays."""
+    a = _as_array(a, name)
+    code = buffer_code(a.dtype, name)
+    check_contiguous(a.flags.c_contiguous, name, _FIX)
+    _check_writable(a, name)
+    return a.__array_interface__["data"][0], a.size, code, "cpu"

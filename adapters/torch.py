@@ -223,4 +223,44 @@ def counter(c, name: str, like: View) -> View:
     return view
 
 
+_BUFFER_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def buffer_table(tensors, name: str):
+    """``(addresses, sizes, format codes, place)`` of tensors updated in place by a tensor-list
+    kernel. One tight loop with only the checks that matter (dtype, contiguity, one device):
+    a gradient list has hundreds of tensors."""
+    addresses, sizes, codes, devices = [], [], [], set()
+    for t in tensors:
+        code = _BUFFER_CODES.get(getattr(t, "dtype", None))
+        if code is None or not t.is_contiguous():
+            _buffer_error(tensors, name)
+        addresses.append(t.data_ptr())
+        sizes.append(t.numel())
+        codes.append(code)
+        devices.add(t.device)
+    if len(devices) > 1:
+        raise ValueError(f"{name}: tensors on several devices ({sorted(map(str, devices))});"
+                         " pass one device's tensors per call")
+    (device,) = devices
+    if device.type == "cpu":
+        return addresses, sizes, codes, "cpu"
+    if device.type != "cuda":
+        raise ValueError(f"{name}: is on {device}; srround runs on CPU and CUDA tensors only")
+    if device.index != torch.cuda.current_device():
+        raise ValueError(f"{name}: is on {device}, not the current CUDA device; call inside"
+                         " `with torch.cuda.device(...)`")
+    return addresses, sizes, codes, f"cuda:{device.index}"
+
+
+def _buffer_error(tensors, name):
+    """Raise the error of the first tensor that a tensor-list kernel cannot take."""
+    for i, t in enumerate(tensors):
+        item = f"{name}[{i}]"
+        _as_tensor(t, item)
+        if t.dtype not in _BUFFER_CODES:
+            raise TypeError(f"{item}: expected a float32, bfloat16 or float16 tensor, got {t.dtype}")
+        _check_contiguous(t, item)
+
+
 from ._torch_amp import GradScaler  # noqa: E402  (the framework layer, after the adapter)

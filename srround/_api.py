@@ -17,7 +17,7 @@ from srround.adapters._view import View, check_same_place, check_shape
 from . import _cpu, _loss_scale
 from ._formats import get_format
 from ._rng import check_offset, check_seed, next_seed, split_seed
-from ._tensor_list import FORMAT_CODES, TensorList, address
+from ._tensor_list import FORMAT_CODES, TensorList
 
 _OVERFLOW = {"inf": False, "saturate": True}
 
@@ -212,13 +212,16 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
     if not grads:
         raise ValueError("grads: expected at least one array")
-    named = {f"grads[{i}]": g for i, g in enumerate(grads)}
     extra = {n: v for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf))
              if v is not None and not isinstance(v, (int, float, np.floating))}
-    adapter = adapter_for(**named, **extra)
-    views = [_writable_view(adapter, g, name) for name, g in named.items()]
-    first = views[0][0]
-    check_same_place(**{name: v for name, (v, _) in zip(named, views)})
+    adapter = adapter_for(grads=grads[0], **extra)
+    for i, g in enumerate(grads):
+        if type(g) is not type(grads[0]):
+            adapter_for(**{"grads[0]": grads[0], f"grads[{i}]": g})  # raises: mixed frameworks
+    addresses, sizes, codes, place = adapter.buffer_table(grads, "grads")
+    first, _ = _writable_view(adapter, grads[0], "grads[0]")
+    if place != first.where:  # a device index the table and the view disagree on
+        raise ValueError(f"grads: on {place}, expected {first.where}")
     count = len(grads) if per_tensor else 1
     scales = _scalar_buffer(adapter, inv_scale, "inv_scale", first, count)
     if found_inf is None:
@@ -229,8 +232,7 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         if flags.bits.size != count:
             raise ValueError(f"found_inf: expected {count} values, got {flags.bits.size}")
     check_same_place(**{"grads[0]": first, "inv_scale": scales, "found_inf": flags})
-    table = TensorList([address(v.bits) for v, _ in views], [c for _, c in views],
-                       [v.bits.size for v, _ in views], views)
+    table = TensorList(addresses, codes, sizes, grads)
     if table.total:
         args = (table.addresses, table.formats, table.starts, scales.bits, flags.bits, per_tensor)
         if first.device == "cpu":
@@ -238,7 +240,7 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         else:
             from . import _cuda
 
-            _cuda.unscale_and_check(*args, stream=first.stream)
+            _cuda.unscale_and_check(*args, stream=flags.stream)
     return flags.result
 
 

@@ -69,6 +69,13 @@ def _special(u, mantissa_bits, exponent_bits):
 def _quantize(u, mantissa_bits, exponent_bits):
     """``(base, q, r, s)`` of a finite fp32 pattern: the result is ``base + q + up`` (plus the
     sign), with ``r / 2**s`` the fraction of a quantum that was dropped."""
+    if exponent_bits == 8:
+        # fp32's exponent range (bf16): the narrow pattern is the fp32 pattern without its low
+        # 23 - mantissa_bits bits, in every binade and for fp32 subnormals alike - the general
+        # path below computes the same (s is constant), this skips what a compiler cannot fold
+        s = 23 - mantissa_bits
+        a = u & _F32_ABS
+        return 0, a >> s, a & ((1 << s) - 1), s
     m, e = _split_f32(u & _F32_ABS)
     bias = (1 << (exponent_bits - 1)) - 1
     e_eff = max(e, 1 - bias)

@@ -74,6 +74,20 @@ def store_bits(typingctx, address, index, value, width):
     return types.none(types.int64, types.int64, types.int64, width), codegen
 
 
+@intrinsic
+def typed_pointer(typingctx, address, width):
+    """``address`` as a ``uint16*`` / ``uint32*`` (``width`` 16 or 32, a literal), for
+    ``numba.carray`` in CPU loops (arrays vectorize better than raw loads)."""
+    if not isinstance(width, types.IntegerLiteral):
+        return None
+    pointee = types.uint16 if width.literal_value == 16 else types.uint32
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return types.CPointer(pointee)(types.int64, width), codegen
+
+
 @njit(inline="always", cache=True)
 def find_tensor(starts, i):
     """Index k with starts[k] <= i < starts[k + 1] (binary search; empty tensors skipped)."""
