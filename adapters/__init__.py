@@ -5,6 +5,13 @@ a framework the caller did not import. Each adapter module turns one framework's
 ``View`` objects (``_view.py``): a flat, contiguous ``uint32`` (fp32) or ``uint16`` (narrow)
 buffer the kernels can take - a NumPy array on the CPU, a Numba device array on CUDA - plus what
 is needed to hand the result back as the caller's own type and dtype.
+
+Adapters of immutable arrays (JAX: ``jax.Array`` and tracers) cannot hand out writable views.
+Such an adapter module defines the functional API itself - module-level functions named
+``stochastic_round``, ``round_nearest``, ``to_float32``, ``stochastic_add`` - and
+``srround._api`` delegates a call to the adapter's function of the same name, with the same
+keyword arguments, before any View is made. An adapter of mutable arrays must not define
+functions with these names.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ _ADAPTERS = {
     "numba": "numba",
     "numba_cuda": "numba",
     "torch": "torch",
+    "jax": "jax",  # tracers (jax._src...)
+    "jaxlib": "jax",  # jax.Array (jaxlib._jax.ArrayImpl)
 }
 
 
@@ -38,7 +47,7 @@ def adapter_for(**arrays):
         root = type(array).__module__.split(".", 1)[0]
         key = _ADAPTERS.get(root)
         if key is None:
-            supported = "NumPy arrays, Numba CUDA device arrays and torch tensors"
+            supported = "NumPy arrays, Numba CUDA device arrays, torch tensors and JAX arrays"
             raise TypeError(
                 f"{name}: unsupported array type {type(array).__module__}.{type(array).__name__};"
                 f" expected one of: {supported}"

@@ -27,28 +27,32 @@ srround's NumPy path for the same input bits, seed and offset (the contract of `
   alignment with a sticky bit, round to nearest even incl. subnormals and overflow).
 * ``impl="callback"``: ``jax.pure_callback`` into srround's NumPy/Numba path on the host
   (``vmap_method="sequential"``: a vmapped call equals the per-example calls). The data is
-  copied to the host and back, so it is only sensible on CPU.
+  copied to the host and back, so it is only sensible on CPU. The host work runs on a helper
+  thread: XLA runs callbacks with flush-to-zero/denormals-are-zero set, which would make the
+  Numba fma of ``stochastic_add`` treat subnormal operands as zero.
 
 Default implementation (``impl=None``): ``"native"`` everywhere. On GPU/TPU it is the only
-sensible choice (the callback copies device -> host -> device). On CPU, measured here (2-core
-x86 VM, jax 0.10.2, ``jit`` + ``block_until_ready``, fp32 -> bf16, median of repeated calls;
-``benchmarks/bench_adapters.py`` prints these)::
+sensible choice (the callback copies device -> host -> device). On CPU it is also the faster
+one except for large ``stochastic_add`` calls. Measured with ``benchmarks/bench_adapters.py``
+(2-core x86 VM, jax 0.10.2 CPU, ``jit`` with the key as an argument, ``block_until_ready``,
+median per call; the NumPy path is ``srround.stochastic_round(np_array, out=...)`` /
+``srround.stochastic_add`` on the same data)::
 
-    stochastic_round        2^20        2^22        1024 elements (per call)
-    native (jit)           ~7.7 ms     ~30 ms      ~20 us
-    callback (jit)         ~1.2 ms     ~5.4 ms     ~33 us
-    srround NumPy path     ~1.0 ms     ~4.8 ms     ~8 us
+                        1024 elements   2^20        2^22
+    stochastic_round (fp32 -> bf16)
+      NumPy path          17 us        0.87 ms     3.4 ms
+      jax native          28 us        1.5 ms      6.2 ms
+      jax callback       481 us        2.0 ms     22.7 ms
+    stochastic_add (bf16 w, fp32 u, alpha=0.1)
+      NumPy path          18 us        1.3 ms      5.1 ms
+      jax native          69 us        4.1 ms     16.7 ms
+      jax callback       544 us        2.5 ms     13.8 ms
 
-    stochastic_add          2^20        2^22
-    native (jit)           ~25 ms      ~100 ms
-    callback (jit)         ~2.0 ms     ~8.5 ms
-
-The callback (Numba kernels, parallel, after one host hand-over that is zero-copy on CPU) is
-several times faster on large CPU arrays, while native wins for small arrays (no callback
-round trip) and, above all, is the path that works under every transformation and on
-accelerators. "native" stays the default for portability and predictability (no host
-round trip, no Python in the compiled program, fusable with surrounding ops); pass
-``impl="callback"`` for large CPU-only workloads. Both give the same bits.
+The callback pays ~0.5 ms per call (pure_callback hand-over, a thread hop, Numba's parallel
+launch) and a copy of the result; native runs as one fused XLA loop (its stochastic_add does
+the exact integer fma, ~3x the NumPy path's time). Native also fuses with surrounding ops, keeps
+Python out of the compiled program and works under every transformation and on accelerators;
+pass ``impl="callback"`` to run the Numba kernels themselves.
 
 Seeds (``seed=``):
 
@@ -62,7 +66,8 @@ Seeds (``seed=``):
   (``jit`` arguments, ``vmap`` ped). Note ``jax.random.key(s)`` for a small int ``s`` has data
   ``(0, s)``, i.e. it equals the int seed ``s << 32``, not ``s``.
 
-``offset`` is a Python int (static under ``jit``), as in the NumPy path; ``alpha`` may be a
+``offset`` is a Python int, as in the NumPy path (only ``offset % 4`` is static under ``jit``:
+calls at new offsets with the same ``offset % 4`` reuse the compiled program); ``alpha`` may be a
 Python float or a (traced) scalar.
 
 Known difference from the Numba CPU path: when an fma operand pair produces a NaN from two NaN
@@ -73,6 +78,9 @@ platform's default NaN on both).
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,7 +89,18 @@ from jax import lax
 from srround._formats import FORMATS, Format, get_format
 from srround._rng import check_offset, check_seed, next_seed, split_seed
 
-__all__ = ["IMPLS", "round_nearest", "stochastic_add", "stochastic_round", "to_float32"]
+__all__ = [
+    "DynamicLossScale",
+    "IMPLS",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "all_finite",
+    "round_nearest",
+    "select_tree",
+    "stochastic_add",
+    "stochastic_round",
+    "to_float32",
+]
 
 IMPLS = ("native", "callback")
 _OVERFLOW = {"inf": False, "saturate": True}
@@ -96,7 +115,8 @@ def _impl(impl, x) -> str:
     if impl is None:
         return "native"  # see the module docstring for why, with the CPU numbers
     if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {', '.join(map(repr, IMPLS))} or None, got {impl!r}")
+        options = ", ".join(map(repr, IMPLS))
+        raise ValueError(f"impl: expected one of {options} or None, got {impl!r}")
     return impl
 
 
@@ -190,6 +210,8 @@ def _key_words(seed):
 
 
 def _u(x):
+    if isinstance(x, (int, np.integer)):
+        return np.uint32(x)  # a Python int >= 2**31 would not fit jnp's default int32
     return jnp.asarray(x).astype(_U32)
 
 
@@ -377,7 +399,8 @@ def _fma_bits(A, B, C):
     q = jnp.where(s > 63, _U32(0), q)
     e_eff = jnp.clip(exponent, -126, 128)
     magnitude = (_u(e_eff + 126) << 23) + q + up.astype(_U32)
-    magnitude = jnp.where((exponent >= 128) | (magnitude >= 0x7F800000), _U32(0x7F800000), magnitude)
+    overflows = (exponent >= 128) | (magnitude >= 0x7F800000)
+    magnitude = jnp.where(overflows, _U32(0x7F800000), magnitude)
     finite = jnp.where(z_zero, _U32(0), (big_sign << 31) | magnitude)
     finite = jnp.where(p_zero, jnp.where(c_zero, (sp & sc) << 31, C), finite)
 
@@ -397,27 +420,43 @@ def _fma_bits(A, B, C):
     return jnp.where(ab_finite & c_finite, finite, special)
 
 
-def _random16(k0, k1, offset: int, n: int):
-    """uint32[n]: the 16 random bits of elements 0..n-1 of a call (``_rng.py``'s stream)."""
-    first = offset >> 2
-    lane0 = offset & 3
+def _random16(k0, k1, lane0: int, first_lo, first_hi, n: int):
+    """The 16 random bits of elements 0..n-1 of a call (``_rng.py``'s stream), laid out as
+    uint32[blocks, 4]: row j is Threefry block ``first + j`` (lanes 0..3; ``first = offset >>
+    2`` as traced uint32 words, so a new offset does not recompile), and element i sits at
+    flat position ``lane0 + i`` (``lane0 = offset & 3``, static: it fixes the layout). Callers lay their data out the same way
+    (``_blocked``): every op stays elementwise (broadcasts, no concatenate/gather in the fused
+    loop, which on XLA's CPU backend made the fused stochastic_add ~5x slower)."""
     blocks = (lane0 + n + 3) // 4
     if blocks >= 1 << 32:
         raise ValueError("x: more than 2**34 elements in one call are not supported")
     j = jnp.arange(blocks, dtype=_U32)
-    c_lo = _U32(first & 0xFFFFFFFF) + j
-    c_hi = _U32(first >> 32) + (c_lo < j).astype(_U32)  # carry into the high counter word
+    c_lo = first_lo + j
+    c_hi = first_hi + (c_lo < j).astype(_U32)  # carry into the high counter word
     key = jnp.stack([_u(k0), _u(k1)])
     from jax.extend.random import threefry_2x32
 
     out = threefry_2x32(key, jnp.concatenate([c_lo, c_hi]))
-    x0, x1 = out[:blocks], out[blocks:]
-    lanes = jnp.stack([x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], axis=1).reshape(-1)
-    return lanes[lane0:lane0 + n]
+    x0, x1 = out[:blocks, None], out[blocks:, None]
+    lane = jnp.arange(4, dtype=_U32)[None, :]
+    return (jnp.where(lane < 2, x0, x1) >> ((lane & 1) * 16)) & 0xFFFF
+
+
+def _blocked(v, lane0: int, n: int):
+    """Flat ``v`` (n elements) in ``_random16``'s (blocks, 4) layout (zero padded)."""
+    pad = -(lane0 + n) % 4
+    if lane0 or pad:
+        v = jnp.pad(v, (lane0, pad))
+    return v.reshape(-1, 4)
+
+
+def _unblocked(v, lane0: int, n: int):
+    return v.reshape(-1)[lane0:lane0 + n]
 
 
 def _to_narrow(patterns, fmt: Format, shape):
-    return lax.bitcast_convert_type(patterns.astype(jnp.uint16), _JNP_DTYPES[fmt.name]).reshape(shape)
+    narrow = lax.bitcast_convert_type(patterns.astype(jnp.uint16), _JNP_DTYPES[fmt.name])
+    return narrow.reshape(shape)
 
 
 def _bits(x, dtype):
@@ -425,26 +464,53 @@ def _bits(x, dtype):
 
 
 # -- native implementations ------------------------------------------------------------------
+#
+# Jitted with the layout parameters static: under an outer jit they are inlined; called eagerly
+# they run as one compiled program (not ~300 op-by-op dispatches), compiled once per shape.
+# Key words and alpha are arguments, so a new seed does not recompile.
+
+_static = functools.partial(jax.jit, static_argnames=("lane0", "fmt_name", "saturate"))
 
 
-def _native_stochastic_round(x, k0, k1, offset, fmt, saturate):
-    if x.size == 0:
-        return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
-    u = _bits(x, _U32)
-    r = _random16(k0, k1, offset, u.size)
-    return _to_narrow(_encode(u, fmt, saturate, r), fmt, x.shape)
+def _first_block(offset: int):
+    """``offset >> 2`` as two uint32 words: traced arguments, so offsets do not recompile."""
+    first = offset >> 2
+    return _u(first & 0xFFFFFFFF), _u(first >> 32)
 
 
-def _native_stochastic_add(w, u, alpha, k0, k1, offset, fmt, saturate):
-    if w.size == 0:
-        return w
-    wb = _bits(w, jnp.uint16).astype(_U32)
-    ub = _bits(u, _U32)
+@_static
+def _native_stochastic_round(x, k0, k1, first_lo, first_hi, *, lane0, fmt_name, saturate):
+    fmt = FORMATS[fmt_name]
+    n = x.size
+    u = _blocked(_bits(x, _U32), lane0, n)
+    y = _encode(u, fmt, saturate, _random16(k0, k1, lane0, first_lo, first_hi, n))
+    return _to_narrow(_unblocked(y, lane0, n), fmt, x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt_name", "saturate"))
+def _native_round_nearest(x, *, fmt_name, saturate):
+    fmt = FORMATS[fmt_name]
+    return _to_narrow(_encode(_bits(x, _U32), fmt, saturate), fmt, x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt_name",))
+def _native_to_float32(y, *, fmt_name):
+    h = _bits(y, jnp.uint16).astype(_U32)
+    return lax.bitcast_convert_type(_decode(h, FORMATS[fmt_name]), jnp.float32).reshape(y.shape)
+
+
+@_static
+def _native_stochastic_add(w, u, alpha, k0, k1, first_lo, first_hi, *, lane0, fmt_name,
+                           saturate):
+    fmt = FORMATS[fmt_name]
+    n = w.size
+    wb = _blocked(_bits(w, jnp.uint16).astype(_U32), lane0, n)
+    ub = _blocked(_bits(u, _U32), lane0, n)
     ab = lax.bitcast_convert_type(jnp.asarray(alpha, jnp.float32), _U32)
     total = _fma_bits(ab, ub, _decode(wb, fmt))
-    r = _random16(k0, k1, offset, wb.size)
-    out = _encode(total, fmt, saturate, r).astype(jnp.uint16)
-    return lax.bitcast_convert_type(out, w.dtype).reshape(w.shape)
+    bits16 = _random16(k0, k1, lane0, first_lo, first_hi, n)
+    out = _unblocked(_encode(total, fmt, saturate, bits16), lane0, n)
+    return lax.bitcast_convert_type(out.astype(jnp.uint16), w.dtype).reshape(w.shape)
 
 
 # -- callback implementations ----------------------------------------------------------------
@@ -454,8 +520,20 @@ def _seed_of(k0, k1) -> int:
     return int(k0) | (int(k1) << 32)
 
 
+# XLA's CPU runtime runs computations, and the host callbacks inside them, with the thread's
+# flush-to-zero / denormals-are-zero flags set: a Numba fma there treats subnormal operands as
+# zero (alpha = 2**-130 times inf gave NaN instead of inf). So the host work runs on a thread of
+# its own, started here, at import, with the default floating-point environment (a new thread
+# inherits its creator's); Numba's worker pool, if first started from it, inherits it too.
+_HOST = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="srround-jax-host")
+_HOST.submit(int).result()  # start the thread now, outside any XLA computation
+
+
 def _callback(fn, result_shape, *args):
-    return jax.pure_callback(fn, result_shape, *args, vmap_method="sequential")
+    def on_host(*arrays):
+        return _HOST.submit(fn, *arrays).result()
+
+    return jax.pure_callback(on_host, result_shape, *args, vmap_method="sequential")
 
 
 def _host(name: str):
@@ -491,12 +569,15 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf"
     impl = _impl(impl, x)
     k0, k1 = _key_words(seed)
     if impl == "native":
-        return _native_stochastic_round(x, k0, k1, offset, fmt, saturate)
+        if x.size == 0:
+            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
+        return _native_stochastic_round(x, _u(k0), _u(k1), *_first_block(offset),
+                                        lane0=offset & 3, fmt_name=fmt.name, saturate=saturate)
 
     def host(xh, h0, h1):
         y = _host("stochastic_round")(np.ascontiguousarray(xh), dtype=fmt.name,
                                       seed=_seed_of(h0, h1), offset=offset, overflow=overflow)
-        return np.asarray(y)
+        return np.asarray(y).reshape(xh.shape)
 
     shape = jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name])
     return _callback(host, shape, x, _u(k0), _u(k1))
@@ -512,11 +593,11 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
     if _impl(impl, x) == "native":
         if x.size == 0:
             return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
-        return _to_narrow(_encode(_bits(x, _U32), fmt, saturate), fmt, x.shape)
+        return _native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
 
     def host(xh):
         return np.asarray(_host("round_nearest")(np.ascontiguousarray(xh), dtype=fmt.name,
-                                                 overflow=overflow))
+                                                 overflow=overflow)).reshape(xh.shape)
 
     return _callback(host, jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name]), x)
 
@@ -529,11 +610,11 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
     if _impl(impl, y) == "native":
         if y.size == 0:
             return jnp.zeros(y.shape, jnp.float32)
-        h = _bits(y, jnp.uint16).astype(_U32)
-        return lax.bitcast_convert_type(_decode(h, fmt), jnp.float32).reshape(y.shape)
+        return _native_to_float32(y, fmt_name=fmt.name)
 
     def host(yh):
-        return np.asarray(_host("to_float32")(np.ascontiguousarray(yh), dtype=fmt.name))
+        widened = _host("to_float32")(np.ascontiguousarray(yh), dtype=fmt.name)
+        return np.asarray(widened).reshape(yh.shape)
 
     return _callback(host, jax.ShapeDtypeStruct(y.shape, jnp.float32), y)
 
@@ -568,7 +649,10 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
             raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
         alpha = alpha.astype(jnp.float32)
     if impl == "native":
-        return _native_stochastic_add(w, u, alpha, k0, k1, offset, fmt, saturate)
+        if w.size == 0:
+            return w
+        return _native_stochastic_add(w, u, alpha, _u(k0), _u(k1), *_first_block(offset),
+                                      lane0=offset & 3, fmt_name=fmt.name, saturate=saturate)
 
     def host(wh, uh, ah, h0, h1):
         target = np.array(wh)  # a writable copy: the callback's input is read-only
@@ -591,4 +675,13 @@ def _unsupported(*args, **kwargs):
     )
 
 
-source = target = inplace = counter = _unsupported
+source = target = inplace = counter = buffer_table = _unsupported
+
+
+from ._jax_loss_scale import (  # noqa: E402  (the framework layer, after the adapter)
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    select_tree,
+)

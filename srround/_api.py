@@ -35,6 +35,12 @@ def _key(seed) -> tuple[int, int]:
     return split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
 
 
+def _own(adapter, name: str):
+    """The adapter's own implementation of API function ``name``, if it has one: adapters of
+    immutable arrays (JAX) provide the functional API themselves (``srround.adapters``)."""
+    return getattr(adapter, name, None)
+
+
 def _launch(kernel: str, view: View, *args) -> None:
     """Run ``kernel`` of the backend where ``view`` lives (CUDA on the view's stream)."""
     if view.bits.size == 0:
@@ -73,11 +79,13 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     Example:
         >>> y = srround.stochastic_round(np.float32([1.0 + 2**-9]), seed=0)
     """
+    adapter = adapter_for(x=x, out=out)
+    if own := _own(adapter, "stochastic_round"):
+        return own(x, dtype=dtype, seed=seed, offset=offset, out=out, overflow=overflow)
     fmt = get_format(dtype)
     saturate = _saturate(overflow)
     k0, k1 = _key(seed)
     offset = check_offset(offset)
-    adapter = adapter_for(x=x, out=out)
     src, _ = adapter.source(x, "x")
     dst = adapter.target(out, "out", src, fmt)
     check_same_place(x=src, out=dst)
@@ -95,9 +103,11 @@ def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
     bits, torch's CPU casts keep the top ones (fp16) or write 0xFFFF (vectorised bf16).
 
     Args and returns as ``stochastic_round`` (no randomness)."""
+    adapter = adapter_for(x=x, out=out)
+    if own := _own(adapter, "round_nearest"):
+        return own(x, dtype=dtype, out=out, overflow=overflow)
     fmt = get_format(dtype)
     saturate = _saturate(overflow)
-    adapter = adapter_for(x=x, out=out)
     src, _ = adapter.source(x, "x")
     dst = adapter.target(out, "out", src, fmt)
     check_same_place(x=src, out=dst)
@@ -115,8 +125,10 @@ def to_float32(y, *, dtype=None, out=None):
         dtype: the format of ``y`` when its dtype does not say it.
         out: optional float32 result array of ``y``'s shape.
     """
-    fmt = None if dtype is None else get_format(dtype)
     adapter = adapter_for(y=y, out=out)
+    if own := _own(adapter, "to_float32"):
+        return own(y, dtype=dtype, out=out)
+    fmt = None if dtype is None else get_format(dtype)
     src, fmt = adapter.source(y, "y", fmt, narrow=True)
     dst = adapter.target(out, "out", src, None)
     check_same_place(y=src, out=dst)
@@ -138,13 +150,15 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
         dtype: the format of ``w`` when its dtype does not say it.
 
     Returns:
-        ``w`` (updated).
+        ``w`` (updated); for JAX arrays, which are immutable, the new array (``w`` unchanged).
     """
+    adapter = adapter_for(w=w, u=u)
+    if own := _own(adapter, "stochastic_add"):
+        return own(w, u, alpha=alpha, seed=seed, offset=offset, dtype=dtype, overflow=overflow)
     fmt = None if dtype is None else get_format(dtype)
     saturate = _saturate(overflow)
     k0, k1 = _key(seed)
     offset = check_offset(offset)
-    adapter = adapter_for(w=w, u=u)
     dst, fmt = adapter.inplace(w, "w", fmt)
     src, _ = adapter.source(u, "u")
     check_shape("u", src.shape, dst.shape, "w's")

@@ -30,10 +30,11 @@ def test_demo_command_writes_table_and_plot(tmp_path):
     assert (tmp_path / "demo_loss.png").stat().st_size > 10_000
 
 
-def test_demo_on_torch_matches_numpy():
-    pytest.importorskip("torch")
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_demo_on_other_frameworks_matches_numpy(framework):
+    pytest.importorskip(framework)
     kwargs = dict(steps=60, features=64, samples=512, eval_every=20)
     ours = run_demo(**kwargs)
-    theirs = run_demo(framework="torch", **kwargs)
+    theirs = run_demo(framework=framework, **kwargs)
     for method, curve in ours.losses.items():
         assert curve == pytest.approx(theirs.losses[method], rel=1e-4), method

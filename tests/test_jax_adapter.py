@@ -1,0 +1,313 @@
+"""JAX adapter: both implementations give the NumPy path's bits, under jit and vmap, any seed
+form, any offset; the exact fma of the native stochastic_add against Numba's llvm.fma."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import srround  # noqa: E402
+from srround.adapters import jax as sj  # noqa: E402
+
+IMPLS = ["native", "callback"]
+FMTS = ["bfloat16", "float16"]
+NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+SPECIAL_BITS = [
+    0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF800001, 0x7FC00000, 0xFFC00000, 0x7FA00000,
+    0x7F800000, 0xFF800000, 0x00000000, 0x80000000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00000001,
+    0x80000001, 0x007FFFFF, 0x00800000, 0x3F800000, 0x3F808000, 0x3F808001, 0x3F7FFFFF,
+]
+SPECIAL_VALUES = [65504.0, -65504.0, 65519.0, 65520.0, 65535.0, 1e5, 6.1e-5, 6.0e-8, 5.9e-8,
+                  3.0e-8, 2.9e-8, 1e-10, 3.389e38, 3.3895e38, -3.4e38, 1.0 + 2.0**-9]
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+
+
+def _inputs(n=4096, seed=0) -> np.ndarray:
+    """Random normals at many scales, fp32/fp16/bf16 subnormals, and the special values."""
+    rng = np.random.default_rng(seed)
+    parts = [
+        rng.standard_normal(n) * 10.0 ** rng.integers(-8, 6, n),
+        rng.standard_normal(256) * 2.0**-130,  # fp32 subnormals
+        rng.standard_normal(256) * 2.0**-20,  # fp16 subnormal range
+        rng.uniform(6e4, 7e4, 64) * rng.choice([-1, 1], 64),  # fp16 overflow boundary
+    ]
+    x = np.concatenate([np.concatenate(parts).astype(np.float32),
+                        np.array(SPECIAL_VALUES, np.float32),
+                        np.array(SPECIAL_BITS, np.uint32).view(np.float32)])
+    return x
+
+
+@pytest.mark.parametrize("overflow", ["inf", "saturate"])
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stochastic_round_matches_numpy_path(impl, fmt, overflow):
+    x = _inputs()
+    x = np.concatenate([x, x[:-x.size % 7]]).reshape(-1, 7)  # 2-D, odd row length
+    expected = srround.stochastic_round(x, dtype=fmt, seed=0x1234_5678_9ABC, offset=7,
+                                        overflow=overflow)
+    fn = jax.jit(lambda a: sj.stochastic_round(a, dtype=fmt, seed=0x1234_5678_9ABC, offset=7,
+                                               overflow=overflow, impl=impl))
+    got = fn(jnp.asarray(x))
+    assert got.dtype == JNP_DTYPES[fmt] and got.shape == x.shape
+    np.testing.assert_array_equal(_bits(got), _bits(expected))
+
+
+@pytest.mark.parametrize("overflow", ["inf", "saturate"])
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_round_nearest_matches_numpy_path(impl, fmt, overflow):
+    x = _inputs(seed=1)
+    expected = srround.round_nearest(x, dtype=fmt, overflow=overflow)
+    got = jax.jit(lambda a: sj.round_nearest(a, dtype=fmt, overflow=overflow, impl=impl))(
+        jnp.asarray(x))
+    assert got.dtype == JNP_DTYPES[fmt]
+    np.testing.assert_array_equal(_bits(got), _bits(expected))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_to_float32_all_patterns(impl, fmt):
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    expected = srround.to_float32(patterns.view(NP_DTYPES[fmt]))
+    got = jax.jit(lambda a: sj.to_float32(a, impl=impl))(jnp.asarray(patterns.view(NP_DTYPES[fmt])))
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(_bits(got), _bits(expected))
+    raw = sj.to_float32(jnp.asarray(patterns), dtype=fmt, impl=impl)  # uint16 patterns
+    np.testing.assert_array_equal(_bits(raw), _bits(expected))
+
+
+def _add_case(fmt, n=3000, seed=2):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 4, n)).astype(np.float32)
+    u = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 4, n)).astype(np.float32)
+    # hard cases: u ~ -w / alpha (cancellation), tiny u (sticky / ties), specials, subnormals
+    u[:300] = (-w[:300] / 0.37 * (1 + rng.standard_normal(300) * 2.0**-20)).astype(np.float32)
+    u[300:600] *= np.float32(2.0**-60)
+    u[600:600 + len(SPECIAL_BITS)] = np.array(SPECIAL_BITS, np.uint32).view(np.float32)
+    w[700:700 + len(SPECIAL_BITS)] = np.array(SPECIAL_BITS, np.uint32).view(np.float32)
+    w[800:900] *= np.float32(2.0**-120)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return w.astype(NP_DTYPES[fmt]), u
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stochastic_add_matches_numpy_path(impl, fmt):
+    w, u = _add_case(fmt)
+    fn = jax.jit(lambda a, b, alpha, key: sj.stochastic_add(a, b, alpha=alpha, seed=key,
+                                                            offset=11, impl=impl))
+    key = jax.random.key(99)
+    seed = int(jax.random.key_data(key)[0]) | int(jax.random.key_data(key)[1]) << 32
+    for alpha in [1.0, -0.37, 3.1e-4, 1.7e3, 2.0**-130, -1.0 / 3.0]:
+        expected = w.copy()
+        srround.stochastic_add(expected, u, alpha=alpha, seed=seed, offset=11)
+        got = fn(jnp.asarray(w), jnp.asarray(u), jnp.float32(alpha), key)  # alpha traced
+        assert got.dtype == JNP_DTYPES[fmt]
+        np.testing.assert_array_equal(_bits(got), _bits(expected), err_msg=f"alpha={alpha}")
+    # static alpha, saturating overflow, uint16 patterns with dtype=
+    expected = w.copy()
+    srround.stochastic_add(expected, u, alpha=0.1, seed=5, overflow="saturate")
+    got = sj.stochastic_add(jnp.asarray(w.view(np.uint16)), jnp.asarray(u), alpha=0.1, seed=5,
+                            dtype=fmt, overflow="saturate", impl=impl)
+    assert got.dtype == jnp.uint16
+    np.testing.assert_array_equal(_bits(got), _bits(expected))
+
+
+def test_native_fma_is_exact():
+    """``_fma_bits`` (integer fma) against Numba's ``fma32`` (llvm.fma.f32) on hard cases:
+    cancellation, exact ties, tiny addends, subnormal and overflowing results, specials."""
+    numba = pytest.importorskip("numba")
+    from srround._scalar import bits_to_f32, f32_to_bits, fma32
+
+    @numba.njit
+    def reference(a, b, c):
+        out = np.empty(a.size, np.uint32)
+        for i in range(a.size):
+            out[i] = f32_to_bits(fma32(bits_to_f32(np.int64(a[i])), bits_to_f32(np.int64(b[i])),
+                                       bits_to_f32(np.int64(c[i]))))
+        return out
+
+    rng = np.random.default_rng(3)
+    n = 1 << 15
+
+    def patterns(lo, hi):
+        sign = rng.integers(0, 2, n, dtype=np.uint32) << 31
+        return sign | (rng.integers(lo, hi, n, dtype=np.uint32) << 23) | rng.integers(
+            0, 1 << 23, n, dtype=np.uint32)
+
+    a = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    cancel = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(n) * 2.0 ** -rng.integers(
+        0, 40, n))).astype(np.float32)
+    tie_a = (rng.integers(2**12, 2**13, n) * 2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+    tie_b = (rng.integers(2**12, 2**13, n) * 2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+    tie_c = (rng.integers(-2**24, 2**24, n) * 2.0 ** rng.integers(-50, 10, n)).astype(np.float32)
+    special = np.array(SPECIAL_BITS, np.uint32)
+    grid = [g.ravel() for g in np.meshgrid(special, special, special, indexing="ij")]
+    cases = [
+        (a.view(np.uint32), b.view(np.uint32), cancel.view(np.uint32)),
+        (tie_a.view(np.uint32), tie_b.view(np.uint32), tie_c.view(np.uint32)),
+        (patterns(0, 255), patterns(0, 255), patterns(0, 256)),
+        (patterns(20, 110), patterns(20, 110), patterns(0, 30)),  # subnormal results
+        (patterns(150, 254), patterns(100, 254), patterns(200, 255)),  # overflow
+        tuple(grid),
+    ]
+    fma = jax.jit(sj._fma_bits)
+    for i, (x, y, z) in enumerate(cases):
+        x, y, z = (np.ascontiguousarray(v, np.uint32) for v in (x, y, z))
+        want = reference(x, y, z)
+        got = np.asarray(fma(jnp.asarray(x), jnp.asarray(y), jnp.asarray(z)))
+        nan_w = (want & 0x7FFFFFFF) > 0x7F800000
+        nan_g = (got & 0x7FFFFFFF) > 0x7F800000
+        # NaN payloads may differ (rounding canonicalises them); NaN-ness and sign may not
+        same = np.where(nan_w | nan_g, nan_w & nan_g & ((want >> 31) == (got >> 31)),
+                        want == got)
+        bad = np.flatnonzero(~same)
+        assert bad.size == 0, (i, [tuple(hex(int(v[j])) for v in (x, y, z, want, got))
+                                   for j in bad[:5]])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_with_key_and_int_seed(impl):
+    x = _inputs(1000, seed=4)
+    key = jax.random.key(2024)
+    w0, w1 = (int(v) for v in jax.random.key_data(key))
+    expected = srround.stochastic_round(x, seed=w0 | w1 << 32, offset=3)
+    by_key = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k, offset=3, impl=impl))
+    np.testing.assert_array_equal(_bits(by_key(jnp.asarray(x), key)), _bits(expected))
+    legacy = jax.random.PRNGKey(2024)  # uint32[2], as a traced argument
+    np.testing.assert_array_equal(_bits(by_key(jnp.asarray(x), legacy)),
+                                  _bits(srround.stochastic_round(
+                                      x, seed=int(legacy[0]) | int(legacy[1]) << 32, offset=3)))
+    by_int = jax.jit(lambda a: sj.stochastic_round(a, seed=77, offset=3, impl=impl))
+    np.testing.assert_array_equal(_bits(by_int(jnp.asarray(x))),
+                                  _bits(srround.stochastic_round(x, seed=77, offset=3)))
+
+
+def test_key_seed_is_the_documented_int_seed():
+    x = jnp.asarray(_inputs(500, seed=5))
+    for key in [jax.random.key(5), jax.random.PRNGKey(5), jax.random.key(2**40 + 9)]:
+        data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+        seed = int(data[0]) | int(data[1]) << 32
+        np.testing.assert_array_equal(_bits(sj.stochastic_round(x, seed=key)),
+                                      _bits(sj.stochastic_round(x, seed=seed)))
+    # jax.random.key(5) has data (0, 5): the int seed 5 << 32, not 5
+    np.testing.assert_array_equal(_bits(sj.stochastic_round(x, seed=jax.random.key(5))),
+                                  _bits(sj.stochastic_round(x, seed=5 << 32)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap_equals_per_row_calls(impl):
+    x = _inputs(1200, seed=6)[:1200].reshape(4, 300)
+    key = jax.random.key(11)
+    rows = jax.vmap(lambda r: sj.stochastic_round(r, seed=key, offset=5, impl=impl))(
+        jnp.asarray(x))
+    for i in range(4):
+        np.testing.assert_array_equal(
+            _bits(rows[i]), _bits(sj.stochastic_round(jnp.asarray(x[i]), seed=key, offset=5,
+                                                      impl=impl)))
+    keys = jax.random.split(key, 4)  # a batched (traced) key per row
+    rows = jax.jit(jax.vmap(lambda r, k: sj.stochastic_round(r, seed=k, impl=impl)))(
+        jnp.asarray(x), keys)
+    for i in range(4):
+        data = jax.random.key_data(keys[i])
+        expected = srround.stochastic_round(x[i], seed=int(data[0]) | int(data[1]) << 32)
+        np.testing.assert_array_equal(_bits(rows[i]), _bits(expected))
+    w = x.astype(ml_dtypes.bfloat16)
+    added = jax.vmap(lambda a, b: sj.stochastic_add(a, b, alpha=0.3, seed=key, impl=impl))(
+        jnp.asarray(w), jnp.asarray(x * 0.01))
+    for i in range(4):
+        np.testing.assert_array_equal(
+            _bits(added[i]), _bits(sj.stochastic_add(jnp.asarray(w[i]), jnp.asarray(x[i] * 0.01),
+                                                     alpha=0.3, seed=key, impl=impl)))
+
+
+@pytest.mark.parametrize("offset", [2**33 + 3, 4 * (2**32 - 1) + 1, 2**62 - 5])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_large_offsets_carry_into_the_high_counter_word(impl, offset):
+    x = _inputs(900, seed=7)
+    expected = srround.stochastic_round(x, seed=3, offset=offset)
+    got = sj.stochastic_round(jnp.asarray(x), seed=3, offset=offset, impl=impl)
+    np.testing.assert_array_equal(_bits(got), _bits(expected))
+
+
+def test_seed_none_draws_from_the_library_generator():
+    x = _inputs(500, seed=8)
+    srround.manual_seed(123)
+    expected = [_bits(srround.stochastic_round(x)) for _ in range(2)]
+    for impl in IMPLS:
+        srround.manual_seed(123)
+        got = [_bits(sj.stochastic_round(jnp.asarray(x), impl=impl)) for _ in range(2)]
+        np.testing.assert_array_equal(got[0], expected[0])
+        np.testing.assert_array_equal(got[1], expected[1])
+
+
+def test_top_level_api_dispatches_jax_arrays():
+    x = _inputs(600, seed=9)
+    x = x[np.isfinite(x)]  # (ml_dtypes casts of NaN warn)
+    xj = jnp.asarray(x)
+    y = srround.stochastic_round(xj, seed=8, offset=2, dtype="fp16")
+    assert isinstance(y, jax.Array) and y.dtype == jnp.float16
+    np.testing.assert_array_equal(
+        _bits(y), _bits(srround.stochastic_round(x, seed=8, offset=2, dtype="fp16")))
+    np.testing.assert_array_equal(_bits(srround.round_nearest(xj)),
+                                  _bits(srround.round_nearest(x)))
+    z = srround.to_float32(srround.round_nearest(xj))
+    assert z.dtype == jnp.float32
+    w = jnp.asarray(x.astype(ml_dtypes.bfloat16))
+    new = srround.stochastic_add(w, xj, alpha=0.5, seed=1)
+    expected = x.astype(ml_dtypes.bfloat16)
+    srround.stochastic_add(expected, x, alpha=0.5, seed=1)
+    np.testing.assert_array_equal(_bits(new), _bits(expected))
+    np.testing.assert_array_equal(_bits(w), _bits(x.astype(ml_dtypes.bfloat16)))  # unchanged
+    traced = jax.jit(lambda a, k: srround.stochastic_round(a, seed=k))(xj, jax.random.key(4))
+    np.testing.assert_array_equal(_bits(traced),
+                                  _bits(sj.stochastic_round(xj, seed=jax.random.key(4))))
+
+
+def test_empty_and_scalar_inputs():
+    for impl in IMPLS:
+        empty = sj.stochastic_round(jnp.zeros((0, 3), jnp.float32), seed=0, impl=impl)
+        assert empty.shape == (0, 3)
+        y = sj.stochastic_round(jnp.float32(1.0), seed=0, impl=impl)
+        assert y.shape == () and float(y) == 1.0
+        w = jnp.zeros((0,), jnp.bfloat16)
+        assert sj.stochastic_add(w, jnp.zeros((0,), jnp.float32), seed=0, impl=impl).shape == (0,)
+
+
+def test_errors():
+    x = jnp.ones(4, jnp.float32)
+    with pytest.raises(TypeError, match=r"x: expected a float32 array, got int32"):
+        sj.stochastic_round(jnp.ones(4, jnp.int32), seed=0)
+    with pytest.raises(TypeError, match=r"x: expected a float32 array, got int32"):
+        srround.stochastic_round(jnp.ones(4, jnp.int32), seed=0)
+    with pytest.raises(ValueError, match=r"impl: expected one of 'native', 'callback'"):
+        sj.stochastic_round(x, seed=0, impl="numba")
+    with pytest.raises(TypeError, match=r"out: JAX arrays are immutable"):
+        srround.stochastic_round(x, seed=0, out=jnp.zeros(4, jnp.bfloat16))
+    with pytest.raises(TypeError, match=r"seed: expected None, an int"):
+        sj.stochastic_round(x, seed=1.5)
+    with pytest.raises(ValueError, match=r"seed: expected an int in \[0, 2\*\*64\)"):
+        sj.stochastic_round(x, seed=-1)
+    with pytest.raises(ValueError, match=r"overflow: expected one of"):
+        sj.stochastic_round(x, seed=0, overflow="clip")
+    with pytest.raises(ValueError, match=r"dtype: unsupported target format"):
+        sj.stochastic_round(x, seed=0, dtype="int8")
+    with pytest.raises(ValueError, match=r"u: shape \(3,\) does not match w's shape \(4,\)"):
+        sj.stochastic_add(jnp.zeros(4, jnp.bfloat16), jnp.zeros(3, jnp.float32), seed=0)
+    with pytest.raises(TypeError, match=r"w: expected a narrow float array"):
+        sj.stochastic_add(jnp.zeros(4, jnp.float32), x, seed=0)
+    with pytest.raises(TypeError, match=r"pass arrays of one framework per call"):
+        srround.stochastic_add(jnp.zeros(4, jnp.bfloat16), np.zeros(4, np.float32), seed=0)
+    with pytest.raises(TypeError, match=r"JAX arrays are immutable"):
+        srround.unscale_and_check([x], 0.5)
