@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         "demo", help="train a small model with bf16 weights: nearest stalls, stochastic tracks fp32"
     )
     demo.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
-    demo.add_argument("--lr", type=float, default=3e-5, help="Adam learning rate (default 3e-5)")
+    demo.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
     demo.add_argument("--seed", type=int, default=0, help="data and rounding seed (default 0)")
     demo.add_argument("--out", default="srround-demo", help="folder for the plot")
     demo.add_argument("--framework", default="numpy", choices=["numpy", "torch", "jax"],

@@ -1,6 +1,6 @@
 """``srround demo``: the problem and the fix, on this machine, in about a minute.
 
-A linear model (teacher-student regression on generated data, no downloads) is trained with Adam
+A linear model (teacher-student regression on generated data, no downloads) is trained with AdamW
 at a small learning rate, its weights stored four ways:
 
 * ``fp32``              - the reference trajectory;
@@ -98,8 +98,8 @@ class _Framework:
 
 
 def run_demo(
-    steps=1500, lr=3e-5, features=512, samples=4096, batch=256, seed=0, eval_every=10,
-    framework="numpy", device="cpu", progress=None,
+    steps=1500, lr=3e-5, weight_decay=0.01, features=512, samples=4096, batch=256, seed=0,
+    eval_every=10, framework="numpy", device="cpu", progress=None,
 ):
     """Train every variant; returns a ``DemoResult``. ``progress(step)`` is called per step.
 
@@ -157,7 +157,8 @@ def run_demo(
             adam[method] = (m, v)
             m_hat = m / (1 - beta1**step)
             v_hat = v / (1 - beta2**step)
-            update = -lr * m_hat / (xp.sqrt(v_hat) + eps)
+            # AdamW (torch.optim.AdamW's math): decoupled weight decay on the forward weights
+            update = -lr * (m_hat / (xp.sqrt(v_hat) + eps) + weight_decay * w32)
             w = weights[method]
             if method == "bf16 nearest":
                 w = srround.round_nearest(srround.to_float32(w) + update)
@@ -181,7 +182,7 @@ def run_demo(
 
 def format_table(result: DemoResult) -> str:
     lines = [
-        f"{result.where}: Adam, lr={result.lr:g}, {result.steps} steps; progress = (L - L_fp32) / (L_0 - L_fp32):"
+        f"{result.where}: AdamW, lr={result.lr:g}, {result.steps} steps; progress = (L - L_fp32) / (L_0 - L_fp32):"
         " 0 is as far as fp32 got, 1 is no progress",
         f"{'method':<20} {'final loss':>12} {'progress':>10}",
     ]
@@ -211,7 +212,7 @@ def plot(result: DemoResult, path: str) -> bool:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (MSE)")
     ax.set_yscale("log")
-    ax.set_title(f"bf16 weights, Adam lr={result.lr:g}: nearest stalls, stochastic tracks fp32")
+    ax.set_title(f"bf16 weights, AdamW lr={result.lr:g}: nearest stalls, stochastic tracks fp32")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
