@@ -62,3 +62,11 @@ def adapter_for(**arrays):
     if found is None:
         raise TypeError("no array given")
     return importlib.import_module(f"{__name__}.{found[1]}")
+
+
+def __getattr__(name):
+    """``srround.adapters.torch`` etc. without an explicit import: the framework is imported
+    only when its adapter is first asked for."""
+    if name in set(_ADAPTERS.values()):
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

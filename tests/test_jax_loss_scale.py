@@ -62,3 +62,7 @@ def test_scale_unscale_all_finite_select():
     assert float(picked["a"].sum()) == 0.0
     assert NoOpLossScale().unscale(grads) is grads
     assert StaticLossScale(jnp.float32(8.0)).adjust(jnp.bool_(False)).loss_scale == 8.0
+
+
+def test_reachable_as_documented():
+    assert srround.adapters.jax.DynamicLossScale is DynamicLossScale  # lazy submodule access
