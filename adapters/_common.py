@@ -52,3 +52,15 @@ def buffer_code(dtype, name: str) -> int:
     except KeyError:
         expected = ", ".join(str(d) for d in BUFFER_CODES)
         raise TypeError(f"{name}: expected a {expected} array, got {dtype}") from None
+
+
+def buffer_table(arrays, name: str, buffer_info):
+    """``(addresses, sizes, format codes, place)`` of arrays updated in place by a tensor-list
+    kernel; ``buffer_info(array, name)`` checks one array (errors name ``name[i]``)."""
+    infos = [buffer_info(a, f"{name}[{i}]") for i, a in enumerate(arrays)]
+    places = {info[3] for info in infos}
+    if len(places) > 1:
+        raise ValueError(f"{name}: arrays on several devices ({sorted(places)}); pass one"
+                         " device's arrays per call")
+    addresses, sizes, codes, _ = zip(*infos)
+    return list(addresses), list(sizes), list(codes), places.pop()

@@ -86,7 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from srround._formats import FORMATS, Format, get_format
+from srround._formats import FORMATS, Format, get_format, saturate_flag
 from srround._rng import check_offset, check_seed, next_seed, split_seed
 
 __all__ = [
@@ -103,7 +103,6 @@ __all__ = [
 ]
 
 IMPLS = ("native", "callback")
-_OVERFLOW = {"inf": False, "saturate": True}
 _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _U32 = jnp.uint32
 
@@ -118,15 +117,6 @@ def _impl(impl, x) -> str:
         options = ", ".join(map(repr, IMPLS))
         raise ValueError(f"impl: expected one of {options} or None, got {impl!r}")
     return impl
-
-
-def _saturate(overflow) -> bool:
-    try:
-        return _OVERFLOW[overflow]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"overflow: expected one of {sorted(_OVERFLOW)}, got {overflow!r}"
-        ) from None
 
 
 def _no_out(out) -> None:
@@ -563,7 +553,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf"
     """
     _no_out(out)
     fmt = get_format(dtype)
-    saturate = _saturate(overflow)
+    saturate = saturate_flag(overflow)
     offset = check_offset(offset)
     x = _check_float32(x, "x")
     impl = _impl(impl, x)
@@ -588,7 +578,7 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
     ``srround.round_nearest``; every NaN becomes the format's quiet NaN with its sign)."""
     _no_out(out)
     fmt = get_format(dtype)
-    saturate = _saturate(overflow)
+    saturate = saturate_flag(overflow)
     x = _check_float32(x, "x")
     if _impl(impl, x) == "native":
         if x.size == 0:
@@ -637,7 +627,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     u = _check_float32(u, "u")
     if tuple(u.shape) != tuple(w.shape):
         raise ValueError(f"u: shape {tuple(u.shape)} does not match w's shape {tuple(w.shape)}")
-    saturate = _saturate(overflow)
+    saturate = saturate_flag(overflow)
     offset = check_offset(offset)
     impl = _impl(impl, w)
     k0, k1 = _key_words(seed)

@@ -14,7 +14,7 @@ from srround._numba_cuda_compat import import_numba_cuda
 
 from srround._tensor_list import address
 
-from ._common import buffer_code, check_contiguous, check_float32, narrow_format
+from ._common import buffer_code, buffer_table as _buffer_table, check_contiguous, check_float32, narrow_format
 from ._view import View, check_shape
 
 _FIX = "a contiguous copy (numba.cuda.device_array + copy_to_device)"
@@ -81,14 +81,8 @@ def counter(c, name: str, like: View) -> View:
 
 def buffer_table(arrays, name: str):
     """``(addresses, sizes, format codes, place)`` of arrays updated in place by a tensor-list
-    kernel (checked one by one; errors name ``name[i]``)."""
-    infos = [_buffer_info(a, f"{name}[{i}]") for i, a in enumerate(arrays)]
-    places = {info[3] for info in infos}
-    if len(places) > 1:
-        raise ValueError(f"{name}: arrays on several devices ({sorted(places)}); pass one"
-                         " device's arrays per call")
-    addresses, sizes, codes, _ = zip(*infos)
-    return list(addresses), list(sizes), list(codes), places.pop()
+    kernel (``_common.buffer_table``)."""
+    return _buffer_table(arrays, name, _buffer_info)
 
 
 def _buffer_info(a, name: str) -> tuple[int, int, int, str]:

@@ -15,21 +15,9 @@ from srround.adapters import adapter_for
 from srround.adapters._view import View, check_same_place, check_shape
 
 from . import _cpu, _loss_scale
-from ._formats import get_format
+from ._formats import get_format, saturate_flag
 from ._rng import check_offset, check_seed, next_seed, split_seed
 from ._tensor_list import FORMAT_CODES, TensorList
-
-_OVERFLOW = {"inf": False, "saturate": True}
-
-
-def _saturate(overflow: str) -> bool:
-    try:
-        return _OVERFLOW[overflow]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"overflow: expected one of {sorted(_OVERFLOW)}, got {overflow!r}"
-        ) from None
-
 
 def _key(seed) -> tuple[int, int]:
     return split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
@@ -83,7 +71,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     if own := _own(adapter, "stochastic_round"):
         return own(x, dtype=dtype, seed=seed, offset=offset, out=out, overflow=overflow)
     fmt = get_format(dtype)
-    saturate = _saturate(overflow)
+    saturate = saturate_flag(overflow)
     k0, k1 = _key(seed)
     offset = check_offset(offset)
     src, _ = adapter.source(x, "x")
@@ -107,7 +95,7 @@ def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
     if own := _own(adapter, "round_nearest"):
         return own(x, dtype=dtype, out=out, overflow=overflow)
     fmt = get_format(dtype)
-    saturate = _saturate(overflow)
+    saturate = saturate_flag(overflow)
     src, _ = adapter.source(x, "x")
     dst = adapter.target(out, "out", src, fmt)
     check_same_place(x=src, out=dst)
@@ -156,7 +144,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     if own := _own(adapter, "stochastic_add"):
         return own(w, u, alpha=alpha, seed=seed, offset=offset, dtype=dtype, overflow=overflow)
     fmt = None if dtype is None else get_format(dtype)
-    saturate = _saturate(overflow)
+    saturate = saturate_flag(overflow)
     k0, k1 = _key(seed)
     offset = check_offset(offset)
     dst, fmt = adapter.inplace(w, "w", fmt)

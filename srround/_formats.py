@@ -83,3 +83,16 @@ def get_format(dtype) -> Format:
             return FORMATS[short]
     valid = ", ".join(repr(n) for n in [*FORMATS, *_ALIASES])
     raise ValueError(f"dtype: unsupported target format {dtype!r}; expected one of {valid}")
+
+
+OVERFLOW_POLICIES = {"inf": False, "saturate": True}  # name -> saturate flag of the kernels
+
+
+def saturate_flag(overflow) -> bool:
+    """The kernels' ``saturate`` flag of an ``overflow=`` policy name, else a ValueError."""
+    try:
+        return OVERFLOW_POLICIES[overflow]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"overflow: expected one of {sorted(OVERFLOW_POLICIES)}, got {overflow!r}"
+        ) from None
