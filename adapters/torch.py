@@ -263,4 +263,4 @@ def _buffer_error(tensors, name):
         _check_contiguous(t, item)
 
 
-from ._torch_amp import GradScaler  # noqa: E402  (the framework layer, after the adapter)
+from ._torch_amp import GradScaler  # noqa: E402, F401  (the framework layer, after the adapter)

@@ -20,7 +20,6 @@ import json
 import statistics
 import time
 
-import numpy as np
 
 
 def shapes(total: int, tensors: int = 196):

@@ -410,6 +410,15 @@ def cuda_rows():
         out = cuda.device_array(dx.size, np.uint16)
         return (lambda: srround.round_nearest(dx, dtype="bfloat16", out=out)), numba_sync
 
+    def widen(dx):
+        narrow = srround.round_nearest(dx, dtype="bfloat16")
+        out = cuda.device_array(dx.size, np.float32)
+        return (lambda: srround.to_float32(narrow, out=out)), numba_sync
+
+    def add(dx):
+        w = srround.round_nearest(dx, dtype="bfloat16")
+        return (lambda: srround.stochastic_add(w, dx, alpha=-1e-3, seed=SEED)), numba_sync
+
     def torch_cuda():
         torch = torch_module()
         if not torch.cuda.is_available():
