@@ -8,13 +8,14 @@ import sys
 
 
 def _demo(args) -> int:
-    from ._demo import format_table, plot, run_demo
+    from ._demo import METHODS, format_table, plot, run_demo
 
     try:
         from tqdm import tqdm
     except ImportError:  # the progress bar is optional (pip install "srround[demo]")
         tqdm = None
-    bar = tqdm(total=args.steps, desc="training 4 variants", unit="step") if tqdm else None
+    label = f"training {len(METHODS)} variants"
+    bar = tqdm(total=args.steps, desc=label, unit="step") if tqdm else None
     result = run_demo(
         steps=args.steps, lr=args.lr, seed=args.seed, framework=args.framework,
         device=args.device,
