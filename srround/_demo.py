@@ -1,7 +1,7 @@
 """``srround demo``: the problem and the fix, on this machine, in about a minute.
 
 A linear model (teacher-student regression on generated data, no downloads) is trained with AdamW
-at a small learning rate, its weights stored four ways:
+at a small learning rate, its weights stored six ways:
 
 * ``fp32``              - the reference trajectory;
 * ``bf16 nearest``      - bf16 weights, each fp32 update rounded to nearest: updates below half
