@@ -41,8 +41,9 @@ def check_contiguous(is_contiguous: bool, name: str, fix: str) -> None:
 
 
 # format codes of the tensor-list kernels (srround._tensor_list), by NumPy dtype
+# (int16: the raw 16-bit remainders of the optimizers' "remainder" weight mode)
 BUFFER_CODES = {np.dtype(np.float32): 0, FORMATS["bfloat16"].numpy_dtype: 1,
-                FORMATS["float16"].numpy_dtype: 2}
+                FORMATS["float16"].numpy_dtype: 2, np.dtype(np.int16): 3}
 
 
 def buffer_code(dtype, name: str) -> int:

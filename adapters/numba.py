@@ -74,7 +74,7 @@ def counter(c, name: str, like: View) -> View:
         c = import_numba_cuda().to_device(np.zeros(like.shape, np.int32))
     if c.dtype != np.int32:
         raise TypeError(f"{name}: expected an int32 device array, got {c.dtype}")
-    check_shape(name, c.shape, like.shape, "the scale's")
+    check_shape(name, c.shape, like.shape, "the expected")
     check_contiguous(_contiguous(c), name, _FIX)
     return _view(c, np.uint32)
 

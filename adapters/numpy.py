@@ -78,7 +78,7 @@ def counter(c, name: str, like: View) -> View:
     a = _as_array(c, name)
     if a.dtype != np.int32:
         raise TypeError(f"{name}: expected an int32 array, got {a.dtype}")
-    check_shape(name, a.shape, like.shape, "the scale's")
+    check_shape(name, a.shape, like.shape, "the expected")
     check_contiguous(a.flags.c_contiguous, name, _FIX)
     _check_writable(a, name)
     return _view(a, np.uint32)

@@ -216,14 +216,15 @@ def counter(c, name: str, like: View) -> View:
     t = _as_tensor(c, name)
     if t.dtype != torch.int32:
         raise TypeError(f"{name}: expected a torch.int32 tensor, got {t.dtype}")
-    check_shape(name, tuple(t.shape), like.shape, "the scale's")
+    check_shape(name, tuple(t.shape), like.shape, "the expected")
     _check_contiguous(t, name)
     view = _view(t, False, name)
     _mark_written(t)
     return view
 
 
-_BUFFER_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# (int16: the raw 16-bit remainders of the optimizers' "remainder" weight mode)
+_BUFFER_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 
 
 def buffer_table(tensors, name: str):
@@ -259,7 +260,8 @@ def _buffer_error(tensors, name):
         item = f"{name}[{i}]"
         _as_tensor(t, item)
         if t.dtype not in _BUFFER_CODES:
-            raise TypeError(f"{item}: expected a float32, bfloat16 or float16 tensor, got {t.dtype}")
+            raise TypeError(f"{item}: expected a float32, bfloat16, float16 (or int16) tensor,"
+                            f" got {t.dtype}")
         _check_contiguous(t, item)
 
 

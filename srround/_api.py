@@ -14,7 +14,7 @@ import numpy as np
 from srround.adapters import adapter_for
 from srround.adapters._view import View, check_same_place, check_shape
 
-from . import _cpu, _loss_scale
+from . import _cpu, _loss_scale, _optim
 from ._formats import get_format, saturate_flag
 from ._rng import check_offset, check_seed, next_seed, split_seed
 from ._tensor_list import FORMAT_CODES, TensorList
@@ -221,6 +221,7 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         if type(g) is not type(grads[0]):
             adapter_for(**{"grads[0]": grads[0], f"grads[{i}]": g})  # raises: mixed frameworks
     addresses, sizes, codes, place = adapter.buffer_table(grads, "grads")
+    _check_codes("grads", codes, (0, 1, 2), "float32, bfloat16 or float16")
     first, _ = _writable_view(adapter, grads[0], "grads[0]")
     if place != first.where:  # a device index the table and the view disagree on
         raise ValueError(f"grads: on {place}, expected {first.where}")
@@ -291,3 +292,179 @@ def update_scale(scale, growth_tracker, found_inf, *, overflow_tracker=None, gro
 
         _cuda.update_scale(*args, stream=scale_view.stream)
     return scale
+
+
+# -- fused optimizer steps ------------------------------------------------------------------
+
+
+def _check_codes(name, codes, allowed, expected):
+    for i, code in enumerate(codes):
+        if code not in allowed:
+            raise TypeError(f"{name}[{i}]: expected {expected}, got another dtype")
+
+
+def _as_list(arrays, name, count=None):
+    arrays = list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
+    if count is not None and len(arrays) != count:
+        raise ValueError(f"{name}: expected {count} arrays (one per parameter), got {len(arrays)}")
+    return arrays
+
+
+def _table_columns(adapter, arrays, name, sizes, place, allowed, expected):
+    """Addresses and codes of one buffer list, checked against the parameters' sizes and place;
+    ``None`` entries (no buffer) give address 0."""
+    present = [i for i, a in enumerate(arrays) if a is not None]
+    addresses, codes = [0] * len(arrays), [0] * len(arrays)
+    if present:
+        adds, got, cods, where = adapter.buffer_table([arrays[i] for i in present], name)
+        if where != place:
+            raise ValueError(f"{name}: on {where}, but params are on {place}")
+        _check_codes(name, cods, allowed, expected)
+        for i, a, n, c in zip(present, adds, got, cods):
+            if n != sizes[i]:
+                raise ValueError(f"{name}[{i}]: {n} elements, but params[{i}] has {sizes[i]}")
+            addresses[i], codes[i] = a, c
+    return addresses, codes
+
+
+_AUX = {  # weight mode -> (aux format code for a param of code c, description)
+    "kahan": (lambda c: c, "the parameter's dtype (bfloat16 or float16)"),
+    "master": (lambda c: 0, "float32"),
+    "remainder": (lambda c: 3, "int16"),
+}
+
+
+def _fused_step(kind, hyper, params, grads, states, aux, *, step, rounding, seed, inv_scale,
+                found_inf, name):
+    """Validate the buffer lists, build a ``_optim.FusedStep`` and run it once."""
+    if rounding not in _optim.MODES:
+        raise ValueError(f"rounding: expected one of {sorted(_optim.MODES)}, got {rounding!r}")
+    params = _as_list(params, "params")
+    if not params:
+        raise ValueError("params: expected at least one array")
+    count = len(params)
+    grads = _as_list(grads, "grads", count)
+    extra = {n: v for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf), ("step", step))
+             if v is not None and not isinstance(v, (int, float, np.integer, np.floating))}
+    adapter = adapter_for(params=params[0], grads=grads[0], **extra)
+    if _own(adapter, "stochastic_round"):  # immutable arrays (JAX)
+        raise TypeError(f"params: {name} updates buffers in place; for JAX use"
+                        " srround.adapters.jax.adamw or .apply_updates")
+    for label, arrays in (("params", params), ("grads", grads)):
+        for i, a in enumerate(arrays):
+            if type(a) is not type(params[0]):
+                adapter_for(**{"params[0]": params[0], f"{label}[{i}]": a})
+    p_addr, sizes, p_codes, place = adapter.buffer_table(params, "params")
+    _check_codes("params", p_codes, (0, 1, 2), "float32, bfloat16 or float16")
+    if rounding == "remainder":
+        _check_codes("params", p_codes, (0, 1), "bfloat16 (or float32) with rounding='remainder'")
+    g_addr, g_codes = _table_columns(adapter, grads, "grads", sizes, place, (0, 1, 2),
+                                     "float32, bfloat16 or float16")
+    columns, state_fmt = [], None
+    for label, arrays in states:
+        if arrays is None:
+            columns.append([0] * count)
+            continue
+        addrs, codes = _table_columns(adapter, _as_list(arrays, label, count), label, sizes, place,
+                                      (0, 1), "float32 or bfloat16")
+        for i, c in enumerate(codes):
+            if state_fmt is not None and c != state_fmt:
+                raise TypeError(f"{label}[{i}]: every state must have one dtype (float32 or"
+                                " bfloat16)")
+            state_fmt = c
+        columns.append(addrs)
+    aux_addr = [0] * count
+    if rounding in _AUX:
+        code_of, expected = _AUX[rounding]
+        if aux is None:
+            raise ValueError(f"aux: rounding={rounding!r} needs one buffer per parameter"
+                             f" ({expected}; None for float32 parameters)")
+        aux = _as_list(aux, "aux", count)
+        aux = [a if c else None for a, c in zip(aux, p_codes)]
+        aux_addr, a_codes = _table_columns(adapter, aux, "aux", sizes, place, (0, 1, 2, 3),
+                                           expected)
+        for i, (a, c) in enumerate(zip(aux, p_codes)):
+            if a is None and c:
+                raise ValueError(f"aux[{i}]: missing ({expected} buffer for rounding={rounding!r})")
+            if a is not None and a_codes[i] != code_of(c):
+                raise TypeError(f"aux[{i}]: expected {expected} for rounding={rounding!r}")
+    first, _ = _writable_view(adapter, params[0], "params[0]")
+    table = np.zeros((count, _optim.TABLE_COLUMNS), np.int64)
+    table[:, _optim.P_ADDR], table[:, _optim.P_FMT] = p_addr, p_codes
+    table[:, _optim.G_ADDR], table[:, _optim.G_FMT] = g_addr, g_codes
+    table[:, _optim.S1_ADDR], table[:, _optim.S2_ADDR] = columns
+    table[:, _optim.AUX_ADDR] = aux_addr
+    steps = _step_counter(adapter, step, first, count)
+    scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)
+    flags = _scalar_buffer(adapter, found_inf, "found_inf", first, 1)
+    check_same_place(**{"params[0]": first, "inv_scale": scales, "found_inf": flags,
+                        "step": steps})
+    k0, k1 = _key(seed)
+    fused = _optim.FusedStep(kind, _optim.MODES[rounding], state_fmt or 0, table, sizes,
+                             steps.bits, first.device, first.stream)
+    fused.set_hyper(np.asarray([hyper], np.float64))
+    fused.run(scales.bits, flags.bits, k0, k1)
+
+
+def _step_counter(adapter, step, like: View, count: int) -> View:
+    """The int32 step counters of the kernel: the caller's array (updated in place), or new
+    ones holding ``step - 1`` for an int ``step`` (the kernel increments before use)."""
+    shaped = dataclasses.replace(like, shape=(count,))
+    if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
+        if not 1 <= step < _optim.MAX_STEPS:
+            raise ValueError(f"step: expected an int in [1, {_optim.MAX_STEPS}), got {step}")
+        host = np.full(count, step - 1, np.int32).view(np.uint32)
+        if like.device == "cpu":
+            return View(host, "cpu", (count,), None)
+        from ._numba_cuda_compat import import_numba_cuda
+
+        device = import_numba_cuda().to_device(host, stream=like.stream)
+        return View(device, like.device, (count,), None, like.stream, like.device_id)
+    return adapter.counter(step, "step", shaped)
+
+
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, betas=(0.9, 0.999), eps=1e-8,
+               weight_decay=1e-2, step, rounding="stochastic", aux=None, seed=None,
+               inv_scale=None, found_inf=None):
+    """One fused AdamW step (torch.optim.AdamW's math) over lists of buffers, in place: each
+    element read and written once, one launch (two on CUDA) for any number of tensors.
+
+    Args:
+        params: array or list of arrays: bf16, fp16 or fp32 weights, updated in place.
+        grads: gradients (one per param, same sizes): bf16, fp16 or fp32.
+        exp_avgs, exp_avg_sqs: first and second moments, fp32 or bf16 (bf16 states are written
+            back with stochastic rounding), updated in place.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
+        step: int32 array of one step count per param, incremented in place before use (torch's
+            ``state["step"]``), or an int: the 1-based number of this step.
+        rounding: how fp32 results reach bf16/fp16 params: ``"stochastic"`` (default),
+            ``"nearest"``, ``"kahan"``, ``"master"`` or ``"remainder"`` (``srround/_optim.py``).
+        aux: per-param buffers of the mode: kahan compensation (param dtype, start at 0),
+            master weights (float32), remainder (int16, start at 0); None for fp32 params.
+        seed: the optimizer's seed (int in [0, 2**64)); the noise of step t is the stream at
+            ``t * 2**36`` (weights), so every step gets fresh bits. ``None``: library generator.
+        inv_scale: 1 / loss scale multiplied into the gradients (float, or float32 array of 1).
+        found_inf: float32 array of 1; when nonzero the step changes nothing (no host sync).
+    """
+    beta1, beta2 = betas
+    _fused_step(_optim.ADAMW, (lr, beta1, beta2, eps, weight_decay), params, grads,
+                (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)), aux, step=step,
+                rounding=rounding, seed=seed, inv_scale=inv_scale, found_inf=found_inf,
+                name="adamw_step")
+
+
+def sgd_step(params, grads, momentum_buffers=None, *, lr, momentum=0.0, dampening=0.0,
+             weight_decay=0.0, nesterov=False, step, rounding="stochastic", aux=None, seed=None,
+             inv_scale=None, found_inf=None):
+    """One fused SGD step (torch.optim.SGD's math: momentum, dampening, nesterov, weight
+    decay) over lists of buffers, in place. ``momentum_buffers`` (fp32 or bf16, one per param)
+    are needed when ``momentum != 0``; at step 1 they are set to the gradient, as torch does.
+    Other arguments as ``adamw_step``."""
+    if momentum != 0 and momentum_buffers is None:
+        raise ValueError("momentum_buffers: needed when momentum != 0")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov: needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
+    _fused_step(_optim.SGD, (lr, momentum, dampening, weight_decay, float(nesterov)), params,
+                grads, (("momentum_buffers", momentum_buffers if momentum != 0 else None),
+                        ("unused", None)), aux, step=step, rounding=rounding, seed=seed,
+                inv_scale=inv_scale, found_inf=found_inf, name="sgd_step")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from . import _config
 from ._numba_cuda_compat import import_numba_cuda
 from ._loss_scale import unscale_in_place, update_one
+from ._optim import GROUP, prepare_coefs, step_element
 from ._rng import lane_bits16, random_block
 from ._scalar import (
     add_stochastic,
@@ -264,3 +265,47 @@ def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor,
 def update_scale(scale, growth_tracker, overflow_tracker, found, *factors, stream):
     grid = _grid(scale.size)
     _update_scale[grid[0], grid[1], stream](scale, growth_tracker, overflow_tracker, found, *factors)
+
+
+# -- fused optimizer steps (tables of _optim.py) -----------------------------------------------
+
+
+@cuda.jit(cache=True)
+def _optim_prepare(kind, table, hyper, steps, coefs, found):
+    k = cuda.grid(1)
+    if k < steps.size and (found[0] & 0x7FFFFFFF) == 0:
+        steps[k] += 1
+        g = table[k, GROUP]
+        coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
+            kind, steps[k], hyper[g, 0], hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4])
+
+
+@cuda.jit(cache=True)
+def _optim_step(kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0,
+                k1):
+    if found[0] & 0x7FFFFFFF:
+        return
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, starts[starts.size - 1], stride):
+        k, hi = 0, starts.size - 2  # _tensor_list.find_tensor, written out (see above)
+        while k < hi:
+            mid = (k + hi + 1) >> 1
+            if starts[mid] <= i:
+                k = mid
+            else:
+                hi = mid - 1
+        g = table[k, 7]
+        step_element(kind, mode, state_fmt, table[k, 0], table[k, 1], table[k, 2], table[k, 3],
+                     table[k, 4], table[k, 5], table[k, 6], i - starts[k], starts[k], steps[k],
+                     inv_scale[0], coefs[k, 0], coefs[k, 1], coefs[k, 2], hyper[g, 1], hyper[g, 2],
+                     hyper[g, 3], hyper[g, 4], k0, k1)
+
+
+def optim_step(kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0,
+               k1, *, total, stream):
+    """Both passes of one fused step over ``total`` elements; every array on the device."""
+    grid = _grid(steps.size)
+    _optim_prepare[grid[0], grid[1], stream](kind, table, hyper, steps, coefs, found)
+    grid = _grid(total)
+    _optim_step[grid[0], grid[1], stream](kind, mode, state_fmt, table, starts, hyper, steps,
+                                          coefs, inv_scale, found, k0, k1)

@@ -1,0 +1,497 @@
+"""Fused optimizer steps (AdamW, SGD) over many tensors: scalar bodies and the CPU kernel.
+
+One step reads every parameter, gradient and state element once and writes each once, for all
+tensors of an optimizer in O(1) launches (a prepare pass over the tensors, then one pass over
+all elements), through a pointer table (``_tensor_list.py``) of one row per tensor:
+
+    table int64[N, 8]: param address, param format, grad address, grad format,
+                       state-1 address, state-2 address, aux address, group index
+    starts int64[N+1]: prefix sums of the tensor sizes (the global element range)
+    hyper float64[G, 5]: per param group - AdamW: lr, beta1, beta2, eps, weight_decay;
+                         SGD: lr, momentum, dampening, weight_decay, nesterov (0/1)
+    steps int32[N]:     steps taken per tensor (incremented by the step unless skipped)
+    coefs float32[N, 4]: per-tensor scalars the prepare pass derives for this step
+
+Formats: 0 fp32, 1 bf16, 2 fp16 (``_tensor_list.FORMAT_*``); states are fp32 or bf16 (one
+format for the whole table). Math in fp32, in torch.optim's order:
+
+    g = grad * inv_scale
+    AdamW: p = p * (1 - lr*wd);  m = m + (1-b1)(g - m);  v = v*b2 + (1-b2) g*g
+           p = p - lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+    SGD:   g = g + wd*p;  buf = g (first step) or buf*momentum + (1-dampening) g
+           g = g + momentum*buf (nesterov) or buf;  p = p - lr*g
+
+Every multiply-add is an explicit ``fma32`` so CPU and CUDA give the same bits; bias corrections
+are computed in float64 by repeated squaring (correctly rounded operations only).
+
+Weight modes (how the fp32 result is written back to a bf16/fp16 parameter; fp32 parameters are
+always written exactly):
+
+    stochastic  p <- SR(p')                              (no extra memory)
+    nearest     p <- RNE(p')                             (the baseline that stalls)
+    kahan       aux: compensation in p's format; s = c + (p' - p), p <- RNE(p + s),
+                c <- RNE(s - (p_new - p))                (2 extra bytes per parameter)
+    master      aux: fp32 master weight, the value the math uses; p <- RNE(master)
+    remainder   bf16 only; aux int16: fp32 bits = (p << 16) + aux exactly, p is the fp32 value
+                rounded half away from zero on its bit pattern (RNE except on exact ties);
+                fp32-exact updates for 2 extra bytes per parameter.
+
+Random bits (stochastic weights, bf16 states), one stream per step, per buffer, per element:
+element j of tensor k at step t (after the increment) rounds with the ``_rng.py`` stream of the
+optimizer's seed at counter
+
+    offset = t * 2**36 + stream * 2**34 + starts[k] + j      stream: 0 weight, 1 m, 2 v
+
+so the weight write-back is exactly ``srround.stochastic_round(p', seed=seed, offset=t * 2**36 +
+starts[k])``; t < 2**26 and fewer than 2**34 elements in all.
+
+A set ``found_inf`` flag (float32 bits, nonzero) turns the step into a no-op: no buffer and no
+step count changes, with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import carray, njit, prange
+
+from ._cpu import _fill_bits
+from ._scalar import (
+    bits_to_f32,
+    decode,
+    encode_nearest,
+    encode_stochastic,
+    f32_to_bits,
+    fma32,
+)
+from ._rng import lane_bits16, random_block
+from ._tensor_list import find_tensor, load_bits, store_bits, typed_pointer
+
+ADAMW, SGD = 0, 1
+MODES = {"stochastic": 0, "nearest": 1, "kahan": 2, "master": 3, "remainder": 4}
+STOCHASTIC, NEAREST, KAHAN, MASTER, REMAINDER = range(5)
+# table columns
+P_ADDR, P_FMT, G_ADDR, G_FMT, S1_ADDR, S2_ADDR, AUX_ADDR, GROUP = range(8)
+TABLE_COLUMNS = 8
+HYPER_COLUMNS = 5
+STEP_SHIFT, STREAM_SHIFT = 36, 34
+MAX_STEPS = 1 << 26
+MAX_ELEMENTS = 1 << 34
+_CHUNK = 4096  # elements per CPU work item
+
+
+# -- scalar bodies (CPU and CUDA) ------------------------------------------------------------
+
+
+@njit(cache=True)
+def widen(bits, fmt):
+    """fp32 pattern of a ``fmt``-coded pattern (0 fp32, 1 bf16, 2 fp16)."""
+    if fmt == 0:
+        return bits
+    if fmt == 1:
+        return bits << 16
+    return decode(bits, 10, 5)
+
+
+@njit(cache=True)
+def narrow_nearest(u, fmt):
+    """fp32 pattern ``u`` rounded to nearest in format ``fmt`` (identity for fp32)."""
+    if fmt == 0:
+        return u
+    if fmt == 1:
+        return encode_nearest(u, 7, 8, False)
+    return encode_nearest(u, 10, 5, False)
+
+
+@njit(cache=True)
+def narrow_stochastic(u, bits16, fmt):
+    """fp32 pattern ``u`` stochastically rounded to ``fmt`` with 16 random bits."""
+    if fmt == 0:
+        return u
+    if fmt == 1:
+        return encode_stochastic(u, bits16, 7, 8, False)
+    return encode_stochastic(u, bits16, 10, 5, False)
+
+
+@njit(cache=True)
+def weight_value(mode, fmt, p_bits, aux_bits):
+    """The fp32 pattern the update starts from: the parameter, or the mode's exact value."""
+    if fmt == 0:
+        return p_bits
+    if mode == MASTER:
+        return aux_bits
+    if mode == REMAINDER:
+        low = aux_bits - ((aux_bits & 0x8000) << 1)  # int16 from its uint16 pattern
+        return ((p_bits << 16) + low) & 0xFFFFFFFF
+    return widen(p_bits, fmt)
+
+
+@njit(cache=True)
+def weight_write(mode, fmt, old_bits, new_bits, aux_bits, bits16):
+    """``(param pattern, aux pattern)`` storing the fp32 result ``new_bits`` of a parameter
+    whose value was ``old_bits`` (``weight_value``), per weight mode (module docstring)."""
+    if fmt == 0:
+        return new_bits, aux_bits
+    if mode == STOCHASTIC:
+        return narrow_stochastic(new_bits, bits16, fmt), aux_bits
+    if mode == NEAREST:
+        return narrow_nearest(new_bits, fmt), aux_bits
+    if mode == MASTER:
+        return narrow_nearest(new_bits, fmt), new_bits
+    if mode == KAHAN:
+        old = bits_to_f32(old_bits)
+        compensated = bits_to_f32(widen(aux_bits, fmt)) + (bits_to_f32(new_bits) - old)
+        written = narrow_nearest(f32_to_bits(old + compensated), fmt)
+        moved = bits_to_f32(widen(written, fmt)) - old
+        return written, narrow_nearest(f32_to_bits(compensated - moved), fmt)
+    # REMAINDER (bf16): high half rounded on the bit pattern, exact signed low half
+    if (new_bits & 0x7FFFFFFF) > 0x7F800000:  # NaN: the canonical quiet NaN, no remainder
+        return ((new_bits >> 16) & 0x8000) | 0x7FC0, 0
+    high = ((new_bits + 0x8000) >> 16) & 0xFFFF
+    return high, (new_bits - (high << 16)) & 0xFFFF
+
+
+@njit(cache=True)
+def _power(base, exponent):
+    """``base ** exponent`` (float64, int exponent >= 0) by repeated squaring: only correctly
+    rounded multiplies, so every backend gets the same bits."""
+    result = 1.0
+    while exponent > 0:
+        if exponent & 1:
+            result *= base
+        base *= base
+        exponent >>= 1
+    return result
+
+
+@njit(cache=True)
+def prepare_coefs(kind, step, h0, h1, h2, h3, h4):
+    """Per-tensor float32 scalars of step ``step`` (1-based) from the group's hyperparameters:
+    AdamW ``(1 - lr*wd, lr / bc1, sqrt(bc2), 0)``; SGD ``(lr, first step?, 0, 0)``."""
+    if kind == ADAMW:
+        lr, beta1, beta2, wd = h0, h1, h2, h4
+        bc1 = 1.0 - _power(beta1, step)
+        bc2 = 1.0 - _power(beta2, step)
+        return (np.float32(1.0 - lr * wd), np.float32(lr / bc1), np.float32(math.sqrt(bc2)),
+                np.float32(0.0))
+    return np.float32(h0), np.float32(1.0 if step == 1 else 0.0), np.float32(0.0), np.float32(0.0)
+
+
+@njit(cache=True, error_model="numpy")  # no zero-division branch: the loops vectorize
+def adamw_math(p, g, m, v, decay, step_size, bc2_sqrt, beta2, eps, one_minus_beta1,
+               one_minus_beta2):
+    """One AdamW element in float32: returns ``(p, m, v)``."""
+    p = p * decay
+    m = fma32(one_minus_beta1, g - m, m)
+    v = fma32(one_minus_beta2 * g, g, v * beta2)
+    denom = math.sqrt(v) / bc2_sqrt + eps
+    return fma32(-step_size, m / denom, p), m, v
+
+
+@njit(cache=True)
+def sgd_math(p, g, buf, lr, first, momentum, one_minus_dampening, wd, nesterov):
+    """One SGD element in float32: returns ``(p, buf)``."""
+    if wd != 0:
+        g = fma32(wd, p, g)
+    if momentum != 0:
+        buf = g if first != 0 else fma32(one_minus_dampening, g, buf * momentum)
+        g = fma32(momentum, buf, g) if nesterov != 0 else buf
+    return fma32(-lr, g, p), buf
+
+
+@njit(cache=True)
+def group_constants(kind, h1, h2, h3, h4):
+    """float32 per-group constants of the element math: AdamW ``(beta2, eps, 1-beta1,
+    1-beta2)``; SGD ``(momentum, 1-dampening, wd, nesterov)``."""
+    if kind == ADAMW:
+        return np.float32(h2), np.float32(h3), np.float32(1.0 - h1), np.float32(1.0 - h2)
+    return np.float32(h1), np.float32(1.0 - h2), np.float32(h3), np.float32(h4)
+
+
+@njit(cache=True)
+def stream_offset(step, stream, start):
+    """Counter offset of element 0 of a tensor starting at global element ``start``."""
+    return (np.int64(step) << STEP_SHIFT) + (np.int64(stream) << STREAM_SHIFT) + start
+
+
+@njit(cache=True)
+def _load(address, j, fmt):
+    """Element ``j`` of a buffer of format code ``fmt`` (0: 32-bit words, else 16-bit)."""
+    return load_bits(address, j, 32) if fmt == 0 else load_bits(address, j, 16)
+
+
+@njit(cache=True)
+def _store(address, j, value, fmt):
+    if fmt == 0:
+        store_bits(address, j, value, 32)
+    else:
+        store_bits(address, j, value, 16)
+
+
+@njit(cache=True)
+def _bits16(k0, k1, offset):
+    """The 16 random bits of counter ``offset`` of the ``_rng.py`` stream."""
+    x0, x1 = random_block(k0, k1, offset >> 2)
+    return lane_bits16(x0, x1, offset & 3)
+
+
+@njit(cache=True)
+def step_element(kind, mode, state_fmt, p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr,
+                 aux_addr, j, start, step, inv_scale_bits, coef0, coef1, coef2, h1, h2, h3, h4,
+                 k0, k1):
+    """Element ``j`` of one tensor (scalars only: the CUDA kernel's body, also runnable in the
+    simulator), the same arithmetic as the CPU loops. ``h1..h4``: the group's float64
+    hyperparameters; ``coef0..2``: the tensor's float32 coefficients."""
+    const1, const2, const3, const4 = group_constants(kind, h1, h2, h3, h4)
+    coef0, coef1, coef2 = np.float32(coef0), np.float32(coef1), np.float32(coef2)
+    aux_fmt = 0 if mode == MASTER else 1
+    has_aux = p_fmt != 0 and mode >= KAHAN
+    g = bits_to_f32(widen(_load(g_addr, j, g_fmt), g_fmt)) * bits_to_f32(inv_scale_bits)
+    p_bits = _load(p_addr, j, p_fmt)
+    aux_bits = _load(aux_addr, j, aux_fmt) if has_aux else 0
+    old = weight_value(mode, p_fmt, p_bits, aux_bits)
+    m = bits_to_f32(widen(_load(s1_addr, j, state_fmt), state_fmt)) if s1_addr else np.float32(0)
+    if kind == ADAMW:
+        v = bits_to_f32(widen(_load(s2_addr, j, state_fmt), state_fmt))
+        new, m, v = adamw_math(bits_to_f32(old), g, m, v, coef0, coef1, coef2, const1, const2,
+                               const3, const4)
+        v_bits = f32_to_bits(v)
+        if state_fmt != 0:
+            v_bits = narrow_stochastic(v_bits, _bits16(k0, k1, stream_offset(step, 2, start) + j), 1)
+        _store(s2_addr, j, v_bits, state_fmt)
+    else:
+        new, m = sgd_math(bits_to_f32(old), g, m, coef0, coef1, const1, const2, const3, const4)
+    if s1_addr:
+        m_bits = f32_to_bits(m)
+        if state_fmt != 0:
+            m_bits = narrow_stochastic(m_bits, _bits16(k0, k1, stream_offset(step, 1, start) + j), 1)
+        _store(s1_addr, j, m_bits, state_fmt)
+    bits16 = 0
+    if mode == STOCHASTIC and p_fmt != 0:
+        bits16 = _bits16(k0, k1, stream_offset(step, 0, start) + j)
+    p_new, aux_new = weight_write(mode, p_fmt, old, f32_to_bits(new), aux_bits, bits16)
+    _store(p_addr, j, p_new, p_fmt)
+    if has_aux:
+        _store(aux_addr, j, aux_new, aux_fmt)
+
+
+# -- CPU: per chunk, decode -> math -> encode, each a loop over fp32 scratch ------------------
+
+
+@njit(cache=True)
+def _decode_into(dst, address, fmt, j0, scale):
+    """dst[i] = float value of element j0 + i of a buffer of format ``fmt``, times ``scale``."""
+    n = dst.size
+    if fmt == 0:
+        src = carray(typed_pointer(address, 32), j0 + n)[j0:]
+        for i in range(n):
+            dst[i] = bits_to_f32(src[i]) * scale
+    else:
+        half = carray(typed_pointer(address, 16), j0 + n)[j0:]
+        if fmt == 1:
+            for i in range(n):
+                dst[i] = bits_to_f32(np.int64(half[i]) << 16) * scale
+        else:
+            for i in range(n):
+                dst[i] = bits_to_f32(decode(np.int64(half[i]), 10, 5)) * scale
+
+
+@njit(cache=True)
+def _load_weights(dst, mode, fmt, p_addr, aux_addr, j0):
+    n = dst.size
+    if fmt != 0 and mode == MASTER:
+        _decode_into(dst, aux_addr, 0, j0, np.float32(1.0))
+    elif fmt == 1 and mode == REMAINDER:
+        high = carray(typed_pointer(p_addr, 16), j0 + n)[j0:]
+        low = carray(typed_pointer(aux_addr, 16), j0 + n)[j0:]
+        for i in range(n):
+            dst[i] = bits_to_f32(weight_value(REMAINDER, 1, np.int64(high[i]), np.int64(low[i])))
+    else:
+        _decode_into(dst, p_addr, fmt, j0, np.float32(1.0))
+
+
+@njit(cache=True)
+def _random_bits(words, k0, k1, offset, n):
+    """Fill ``words`` for elements [0, n) at counter ``offset``; returns the uint16 view and the
+    index of element 0's halfword in it."""
+    first = offset >> 2
+    _fill_bits(words, k0, k1, first, ((offset + n - 1) >> 2) - first + 1)
+    return words.view(np.uint16), offset - 4 * first
+
+
+@njit(cache=True)
+def _round_store(src, address, fmt, j0, stochastic, words, k0, k1, offset):
+    """Write fp32 values ``src`` to elements j0... of a buffer of format ``fmt``: fp32 exactly,
+    bf16/fp16 stochastically (random bits of the stream at ``offset``) or to nearest."""
+    n = src.size
+    if fmt == 0:
+        wide = carray(typed_pointer(address, 32), j0 + n)[j0:]
+        for i in range(n):
+            wide[i] = f32_to_bits(src[i])
+        return
+    dst = carray(typed_pointer(address, 16), j0 + n)[j0:]
+    if stochastic:
+        bits, b = _random_bits(words, k0, k1, offset + j0, n)
+        if fmt == 1:
+            for i in range(n):
+                dst[i] = encode_stochastic(f32_to_bits(src[i]), bits[b + i], 7, 8, False)
+        else:
+            for i in range(n):
+                dst[i] = encode_stochastic(f32_to_bits(src[i]), bits[b + i], 10, 5, False)
+    elif fmt == 1:
+        for i in range(n):
+            dst[i] = encode_nearest(f32_to_bits(src[i]), 7, 8, False)
+    else:
+        for i in range(n):
+            dst[i] = encode_nearest(f32_to_bits(src[i]), 10, 5, False)
+
+
+@njit(inline="always", cache=True)
+def _write_loop(dst, aux, old, new, mode, fmt):
+    """``weight_write`` over a run, for one literal (mode, format) so the loop vectorizes."""
+    for i in range(new.size):
+        dst[i], aux[i] = weight_write(mode, fmt, f32_to_bits(old[i]), f32_to_bits(new[i]),
+                                      np.int64(aux[i]), 0)
+
+
+@njit(cache=True)
+def _store_weights(new, old, mode, fmt, p_addr, aux_addr, j0, words, k0, k1, offset):
+    """Write the fp32 results ``new`` of weights whose values were ``old``, per weight mode."""
+    if fmt == 0 or mode == STOCHASTIC or mode == NEAREST:
+        _round_store(new, p_addr, fmt, j0, mode == STOCHASTIC, words, k0, k1, offset)
+    elif mode == MASTER:
+        _round_store(new, aux_addr, 0, j0, False, words, k0, k1, offset)
+        _round_store(new, p_addr, fmt, j0, False, words, k0, k1, offset)
+    else:  # kahan, remainder: the scalar body, parameter and aux together
+        n = new.size
+        dst = carray(typed_pointer(p_addr, 16), j0 + n)[j0:]
+        aux = carray(typed_pointer(aux_addr, 16), j0 + n)[j0:]
+        if mode == REMAINDER:
+            _write_loop(dst, aux, old, new, REMAINDER, 1)
+        elif fmt == 1:
+            _write_loop(dst, aux, old, new, KAHAN, 1)
+        else:
+            _write_loop(dst, aux, old, new, KAHAN, 2)
+
+
+@njit(cache=True, error_model="numpy")
+def _step_chunk(kind, mode, state_fmt, table, starts, hyper, steps, coefs, scale, k0, k1, lo, hi):
+    """Global elements [lo, hi) of one CPU step: per tensor run, decode into fp32 scratch, the
+    element math, encode back (each a loop LLVM can vectorize)."""
+    weight = np.empty(_CHUNK, np.float32)
+    updated = np.empty(_CHUNK, np.float32)
+    grad = np.empty(_CHUNK, np.float32)
+    first_state = np.empty(_CHUNK, np.float32)
+    second_state = np.empty(_CHUNK, np.float32)
+    words = np.empty(_CHUNK // 2 + 4, np.uint32)
+    i = lo
+    k = find_tensor(starts, i)
+    while i < hi:
+        end = min(hi, starts[k + 1])
+        j0, n = i - starts[k], end - i
+        row = table[k]
+        p_fmt = row[P_FMT]
+        h = hyper[row[GROUP]]
+        c1, c2, c3, c4 = group_constants(kind, h[1], h[2], h[3], h[4])
+        w, u, g = weight[:n], updated[:n], grad[:n]
+        m, v = first_state[:n], second_state[:n]
+        _decode_into(g, row[G_ADDR], row[G_FMT], j0, scale)
+        _load_weights(w, mode, p_fmt, row[P_ADDR], row[AUX_ADDR], j0)
+        if row[S1_ADDR]:
+            _decode_into(m, row[S1_ADDR], state_fmt, j0, np.float32(1.0))
+        if kind == ADAMW:
+            _decode_into(v, row[S2_ADDR], state_fmt, j0, np.float32(1.0))
+            decay, step_size, bc2_sqrt = coefs[k, 0], coefs[k, 1], coefs[k, 2]
+            for e in range(n):
+                u[e], m[e], v[e] = adamw_math(w[e], g[e], m[e], v[e], decay, step_size,
+                                              bc2_sqrt, c1, c2, c3, c4)
+        else:
+            lr, first = coefs[k, 0], coefs[k, 1]
+            for e in range(n):
+                u[e], m[e] = sgd_math(w[e], g[e], m[e], lr, first, c1, c2, c3, c4)
+        step = steps[k]
+        if row[S1_ADDR]:
+            _round_store(m, row[S1_ADDR], state_fmt, j0, True, words, k0, k1,
+                         stream_offset(step, 1, starts[k]))
+        if kind == ADAMW:
+            _round_store(v, row[S2_ADDR], state_fmt, j0, True, words, k0, k1,
+                         stream_offset(step, 2, starts[k]))
+        _store_weights(u, w, mode, p_fmt, row[P_ADDR], row[AUX_ADDR], j0, words, k0, k1,
+                       stream_offset(step, 0, starts[k]))
+        i = end
+        k += 1
+
+
+@njit(parallel=True, cache=True)
+def step_cpu(kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1):
+    """One fused step over every tensor of ``table`` (module docstring); ``inv_scale`` and
+    ``found``: uint32[1] float32 patterns."""
+    if found[0] & 0x7FFFFFFF:
+        return
+    for k in range(table.shape[0]):
+        steps[k] += 1
+        h = hyper[table[k, GROUP]]
+        coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
+            kind, steps[k], h[0], h[1], h[2], h[3], h[4])
+    scale = bits_to_f32(inv_scale[0])
+    total = starts[-1]
+    for c in prange((total + _CHUNK - 1) // _CHUNK):
+        _step_chunk(kind, mode, state_fmt, table, starts, hyper, steps, coefs, scale, k0, k1,
+                    c * _CHUNK, min(c * _CHUNK + _CHUNK, total))
+
+class FusedStep:
+    """A fused step over a fixed set of buffers: the pointer table is built and (on CUDA)
+    copied to the device once; each ``run`` is one CPU call or two CUDA launches, whatever the
+    number of tensors. The caller keeps the buffers alive and in place.
+
+    Args:
+        kind: ``ADAMW`` or ``SGD``.
+        mode: weight mode code (``MODES``); state_fmt: 0 (fp32) or 1 (bf16).
+        table: int64[N, 8] host table (module docstring); sizes: elements per tensor.
+        steps: uint32[N] bits of the int32 step counters (host or device array).
+        device: ``"cpu"`` or ``"cuda"``; stream: the CUDA stream to launch on.
+    """
+
+    def __init__(self, kind, mode, state_fmt, table, sizes, steps, device, stream=None):
+        self.kind, self.mode, self.state_fmt = kind, mode, state_fmt
+        starts = np.concatenate([[0], np.cumsum(np.asarray(sizes, np.int64))]).astype(np.int64)
+        self.total = int(starts[-1])
+        if self.total >= MAX_ELEMENTS:
+            raise ValueError(f"params: {self.total} elements, at most {MAX_ELEMENTS - 1} per step")
+        self.device, self.stream, self.steps = device, stream, steps
+        coefs = np.zeros((len(table), 4), np.float32)
+        self._hyper_host = None
+        self._hyper = None
+        if device == "cpu":
+            self.table, self.starts, self.coefs = table, starts, coefs
+        else:
+            from ._numba_cuda_compat import import_numba_cuda
+
+            cuda = import_numba_cuda()
+            self.table, self.starts, self.coefs = (cuda.to_device(a, stream=stream)
+                                                   for a in (table, starts, coefs))
+
+    def set_hyper(self, hyper: np.ndarray) -> None:
+        """Per-group hyperparameters (float64[G, 5]); copied to the device only when changed
+        (a learning-rate schedule changes them every step: one small copy)."""
+        if self._hyper_host is not None and np.array_equal(hyper, self._hyper_host):
+            return
+        self._hyper_host = hyper.copy()
+        if self.device == "cpu":
+            self._hyper = self._hyper_host
+        else:
+            from ._numba_cuda_compat import import_numba_cuda
+
+            self._hyper = import_numba_cuda().to_device(self._hyper_host, stream=self.stream)
+
+    def run(self, inv_scale, found, k0, k1) -> None:
+        """One step; ``inv_scale``, ``found``: uint32[1] float32 bits on the table's device."""
+        args = (self.kind, self.mode, self.state_fmt, self.table, self.starts, self._hyper,
+                self.steps, self.coefs, inv_scale, found, k0, k1)
+        if self.device == "cpu":
+            step_cpu(*args)
+        else:
+            from . import _cuda
+
+            _cuda.optim_step(*args, total=self.total, stream=self.stream)
