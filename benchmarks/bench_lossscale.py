@@ -5,12 +5,16 @@
 Usage::
 
     python benchmarks/bench_lossscale.py [--quick] [--device cpu|cuda|all] [--json PATH]
+                                         [--plot PATH]
 
 CPU: ~25M gradients in ~200 tensors (``--quick``: ~6M); GPU: 268M in 200. Every row reads and
 writes each gradient once (fp32: 8 B per element, bf16: 4 B). GB/s and ``% floor`` divide by
 the same run's floor: an in-place ``flat.mul_(s)`` on one flat tensor of the same bytes (the
 same traffic with no tensor list and no check). ``host µs`` is one call on a 200-tensor list of
 1-element gradients: pure per-call overhead. Medians of timed repetitions after a warm-up.
+
+``--plot PATH`` also trains a small fp16 model whose gradients underflow to zero without
+scaling, with and without ``srround.adapters.torch.GradScaler``, and plots both loss curves.
 """
 
 from __future__ import annotations
@@ -89,11 +93,72 @@ def run(device: str, total: int, reps: int):
     return rows
 
 
+def fp16_training(steps: int = 60):
+    """Loss curves of a linear model with fp16 weights on a loss scaled down so far (1e-8) that
+    every fp16 gradient underflows to zero: ``{"no scaling": [...], "dynamic scaling": [...]}``.
+    SGD forms the update in fp32 from the fp16 gradient (lr 3e7 compensates the tiny loss)."""
+    import torch
+
+    from srround.adapters.torch import GradScaler
+
+    class HalfSGD(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.copy_((p.float() - group["lr"] * p.grad.float()).half())
+
+    torch.manual_seed(1)
+    x = torch.randn(256, 8)
+    y = x @ torch.randn(8, 1)
+    curves = {}
+    for name in ("no scaling", "dynamic scaling"):
+        torch.manual_seed(2)
+        model = torch.nn.Linear(8, 1).half()
+        opt = HalfSGD(model.parameters(), lr=3e7)
+        scaler = GradScaler("cpu", init_scale=2.0**24, growth_interval=10,
+                            enabled=name == "dynamic scaling")
+        curve = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = 1e-8 * torch.nn.functional.mse_loss(model(x.half()).float(), y)
+            curve.append(loss.item())
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        curves[name] = curve
+    return curves
+
+
+def plot_fp16_training(path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = fp16_training()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, curve in curves.items():
+        ax.plot(curve, label=f"{name} (final {curve[-1]:.2e})")
+        print(f"fp16 training, {name}: loss {curve[0]:.3e} -> {curve[-1]:.3e}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (x1e-8 scale)")
+    ax.set_title("fp16 weights: gradients underflow without loss scaling")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--plot", metavar="PATH", help="also plot fp16 training to PATH (PNG)")
     args = parser.parse_args(argv)
     import torch
 
@@ -115,6 +180,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.plot:
+        plot_fp16_training(args.plot)
 
 
 if __name__ == "__main__":
