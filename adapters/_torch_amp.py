@@ -11,7 +11,11 @@ Same methods and state dict as torch's (``scale``, ``unscale_``, ``step``, ``upd
 * ``last_step_skipped`` and ``skipped_steps``: device tensors, so reading them is the only sync.
 
 Skipping a step needs to know on the host whether any gradient overflowed, so ``step`` reads the
-flag (one sync), exactly as torch's scaler does for any optimizer.
+flag (one sync), exactly as torch's scaler does for any optimizer - except for srround's own
+optimizers (``srround.adapters.torch.AdamW``/``SGD``, marked ``_srround_fused``): for them
+``step`` runs the overflow check only, then one fused optimizer step that multiplies the
+gradients by 1/scale as it reads them and skips itself on the device when the flag is set (no
+sync, no separate unscale pass writing the gradients).
 
 Several ranks (data parallel): reduce the flag before ``update`` so that every rank skips
 together - after ``scaler.unscale_(optimizer)`` call
@@ -117,11 +121,31 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        if getattr(optimizer, "_srround_fused", False):
+            return self._fused_step(optimizer, *args, **kwargs)
         if id(optimizer) not in self._unscaled:
             self.unscale_(optimizer)
         if self._found[id(optimizer)].item():  # one sync, as in torch's scaler
             return None
         return optimizer.step(*args, **kwargs)
+
+    def _fused_step(self, optimizer, *args, **kwargs):
+        """srround's optimizers (``srround.adapters.torch.AdamW``/``SGD``): the overflow check
+        alone (``inv_scale=1`` leaves the gradients' bits as they are), then one fused step that
+        multiplies by 1/scale while it reads the gradients and is a no-op on the device when the
+        flag is set: no host sync, gradients unscaled in registers, never written scaled back.
+        After an explicit ``unscale_`` (e.g. for clipping) only the flag is passed."""
+        if id(optimizer) in self._unscaled:
+            return optimizer.step(*args, found_inf=self._found[id(optimizer)], **kwargs)
+        grads = self._grads(optimizer)
+        self._lazy_init(grads[0].device if grads else self._device)
+        found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
+        if grads:
+            srround.unscale_and_check(grads, 1.0, found_inf=found)
+        self._found[id(optimizer)] = found
+        self._unscaled.add(id(optimizer))
+        inv_scale = self._scale.double().reciprocal().float()
+        return optimizer.step(*args, inv_scale=inv_scale, found_inf=found, **kwargs)
 
     def update(self, new_scale=None) -> None:
         """Back off or grow the scale from this iteration's flags (on the device), or set it."""

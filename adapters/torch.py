@@ -266,3 +266,4 @@ def _buffer_error(tensors, name):
 
 
 from ._torch_amp import GradScaler  # noqa: E402, F401  (the framework layer, after the adapter)
+from ._torch_optim import AdamW, SGD  # noqa: E402, F401

@@ -480,6 +480,9 @@ class FusedStep:
         self._hyper_host = hyper.copy()
         if self.device == "cpu":
             self._hyper = self._hyper_host
+        elif self._hyper is not None and self._hyper.shape == hyper.shape:
+            # stream-ordered: the previous step's kernels have read the old values by then
+            self._hyper.copy_to_device(self._hyper_host, stream=self.stream)
         else:
             from ._numba_cuda_compat import import_numba_cuda
 

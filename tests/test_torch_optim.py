@@ -1,0 +1,603 @@
+"""srround.adapters.torch.AdamW / SGD: torch.optim agreement, the weight modes' exact contracts,
+param groups and schedulers, fused loss scaling, state_dict resume, errors; plus a custom
+optimizer (Lion) built from the public primitives."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from srround.adapters.torch import SGD, AdamW, GradScaler
+
+import srround
+
+SHAPES = [(5, 3), (7,), (4, 2, 2)]
+STEP_SHIFT = 36
+
+
+def _params(dtype=torch.bfloat16, shapes=SHAPES, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype))
+            for s in shapes]
+
+
+def _grads(step, shapes=SHAPES, dtype=torch.float32, scale=1.0):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(s, generator=gen) * scale).to(dtype) for s in shapes]
+
+
+def _set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.to(device=p.device, dtype=p.dtype).clone()
+
+
+def _bits(t):
+    return t.detach().cpu().view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+
+
+def _assert_bits_equal(a, b, msg=""):
+    assert torch.equal(_bits(a), _bits(b)), msg
+
+
+def _ulp_close(actual, expected, ulps, msg=""):
+    """|actual - expected| <= ulps * ulp(expected) elementwise (float32)."""
+    expected = expected.detach().float()
+    spacing = torch.abs(torch.nextafter(expected, torch.full_like(expected, np.inf)) - expected)
+    err = (actual.detach().float() - expected).abs()
+    assert bool((err <= ulps * spacing).all()), f"{msg}: max {float((err / spacing).max())} ulp"
+
+
+# -- fp32 math against torch.optim -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("rounding", ["master", "stochastic", "remainder"])
+def test_adamw_fp32_params_match_torch(rounding):
+    """fp32 parameters are updated exactly in every mode: torch.optim.AdamW within a few ulp
+    over 100 steps."""
+    ours, ref = _params(torch.float32), _params(torch.float32)
+    opt = AdamW(ours, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, rounding=rounding,
+                seed=1)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for step in range(100):
+        grads = _grads(step)
+        _set_grads(ours, grads)
+        _set_grads(ref, grads)
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(ours, ref):
+        _ulp_close(p, r, 4, "param")  # measured: <= 2 ulp
+        _ulp_close(opt.state[p]["exp_avg"], ref_opt.state[r]["exp_avg"], 2, "exp_avg")
+        _ulp_close(opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], 2, "exp_avg_sq")
+        assert int(opt.state[p]["step"]) == 100
+
+
+def test_adamw_master_weights_match_torch_fp32():
+    """bf16 parameters with rounding='master': the fp32 master weights follow torch.optim.AdamW
+    on fp32 parameters (same start, same gradients) within a few ulp over 100 steps, and the
+    bf16 parameters are their round-to-nearest."""
+    ours = _params(torch.bfloat16)
+    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = AdamW(ours, lr=1e-2, weight_decay=0.1, rounding="master", seed=2)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    for step in range(100):
+        grads = _grads(step, dtype=torch.bfloat16)
+        _set_grads(ours, grads)
+        _set_grads(ref, grads)
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(ours, ref):
+        master = opt.state[p]["master_weight"]
+        assert master.dtype == torch.float32
+        _ulp_close(master, r, 4, "master")
+        _assert_bits_equal(p, srround.round_nearest(master))
+
+
+SGD_CONFIGS = [
+    {"momentum": 0.0},
+    {"momentum": 0.9},
+    {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    {"momentum": 0.8, "dampening": 0.3, "weight_decay": 0.05},
+]
+
+
+@pytest.mark.parametrize("config", SGD_CONFIGS)
+def test_sgd_fp32_params_match_torch(config):
+    ours, ref = _params(torch.float32), _params(torch.float32)
+    opt = SGD(ours, lr=0.05, rounding="master", seed=3, **config)
+    ref_opt = torch.optim.SGD(ref, lr=0.05, **config)
+    for step in range(100):
+        grads = _grads(step)
+        _set_grads(ours, grads)
+        _set_grads(ref, grads)
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(ours, ref):
+        _ulp_close(p, r, 2, "param")  # measured: bit-identical
+        if config["momentum"]:
+            _ulp_close(opt.state[p]["momentum_buffer"], ref_opt.state[r]["momentum_buffer"], 2,
+                       "momentum_buffer")
+        else:
+            assert "momentum_buffer" not in opt.state[p]
+
+
+def test_sgd_master_bf16_matches_torch_fp32():
+    ours = _params(torch.bfloat16)
+    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = SGD(ours, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, rounding="master",
+              seed=3)
+    ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+    for step in range(100):
+        grads = _grads(step, dtype=torch.bfloat16)
+        _set_grads(ours, grads)
+        _set_grads(ref, grads)
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(ours, ref):
+        _ulp_close(opt.state[p]["master_weight"], r, 2, "master")
+
+
+# -- weight modes: exact contracts --------------------------------------------------------------
+
+
+def _shadow_run(rounding, steps=3, seed=11, kind="adamw", dtype=torch.bfloat16):
+    """Run ``rounding`` on narrow params next to an fp32 shadow optimizer whose parameters are
+    reset to the narrow weights before each step (same gradients, so the same states): the
+    shadow's result is the exact fp32 update the narrow parameter is rounded from."""
+    ours = _params(dtype)
+    shadow = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    if kind == "adamw":
+        make = lambda ps, r: AdamW(ps, lr=3e-2, weight_decay=0.1, rounding=r, seed=seed)
+    else:
+        make = lambda ps, r: SGD(ps, lr=0.1, momentum=0.9, rounding=r, seed=seed)
+    opt, shadow_opt = make(ours, rounding), make(shadow, "master")
+    for step in range(1, steps + 1):
+        grads = _grads(step, dtype=dtype)
+        with torch.no_grad():
+            for p, s in zip(ours, shadow):
+                s.copy_(p.float())
+        _set_grads(ours, grads)
+        _set_grads(shadow, grads)
+        opt.step()
+        shadow_opt.step()
+        yield step, ours, shadow, opt
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_nearest_is_rne_of_the_fp32_update(kind):
+    for _, ours, shadow, _ in _shadow_run("nearest", kind=kind):
+        for p, s in zip(ours, shadow):
+            _assert_bits_equal(p, srround.round_nearest(s))
+
+
+def test_nearest_fp16_params():
+    for _, ours, shadow, _ in _shadow_run("nearest", dtype=torch.float16):
+        for p, s in zip(ours, shadow):
+            _assert_bits_equal(p, srround.round_nearest(s, dtype="float16"))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_stochastic_is_the_documented_stream(kind):
+    """Weight write-back == stochastic_round(fp32 update, seed, offset=t * 2**36 + start of the
+    tensor) exactly, and never leaves the two bf16 neighbours of the update."""
+    seed = 11
+    for step, ours, shadow, _ in _shadow_run("stochastic", seed=seed, kind=kind):
+        start = 0
+        for p, s in zip(ours, shadow):
+            expected = srround.stochastic_round(s.detach(), seed=seed,
+                                                offset=(step << STEP_SHIFT) + start)
+            _assert_bits_equal(p, expected, f"step {step}")
+            down = srround.round_nearest(s.detach()).float()
+            value = p.detach().float()
+            lo = torch.where(down <= s, down, torch.nextafter(down.bfloat16(), torch.tensor(
+                -np.inf, dtype=torch.bfloat16)).float())
+            hi = torch.where(down >= s, down, torch.nextafter(down.bfloat16(), torch.tensor(
+                np.inf, dtype=torch.bfloat16)).float())
+            assert bool(((value == lo) | (value == hi)).all())
+            start += p.numel()
+
+
+def test_remainder_reconstructs_master_trajectory():
+    """(bf16 parameter, int16 remainder) hold exactly the fp32 weights of rounding='master'."""
+    master_p, rem_p = _params(), _params()
+    opt_m = AdamW(master_p, lr=1e-2, weight_decay=0.1, rounding="master", seed=5)
+    opt_r = AdamW(rem_p, lr=1e-2, weight_decay=0.1, rounding="remainder", seed=5)
+    for step in range(20):
+        grads = _grads(step, dtype=torch.bfloat16)
+        _set_grads(master_p, grads)
+        _set_grads(rem_p, grads)
+        opt_m.step()
+        opt_r.step()
+        for pm, pr in zip(master_p, rem_p):
+            rem = opt_r.state[pr]["remainder"]
+            assert rem.dtype == torch.int16
+            joined = (pr.detach().view(torch.int16).int() << 16) + rem.int()
+            assert torch.equal(joined, opt_m.state[pm]["master_weight"].view(torch.int32))
+
+
+def test_kahan_state_and_bf16_moments():
+    ps = _params()
+    opt = AdamW(ps, lr=1e-3, rounding="kahan", state_dtype=torch.bfloat16, seed=9)
+    for step in range(3):
+        _set_grads(ps, _grads(step, dtype=torch.bfloat16))
+        opt.step()
+    for p in ps:
+        st = opt.state[p]
+        assert st["kahan_comp"].dtype == torch.bfloat16
+        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+        assert bool(torch.isfinite(p).all())
+
+
+def test_mixed_dtypes_one_table():
+    """bf16, fp16 and fp32 parameters in one optimizer (one fused step): the fp32 one is exact."""
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(6, generator=gen).to(d))
+          for d in (torch.bfloat16, torch.float16, torch.float32)]
+    ref = torch.nn.Parameter(ps[2].detach().clone())
+    opt = AdamW(ps, lr=1e-2, rounding="master", seed=0)
+    ref_opt = AdamW([ref], lr=1e-2, rounding="master", seed=0)
+    for step in range(3):
+        g = torch.randn(6, generator=gen)
+        for p in ps:
+            p.grad = g.to(p.dtype)
+        ref.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+    _assert_bits_equal(ps[2], ref)
+    assert "master_weight" not in opt.state[ps[2]]
+    assert opt.state[ps[1]]["master_weight"].dtype == torch.float32
+
+
+# -- groups, schedulers, autograd, caching ------------------------------------------------------
+
+
+def test_param_groups_and_step_lr():
+    ours, ref = _params(torch.float32), _params(torch.float32)
+    opt = AdamW([{"params": ours[:2]}, {"params": ours[2:], "lr": 0.1, "weight_decay": 0.0}],
+                lr=1e-2, rounding="master", seed=0)
+    ref_opt = torch.optim.AdamW([{"params": ref[:2]},
+                                 {"params": ref[2:], "lr": 0.1, "weight_decay": 0.0}], lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.1)
+    for step in range(10):
+        grads = _grads(step)
+        _set_grads(ours, grads)
+        _set_grads(ref, grads)
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+    assert opt.param_groups[1]["lr"] == pytest.approx(0.1 * 0.1**3)
+    for p, r in zip(ours, ref):
+        _ulp_close(p, r, 4, "param")
+    # the lr really matters: a run without the schedule ends elsewhere
+    other = _params(torch.float32)
+    other_opt = AdamW([{"params": other[:2]}, {"params": other[2:], "lr": 0.1,
+                                                "weight_decay": 0.0}], lr=1e-2, seed=0)
+    for step in range(10):
+        _set_grads(other, _grads(step))
+        other_opt.step()
+    assert not torch.allclose(other[2], ours[2])
+
+
+def test_version_bump_and_autograd():
+    """The update acts as under torch.no_grad(): no graph, version counter bumped."""
+    (p,) = _params(shapes=[(4,)])
+    opt = SGD([p], lr=0.1, seed=0)
+    p.grad = torch.ones(4, dtype=torch.bfloat16)
+    before = p._version
+    opt.step()
+    assert p._version > before
+    assert p.requires_grad and p.grad_fn is None
+
+
+def test_table_cached_and_rebuilt_when_grads_move():
+    ps = _params(torch.float32)
+    ref = _params(torch.float32)
+    opt = AdamW(ps, lr=1e-2, seed=0)
+    ref_opt = AdamW(ref, lr=1e-2, seed=0)
+    _set_grads(ps, _grads(0))
+    opt.step()
+    entry = opt._entry
+    for step in range(1, 3):  # grads kept in place (zero_grad(set_to_none=False) style)
+        for p, g in zip(ps, _grads(step)):
+            p.grad.copy_(g)
+        opt.step()
+        assert opt._entry is entry
+    _set_grads(ps, _grads(3))  # new gradient tensors
+    ps[1].grad = None  # and one parameter without a gradient
+    opt.step()
+    assert opt._entry is not entry
+    for step in range(4):
+        _set_grads(ref, _grads(step))
+        if step == 3:
+            ref[1].grad = None
+        ref_opt.step()
+    for p, r in zip(ps, ref):
+        _assert_bits_equal(p, r)
+    assert [int(opt.state[p]["step"]) for p in ps] == [4, 3, 4]
+
+
+def test_no_grads_is_a_no_op():
+    ps = _params()
+    opt = AdamW(ps, seed=0)
+    before = [p.detach().clone() for p in ps]
+    opt.step()
+    for p, b in zip(ps, before):
+        _assert_bits_equal(p, b)
+
+
+def test_closure():
+    w = torch.nn.Parameter(torch.tensor([2.0, -1.0]))
+    opt = SGD([w], lr=0.1, seed=0)
+
+    def closure():
+        opt.zero_grad()
+        loss = (w**2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert float(loss.detach()) == 5.0
+    torch.testing.assert_close(w.detach(), torch.tensor([1.6, -0.8]))
+
+
+# -- loss scaling ---------------------------------------------------------------------------
+
+
+def _model(dtype, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(),
+                               torch.nn.Linear(6, 1)).to(dtype)
+
+
+def _snapshot(model, opt):
+    out = [_bits(p) for p in model.parameters()]
+    for p in model.parameters():
+        for v in opt.state[p].values():
+            out.append(_bits(v) if v.dtype != torch.int16 else v.clone())
+    return out
+
+
+def test_found_inf_skips_on_device_then_continues():
+    model = _model(torch.bfloat16)
+    opt = AdamW(model.parameters(), lr=1e-2, state_dtype=torch.bfloat16, seed=4)
+    scaler = GradScaler("cpu", init_scale=2.0**8)
+    x, y = torch.randn(8, 4).bfloat16(), torch.randn(8, 1).bfloat16()
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+            before = _snapshot(model, opt)
+        scaler.step(opt)
+        scaler.update()
+        if step == 1:
+            after = _snapshot(model, opt)
+            assert all(torch.equal(a, b) for a, b in zip(before, after))
+            assert scaler.get_scale() == 2.0**7
+            assert float(scaler.last_step_skipped) == 1.0
+    assert all(int(opt.state[p]["step"]) == 2 for p in model.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(after, _snapshot(model, opt)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_scaler_equals_torch_scaler(dtype):
+    """srround's GradScaler (check only + unscale fused into the step) and torch.amp.GradScaler
+    (unscale pass, then the plain step) give the same bits: the scale is a power of two, so
+    grad * (1/scale) is exact whether or not it is rounded to the gradient's dtype first."""
+    runs = []
+    for scaler in (GradScaler("cpu", init_scale=2.0**10, growth_interval=2),
+                   torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)):
+        model = _model(dtype)
+        opt = AdamW(model.parameters(), lr=1e-2, seed=7)
+        x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(dtype), \
+            torch.randn(8, 1, generator=torch.Generator().manual_seed(2)).to(dtype)
+        scales = []
+        for step in range(5):
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            if step == 2:
+                model[2].bias.grad[0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs.append((_snapshot(model, opt), scales))
+    (a, sa), (b, sb) = runs
+    assert sa == sb
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_fused_scaler_reads_grads_once_without_writing_them():
+    """The fused path never writes the gradients: they stay scaled after scaler.step."""
+    model = _model(torch.bfloat16)
+    opt = AdamW(model.parameters(), lr=1e-2, seed=0)
+    scaler = GradScaler("cpu", init_scale=2.0**4)
+    scaler.scale(model(torch.randn(3, 4).bfloat16()).sum()).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    assert scaler.get_scale() == 2.0**4
+
+
+def test_fused_scaler_after_explicit_unscale():
+    """unscale_ (for clipping) then step: only the flag reaches the fused step."""
+    runs = []
+    for explicit in (False, True):
+        model = _model(torch.float32)
+        opt = SGD(model.parameters(), lr=0.1, momentum=0.9, seed=0)
+        scaler = GradScaler("cpu", init_scale=2.0**6)
+        x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.ones(8, 1)
+        for _ in range(2):
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            if explicit:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        runs.append([_bits(p) for p in model.parameters()])
+    assert all(torch.equal(u, v) for u, v in zip(*runs))
+
+
+# -- state dict -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps, seed: AdamW(ps, lr=1e-2, rounding="stochastic", state_dtype=torch.bfloat16,
+                           seed=seed),
+    lambda ps, seed: AdamW(ps, lr=1e-2, rounding="remainder", seed=seed),
+    lambda ps, seed: SGD(ps, lr=0.1, momentum=0.9, rounding="kahan", seed=seed),
+], ids=["adamw-stochastic-bf16-states", "adamw-remainder", "sgd-kahan"])
+def test_state_dict_resume_is_bit_identical(make):
+    def train(params, opt, steps):
+        for step in steps:
+            opt.zero_grad(set_to_none=True)
+            _set_grads(params, _grads(step, dtype=torch.bfloat16))
+            opt.step()
+
+    straight = _params()
+    opt = make(straight, 123)
+    train(straight, opt, range(6))
+
+    first = _params()
+    opt1 = make(first, 123)
+    train(first, opt1, range(3))
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in first], "opt": opt1.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+    opt2 = make(resumed, 999)  # another seed: the loaded one must win
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.param_groups[0]["seed"] == 123
+    train(resumed, opt2, range(3, 6))
+    for p, q in zip(straight, resumed):
+        _assert_bits_equal(p, q)
+        assert opt.state[p].keys() == opt2.state[q].keys()
+        for name, value in opt.state[p].items():
+            other = opt2.state[q][name]
+            assert value.dtype == other.dtype, name
+            assert torch.equal(value, other), name
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def test_errors():
+    ps = _params()
+    with pytest.raises(ValueError, match="rounding"):
+        AdamW(ps, rounding="up")
+    with pytest.raises(ValueError, match="state_dtype"):
+        AdamW(ps, state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="rounding"):
+        AdamW(_params(torch.float16), rounding="remainder")
+    with pytest.raises(TypeError, match="params"):
+        SGD(_params(torch.float64), lr=0.1)
+    with pytest.raises(TypeError, match="seed"):
+        SGD(ps, lr=0.1, seed="x")
+    with pytest.raises(ValueError, match="nesterov"):
+        SGD(ps, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="amsgrad"):
+        AdamW(ps, amsgrad=True)
+    with pytest.raises(ValueError, match="rounding"):
+        AdamW([{"params": ps[:1]}, {"params": ps[1:], "rounding": "nearest"}])
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = SGD(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="grads"):
+        opt.step()
+    opt = AdamW(ps)
+    ps[0].grad = torch.zeros_like(ps[0])
+    with pytest.raises(TypeError, match="found_inf"):
+        opt.step(found_inf=torch.zeros(1, dtype=torch.float64))
+
+
+# -- a custom optimizer from the public primitives ---------------------------------------------
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023) on bf16 weights: fp32 update in torch, one
+    ``srround.stochastic_add`` per tensor; one seed, offsets t * 2**36 + the tensor's start in
+    the flat parameter order, so every step and element gets its own random bits."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, seed=0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+        self.seed = seed
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        start = 0
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad.float()
+                    m = self.state[p].setdefault("exp_avg", torch.zeros_like(p, dtype=torch.float32))
+                    update = (m * beta1 + g * (1 - beta1)).sign_()
+                    update.add_(p.float(), alpha=group["weight_decay"])
+                    srround.stochastic_add(p, update, alpha=-group["lr"], seed=self.seed,
+                                           offset=(self.t << STEP_SHIFT) + start)
+                    m.mul_(beta2).add_(g, alpha=1 - beta2)
+                start += p.numel()
+
+
+def test_lion_from_primitives_trains():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=gen)
+    y = x @ torch.randn(8, 1, generator=gen)
+    w = torch.nn.Parameter(torch.zeros(8, 1, dtype=torch.bfloat16))
+    opt = Lion([w], lr=3e-2, seed=1)
+    losses = []
+    for _ in range(150):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(x.bfloat16() @ w, y.bfloat16())
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.02 * losses[0]
+
+
+# -- CUDA (real devices only: torch has no CUDA simulator) ------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rounding", ["stochastic", "master", "remainder"])
+def test_cuda_matches_cpu_bits(rounding):
+    runs = []
+    for device in ("cpu", "cuda"):
+        ps = _params(device=device)
+        opt = AdamW(ps, lr=1e-2, rounding=rounding, state_dtype=torch.bfloat16, seed=3)
+        scaler = GradScaler(device, init_scale=4.0)
+        for step in range(3):
+            opt.zero_grad()
+            loss = sum((p.float() * g.to(device)).sum() for p, g in zip(ps, _grads(step)))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        runs.append([_bits(p) for p in ps])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+# -- host overhead (measured, not asserted) ----------------------------------------------------
+
+
+def test_host_overhead_200_tensors(capsys):
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)) for _ in range(200)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = AdamW(params, lr=1e-3, seed=0)
+    opt.step()  # builds the table
+    n = 200
+    t0 = time.perf_counter()
+    for _ in range(n):
+        opt.step()
+    per_step = (time.perf_counter() - t0) / n * 1e6
+    with capsys.disabled():
+        print(f"\nsrround AdamW, 200 tensors x 4 bf16: {per_step:.0f} us/step (CPU, cached table)")
