@@ -1,0 +1,600 @@
+#!/usr/bin/env python
+"""Step time of srround's fused AdamW against what users run today (torch.optim, torchao, optimi,
+optax), with bf16 parameters and gradients, on a transformer-like list of tensors.
+
+Usage::
+
+    python benchmarks/bench_optim.py                  # CPU 24.6M params / 196 tensors (+ GPU)
+    python benchmarks/bench_optim.py --quick          # CPU ~2M params, GPU 67M, few steps
+    python benchmarks/bench_optim.py --device cpu --sections torch --json out.json
+
+What is measured
+----------------
+One ``optimizer.step()`` over all parameters (gradients fixed, already in ``p.grad``). Every
+row is labelled with the bytes per parameter its step must move at least (read + write):
+
+* srround, fp32 states: 22 B (bf16 param 2+2, bf16 grad 2, fp32 m 4+4, fp32 v 4+4);
+  bf16 states: 14 B. The rounding mode adds its per-parameter buffer: ``kahan`` +4 (bf16
+  compensation read and written), ``remainder`` +4 (int16), ``master`` +8 (fp32 master).
+* torch.optim.AdamW (``fused=True`` / ``foreach=True``): states have the parameter's dtype, so
+  bf16 params = 14 B (no stochastic rounding: the bf16 baseline that stalls), fp32 params =
+  28 B (the fp32 reference).
+* torchao ``_AdamW(bf16_stochastic_round=True)``: bf16 params and states, 14 B. Its first step
+  compiles ``single_param_adam`` with ``torch.compile`` per parameter shape; that time is printed
+  as ``first step`` and kept out of the median.
+* optimi ``AdamW(kahan_sum=True)``: bf16 params, states and compensation, 18 B.
+
+``GB/s`` = bytes/param x params / median step time; ``% copy`` divides it by a copy of the same
+number of bytes measured in the same run (half read, half written): CPU: a Numba ``prange``
+in-place ``buf[i] += 1`` over 8-byte words (srround's thread pool, the in-place access pattern
+of an optimizer step; a copy into a separate buffer would also pay write-allocate reads and give
+a floor ~1.5x too low), GPU: ``torch`` device-to-device ``copy_``. A row near 100 % is memory
+bound. ``host ms``: CPU: the wall time of the step (nothing is asynchronous);
+GPU: the time until ``step()`` returns, without a synchronize (launch overhead the host pays).
+``first step`` includes state allocation, Numba/JAX/Inductor compilation and first touch.
+
+The JAX section (CPU, or the GPU when JAX sees one) times ``jit``-compiled steps with donated
+parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (native), ``optax.adamw``
+followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding of the sum), plain
+``optax.adamw`` on fp32 and on bf16 params, and ``optax.adamw`` with a hand-written
+``jax.random.bits`` stochastic-rounding apply (what a user writes). Bytes/param there are the
+same nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B fp32).
+
+Sections that cannot run (no CUDA, no torchao/optimi/JAX, adapters not yet present) print why.
+Numbers depend on the machine and on what else runs on it; only compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+LR = 1e-3
+SEED = 1234
+CPU_TARGET_MS = 15.0  # srround AdamW, fp32 states, 24.6M params, CPU
+GPU_TARGET_FRAC = 0.80  # of the same-run copy bandwidth, 200 tensors
+BUSY_MARK = 0.3  # CPUs used by other processes while a CPU row was timed -> flagged noisy
+
+
+class Unavailable(Exception):
+    """A row/section that cannot run here; the message is printed as a note."""
+
+
+def _quiet_import(name: str):
+    import importlib
+
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return importlib.import_module(name)
+    except ImportError as exc:
+        raise Unavailable(f"{name} not importable ({exc})") from None
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+# --------------------------------------------------------------------------------------------
+# shapes
+# --------------------------------------------------------------------------------------------
+
+
+def shapes(total: int, tensors: int) -> list[tuple[int, ...]]:
+    """A transformer-like mix cycled to ``tensors`` tensors: per layer 4 d x d attention matrices,
+    d x 4d and 4d x d MLP matrices and 4 vectors of d (two norms' weight and bias), with d chosen
+    so the total is close to ``total``. One tensor: a flat vector of ``total``."""
+    if tensors == 1:
+        return [(total,)]
+    layer = [("dd",)] * 4 + [("4d", "d"), ("d", "4d")] + [("d",)] * 4
+    kinds = (layer * (tensors // len(layer) + 1))[:tensors]
+    # total = a d^2 + b d
+    a = sum(1 for k in kinds if k == ("dd",)) + 4 * sum(1 for k in kinds if len(k) == 2)
+    b = sum(1 for k in kinds if k == ("d",))
+    d = max(1, round((-b + math.sqrt(b * b + 4 * a * total)) / (2 * a)))
+    table = {("dd",): (d, d), ("4d", "d"): (4 * d, d), ("d", "4d"): (d, 4 * d), ("d",): (d,)}
+    return [table[k] for k in kinds]
+
+
+def numel(shape_list) -> int:
+    return sum(math.prod(s) for s in shape_list)
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------
+
+
+def time_steps(step, sync, reps: int, batch: int = 1) -> dict:
+    """First call (compile/allocation), one warm-up, then ``reps`` samples of ``batch`` calls
+    closed by one ``sync``; host time = time until each call returns (no sync)."""
+    t0 = time.perf_counter()
+    step()
+    sync()
+    first = time.perf_counter() - t0
+    step()
+    sync()
+    before = _cpu_counters()
+    per_step, host = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            h0 = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - h0)
+        sync()
+        per_step.append((time.perf_counter() - t0) / batch)
+    return {"first_s": first, "median_s": statistics.median(per_step), "min_s": min(per_step),
+            "host_s": statistics.median(host), "reps": reps, "batch": batch,
+            "others_busy_cpus": _others_busy(before, _cpu_counters())}
+
+
+def _cpu_counters():
+    """(wall s, machine busy s over all CPUs, this process's CPU s), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(t) for t in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return time.perf_counter(), busy, own.user + own.system
+
+
+def _others_busy(before, after):
+    """CPUs used by other processes between two ``_cpu_counters`` (clock-tick resolution)."""
+    if before is None or after is None or after[0] - before[0] <= 0:
+        return None
+    wall = after[0] - before[0]
+    return round(max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall), 3)
+
+
+_FLOORS: dict = {}
+
+
+def copy_floor(device: str, nbytes: int, reps: int) -> float:
+    """Seconds to move nbytes of traffic: CPU: read and write back nbytes / 2 bytes in place (a
+    Numba prange ``buf[i] += 1`` on 8-byte words: an optimizer step updates its buffers in place,
+    and a copy into a separate buffer would also pay the write-allocate reads of the target);
+    GPU: ``dst.copy_(src)`` of nbytes / 2 bytes."""
+    key = (device, nbytes)
+    if key in _FLOORS:
+        return _FLOORS[key]
+    words = max(1, nbytes // 16)
+    if device == "cpu":
+        import numpy as np
+        from numba import njit, prange
+
+        @njit(parallel=True, cache=False)
+        def bump(buf):
+            for i in prange(buf.size):
+                buf[i] += np.uint64(1)
+
+        buf = np.ones(words, np.uint64)
+        r = time_steps(lambda: bump(buf), lambda: None, reps)
+    else:
+        import torch
+
+        src = torch.ones(words, dtype=torch.int64, device=device)
+        dst = torch.empty_like(src)
+        r = time_steps(lambda: dst.copy_(src), torch.cuda.synchronize, reps, batch=5)
+        del src, dst
+        torch.cuda.empty_cache()
+    _FLOORS[key] = r["median_s"]
+    return _FLOORS[key]
+
+
+def release(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# torch rows
+# --------------------------------------------------------------------------------------------
+
+
+def make_params(torch, shape_list, dtype, device):
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    params = []
+    for s in shape_list:
+        p = torch.nn.Parameter((torch.randn(s, generator=gen, device=device) * 0.02).to(dtype))
+        p.grad = (torch.randn(s, generator=gen, device=device) * 1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+class _FunctionalAdamW:
+    """Stand-in for ``srround.adapters.torch.AdamW`` built on ``srround.adamw_step`` (used only
+    while the adapter is missing): same buffers, same single fused call per step."""
+
+    def __init__(self, params, lr, *, rounding, state_dtype, seed):
+        import torch
+
+        self.params, self.lr, self.rounding, self.seed, self.t = list(params), lr, rounding, seed, 0
+        self.m = [torch.zeros_like(p, dtype=state_dtype) for p in self.params]
+        self.v = [torch.zeros_like(p, dtype=state_dtype) for p in self.params]
+        self.aux = {
+            "kahan": lambda: [torch.zeros_like(p) for p in self.params],
+            "master": lambda: [p.detach().float() for p in self.params],
+            "remainder": lambda: [torch.zeros_like(p, dtype=torch.int16) for p in self.params],
+        }.get(rounding, lambda: None)()
+
+    def step(self):
+        import srround
+
+        self.t += 1
+        srround.adamw_step([p.detach() for p in self.params], [p.grad for p in self.params],
+                           self.m, self.v, lr=self.lr, step=self.t, rounding=self.rounding,
+                           aux=self.aux, seed=self.seed)
+
+
+def srround_adamw(torch):
+    """(factory, label note): the adapter's AdamW, or the functional stand-in."""
+    try:
+        mod = _quiet_import("srround.adapters.torch")
+        cls = getattr(mod, "AdamW", None)
+    except Unavailable:
+        cls = None
+    if cls is not None:
+        return (lambda params, **kw: cls(params, lr=LR, **kw)), "adapters.torch.AdamW"
+    return (lambda params, **kw: _FunctionalAdamW(params, LR, **kw)), "adamw_step (functional)"
+
+
+EXTRA_BYTES = {"stochastic": 0, "nearest": 0, "kahan": 4, "remainder": 4, "master": 8}
+
+
+def torch_rows(torch, device: str, quick: bool):
+    """[(label, bytes/param, param dtype, factory(params) -> optimizer, max reps or None)]."""
+    rows = []
+    factory, how = srround_adamw(torch)
+    for state_dtype, base in ((torch.float32, 22), (torch.bfloat16, 14)):
+        sname = "fp32" if state_dtype == torch.float32 else "bf16"
+        for mode in ("stochastic", "kahan", "master", "remainder"):
+            rows.append((f"srround AdamW {mode:<10} {sname} states", base + EXTRA_BYTES[mode],
+                         torch.bfloat16,
+                         (lambda params, mode=mode, sd=state_dtype:
+                          factory(params, rounding=mode, state_dtype=sd, seed=SEED)), None))
+    for impl in ("fused", "foreach"):
+        for dtype, nb in ((torch.bfloat16, 14), (torch.float32, 28)):
+            dname = "bf16" if dtype == torch.bfloat16 else "fp32"
+            rows.append((f"torch AdamW {impl:<7} {dname} params (RNE)", nb, dtype,
+                         (lambda params, impl=impl:
+                          torch.optim.AdamW(params, lr=LR, **{impl: True})), None))
+
+    def torchao(params):
+        mod = _quiet_import("torchao.optim")
+        return mod._AdamW(params, lr=LR, bf16_stochastic_round=True)
+
+    rows.append(("torchao _AdamW bf16 SR (compiled)", 14, torch.bfloat16, torchao,
+                 3 if quick else 10))
+
+    def optimi(params):
+        mod = _quiet_import("optimi")
+        return mod.AdamW(params, lr=LR, kahan_sum=True)
+
+    rows.append(("optimi AdamW kahan_sum bf16", 18, torch.bfloat16, optimi, None))
+    return rows, how
+
+
+def run_torch(device: str, total: int, tensors: int, reps: int, quick: bool, notes: list,
+              only=None) -> list[dict]:
+    torch = _quiet_import("torch")
+    shape_list = shapes(total, tensors)
+    n = numel(shape_list)
+    gpu = device != "cpu"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    batch = 5 if gpu else 1
+    rows, how = torch_rows(torch, device, quick)
+    print(f"\n-- torch on {device}: {n:,} params in {len(shape_list)} tensors "
+          f"(srround via {how}) --", flush=True)
+    results = []
+    for label, nbytes, dtype, factory, max_reps in rows:
+        if only and not any(o in label for o in only):
+            continue
+        params = opt = None
+        try:
+            params = make_params(torch, shape_list, dtype, device)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt = factory(params)
+                r = time_steps(opt.step, sync, min(reps, max_reps or reps), batch)
+        except Unavailable as exc:
+            notes.append(f"{device} {tensors} tensors: {label}: skipped: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - a row that fails here is reported, not fatal
+            msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            notes.append(f"{device} {tensors} tensors: {label}: failed: {type(exc).__name__}: {msg}")
+            continue
+        finally:
+            del params, opt
+            release(device)
+        floor = copy_floor(device, nbytes * n, reps)
+        gbps = nbytes * n / r["median_s"] / 1e9
+        row = {"section": "torch", "device": device, "tensors": len(shape_list), "params": n,
+               "method": label, "bytes_per_param": nbytes, "gbps": gbps,
+               "frac_copy": floor / r["median_s"], "copy_gbps": nbytes * n / floor / 1e9, **r}
+        results.append(row)
+        print_row(row, gpu)
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# JAX rows
+# --------------------------------------------------------------------------------------------
+
+
+def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str | None):
+    jax = _quiet_import("jax")
+    import jax.numpy as jnp
+
+    try:
+        optax = _quiet_import("optax")
+    except Unavailable as exc:
+        optax = None
+        notes.append(f"jax: optax rows skipped: {exc}")
+    backend = jax.default_backend()
+    dev = jax.devices()[0]
+    shape_list = shapes(total, tensors)
+    n = numel(shape_list)
+    print(f"\n-- jax on {backend} ({dev.device_kind}): {n:,} params in {len(shape_list)} tensors"
+          " (jit, donated params and states) --", flush=True)
+    try:
+        sj = _quiet_import("srround.adapters.jax")
+    except Unavailable as exc:
+        sj = None
+        notes.append(f"jax: srround rows skipped: {exc}")
+
+    def make(dtype):
+        key = jax.random.key(SEED)
+        params, grads = [], []
+        for i, s in enumerate(shape_list):
+            k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+            params.append((0.02 * jax.random.normal(k1, s, jnp.float32)).astype(dtype))
+            grads.append((1e-3 * jax.random.normal(k2, s, jnp.float32)).astype(dtype))
+        return params, grads
+
+    def user_sr_apply(params, updates, key):
+        """optax.apply_updates with a user-level SR: fp32 sum, 16 random bits added below the
+        bf16 mantissa, truncated (no care for inf/NaN/overflow)."""
+        out = []
+        for i, (p, u) in enumerate(zip(params, updates)):
+            s = p.astype(jnp.float32) + u.astype(jnp.float32)
+            bits = jax.random.bits(jax.random.fold_in(key, i), s.shape, jnp.uint32)
+            sb = jax.lax.bitcast_convert_type(s, jnp.uint32)
+            sb = (sb + (bits & jnp.uint32(0xFFFF))) & jnp.uint32(0xFFFF0000)
+            out.append(jax.lax.bitcast_convert_type(sb, jnp.float32).astype(p.dtype))
+        return out
+
+    def optax_row(apply, dtype):
+        def build():
+            if optax is None:
+                raise Unavailable("optax not importable")
+            tx = optax.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2)
+            params, grads = make(dtype)
+            state = tx.init(params)
+
+            def step(params, state, grads, t):
+                updates, state = tx.update(grads, state, params)
+                key = jax.random.fold_in(jax.random.key(SEED), t)
+                return apply(params, updates, key), state
+
+            return jax.jit(step, donate_argnums=(0, 1)), params, state, grads
+        return build
+
+    def fused_row(state_dtype):
+        def build():
+            if sj is None or not hasattr(sj, "adamw"):
+                raise Unavailable("srround.adapters.jax.adamw not present")
+            opt = sj.adamw(LR, 0.9, 0.999, 1e-8, 1e-2, seed=SEED, rounding="stochastic",
+                           state_dtype=state_dtype, impl="native")
+            params, grads = make(jnp.bfloat16)
+            state = opt.init(params)
+
+            def step(params, state, grads, t):
+                params, state = opt.step(grads, state, params)
+                return params, state
+
+            return jax.jit(step, donate_argnums=(0, 1)), params, state, grads
+        return build
+
+    def srround_apply(params, updates, key):
+        if sj is None or not hasattr(sj, "apply_updates"):
+            raise Unavailable("srround.adapters.jax.apply_updates not present")
+        return sj.apply_updates(params, updates, key, impl="native")
+
+    plain = (lambda p, u, k: optax.apply_updates(p, u)) if optax else None
+    rows = [
+        ("srround jax.adamw native fp32 states", 22, fused_row(jnp.float32)),
+        ("srround jax.adamw native bf16 states", 14, fused_row(jnp.bfloat16)),
+        ("optax.adamw + srround apply_updates", 14, optax_row(srround_apply, jnp.bfloat16)),
+        ("optax.adamw + user jax.random.bits SR", 14, optax_row(user_sr_apply, jnp.bfloat16)),
+        ("optax.adamw bf16 params (RNE)", 14, optax_row(plain, jnp.bfloat16)),
+        ("optax.adamw fp32 params", 28, optax_row(plain, jnp.float32)),
+    ]
+    results = []
+    for label, nbytes, build in rows:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fn, params, state, grads = build()
+                box = {"p": params, "s": state, "t": 0}
+
+                def step():
+                    box["t"] += 1
+                    box["p"], box["s"] = fn(box["p"], box["s"], grads, box["t"])
+
+                def sync():
+                    jax.block_until_ready(box["p"])
+
+                r = time_steps(step, sync, reps)
+        except Unavailable as exc:
+            notes.append(f"jax: {label}: skipped: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001
+            msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            notes.append(f"jax: {label}: failed: {type(exc).__name__}: {msg}")
+            continue
+        finally:
+            box = params = state = grads = None
+            gc.collect()
+        row = {"section": "jax", "device": f"jax-{backend}", "tensors": len(shape_list),
+               "params": n, "method": label, "bytes_per_param": nbytes,
+               "gbps": nbytes * n / r["median_s"] / 1e9, **r}
+        if floor_device:
+            floor = copy_floor(floor_device, nbytes * n, reps)
+            row["frac_copy"] = floor / r["median_s"]
+            row["copy_gbps"] = nbytes * n / floor / 1e9
+        results.append(row)
+        print_row(row, backend != "cpu")
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# output
+# --------------------------------------------------------------------------------------------
+
+HEADER = (f"{'method':<42} {'B/par':>5} {'ms/step':>9} {'GB/s':>8} {'% copy':>7} "
+          f"{'host ms':>8} {'first step':>11}")
+
+
+def print_row(r: dict, gpu: bool) -> None:
+    if not getattr(print_row, "_header_for", None) == (r["section"], r["device"], r["tensors"]):
+        print(HEADER)
+        print("-" * len(HEADER))
+        print_row._header_for = (r["section"], r["device"], r["tensors"])
+    frac = f"{100 * r['frac_copy']:6.0f}%" if "frac_copy" in r else f"{'-':>7}"
+    busy = not gpu and (r.get("others_busy_cpus") or 0) > BUSY_MARK
+    print(f"{r['method']:<42} {r['bytes_per_param']:>5} {r['median_s'] * 1e3:9.3f} "
+          f"{r['gbps']:8.2f} {frac} {r['host_s'] * 1e3:8.3f} {r['first_s']:10.2f}s"
+          f"{'  *busy %.1f' % r['others_busy_cpus'] if busy else ''}", flush=True)
+
+
+def print_targets(results: list[dict]) -> None:
+    print("\n== targets ==")
+    ref = [r for r in results if r["section"] == "torch" and r["device"] == "cpu"
+           and r["method"].startswith("srround AdamW stochastic") and "fp32 states" in r["method"]]
+    for r in ref:
+        ok = r["median_s"] * 1e3 <= CPU_TARGET_MS
+        print(f"CPU: srround AdamW (stochastic, fp32 states) <= {CPU_TARGET_MS:g} ms/step at "
+              f"{r['params'] / 1e6:.1f}M params: {r['median_s'] * 1e3:.2f} ms "
+              f"({'met' if ok else 'NOT met'}"
+              f"{'' if r['params'] > 20e6 else '; target is for 24.6M params'})")
+    gpu = [r for r in results if r["section"] == "torch" and r["device"].startswith("cuda")
+           and r["method"].startswith("srround AdamW") and r["tensors"] == 200]
+    for r in gpu:
+        ok = r["frac_copy"] >= GPU_TARGET_FRAC
+        print(f"GPU 200 tensors: {r['method']:<40} {100 * r['frac_copy']:5.0f}% of copy "
+              f"(target >= {100 * GPU_TARGET_FRAC:.0f}%: {'met' if ok else 'NOT met'})")
+    if not ref and not gpu:
+        print("(no srround row measured)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="CPU ~2M params, GPU 67M params, fewer steps")
+    p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
+                   help="'all' = CPU, plus CUDA when torch.cuda.is_available()")
+    p.add_argument("--sections", nargs="+", choices=("torch", "jax"), default=["torch", "jax"])
+    p.add_argument("--params", type=float, default=None,
+                   help="parameters per device in millions (default CPU 24.6, GPU 268)")
+    p.add_argument("--gpu-tensors", type=int, nargs="+", default=[1, 200, 2000])
+    p.add_argument("--jax-tensors", type=int, default=24,
+                   help="tensors in the JAX section (default 24: compiling srround's native JAX"
+                   " adamw grows with the tensor count, ~200 s at 196 tensors on 2 CPU cores)")
+    p.add_argument("--reps", type=int, default=None, help="timed samples per row")
+    p.add_argument("--only", nargs="+", metavar="TEXT",
+                   help="only torch rows whose label contains one of these")
+    p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
+    args = p.parse_args(argv)
+
+    import numba
+    import numpy as np
+
+    import srround
+
+    notes: list[str] = []
+    meta = {"python": platform.python_version(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "numba_threads": numba.get_num_threads(),
+            "numpy": np.__version__, "srround": srround.__version__, "quick": args.quick}
+    devices = ["cpu"] if args.device in ("cpu", "all") else []
+    torch = None
+    try:
+        torch = _quiet_import("torch")
+        meta["torch"], meta["torch_threads"] = torch.__version__, torch.get_num_threads()
+        if args.device in ("cuda", "all"):
+            if torch.cuda.is_available():
+                devices.append("cuda")
+                meta["gpu"] = torch.cuda.get_device_name()
+            else:
+                notes.append("CUDA: torch.cuda.is_available() is False: GPU rows skipped")
+    except Unavailable as exc:
+        notes.append(f"torch section skipped: {exc}")
+    for name in ("torchao", "optimi", "jax", "optax"):
+        with contextlib.suppress(Exception):
+            meta[name] = getattr(_quiet_import(name), "__version__", "?")
+    print("srround optimizer benchmark | " + ", ".join(f"{k}={v}" for k, v in meta.items()),
+          flush=True)
+
+    t_start = time.perf_counter()
+    results: list[dict] = []
+    cpu_total = int((args.params or (2.0 if args.quick else 24.6)) * 1e6)
+    gpu_total = int((args.params or (67.0 if args.quick else 268.0)) * 1e6)
+    if "torch" in args.sections and torch is not None:
+        for device in devices:
+            if device == "cpu":
+                reps = args.reps or (5 if args.quick else 10)
+                results += run_torch("cpu", cpu_total, 196, reps, args.quick, notes, args.only)
+            else:
+                reps = args.reps or (5 if args.quick else 10)
+                for tensors in args.gpu_tensors:
+                    results += run_torch("cuda", gpu_total, tensors, reps, args.quick, notes,
+                                         args.only)
+    if "jax" in args.sections:
+        try:
+            jax = _quiet_import("jax")
+            on_gpu = jax.default_backend() == "gpu"
+            floor_device = ("cuda" if on_gpu and "cuda" in devices else
+                            None if on_gpu else "cpu")
+            total = gpu_total if on_gpu else cpu_total
+            reps = args.reps or (3 if args.quick else 5)
+            results += run_jax(total, args.jax_tensors, reps, notes, floor_device)
+        except Unavailable as exc:
+            notes.append(f"jax section skipped: {exc}")
+    print_targets(results)
+    if any((r.get("others_busy_cpus") or 0) > BUSY_MARK for r in results
+           if not r["device"].startswith("cuda")):
+        notes.append(f"*busy: other processes used more than {BUSY_MARK} CPU while the row was"
+                     " timed (shared cores and memory bandwidth): treat it as noisy")
+    if notes:
+        print("\nnotes:")
+        for note in notes:
+            print("  - " + note)
+    print(f"\ntotal benchmark time {time.perf_counter() - t_start:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results, "notes": notes}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

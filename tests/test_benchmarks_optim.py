@@ -1,0 +1,43 @@
+"""Smoke test: benchmarks/bench_optim.py and benchmarks/convergence.py run end to end at tiny
+sizes (subprocesses, a few seconds each)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+pytest.importorskip("torch")
+
+
+def _run(args, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_bench_optim_and_convergence_smoke(tmp_path):
+    import srround.adapters.torch as sat
+
+    if not hasattr(sat, "AdamW"):
+        pytest.skip("srround.adapters.torch.AdamW not present")
+    out = _run([str(BENCH / "bench_optim.py"), "--quick", "--device", "cpu", "--sections",
+                "torch", "--params", "0.02", "--reps", "1", "--only",
+                "srround AdamW stochastic", "torch AdamW foreach"], tmp_path)
+    assert "srround AdamW stochastic" in out and "fp32 states" in out
+    assert "== targets ==" in out
+
+    png = tmp_path / "conv.png"
+    out = _run([str(BENCH / "convergence.py"), "--steps", "20", "--lrs", "1e-5",
+                "--out", str(png)], tmp_path)
+    assert "bf16 stochastic" in out and "progress" in out
+    if "wrote" in out:
+        assert png.stat().st_size > 0
