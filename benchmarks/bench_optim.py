@@ -436,11 +436,11 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
                 fn, params, state, grads = build()
                 box = {"p": params, "s": state, "t": 0}
 
-                def step():
+                def step(box=box, fn=fn, grads=grads):
                     box["t"] += 1
                     box["p"], box["s"] = fn(box["p"], box["s"], grads, box["t"])
 
-                def sync():
+                def sync(box=box):
                     jax.block_until_ready(box["p"])
 
                 r = time_steps(step, sync, reps)
@@ -475,7 +475,7 @@ HEADER = (f"{'method':<42} {'B/par':>5} {'ms/step':>9} {'GB/s':>8} {'% copy':>7}
 
 
 def print_row(r: dict, gpu: bool) -> None:
-    if not getattr(print_row, "_header_for", None) == (r["section"], r["device"], r["tensors"]):
+    if getattr(print_row, "_header_for", None) != (r["section"], r["device"], r["tensors"]):
         print(HEADER)
         print("-" * len(HEADER))
         print_row._header_for = (r["section"], r["device"], r["tensors"])
@@ -483,7 +483,7 @@ def print_row(r: dict, gpu: bool) -> None:
     busy = not gpu and (r.get("others_busy_cpus") or 0) > BUSY_MARK
     print(f"{r['method']:<42} {r['bytes_per_param']:>5} {r['median_s'] * 1e3:9.3f} "
           f"{r['gbps']:8.2f} {frac} {r['host_s'] * 1e3:8.3f} {r['first_s']:10.2f}s"
-          f"{'  *busy %.1f' % r['others_busy_cpus'] if busy else ''}", flush=True)
+          f"{'  *busy {:.1f}'.format(r['others_busy_cpus']) if busy else ''}", flush=True)
 
 
 def print_targets(results: list[dict]) -> None:
@@ -494,8 +494,7 @@ def print_targets(results: list[dict]) -> None:
         ok = r["median_s"] * 1e3 <= CPU_TARGET_MS
         print(f"CPU: srround AdamW (stochastic, fp32 states) <= {CPU_TARGET_MS:g} ms/step at "
               f"{r['params'] / 1e6:.1f}M params: {r['median_s'] * 1e3:.2f} ms "
-              f"({'met' if ok else 'NOT met'}"
-              f"{'' if r['params'] > 20e6 else '; target is for 24.6M params'})")
+              f"({('met' if ok else 'NOT met') if r['params'] > 20e6 else 'n/a: the target is for 24.6M params'})")
     gpu = [r for r in results if r["section"] == "torch" and r["device"].startswith("cuda")
            and r["method"].startswith("srround AdamW") and r["tensors"] == 200]
     for r in gpu:

@@ -19,7 +19,8 @@ learning rates: the per-step update (~lr) is far below half a bf16 ulp of the we
 Variants (bf16 parameters and bf16 gradients, fp32 optimizer states, forward/backward in fp32
 on the upcast weights):
 
-* ``fp32``            - ``torch.optim.AdamW`` on fp32 parameters: the reference;
+* ``fp32``            - ``torch.optim.AdamW`` on fp32 parameters (fp32 gradients): the
+                        reference;
 * ``bf16 nearest``    - ``srround.adapters.torch.AdamW(rounding="nearest")``: what plain bf16
                         training does (torch's own AdamW on bf16 params behaves the same);
 * ``bf16 stochastic`` - ``rounding="stochastic"``: no extra memory;
@@ -67,9 +68,8 @@ def forward_np(w, x):
 
 def train(variant: str, lr: float, steps: int, eval_every: int, data, seed: int):
     """Returns (steps evaluated at, full-data losses) for one variant."""
-    import torch
-
     import srround.adapters.torch as sat
+    import torch
 
     x, y, start = data
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
@@ -119,7 +119,7 @@ def plot(results: dict, lrs, path: str) -> bool:
     for ax, lr in zip(axes[0], lrs):
         for v in VARIANTS:
             at, loss = results[(lr, v)]
-            style = dict(color="black", ls="--", zorder=3) if v == "fp32" else {}
+            style = {"color": "black", "ls": "--", "zorder": 3} if v == "fp32" else {}
             ax.plot(at, loss, label=v, lw=1.5, **style)
         ax.set_yscale("log")
         ax.set_xlabel("step")

@@ -18,8 +18,8 @@ pytest.importorskip("torch")
 
 def _run(args, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, *args], check=False, cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -31,7 +31,7 @@ def test_bench_optim_and_convergence_smoke(tmp_path):
         pytest.skip("srround.adapters.torch.AdamW not present")
     out = _run([str(BENCH / "bench_optim.py"), "--quick", "--device", "cpu", "--sections",
                 "torch", "--params", "0.02", "--reps", "1", "--only",
-                "srround AdamW stochastic", "torch AdamW foreach"], tmp_path)
+                "srround AdamW stochastic"], tmp_path)
     assert "srround AdamW stochastic" in out and "fp32 states" in out
     assert "== targets ==" in out
 
