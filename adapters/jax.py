@@ -675,3 +675,4 @@ from ._jax_loss_scale import (  # noqa: E402  (the framework layer, after the ad
     all_finite,
     select_tree,
 )
+from ._jax_optim import AdamWState, FusedAdamW, adamw, apply_updates  # noqa: E402, F401

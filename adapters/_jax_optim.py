@@ -1,0 +1,634 @@
+"""Optimizer steps for JAX pytrees with srround's rounding: ``apply_updates`` and fused ``adamw``.
+
+``apply_updates(params, updates, seed, *, step=None, impl=None)`` - a drop-in for
+``optax.apply_updates``: bf16/fp16 leaves become ``SR(p + u)`` (``stochastic_add``: the sum in
+float32 with one rounding, then stochastically rounded), float32 leaves ``p + u`` as optax does.
+
+``adamw(learning_rate, b1, b2, eps, weight_decay, *, seed, rounding, state_dtype, impl)`` - the
+fused AdamW of ``srround/_optim.py`` (torch.optim.AdamW's math, float32, explicit fma, the weight
+modes ``stochastic``, ``nearest``, ``kahan``, ``master``, ``remainder``), bit for bit
+``srround.adamw_step`` on NumPy copies of the same buffers:
+
+* ``tx.init(params) -> AdamWState``; ``tx.step(grads, state, params, *, found_inf=None,
+  inv_scale=None) -> (new_params, new_state)``: the fused path. It returns the parameters
+  because stochastic rounding happens in the write-back: an optax ``update`` returns updates and
+  ``optax.apply_updates`` adds them with round-to-nearest, which cannot stochastically round.
+* ``tx`` is also an ``optax.GradientTransformationExtraArgs`` (when optax is installed):
+  ``tx.update(grads, state, params)`` runs ``step`` and returns float32 ``updates`` with
+  ``float32(p + u) == new_params`` (``new - p``, nudged by one ulp where that subtraction
+  rounded), so ``optax.apply_updates(params, updates)`` (``(p + u).astype(p.dtype)``)
+  reproduces ``new_params`` - stochastic rounding included - except in rare cases where no
+  such float32 ``u`` exists (an fp32 weight moving far, e.g. across zero to a much larger
+  magnitude; bf16/fp16 weights whose exponent changes by more than ~16). ``step`` is exact
+  always and does less work: prefer it (or ``optax.adamw`` plus ``apply_updates`` here).
+  ``update`` needs ``params`` and must come last in an ``optax.chain``.
+
+Random stream (the one of the fused kernels, ``srround/_optim.py``): the leaves in
+``jax.tree_util.tree_leaves`` order are one tensor list; leaf ``k`` starts at global element
+``starts[k]`` (the sum of the sizes of the leaves before it). At step ``t`` (1-based) element
+``j`` of leaf ``k`` rounds with counter ``t * 2**36 + stream * 2**34 + starts[k] + j`` (stream
+0 weights, 1 exp_avg, 2 exp_avg_sq - bf16 states only). ``apply_updates`` uses the weight
+stream of step ``step`` (``step * 2**36 + starts[k] + j``), or ``starts[k] + j`` when
+``step=None``: then the key must change every step (``jax.random.fold_in(key, step)``) - reusing
+a key (or int seed) with ``step=None`` reuses the same noise. ``adamw``'s seed is fixed for the
+run: the step count in the state moves the stream.
+
+Seeds: an int in [0, 2**64) or a JAX PRNG key (``srround.adapters.jax`` module docstring: key
+data ``(w0, w1)`` equals the int seed ``w0 | w1 << 32``).
+
+Implementations (``impl``):
+
+* ``"native"`` (default): ``jax.lax`` only, jit-able on any backend. Random bits and rounding
+  reuse the adapter's Threefry / ``_encode`` / ``_decode`` helpers. Every fma of
+  ``_optim.adamw_math`` is the adapter's integer-exact ``_fma_bits`` (``jax.lax`` has no fma;
+  XLA may or may not contract, and its CPU backend flushes subnormals). The other float32 ops
+  (``p * decay``, ``g - m``, ``v * beta2``, ``(1 - beta2) * g``, sqrt, the divisions, ``+ eps``)
+  are single IEEE ops, correctly rounded on CPU and GPU - except that XLA's CPU backend (and
+  TPU) flushes float32 subnormal inputs and results to zero, where the Numba kernel keeps them:
+  bits can differ where a state, weight, gradient or intermediate is subnormal (|x| < 2**-126),
+  e.g. an ``exp_avg_sq`` decaying below 1e-38. ``prepare_coefs``'s bias corrections are float64
+  repeated squaring; they are traced under ``jax.enable_x64`` (a scalar ``while_loop`` per
+  step), so they need a backend with IEEE float64 (CPU, GPU; TPU emulates float64 and may
+  differ in the last bit of a coefficient).
+* ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
+  on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
+  practice (device -> host -> device copies).
+
+``found_inf`` (a scalar; nonzero/True/NaN means skip): the step returns params and state
+unchanged (``lax.cond``), the step count included, with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from srround import _optim
+from srround._formats import FORMATS
+
+from .jax import (
+    _blocked,
+    _callback,
+    _decode,
+    _encode,
+    _fma_bits,
+    _host,
+    _key_words,
+    _random16,
+    _seed_of,
+    _u,
+    _unblocked,
+)
+
+__all__ = ["AdamWState", "adamw", "apply_updates"]
+
+_U32 = jnp.uint32
+_NARROW = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
+_ROUNDINGS = tuple(_optim.MODES)
+
+
+def _impl(impl) -> str:
+    if impl is None:
+        return "native"
+    if impl not in ("native", "callback"):
+        raise ValueError(f"impl: expected 'native', 'callback' or None, got {impl!r}")
+    return impl
+
+
+def _starts(leaves) -> list[int]:
+    starts, total = [], 0
+    for leaf in leaves:
+        starts.append(total)
+        total += int(np.prod(np.shape(leaf), dtype=np.int64))
+    if total >= _optim.MAX_ELEMENTS:
+        raise ValueError(f"params: {total} elements, at most {_optim.MAX_ELEMENTS - 1} per step")
+    return starts
+
+
+def _first_words(t, stream: int, start: int):
+    """``(t * 2**36 + stream * 2**34 + start) >> 2`` as (lo, hi) uint32 words: t may be traced
+    (t < 2**26 and start < 2**34, so lo = start >> 2 and hi = 4 t + stream, no carry)."""
+    hi = _u(t) * _U32(4) + _U32(stream)
+    return _u(start >> 2), hi
+
+
+def _f32(bits):
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _b32(x):
+    return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), _U32)
+
+
+def _fma(a, b, c):
+    """fma(a, b, c) of float32 arrays/scalars, one rounding (integer-exact ``_fma_bits``)."""
+    a, b, c = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
+                                   jnp.asarray(c, jnp.float32))
+    return _f32(_fma_bits(_b32(a), _b32(b), _b32(c)))
+
+
+def _widen_bits(x):
+    """Exact fp32 patterns (uint32, flat) of a float32/bf16/fp16 array."""
+    name = _NARROW.get(jnp.dtype(x.dtype))
+    if name is None:
+        if x.dtype != jnp.float32:
+            raise TypeError(f"expected a float32, bfloat16 or float16 array, got {x.dtype}")
+        return lax.bitcast_convert_type(x, _U32).reshape(-1)
+    h = lax.bitcast_convert_type(x, jnp.uint16).reshape(-1).astype(_U32)
+    return h << 16 if name == "bfloat16" else _decode(h, FORMATS[name])
+
+
+def _narrow_out(patterns, dtype, shape):
+    return lax.bitcast_convert_type(patterns.astype(jnp.uint16), dtype).reshape(shape)
+
+
+# -- apply_updates -----------------------------------------------------------------------------
+
+
+def _check_step(step):
+    if step is None or not isinstance(step, (int, np.integer)):
+        return
+    if not 0 <= step < _optim.MAX_STEPS:
+        raise ValueError(f"step: expected an int in [0, {_optim.MAX_STEPS}), got {step}")
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _native_apply(ws, us, k0, k1, t, *, layout):
+    """``SR(w + u)`` of the narrow leaves ``ws`` as ONE flat buffer in global element order
+    (gaps - the float32 leaves - are zero padding), so the program does not grow with the
+    number of leaves; the sum is the exact ``fma(1, u, w)`` of ``stochastic_add``. Jitted: an
+    eager call is one compiled program, under an outer ``jit`` it is inlined."""
+    spans, total = layout
+    w_parts, u_parts, end = [], [], 0
+    for (start, size), w, u in zip(spans, ws, us):
+        if start > end:
+            w_parts.append(jnp.zeros(start - end, _U32))
+            u_parts.append(jnp.zeros(start - end, _U32))
+        w_parts.append(_widen_bits(w))
+        u_parts.append(_b32(u).reshape(-1))
+        end = start + size
+    if total > end:
+        w_parts.append(jnp.zeros(total - end, _U32))
+        u_parts.append(jnp.zeros(total - end, _U32))
+    w, u = lax.optimization_barrier((_flat(w_parts, total), _flat(u_parts, total)))
+    sums = _fma_bits(jnp.broadcast_to(_U32(0x3F800000), w.shape), u, w)
+    bits16 = _random16(k0, k1, 0, *_first_words(t, 0, 0), total)
+    out = [None] * len(ws)
+    for name in sorted({_NARROW[jnp.dtype(w.dtype)] for w in ws}):
+        y = lax.optimization_barrier(_encode(sums, FORMATS[name], False, bits16))
+        y = _unblocked(y, 0, total)
+        for i, ((start, size), w) in enumerate(zip(spans, ws)):
+            if _NARROW[jnp.dtype(w.dtype)] == name:
+                out[i] = _narrow_out(y[start:start + size], w.dtype, w.shape)
+    return out
+
+
+def apply_updates(params, updates, seed, *, step=None, impl=None):
+    """``optax.apply_updates`` with stochastic rounding of the low-precision leaves.
+
+    Args:
+        params: a pytree of arrays (``None`` leaves are kept, as optax does).
+        updates: a pytree of the same structure (float32, or any float cast to float32).
+        seed: a JAX PRNG key or an int in [0, 2**64). With ``step=None`` pass a fresh key
+            every step (``jax.random.fold_in(key, step)``): the same key gives the same noise.
+        step: ``None``, or the 1-based step (int or traced int scalar, < 2**26): leaf ``k``
+            then uses the weight stream of the fused optimizers at counter
+            ``step * 2**36 + starts[k]``, so a fixed seed gives fresh noise every step.
+        impl: ``"native"`` (default) or ``"callback"``; the same bits.
+
+    Returns:
+        the new params: bf16/fp16 leaves ``SR(p + u)`` (``stochastic_add(p, u, offset=...)``
+        with ``offset = starts[k]`` or ``step * 2**36 + starts[k]``), other leaves
+        ``(p + u).astype(p.dtype)``.
+    """
+    impl = _impl(impl)
+    _check_step(step)
+    is_none = lambda x: x is None
+    p_leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_none)
+    u_leaves = treedef.flatten_up_to(updates)
+    present = [p for p in p_leaves if p is not None]
+    starts_present = _starts(present)
+    starts, i = [], 0
+    for p in p_leaves:
+        starts.append(None if p is None else starts_present[i])
+        i += p is not None
+    k0, k1 = _key_words(seed)
+    t = 0 if step is None else step
+    out = [None] * len(p_leaves)
+    narrow = []
+    for k, (p, u) in enumerate(zip(p_leaves, u_leaves)):
+        if p is None:
+            continue
+        p = jnp.asarray(p)
+        name = _NARROW.get(jnp.dtype(p.dtype))
+        if name is None:
+            out[k] = jnp.asarray(p + u).astype(p.dtype)
+            continue
+        u = jnp.asarray(u)
+        if u.shape != p.shape:
+            raise ValueError(f"updates: leaf {k} has shape {u.shape}, param {p.shape}")
+        u = u.astype(jnp.float32)
+        if p.size == 0:
+            out[k] = p
+            continue
+        narrow.append((k, p, u, name))
+    if impl == "native" and narrow:
+        total = sum(int(np.size(p)) for p in present)
+        layout = (tuple((starts[k], int(p.size)) for k, p, _, _ in narrow), total)
+        results = _native_apply([p for _, p, _, _ in narrow], [u for _, _, u, _ in narrow],
+                                 _u(k0), _u(k1), jnp.asarray(t, jnp.int32), layout=layout)
+        for (k, *_), r in zip(narrow, results):
+            out[k] = r
+    elif narrow:  # callback
+        offsets = [starts[k] for k, *_ in narrow]
+        names = [name for *_, name in narrow]
+
+        def host(h0, h1, t_host, *arrays):
+            n = len(arrays) // 2
+            base = int(t_host) << _optim.STEP_SHIFT
+            results = []
+            for w, uh, off, name in zip(arrays[:n], arrays[n:], offsets, names):
+                target = np.array(w)
+                _host("stochastic_add")(target, np.ascontiguousarray(uh), alpha=1.0,
+                                        seed=_seed_of(h0, h1), offset=base + off, dtype=name)
+                results.append(target)
+            return tuple(results)
+
+        shapes = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for _, p, _, _ in narrow)
+        results = _callback(host, shapes, _u(k0), _u(k1), jnp.asarray(t, jnp.int32),
+                            *[p for _, p, _, _ in narrow], *[u for _, _, u, _ in narrow])
+        for (k, *_), r in zip(narrow, results):
+            out[k] = r
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# -- fused AdamW -------------------------------------------------------------------------------
+
+
+class AdamWState(NamedTuple):
+    """State of ``adamw`` (a pytree).
+
+    Attributes:
+        count: int32 scalar, steps taken (the 1-based step of the next update is count + 1).
+        exp_avg, exp_avg_sq: pytrees like params, ``state_dtype`` (float32 or bfloat16).
+        aux: pytree like params of the weight mode's buffers (``None`` for float32 leaves and
+            for ``stochastic``/``nearest``): kahan compensation (param dtype, starts at 0),
+            master weights (float32), remainder (int16, starts at 0).
+    """
+
+    count: Any
+    exp_avg: Any
+    exp_avg_sq: Any
+    aux: Any
+
+
+def _power64(base: float, exponent):
+    """float64 ``base ** exponent`` by repeated squaring (``_optim._power``), traced."""
+    def body(carry):
+        result, b, e = carry
+        result = jnp.where((e & 1) == 1, result * b, result)
+        return result, b * b, e >> 1
+
+    init = (jnp.float64(1.0), jnp.float64(base), exponent.astype(jnp.int64))
+    return lax.while_loop(lambda c: c[2] > 0, body, init)[0]
+
+
+def _coefs(t, lr, b1: float, b2: float, wd: float):
+    """``_optim.prepare_coefs`` for AdamW at 1-based step ``t`` (traced int32): float32
+    ``(1 - lr*wd, lr / bc1, sqrt(bc2))`` computed in float64 as the kernel does."""
+    with jax.enable_x64(True):
+        bc1 = 1.0 - _power64(b1, t)
+        bc2 = 1.0 - _power64(b2, t)
+        if isinstance(lr, (int, float, np.floating, np.integer)):
+            decay = jnp.float32(np.float32(1.0 - float(lr) * wd))
+            lr64 = jnp.float64(float(lr))
+        else:
+            lr64 = jnp.asarray(lr).astype(jnp.float32).astype(jnp.float64)
+            decay = (1.0 - lr64 * wd).astype(jnp.float32)
+        step_size = (lr64 / bc1).astype(jnp.float32)
+        bc2_sqrt = jnp.sqrt(bc2).astype(jnp.float32)
+    return decay, step_size, bc2_sqrt
+
+
+def _adamw_math(p, g, m, v, decay, step_size, bc2_sqrt, beta2, eps, omb1, omb2):
+    """``_optim.adamw_math`` on float32 arrays, the same operations in the same order."""
+    p = p * decay
+    m = _fma(omb1, g - m, m)
+    v = _fma(omb2 * g, g, v * beta2)
+    # XLA's algebraic simplifier rewrites x / broadcast(c) into x * broadcast(1 / c) (not
+    # correctly rounded: 1-ulp differences); an elementwise divisor it cannot see through
+    # keeps the IEEE division. Where v < 0 or NaN, sqrt(v) is NaN and so is the quotient.
+    divisor = jnp.where(v >= 0, bc2_sqrt, -bc2_sqrt)
+    denom = jnp.sqrt(v) / divisor + eps
+    return _fma(-step_size, m / denom, p), m, v
+
+
+def _aux_bits(mode, aux):
+    """Flat uint32 patterns of a leaf's aux buffer (remainder: the int16 sign-extended)."""
+    if mode == "master":
+        return _b32(aux).reshape(-1)
+    if mode == "remainder":
+        return lax.bitcast_convert_type(aux.astype(jnp.int32), _U32).reshape(-1)
+    return lax.bitcast_convert_type(aux, jnp.uint16).reshape(-1).astype(_U32)  # kahan
+
+
+def _weight_value(mode, p_bits, aux_bits):
+    """fp32 patterns the update starts from for a bf16/fp16 leaf (``_optim.weight_value``;
+    ``p_bits`` already widened: remainder adds the signed low half to bf16 << 16)."""
+    if mode == "master":
+        return aux_bits
+    if mode == "remainder":
+        return p_bits + aux_bits
+    return p_bits
+
+
+def _weight_write(mode, fmt, old_bits, new_bits, aux_bits, bits16):
+    """``_optim.weight_write`` for bf16/fp16: (param patterns, aux patterns or None)."""
+    if mode == "stochastic":
+        return _encode(new_bits, fmt, False, bits16), None
+    if mode == "nearest":
+        return _encode(new_bits, fmt, False), None
+    if mode == "master":
+        return _encode(new_bits, fmt, False), new_bits
+    if mode == "kahan":
+        old = _f32(old_bits)
+        compensated = _f32(_decode(aux_bits, fmt)) + (_f32(new_bits) - old)
+        written = _encode(_b32(old + compensated), fmt, False)
+        moved = _f32(_decode(written, fmt)) - old
+        return written, _encode(_b32(compensated - moved), fmt, False)
+    # remainder (bf16)
+    nan = (new_bits & 0x7FFFFFFF) > 0x7F800000
+    high = ((new_bits + 0x8000) >> 16) & 0xFFFF
+    low = (new_bits - (high << 16)) & 0xFFFF
+    high = jnp.where(nan, ((new_bits >> 16) & 0x8000) | 0x7FC0, high)
+    return high, jnp.where(nan, _U32(0), low)
+
+
+def _flat(parts, total):
+    """Concatenated flat uint32 parts in ``_random16``'s (blocks, 4) layout, materialized (an
+    optimization barrier keeps the concatenate out of the arithmetic's fused loop)."""
+    flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return _blocked(flat, 0, total)
+
+
+def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k1, coefs,
+                 inv_scale):
+    """The native fused step over all leaves as ONE flat buffer in global element order (the
+    tensor list of the kernels: element j of leaf k is global element starts[k] + j), so the
+    compiled program (and its compile time) does not grow with the number of leaves. Returns
+    per-leaf tuples (p, m, v, aux)."""
+    mode, state_dtype = cfg["rounding"], cfg["state_dtype"]
+    starts = _starts(p_leaves)
+    sizes = [int(p.size) for p in p_leaves]
+    total = sum(sizes)
+    names = [_NARROW.get(jnp.dtype(p.dtype)) for p in p_leaves]
+    has_aux = mode in ("kahan", "master", "remainder") and any(names)
+    p_parts, old_parts, aux_parts = [], [], []
+    for p, a, name in zip(p_leaves, a_leaves, names):
+        p_bits = _widen_bits(p)
+        aux_bits = _aux_bits(mode, a) if (has_aux and name) else None
+        p_parts.append(p_bits)
+        old_parts.append(p_bits if name is None or aux_bits is None else
+                         _weight_value(mode, p_bits, aux_bits))
+        if has_aux:
+            aux_parts.append(jnp.zeros_like(p_bits) if aux_bits is None else aux_bits)
+    old = _flat(old_parts, total)
+    g = _flat([_widen_bits(x) for x in g_leaves], total)
+    m = _flat([_widen_bits(x) for x in m_leaves], total)
+    v = _flat([_widen_bits(x) for x in v_leaves], total)
+    aux = _flat(aux_parts, total) if has_aux else None
+    old, g, m, v, aux = lax.optimization_barrier((old, g, m, v, aux))
+    gf = _f32(g)
+    if inv_scale is not None:
+        gf = gf * inv_scale
+    beta2, eps, omb1, omb2 = cfg["constants"]
+    new, mf, vf = _adamw_math(_f32(old), gf, _f32(m), _f32(v), *coefs, beta2, eps, omb1, omb2)
+
+    def random(stream):
+        return _random16(k0, k1, 0, *_first_words(t, stream, 0), total)
+
+    def split(flat, dtype):
+        flat = _unblocked(flat, 0, total)
+        out = []
+        for s, n, p in zip(starts, sizes, p_leaves):
+            piece = flat[s:s + n]
+            if dtype == jnp.float32:
+                out.append(_f32(piece).reshape(p.shape))
+            else:
+                out.append(_narrow_out(piece, dtype, p.shape))
+        return out
+
+    def state_out(x, stream):
+        if state_dtype == jnp.float32:
+            return lax.optimization_barrier(_b32(x))
+        y = _encode(_b32(x), FORMATS["bfloat16"], False, random(stream))
+        return lax.optimization_barrier(y)
+
+    m_out = split(state_out(mf, 1), state_dtype)
+    v_out = split(state_out(vf, 2), state_dtype)
+    new_bits = lax.optimization_barrier(_b32(new))
+    p_out = split(new_bits, jnp.float32)  # the float32 leaves
+    aux_out = list(a_leaves)
+    bits16 = random(0) if mode == "stochastic" and any(names) else None
+    for name in sorted({n for n in names if n}):
+        written, aux_new = lax.optimization_barrier(
+            _weight_write(mode, FORMATS[name], old, new_bits, aux, bits16))
+        w_leaves = split(written, jnp.dtype(name))
+        if aux_new is not None:
+            aux_dtype = {"master": jnp.float32, "kahan": jnp.dtype(name),
+                         "remainder": jnp.int16}[mode]
+            a_new = split(aux_new, aux_dtype)
+        for k, n in enumerate(names):
+            if n == name:
+                p_out[k] = w_leaves[k]
+                if aux_new is not None:
+                    aux_out[k] = a_new[k]
+    return list(zip(p_out, m_out, v_out, aux_out))
+
+
+class _GT(NamedTuple):  # stand-in for optax.GradientTransformationExtraArgs without optax
+    init: Any
+    update: Any
+
+
+try:
+    from optax import GradientTransformationExtraArgs as _Base
+except ImportError:  # pragma: no cover - optax is optional
+    _Base = _GT
+
+
+class FusedAdamW(_Base):
+    """An ``optax.GradientTransformationExtraArgs`` (``init``, ``update``) with the fused
+    ``step(grads, state, params, *, found_inf=None, inv_scale=None) -> (params, state)``
+    (module docstring). Made by ``adamw``."""
+
+    def __new__(cls, init, update, step, config):
+        self = super().__new__(cls, init, update)
+        self.step = step
+        self.config = config
+        return self
+
+
+def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2, *, seed=0,
+          rounding="stochastic", state_dtype=jnp.float32, impl=None) -> FusedAdamW:
+    """Fused AdamW (torch.optim.AdamW's math, decoupled weight decay) with srround's weight
+    write-back, bit for bit ``srround.adamw_step``.
+
+    Args:
+        learning_rate: a float, or an optax schedule (a function of the step count, called with
+            ``state.count`` = steps taken so far, as optax does; its float32 value is used).
+        b1, b2, eps, weight_decay: as ``optax.adamw`` / ``torch.optim.AdamW`` (eps outside the
+            square root of the bias-corrected second moment).
+        seed: int in [0, 2**64) or a JAX PRNG key, fixed for the run (steps move the stream).
+        rounding: ``"stochastic"``, ``"nearest"``, ``"kahan"``, ``"master"`` or
+            ``"remainder"`` (bf16 parameters only), for bf16/fp16 leaves; float32 leaves are
+            always updated exactly.
+        state_dtype: ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded moments).
+        impl: ``"native"`` (default) or ``"callback"`` (``srround.adamw_step`` on the host).
+    """
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding: expected one of {sorted(_ROUNDINGS)}, got {rounding!r}")
+    state_dtype = jnp.dtype(state_dtype)
+    if state_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise TypeError(f"state_dtype: expected float32 or bfloat16, got {state_dtype}")
+    impl = _impl(impl)
+    k0, k1 = _key_words(seed)
+    constants = tuple(np.float32(c) for c in (b2, eps, 1.0 - b1, 1.0 - b2))
+    cfg = dict(rounding=rounding, state_dtype=state_dtype, constants=constants, impl=impl,
+               lr=learning_rate, b1=float(b1), b2=float(b2), eps=float(eps),
+               wd=float(weight_decay), seed=seed)
+
+    def aux_for(p):
+        name = _NARROW.get(jnp.dtype(p.dtype))
+        if name is None:
+            return None
+        if rounding == "master":
+            return p.astype(jnp.float32)
+        if rounding == "kahan":
+            return jnp.zeros(p.shape, p.dtype)
+        if rounding == "remainder":
+            if name != "bfloat16":
+                raise TypeError("params: rounding='remainder' needs bfloat16 (or float32) params")
+            return jnp.zeros(p.shape, jnp.int16)
+        return None
+
+    def init(params):
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        for i, p in enumerate(leaves):
+            if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.float32), *_NARROW):
+                raise TypeError(f"params[{i}]: expected float32, bfloat16 or float16, got"
+                                f" {p.dtype}")
+        zeros = lambda p: jnp.zeros(jnp.shape(p), state_dtype)
+        return AdamWState(
+            count=jnp.zeros((), jnp.int32),
+            exp_avg=jax.tree_util.tree_map(zeros, params),
+            exp_avg_sq=jax.tree_util.tree_map(zeros, params),
+            aux=jax.tree_util.tree_unflatten(treedef, [aux_for(p) for p in leaves]),
+        )
+
+    def lr_at(count):
+        if callable(learning_rate):
+            return jnp.asarray(learning_rate(count), jnp.float32)
+        return float(learning_rate)
+
+    def compute(grads, state, params, inv_scale):
+        p_leaves, treedef = jax.tree_util.tree_flatten(params)
+        g_leaves = treedef.flatten_up_to(grads)
+        m_leaves = treedef.flatten_up_to(state.exp_avg)
+        v_leaves = treedef.flatten_up_to(state.exp_avg_sq)
+        a_leaves = treedef.flatten_up_to(state.aux)
+        total = sum(int(p.size) for p in p_leaves)
+        t = state.count + 1
+        lr = lr_at(state.count)
+        if impl == "native":
+            coefs = _coefs(t, lr, cfg["b1"], cfg["b2"], cfg["wd"])
+            if inv_scale is not None:
+                inv_scale = jnp.asarray(inv_scale, jnp.float32)
+            outs = _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t,
+                                _u(k0), _u(k1), coefs, inv_scale) if total else \
+                list(zip(p_leaves, m_leaves, v_leaves, a_leaves))
+        else:
+            outs = _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr,
+                                  k0, k1, inv_scale)
+        unflat = lambda i: jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
+        new_state = AdamWState(t, unflat(1), unflat(2), unflat(3))
+        return unflat(0), new_state
+
+    def step(grads, state, params, *, found_inf=None, inv_scale=None):
+        if found_inf is None:
+            return compute(grads, state, params, inv_scale)
+        skip = jnp.asarray(found_inf)
+        skip = skip.astype(bool) if skip.dtype == jnp.bool_ else skip != 0
+        return lax.cond(jnp.reshape(skip, ()), lambda: (params, state),
+                        lambda: compute(grads, state, params, inv_scale))
+
+    def update(updates, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError("adamw (srround): update needs params (the fused step writes them)")
+        found_inf = extra_args.get("found_inf")
+        new_params, new_state = step(updates, state, params, found_inf=found_inf)
+        return jax.tree_util.tree_map(_exact_update, new_params, params), new_state
+
+    step = jax.jit(step)  # an eager call is one compiled program; inlined under an outer jit
+    return FusedAdamW(init, update, step, cfg)
+
+
+def _exact_update(new, p):
+    """float32 ``u`` with ``float32(p + u) == new`` where one exists: ``new - p``, or that
+    nudged by one ulp when the subtraction rounded (old and new of different signs or far
+    apart). For bf16/fp16 leaves ``new - p`` is exact in float32 unless the exponents differ
+    by more than ~16, so ``optax.apply_updates`` (``(p + u).astype(p.dtype)``) gives ``new``."""
+    n32, p32 = new.astype(jnp.float32), p.astype(jnp.float32)
+    u = n32 - p32
+    miss = p32 + u
+    nudged = jnp.nextafter(u, jnp.where(miss < n32, jnp.float32(jnp.inf), -jnp.inf))
+    return jnp.where((miss != n32) & (p32 + nudged == n32), nudged, u)
+
+
+def _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr, k0, k1,
+                   inv_scale):
+    """The fused step as one ``pure_callback`` into ``srround.adamw_step``."""
+    live = [i for i, p in enumerate(p_leaves) if p.size > 0]
+    has_aux = [a_leaves[i] is not None for i in live]
+    aux_in = [a_leaves[i] for i, h in zip(live, has_aux) if h]
+    n = len(live)
+    static_lr = None if not isinstance(lr, float) else lr
+
+    def host(h0, h1, t_host, lr_host, scale_host, *arrays):
+        ps = [np.array(a) for a in arrays[:n]]
+        gs = [np.array(a) for a in arrays[n:2 * n]]  # writable: the table wants it
+        ms = [np.array(a) for a in arrays[2 * n:3 * n]]
+        vs = [np.array(a) for a in arrays[3 * n:4 * n]]
+        rest = [np.array(a) for a in arrays[4 * n:]]
+        it = iter(rest)
+        aux = [next(it) if h else None for h in has_aux]
+        _host("adamw_step")(
+            ps, gs, ms, vs, lr=static_lr if static_lr is not None else float(lr_host),
+            betas=(cfg["b1"], cfg["b2"]), eps=cfg["eps"], weight_decay=cfg["wd"],
+            step=int(t_host), rounding=cfg["rounding"],
+            aux=aux if cfg["rounding"] in ("kahan", "master", "remainder") else None,
+            seed=_seed_of(h0, h1), inv_scale=float(scale_host))
+        return tuple(ps + ms + vs + [a for a in aux if a is not None])
+
+    def sds(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    pick = lambda leaves: [leaves[i] for i in live]
+    ins = pick(p_leaves) + pick(g_leaves) + pick(m_leaves) + pick(v_leaves) + aux_in
+    shapes = tuple(sds(x) for x in pick(p_leaves) + pick(m_leaves) + pick(v_leaves) + aux_in)
+    scale = jnp.float32(1.0) if inv_scale is None else jnp.asarray(inv_scale, jnp.float32)
+    lr_arg = jnp.asarray(0.0 if static_lr is not None else lr, jnp.float32)
+    results = list(_callback(host, shapes, _u(k0), _u(k1), jnp.asarray(t, jnp.int32), lr_arg,
+                             scale, *ins)) if n else []
+    outs = [list(x) for x in zip(p_leaves, m_leaves, v_leaves, a_leaves)]
+    it = iter(results[3 * n:])
+    for j, i in enumerate(live):
+        outs[i][0], outs[i][1], outs[i][2] = results[j], results[n + j], results[2 * n + j]
+        if has_aux[j]:
+            outs[i][3] = next(it)
+    return [tuple(o) for o in outs]

@@ -1,0 +1,302 @@
+"""JAX optimizer layer: apply_updates and the fused adamw, native == callback == the NumPy path
+(``srround.stochastic_add`` / ``srround.adamw_step``) bit for bit, under jit."""
+
+from __future__ import annotations
+
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp
+from srround.adapters import jax as sj
+
+import srround
+from srround import _optim
+
+IMPLS = ["native", "callback"]
+SHAPES = [(33,), (7, 5), (130,), (3,), (2, 2, 3)]
+SEED = 0x1234_5678_9ABC
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.dtype.itemsize])
+
+
+def _same(got, expected) -> None:
+    assert np.asarray(got).dtype == np.asarray(expected).dtype
+    np.testing.assert_array_equal(_bits(got), _bits(expected))
+
+
+def _params(dtypes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(d) for s, d in zip(SHAPES, dtypes)]
+
+
+def _grads(t):
+    rng = np.random.default_rng(100 + t)
+    return [(rng.standard_normal(s) * 10.0 ** rng.integers(-3, 2)).astype(np.float32)
+            for s in SHAPES]
+
+
+def _starts(arrays):
+    return list(np.concatenate([[0], np.cumsum([a.size for a in arrays])[:-1]]))
+
+
+# -- apply_updates ---------------------------------------------------------------------------
+
+MIXED = [ml_dtypes.bfloat16, np.float32, np.float16, ml_dtypes.bfloat16, np.float32]
+
+
+@pytest.mark.parametrize("step", [None, 5, "traced"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_apply_updates_is_stochastic_add_per_leaf(impl, step):
+    params = _params(MIXED)
+    updates = [u * np.float32(1e-2) for u in _grads(0)]
+    tree = {"a": [jnp.asarray(p) for p in params[:3]], "b": tuple(map(jnp.asarray, params[3:]))}
+    utree = {"a": [jnp.asarray(u) for u in updates[:3]], "b": tuple(map(jnp.asarray, updates[3:]))}
+    key = jax.random.key(7)
+    seed = int(jax.random.key_data(key)[0]) | int(jax.random.key_data(key)[1]) << 32
+    if step == "traced":
+        fn = jax.jit(lambda p, u, k, s: sj.apply_updates(p, u, k, step=s, impl=impl))
+        out = fn(tree, utree, key, jnp.int32(5))
+        t = 5
+    else:
+        out = jax.jit(lambda p, u, k: sj.apply_updates(p, u, k, step=step, impl=impl))(
+            tree, utree, key)
+        t = step or 0
+    got = jax.tree_util.tree_leaves(out)
+    for p, u, start, g in zip(params, updates, _starts(params), got):
+        if p.dtype == np.float32:
+            _same(g, p + u)
+            continue
+        w = p.copy()
+        srround.stochastic_add(w, u, seed=seed, offset=(t << 36) + int(start))
+        _same(g, w)
+
+
+def test_apply_updates_matches_optax_structure_and_none_leaves():
+    params = {"w": jnp.ones(5, jnp.bfloat16), "none": None, "b": jnp.zeros(3, jnp.float32)}
+    updates = {"w": jnp.full(5, 0.5, jnp.float32), "none": None, "b": jnp.ones(3, jnp.float32)}
+    out = sj.apply_updates(params, updates, 0)
+    assert out["none"] is None and out["w"].dtype == jnp.bfloat16
+    _same(out["w"], np.full(5, 1.5, ml_dtypes.bfloat16))  # exact sums are not rounded
+    _same(out["b"], np.ones(3, np.float32))
+
+
+def test_apply_updates_fresh_noise_per_step():
+    p = jnp.ones(4096, jnp.bfloat16)
+    u = jnp.full(4096, 2.0**-10, jnp.float32)
+    a = sj.apply_updates(p, u, 0, step=1)
+    b = sj.apply_updates(p, u, 0, step=2)
+    assert not np.array_equal(_bits(a), _bits(b))
+    _same(sj.apply_updates(p, u, 0, step=1), a)
+
+
+# -- fused adamw: bits of srround.adamw_step ---------------------------------------------------
+
+
+def _numpy_run(params, steps, *, rounding, state_dtype, lr=1e-2, lrs=None, seed=SEED, **kw):
+    P = [p.copy() for p in params]
+    npd = np.float32 if state_dtype == jnp.float32 else ml_dtypes.bfloat16
+    M = [np.zeros(p.shape, npd) for p in P]
+    V = [np.zeros(p.shape, npd) for p in P]
+    aux = None
+    if rounding == "master":
+        aux = [None if p.dtype == np.float32 else p.astype(np.float32) for p in P]
+    elif rounding == "kahan":
+        aux = [None if p.dtype == np.float32 else np.zeros_like(p) for p in P]
+    elif rounding == "remainder":
+        aux = [None if p.dtype == np.float32 else np.zeros(p.shape, np.int16) for p in P]
+    for t in range(steps):
+        srround.adamw_step(P, _grads(t), M, V, lr=lr if lrs is None else lrs[t], step=t + 1,
+                           seed=seed, rounding=rounding, aux=aux, **kw)
+    return P, M, V, aux
+
+
+def _jax_run(params, steps, *, impl, rounding, state_dtype, lr=1e-2, seed=SEED, **kw):
+    tx = sj.adamw(lr, seed=seed, rounding=rounding, state_dtype=state_dtype, impl=impl, **kw)
+    ps = [jnp.asarray(p) for p in params]
+    state = tx.init(ps)
+    fn = jax.jit(tx.step)
+    for t in range(steps):
+        ps, state = fn([jnp.asarray(g) for g in _grads(t)], state, ps)
+    return ps, state
+
+
+def _check_against_numpy(got, state, expected):
+    P, M, V, aux = expected
+    for a, b in zip(got + state.exp_avg + state.exp_avg_sq, P + M + V):
+        _same(a, b)
+    if aux is not None:
+        for a, b in zip(state.aux, aux):
+            assert (a is None) == (b is None)
+            if a is not None:
+                _same(a, b)
+
+
+DTYPES = [ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float16, ml_dtypes.bfloat16]
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rounding", list(_optim.MODES))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_adamw_matches_adamw_step(impl, rounding, state_dtype):
+    dtypes = [ml_dtypes.bfloat16 if (rounding == "remainder" and d == np.float16) else d
+              for d in DTYPES]
+    params = _params(dtypes)
+    got, state = _jax_run(params, 3, impl=impl, rounding=rounding, state_dtype=state_dtype)
+    assert int(state.count) == 3
+    _check_against_numpy(got, state, _numpy_run(params, 3, rounding=rounding,
+                                                state_dtype=state_dtype))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_adamw_schedule_key_seed_and_hyperparameters(impl):
+    optax = pytest.importorskip("optax")
+    schedule = optax.linear_schedule(3e-2, 1e-3, 4)
+    key = jax.random.key(11)
+    data = np.asarray(jax.random.key_data(key))
+    seed = int(data[0]) | int(data[1]) << 32
+    params = _params(DTYPES, seed=3)
+    kw = dict(b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
+    tx = sj.adamw(schedule, seed=key, impl=impl, **kw)
+    ps = [jnp.asarray(p) for p in params]
+    state = tx.init(ps)
+    fn = jax.jit(tx.step)
+    for t in range(4):
+        ps, state = fn([jnp.asarray(g) for g in _grads(t)], state, ps)
+    lrs = [float(np.float32(schedule(t))) for t in range(4)]
+    P = [p.copy() for p in params]
+    M = [np.zeros(p.shape, np.float32) for p in P]
+    V = [np.zeros(p.shape, np.float32) for p in P]
+    for t in range(4):
+        srround.adamw_step(P, _grads(t), M, V, lr=lrs[t], betas=(0.8, 0.95), eps=1e-6,
+                           weight_decay=0.1, step=t + 1, seed=seed)
+    for a, b in zip(ps + state.exp_avg + state.exp_avg_sq, P + M + V):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 10, 1000, 12345, 2**20 + 7, 2**26 - 1])
+def test_native_coefs_are_prepare_coefs(t):
+    from srround.adapters._jax_optim import _coefs
+
+    for lr in (1e-3, 0.3):
+        expected = _optim.prepare_coefs(_optim.ADAMW, t, lr, 0.9, 0.999, 1e-8, 0.01)[:3]
+        got = jax.jit(lambda s: _coefs(s, lr, 0.9, 0.999, 0.01))(jnp.int32(t))
+        for a, b in zip(got, expected):
+            _same(np.float32(a), np.float32(b))
+        traced = jax.jit(lambda s, r: _coefs(s, r, 0.9, 0.999, 0.01))(jnp.int32(t),
+                                                                    jnp.float32(lr))
+        lr32 = float(np.float32(lr))
+        expected = _optim.prepare_coefs(_optim.ADAMW, t, lr32, 0.9, 0.999, 1e-8, 0.01)[:3]
+        for a, b in zip(traced, expected):
+            _same(np.float32(a), np.float32(b))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_found_inf_skips_bit_identically(impl):
+    params = _params(DTYPES)
+    tx = sj.adamw(1e-2, seed=SEED, rounding="kahan", impl=impl)
+    ps = [jnp.asarray(p) for p in params]
+    state = tx.init(ps)
+    fn = jax.jit(lambda g, s, p, f: tx.step(g, s, p, found_inf=f))
+    ps, state = fn([jnp.asarray(g) for g in _grads(0)], state, ps, jnp.float32(0.0))
+    assert int(state.count) == 1
+    before = jax.tree_util.tree_leaves((ps, state))
+    bad = [jnp.asarray(g) for g in _grads(1)]
+    for flag in (jnp.float32(1.0), jnp.float32(np.inf), jnp.bool_(True)):
+        ps2, state2 = fn(bad, state, ps, flag)
+        for a, b in zip(jax.tree_util.tree_leaves((ps2, state2)), before):
+            _same(a, b)
+    # a clean step after the skip is the step 2 of the NumPy path
+    ps, state = fn([jnp.asarray(g) for g in _grads(1)], state, ps, jnp.bool_(False))
+    _check_against_numpy(ps, state, _numpy_run(params, 2, rounding="kahan",
+                                               state_dtype=jnp.float32))
+
+
+def test_inv_scale_matches_adamw_step():
+    params = _params(DTYPES)
+    tx = sj.adamw(1e-2, seed=SEED)
+    ps = [jnp.asarray(p) for p in params]
+    ps, state = jax.jit(lambda g, s, p: tx.step(g, s, p, inv_scale=jnp.float32(0.25)))(
+        [jnp.asarray(g) for g in _grads(0)], tx.init(ps), ps)
+    _check_against_numpy(ps, state, _numpy_run(params, 1, rounding="stochastic",
+                                               state_dtype=jnp.float32, inv_scale=0.25))
+
+
+def test_donated_jit_and_optax_update_path():
+    optax = pytest.importorskip("optax")
+    params = _params(DTYPES)
+    tx = sj.adamw(1e-2, seed=SEED)
+    assert isinstance(tx, optax.GradientTransformation)
+    ps = [jnp.asarray(p) for p in params]
+    state = tx.init(ps)
+    grads = [jnp.asarray(g) for g in _grads(0)]
+    ref_p, ref_s = jax.jit(tx.step)(grads, state, ps)
+    updates, s2 = jax.jit(tx.update)(grads, state, ps)
+    assert all(u.dtype == jnp.float32 for u in updates)
+    for a, b in zip(optax.apply_updates(ps, updates), ref_p):
+        if b.dtype != jnp.float32:
+            _same(a, b)  # bf16/fp16: exact (SR included)
+        else:  # exact unless no float32 u has p + u == new (weights crossing 0 here): 1 ulp
+            a, b = np.asarray(a), np.asarray(b)
+            assert np.all(np.abs(a - b) <= np.spacing(np.abs(b)))
+            assert np.mean(a == b) > 0.9
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "some donated buffers were not usable" on some CPUs
+        donated = jax.jit(tx.step, donate_argnums=(1, 2))
+        copies = jax.tree_util.tree_map(jnp.copy, (state, ps))
+        p3, s3 = donated(grads, *copies)
+    for a, b in zip(jax.tree_util.tree_leaves((p3, s3, s2)),
+                    jax.tree_util.tree_leaves((ref_p, ref_s, ref_s))):
+        _same(a, b)
+
+
+def test_master_tracks_optax_adamw_fp32():
+    optax = pytest.importorskip("optax")
+    rng = np.random.default_rng(5)
+    shapes = [(256,), (16, 16)]
+    params = [rng.standard_normal(s).astype(ml_dtypes.bfloat16) for s in shapes]
+    ref = [jnp.asarray(p.astype(np.float32)) for p in params]
+    kw = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05)
+    otx = optax.adamw(1e-3, **kw)
+    tx = sj.adamw(1e-3, rounding="master", **kw)
+    ps = [jnp.asarray(p) for p in params]
+    ostate, state = otx.init(ref), tx.init(ps)
+
+    @jax.jit
+    def both(g, ostate, ref, state, ps):
+        upd, ostate = otx.update(g, ostate, ref)
+        ps, state = tx.step(g, state, ps)
+        return ostate, optax.apply_updates(ref, upd), state, ps
+
+    for t in range(50):
+        g = [jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+        ostate, ref, state, ps = both(g, ostate, ref, state, ps)
+    for master, r, p in zip(state.aux, ref, ps):
+        master, r = np.asarray(master), np.asarray(r)
+        # the same math in another float32 order: after 50 steps of lr 1e-3 both are within
+        # a few ulp of |p| ~ 1 of the float64 recursion (weights near 0 have tiny ulps, so the
+        # bound is in units of the weights' scale, not of each element's own ulp)
+        scale_ulp = np.spacing(np.float32(max(1.0, np.max(np.abs(r)))))
+        assert np.max(np.abs(master - r)) <= 16 * scale_ulp
+        assert np.max(np.abs(master - r)) <= 1e-2 * 1e-3  # 1% of one step's move (lr)
+        _same(p, master.astype(ml_dtypes.bfloat16))  # the param is RNE(master)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="rounding"):
+        sj.adamw(1e-3, rounding="floor")
+    with pytest.raises(TypeError, match="state_dtype"):
+        sj.adamw(1e-3, state_dtype=jnp.float16)
+    with pytest.raises(TypeError, match="remainder"):
+        sj.adamw(1e-3, rounding="remainder").init([jnp.zeros(3, jnp.float16)])
+    with pytest.raises(ValueError, match="impl"):
+        sj.apply_updates([jnp.zeros(2, jnp.bfloat16)], [jnp.zeros(2)], 0, impl="gpu")
+    with pytest.raises(TypeError, match="JAX"):
+        srround.adamw_step([jnp.zeros(2)], [jnp.zeros(2)], [jnp.zeros(2)], [jnp.zeros(2)],
+                           lr=1e-3, step=1)
