@@ -54,9 +54,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import carray, njit, prange
+from numba import njit, prange
 
 from ._cpu import _fill_bits
+from ._rng import lane_bits16, random_block
 from ._scalar import (
     bits_to_f32,
     decode,
@@ -65,8 +66,7 @@ from ._scalar import (
     f32_to_bits,
     fma32,
 )
-from ._rng import lane_bits16, random_block
-from ._tensor_list import find_tensor, load_bits, store_bits, typed_pointer
+from ._tensor_list import find_tensor, load_bits, store_bits
 
 ADAMW, SGD = 0, 1
 MODES = {"stochastic": 0, "nearest": 1, "kahan": 2, "master": 3, "remainder": 4}
@@ -236,209 +236,189 @@ def _bits16(k0, k1, offset):
     return lane_bits16(x0, x1, offset & 3)
 
 
-@njit(cache=True)
-def step_element(kind, mode, state_fmt, p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr,
-                 aux_addr, j, start, step, inv_scale_bits, coef0, coef1, coef2, h1, h2, h3, h4,
-                 k0, k1):
-    """Element ``j`` of one tensor (scalars only: the CUDA kernel's body, also runnable in the
-    simulator), the same arithmetic as the CPU loops. ``h1..h4``: the group's float64
-    hyperparameters; ``coef0..2``: the tensor's float32 coefficients."""
-    const1, const2, const3, const4 = group_constants(kind, h1, h2, h3, h4)
-    coef0, coef1, coef2 = np.float32(coef0), np.float32(coef1), np.float32(coef2)
+@njit(inline="always", cache=True)
+def update_element(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, p_addr, g_addr, s1_addr,
+                   s2_addr, aux_addr, j, scale, coef0, coef1, coef2, const1, const2, const3,
+                   const4, w_bits16, m_bits16, v_bits16):
+    """Element ``j`` of one tensor, in place: the body both backends run. ``has_state1``:
+    whether ``s1_addr`` is a buffer (SGD without momentum has none); ``scale``: float32
+    gradient multiplier; ``coef*``: the tensor's float32 coefficients (``prepare_coefs``);
+    ``const*``: the group's float32 constants (``group_constants``); ``*_bits16``: the random
+    bits of the weight, first-state and second-state streams (ignored where not rounded)."""
     aux_fmt = 0 if mode == MASTER else 1
     has_aux = p_fmt != 0 and mode >= KAHAN
-    g = bits_to_f32(widen(_load(g_addr, j, g_fmt), g_fmt)) * bits_to_f32(inv_scale_bits)
+    g = bits_to_f32(widen(_load(g_addr, j, g_fmt), g_fmt)) * scale
     p_bits = _load(p_addr, j, p_fmt)
     aux_bits = _load(aux_addr, j, aux_fmt) if has_aux else 0
     old = weight_value(mode, p_fmt, p_bits, aux_bits)
-    m = bits_to_f32(widen(_load(s1_addr, j, state_fmt), state_fmt)) if s1_addr else np.float32(0)
+    m = np.float32(0)
+    if has_state1:
+        m = bits_to_f32(widen(_load(s1_addr, j, state_fmt), state_fmt))
     if kind == ADAMW:
         v = bits_to_f32(widen(_load(s2_addr, j, state_fmt), state_fmt))
         new, m, v = adamw_math(bits_to_f32(old), g, m, v, coef0, coef1, coef2, const1, const2,
                                const3, const4)
         v_bits = f32_to_bits(v)
         if state_fmt != 0:
-            v_bits = narrow_stochastic(v_bits, _bits16(k0, k1, stream_offset(step, 2, start) + j), 1)
+            v_bits = narrow_stochastic(v_bits, v_bits16, 1)
         _store(s2_addr, j, v_bits, state_fmt)
     else:
         new, m = sgd_math(bits_to_f32(old), g, m, coef0, coef1, const1, const2, const3, const4)
-    if s1_addr:
+    if has_state1:
         m_bits = f32_to_bits(m)
         if state_fmt != 0:
-            m_bits = narrow_stochastic(m_bits, _bits16(k0, k1, stream_offset(step, 1, start) + j), 1)
+            m_bits = narrow_stochastic(m_bits, m_bits16, 1)
         _store(s1_addr, j, m_bits, state_fmt)
-    bits16 = 0
-    if mode == STOCHASTIC and p_fmt != 0:
-        bits16 = _bits16(k0, k1, stream_offset(step, 0, start) + j)
-    p_new, aux_new = weight_write(mode, p_fmt, old, f32_to_bits(new), aux_bits, bits16)
+    p_new, aux_new = weight_write(mode, p_fmt, old, f32_to_bits(new), aux_bits, w_bits16)
     _store(p_addr, j, p_new, p_fmt)
     if has_aux:
         _store(aux_addr, j, aux_new, aux_fmt)
 
 
-# -- CPU: per chunk, decode -> math -> encode, each a loop over fp32 scratch ------------------
-
-
 @njit(cache=True)
-def _decode_into(dst, address, fmt, j0, scale):
-    """dst[i] = float value of element j0 + i of a buffer of format ``fmt``, times ``scale``."""
-    n = dst.size
-    if fmt == 0:
-        src = carray(typed_pointer(address, 32), j0 + n)[j0:]
-        for i in range(n):
-            dst[i] = bits_to_f32(src[i]) * scale
-    else:
-        half = carray(typed_pointer(address, 16), j0 + n)[j0:]
-        if fmt == 1:
-            for i in range(n):
-                dst[i] = bits_to_f32(np.int64(half[i]) << 16) * scale
-        else:
-            for i in range(n):
-                dst[i] = bits_to_f32(decode(np.int64(half[i]), 10, 5)) * scale
+def step_element(kind, mode, state_fmt, p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr,
+                 aux_addr, j, start, step, inv_scale_bits, coef0, coef1, coef2, h1, h2, h3, h4,
+                 k0, k1):
+    """``update_element`` for the CUDA kernel (also runnable in the simulator): draws the
+    element's random bits itself. ``h1..h4``: the group's float64 hyperparameters (the
+    simulator passes Python floats, so every float32 is made here)."""
+    const1, const2, const3, const4 = group_constants(kind, h1, h2, h3, h4)
+    w_bits16 = m_bits16 = v_bits16 = 0
+    if mode == STOCHASTIC and p_fmt != 0:
+        w_bits16 = _bits16(k0, k1, stream_offset(step, 0, start) + j)
+    if state_fmt != 0:
+        if s1_addr:
+            m_bits16 = _bits16(k0, k1, stream_offset(step, 1, start) + j)
+        if kind == ADAMW:
+            v_bits16 = _bits16(k0, k1, stream_offset(step, 2, start) + j)
+    update_element(kind, mode, state_fmt, p_fmt, g_fmt, s1_addr != 0, p_addr, g_addr, s1_addr,
+                   s2_addr, aux_addr, j, bits_to_f32(inv_scale_bits), np.float32(coef0),
+                   np.float32(coef1), np.float32(coef2), const1, const2, const3, const4,
+                   w_bits16, m_bits16, v_bits16)
 
 
-@njit(cache=True)
-def _load_weights(dst, mode, fmt, p_addr, aux_addr, j0):
-    n = dst.size
-    if fmt != 0 and mode == MASTER:
-        _decode_into(dst, aux_addr, 0, j0, np.float32(1.0))
-    elif fmt == 1 and mode == REMAINDER:
-        high = carray(typed_pointer(p_addr, 16), j0 + n)[j0:]
-        low = carray(typed_pointer(aux_addr, 16), j0 + n)[j0:]
-        for i in range(n):
-            dst[i] = bits_to_f32(weight_value(REMAINDER, 1, np.int64(high[i]), np.int64(low[i])))
-    else:
-        _decode_into(dst, p_addr, fmt, j0, np.float32(1.0))
-
-
-@njit(cache=True)
-def _random_bits(words, k0, k1, offset, n):
-    """Fill ``words`` for elements [0, n) at counter ``offset``; returns the uint16 view and the
-    index of element 0's halfword in it."""
-    first = offset >> 2
-    _fill_bits(words, k0, k1, first, ((offset + n - 1) >> 2) - first + 1)
-    return words.view(np.uint16), offset - 4 * first
-
-
-@njit(cache=True)
-def _round_store(src, address, fmt, j0, stochastic, words, k0, k1, offset):
-    """Write fp32 values ``src`` to elements j0... of a buffer of format ``fmt``: fp32 exactly,
-    bf16/fp16 stochastically (random bits of the stream at ``offset``) or to nearest."""
-    n = src.size
-    if fmt == 0:
-        wide = carray(typed_pointer(address, 32), j0 + n)[j0:]
-        for i in range(n):
-            wide[i] = f32_to_bits(src[i])
-        return
-    dst = carray(typed_pointer(address, 16), j0 + n)[j0:]
-    if stochastic:
-        bits, b = _random_bits(words, k0, k1, offset + j0, n)
-        if fmt == 1:
-            for i in range(n):
-                dst[i] = encode_stochastic(f32_to_bits(src[i]), bits[b + i], 7, 8, False)
-        else:
-            for i in range(n):
-                dst[i] = encode_stochastic(f32_to_bits(src[i]), bits[b + i], 10, 5, False)
-    elif fmt == 1:
-        for i in range(n):
-            dst[i] = encode_nearest(f32_to_bits(src[i]), 7, 8, False)
-    else:
-        for i in range(n):
-            dst[i] = encode_nearest(f32_to_bits(src[i]), 10, 5, False)
+# -- CPU: one kernel per (kind, mode, state format), chunks of one loop over update_element ---
 
 
 @njit(inline="always", cache=True)
-def _write_loop(dst, aux, old, new, mode, fmt):
-    """``weight_write`` over a run, for one literal (mode, format) so the loop vectorizes."""
-    for i in range(new.size):
-        dst[i], aux[i] = weight_write(mode, fmt, f32_to_bits(old[i]), f32_to_bits(new[i]),
-                                      np.int64(aux[i]), 0)
+def _random_bits(words, k0, k1, offset, n):
+    """The 16-bit random words of elements [0, n) at counter ``offset`` (uint16[n], a view of
+    ``words`` filled here; a slice, so loops index it from 0 and vectorize)."""
+    first = offset >> 2
+    _fill_bits(words, k0, k1, first, ((offset + n - 1) >> 2) - first + 1)
+    b = offset - 4 * first
+    return words.view(np.uint16)[b:b + n]
 
 
-@njit(cache=True)
-def _store_weights(new, old, mode, fmt, p_addr, aux_addr, j0, words, k0, k1, offset):
-    """Write the fp32 results ``new`` of weights whose values were ``old``, per weight mode."""
-    if fmt == 0 or mode == STOCHASTIC or mode == NEAREST:
-        _round_store(new, p_addr, fmt, j0, mode == STOCHASTIC, words, k0, k1, offset)
-    elif mode == MASTER:
-        _round_store(new, aux_addr, 0, j0, False, words, k0, k1, offset)
-        _round_store(new, p_addr, fmt, j0, False, words, k0, k1, offset)
-    else:  # kahan, remainder: the scalar body, parameter and aux together
-        n = new.size
-        dst = carray(typed_pointer(p_addr, 16), j0 + n)[j0:]
-        aux = carray(typed_pointer(aux_addr, 16), j0 + n)[j0:]
-        if mode == REMAINDER:
-            _write_loop(dst, aux, old, new, REMAINDER, 1)
-        elif fmt == 1:
-            _write_loop(dst, aux, old, new, KAHAN, 1)
-        else:
-            _write_loop(dst, aux, old, new, KAHAN, 2)
+@njit(inline="always", cache=True)
+def _update_run(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, addresses, j0, scale, scalars,
+                w_bits, m_bits, v_bits):
+    """Elements j0 + e of one tensor, e < w_bits.size; ``addresses``: (param, grad, state 1,
+    state 2, aux), ``scalars``: (coef0..2, const1..4) of ``update_element``. With every mode
+    and format a constant, LLVM folds the branches of the body and vectorizes this loop."""
+    p_addr, g_addr, s1_addr, s2_addr, aux_addr = addresses
+    coef0, coef1, coef2, const1, const2, const3, const4 = scalars
+    for e in range(w_bits.size):
+        update_element(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, p_addr, g_addr, s1_addr,
+                       s2_addr, aux_addr, j0 + e, scale, coef0, coef1, coef2, const1, const2, const3,
+                       const4, w_bits[e], m_bits[e], v_bits[e])
 
 
-@njit(cache=True, error_model="numpy")
-def _step_chunk(kind, mode, state_fmt, table, starts, hyper, steps, coefs, scale, k0, k1, lo, hi):
-    """Global elements [lo, hi) of one CPU step: per tensor run, decode into fp32 scratch, the
-    element math, encode back (each a loop LLVM can vectorize)."""
-    weight = np.empty(_CHUNK, np.float32)
-    updated = np.empty(_CHUNK, np.float32)
-    grad = np.empty(_CHUNK, np.float32)
-    first_state = np.empty(_CHUNK, np.float32)
-    second_state = np.empty(_CHUNK, np.float32)
-    words = np.empty(_CHUNK // 2 + 4, np.uint32)
+@njit(inline="always", cache=True)
+def _update_formats(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, addresses, j0, scale,
+                    scalars, w_bits, m_bits, v_bits):
+    """``_update_run`` with constant formats when parameter and gradient are both bf16 or both
+    fp32 (vectorized), generic (scalar, ~10x slower) otherwise - each constant case adds
+    ~2.5 s to a configuration's first compile."""
+    if p_fmt == 1 and g_fmt == 1:
+        _update_run(kind, mode, state_fmt, 1, 1, has_state1, addresses, j0, scale, scalars,
+                    w_bits, m_bits, v_bits)
+    elif p_fmt == 0 and g_fmt == 0:
+        _update_run(kind, mode, state_fmt, 0, 0, has_state1, addresses, j0, scale, scalars,
+                    w_bits, m_bits, v_bits)
+    else:
+        _update_run(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, addresses, j0, scale,
+                    scalars, w_bits, m_bits, v_bits)
+
+
+@njit(inline="always", cache=True)
+def _step_chunk(kind, mode, state_fmt, state1, table, starts, hyper, steps, coefs, scale, k0, k1,
+                lo, hi):
+    """Global elements [lo, hi) of one CPU step: per tensor run, its random bits into scratch,
+    then one loop over ``update_element`` (``_update_formats``)."""
+    words = np.empty((3, _CHUNK // 2 + 4), np.uint32)
     i = lo
     k = find_tensor(starts, i)
     while i < hi:
         end = min(hi, starts[k + 1])
         j0, n = i - starts[k], end - i
         row = table[k]
-        p_fmt = row[P_FMT]
+        p_fmt, g_fmt = row[P_FMT], row[G_FMT]
         h = hyper[row[GROUP]]
         c1, c2, c3, c4 = group_constants(kind, h[1], h[2], h[3], h[4])
-        w, u, g = weight[:n], updated[:n], grad[:n]
-        m, v = first_state[:n], second_state[:n]
-        _decode_into(g, row[G_ADDR], row[G_FMT], j0, scale)
-        _load_weights(w, mode, p_fmt, row[P_ADDR], row[AUX_ADDR], j0)
-        if row[S1_ADDR]:
-            _decode_into(m, row[S1_ADDR], state_fmt, j0, np.float32(1.0))
-        if kind == ADAMW:
-            _decode_into(v, row[S2_ADDR], state_fmt, j0, np.float32(1.0))
-            decay, step_size, bc2_sqrt = coefs[k, 0], coefs[k, 1], coefs[k, 2]
-            for e in range(n):
-                u[e], m[e], v[e] = adamw_math(w[e], g[e], m[e], v[e], decay, step_size,
-                                              bc2_sqrt, c1, c2, c3, c4)
-        else:
-            lr, first = coefs[k, 0], coefs[k, 1]
-            for e in range(n):
-                u[e], m[e] = sgd_math(w[e], g[e], m[e], lr, first, c1, c2, c3, c4)
+        w_bits = words[0].view(np.uint16)[:n]
+        m_bits = words[1].view(np.uint16)[:n]
+        v_bits = words[2].view(np.uint16)[:n]
         step = steps[k]
-        if row[S1_ADDR]:
-            _round_store(m, row[S1_ADDR], state_fmt, j0, True, words, k0, k1,
-                         stream_offset(step, 1, starts[k]))
-        if kind == ADAMW:
-            _round_store(v, row[S2_ADDR], state_fmt, j0, True, words, k0, k1,
-                         stream_offset(step, 2, starts[k]))
-        _store_weights(u, w, mode, p_fmt, row[P_ADDR], row[AUX_ADDR], j0, words, k0, k1,
-                       stream_offset(step, 0, starts[k]))
+        if mode == STOCHASTIC and p_fmt != 0:
+            w_bits = _random_bits(words[0], k0, k1, stream_offset(step, 0, starts[k]) + j0, n)
+        if state_fmt != 0:
+            m_bits = _random_bits(words[1], k0, k1, stream_offset(step, 1, starts[k]) + j0, n)
+            v_bits = _random_bits(words[2], k0, k1, stream_offset(step, 2, starts[k]) + j0, n)
+        addresses = (row[P_ADDR], row[G_ADDR], row[S1_ADDR], row[S2_ADDR], row[AUX_ADDR])
+        scalars = (coefs[k, 0], coefs[k, 1], coefs[k, 2], c1, c2, c3, c4)
+        has_state1 = row[S1_ADDR] != 0 if state1 == STATE1_SOME else state1 == STATE1_ALL
+        _update_formats(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, addresses, j0, scale,
+                        scalars, w_bits, m_bits, v_bits)
         i = end
         k += 1
 
 
-@njit(parallel=True, cache=True)
-def step_cpu(kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1):
-    """One fused step over every tensor of ``table`` (module docstring); ``inv_scale`` and
-    ``found``: uint32[1] float32 patterns."""
-    if found[0] & 0x7FFFFFFF:
-        return
-    for k in range(table.shape[0]):
-        steps[k] += 1
-        h = hyper[table[k, GROUP]]
-        coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
-            kind, steps[k], h[0], h[1], h[2], h[3], h[4])
-    scale = bits_to_f32(inv_scale[0])
-    total = starts[-1]
-    for c in prange((total + _CHUNK - 1) // _CHUNK):
-        _step_chunk(kind, mode, state_fmt, table, starts, hyper, steps, coefs, scale, k0, k1,
-                    c * _CHUNK, min(c * _CHUNK + _CHUNK, total))
+def _make_step_cpu(kind, mode, state_fmt, state1):
+    """The CPU step of one configuration: kind, weight mode, state format and which tensors
+    have a first state (``state1_presence``) are constants of the compiled loops (closure
+    variables), so each configuration compiles on first use (~7 s), alone, and is cached."""
+
+    @njit(parallel=True, cache=True, error_model="numpy")
+    def step_cpu(table, starts, hyper, steps, coefs, inv_scale, found, k0, k1):
+        """One fused step over every tensor of ``table`` (module docstring); ``inv_scale``
+        and ``found``: uint32[1] float32 patterns."""
+        if found[0] & 0x7FFFFFFF:
+            return
+        for k in range(table.shape[0]):
+            steps[k] += 1
+            h = hyper[table[k, GROUP]]
+            coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
+                kind, steps[k], h[0], h[1], h[2], h[3], h[4])
+        scale = bits_to_f32(inv_scale[0])
+        total = starts[-1]
+        for c in prange((total + _CHUNK - 1) // _CHUNK):
+            _step_chunk(kind, mode, state_fmt, state1, table, starts, hyper, steps, coefs, scale,
+                        k0, k1, c * _CHUNK, min(c * _CHUNK + _CHUNK, total))
+
+    return step_cpu
+
+
+STATE1_NONE, STATE1_ALL, STATE1_SOME = range(3)
+
+
+def state1_presence(table) -> int:
+    """Whether no, every or some tensor of ``table`` has a first state (an SGD momentum buffer;
+    AdamW: every one). Loops over a mix test per tensor and do not vectorize."""
+    present = np.asarray(table)[:, S1_ADDR] != 0
+    return STATE1_ALL if present.all() else STATE1_SOME if present.any() else STATE1_NONE
+
+
+_STEP_CPU = {}
+
+
+def step_cpu_kernel(kind, mode, state_fmt, state1):
+    """The compiled CPU step of a configuration (``_make_step_cpu``), built once per process."""
+    key = (kind, mode, state_fmt, state1)
+    if key not in _STEP_CPU:
+        _STEP_CPU[key] = _make_step_cpu(*key)
+    return _STEP_CPU[key]
+
 
 class FusedStep:
     """A fused step over a fixed set of buffers: the pointer table is built and (on CUDA)
@@ -465,6 +445,7 @@ class FusedStep:
         self._hyper = None
         if device == "cpu":
             self.table, self.starts, self.coefs = table, starts, coefs
+            self._kernel = step_cpu_kernel(kind, mode, state_fmt, state1_presence(table))
         else:
             from ._numba_cuda_compat import import_numba_cuda
 
@@ -490,11 +471,12 @@ class FusedStep:
 
     def run(self, inv_scale, found, k0, k1) -> None:
         """One step; ``inv_scale``, ``found``: uint32[1] float32 bits on the table's device."""
-        args = (self.kind, self.mode, self.state_fmt, self.table, self.starts, self._hyper,
-                self.steps, self.coefs, inv_scale, found, k0, k1)
+        args = (self.table, self.starts, self._hyper, self.steps, self.coefs, inv_scale, found,
+                k0, k1)
         if self.device == "cpu":
-            step_cpu(*args)
+            self._kernel(*args)
         else:
             from . import _cuda
 
-            _cuda.optim_step(*args, total=self.total, stream=self.stream)
+            _cuda.optim_step(self.kind, self.mode, self.state_fmt, *args, total=self.total,
+                             stream=self.stream)

@@ -94,6 +94,64 @@ def _finish(u, magnitude, mantissa_bits, exponent_bits, saturate):
     return (((u >> 31) & 1) << (exponent_bits + mantissa_bits)) | magnitude
 
 
+# bf16 (the fp32 exponent range, 16 dropped bits) has closed forms that the general path
+# computes too; written in 32-bit integer IR because Numba widens scalar integer arithmetic to
+# 64 bits, which halves the CPU vector width (measured: 0.8 -> 0.15 ns per element on AVX2).
+#   nearest:    (a + 0x7FFF + bit 16 of a) >> 16               (ties to even)
+#   stochastic: (a + 0xFFFF - bits16) >> 16, i.e. up iff bits16 < the low half of a
+# with a = |u|, the sign put back, and NaN -> the canonical quiet NaN; a carry past the largest
+# finite value lands on the infinity pattern, as in the general path.
+_I32 = ir.IntType(32)
+
+
+def _i32(value):
+    return ir.Constant(_I32, value)
+
+
+def _low32(builder, value):
+    """The low 32 bits of an integer of any width (narrower ones zero-extended)."""
+    width = value.type.width
+    if width == 32:
+        return value
+    return builder.trunc(value, _I32) if width > 32 else builder.zext(value, _I32)
+
+
+def _bf16_finish(builder, u, magnitude):
+    """Sign of fp32 pattern ``u`` on the bf16 ``magnitude``; NaN inputs -> quiet NaN (i64)."""
+    sign = builder.and_(builder.lshr(u, _i32(16)), _i32(0x8000))
+    is_nan = builder.icmp_unsigned(">", builder.and_(u, _i32(_F32_ABS)), _i32(_F32_INF))
+    result = builder.select(is_nan, _i32(0x7FC0), magnitude)
+    return builder.zext(builder.or_(result, sign), ir.IntType(64))
+
+
+@intrinsic
+def _bf16_nearest(typingctx, u):
+    """bf16 pattern of fp32 pattern ``u`` (int) rounded to nearest, ties to even."""
+
+    def codegen(context, builder, signature, args):
+        x = _low32(builder, args[0])
+        a = builder.and_(x, _i32(_F32_ABS))
+        odd = builder.and_(builder.lshr(a, _i32(16)), _i32(1))
+        magnitude = builder.lshr(builder.add(builder.add(a, _i32(0x7FFF)), odd), _i32(16))
+        return _bf16_finish(builder, x, magnitude)
+
+    return types.int64(u), codegen
+
+
+@intrinsic
+def _bf16_stochastic(typingctx, u, bits16):
+    """bf16 pattern of fp32 pattern ``u`` (int) rounded up with P = low half / 2**16."""
+
+    def codegen(context, builder, signature, args):
+        x = _low32(builder, args[0])
+        a = builder.and_(x, _i32(_F32_ABS))
+        bits = _low32(builder, args[1])
+        magnitude = builder.lshr(builder.sub(builder.add(a, _i32(0xFFFF)), bits), _i32(16))
+        return _bf16_finish(builder, x, magnitude)
+
+    return types.int64(u, bits16), codegen
+
+
 @njit(inline="always", cache=True)
 def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate):
     """Stochastically round fp32 pattern ``u`` to the narrow format using 16 random bits.
@@ -101,6 +159,8 @@ def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate):
     Returns the narrow pattern (an int). P(round away from zero) = floor(2**16 * frac) / 2**16
     where frac is the dropped fraction of a quantum; see the module docstring.
     """
+    if mantissa_bits == 7 and exponent_bits == 8 and not saturate:
+        return _bf16_stochastic(u, bits16)
     special = _special(u, mantissa_bits, exponent_bits)
     # Both paths are computed and one is selected (no early return): the body is branch-free,
     # so the CPU compiler can vectorize a loop over it (NaN/inf inputs harmlessly compute a
@@ -115,6 +175,8 @@ def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate):
 @njit(inline="always", cache=True)
 def encode_nearest(u, mantissa_bits, exponent_bits, saturate):
     """Round fp32 pattern ``u`` to the nearest narrow value, ties to even (IEEE default)."""
+    if mantissa_bits == 7 and exponent_bits == 8 and not saturate:
+        return _bf16_nearest(u)
     special = _special(u, mantissa_bits, exponent_bits)
     # branch-free like encode_stochastic, so loops over it vectorize
     base, q, r, s = _quantize(u, mantissa_bits, exponent_bits)

@@ -241,15 +241,18 @@ def _to_device(arrays):
     return None if arrays is None else [cuda.to_device(a) for a in arrays]
 
 
+@pytest.mark.parametrize("grad_dtype", [BF16, np.float16], ids=["bf16_grads", "fp16_grads"])
 @pytest.mark.parametrize("mode", ["stochastic", "nearest", "kahan", "master", "remainder"])
-def test_cpu_and_cuda_give_the_same_bits(mode, small_cuda_launch):
+def test_cpu_and_cuda_give_the_same_bits(mode, grad_dtype, small_cuda_launch):
+    """bf16 params with bf16 grads take the CPU's constant-format loops, with fp16 grads its
+    generic loop: both must give the CUDA kernel's bits."""
     from numba import cuda
 
     if not cuda.is_available():
         pytest.skip("no CUDA device and not simulated")
     sizes = [9, 3, 6]
     state_dtype = BF16 if mode in ("stochastic", "kahan") else np.float32
-    params, grads, m, v = _problem(sizes=sizes, grad_dtype=np.float16, state_dtype=state_dtype)
+    params, grads, m, v = _problem(sizes=sizes, grad_dtype=grad_dtype, state_dtype=state_dtype)
     aux = _aux(mode, params)
     device = [_to_device(x) for x in (params, grads, m, v, aux)]
     steps, device_steps = np.zeros(3, np.int32), cuda.to_device(np.zeros(3, np.int32))
