@@ -325,25 +325,25 @@ def _update_run(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, addresses, j0, 
 
 
 @njit(inline="always", cache=True)
-def _update_formats(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, addresses, j0, scale,
-                    scalars, w_bits, m_bits, v_bits):
-    """``_update_run`` with constant formats when parameter and gradient are both bf16 or both
-    fp32 (vectorized), generic (scalar, ~10x slower) otherwise - each constant case adds
-    ~2.5 s to a configuration's first compile."""
-    if p_fmt == 1 and g_fmt == 1:
+def _update_formats(kind, mode, state_fmt, bf16, fp32, other, p_fmt, g_fmt, has_state1,
+                    addresses, j0, scale, scalars, w_bits, m_bits, v_bits):
+    """``_update_run`` with constant formats for bf16 and fp32 tensors (parameter and gradient
+    alike; vectorized), generic (scalar, ~10x slower) otherwise. ``bf16, fp32, other``:
+    which of the three loops the table needs (``format_cases``); only those are compiled."""
+    if bf16 and p_fmt == 1 and g_fmt == 1:
         _update_run(kind, mode, state_fmt, 1, 1, has_state1, addresses, j0, scale, scalars,
                     w_bits, m_bits, v_bits)
-    elif p_fmt == 0 and g_fmt == 0:
+    elif fp32 and p_fmt == 0 and g_fmt == 0:
         _update_run(kind, mode, state_fmt, 0, 0, has_state1, addresses, j0, scale, scalars,
                     w_bits, m_bits, v_bits)
-    else:
+    elif other:
         _update_run(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, addresses, j0, scale,
                     scalars, w_bits, m_bits, v_bits)
 
 
 @njit(inline="always", cache=True)
-def _step_chunk(kind, mode, state_fmt, state1, table, starts, hyper, steps, coefs, scale, k0, k1,
-                lo, hi):
+def _step_chunk(kind, mode, state_fmt, state1, bf16, fp32, other, table, starts, hyper, steps,
+                coefs, scale, k0, k1, lo, hi):
     """Global elements [lo, hi) of one CPU step: per tensor run, its random bits into scratch,
     then one loop over ``update_element`` (``_update_formats``)."""
     words = np.empty((3, _CHUNK // 2 + 4), np.uint32)
@@ -368,16 +368,18 @@ def _step_chunk(kind, mode, state_fmt, state1, table, starts, hyper, steps, coef
         addresses = (row[P_ADDR], row[G_ADDR], row[S1_ADDR], row[S2_ADDR], row[AUX_ADDR])
         scalars = (coefs[k, 0], coefs[k, 1], coefs[k, 2], c1, c2, c3, c4)
         has_state1 = row[S1_ADDR] != 0 if state1 == STATE1_SOME else state1 == STATE1_ALL
-        _update_formats(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, addresses, j0, scale,
-                        scalars, w_bits, m_bits, v_bits)
+        _update_formats(kind, mode, state_fmt, bf16, fp32, other, p_fmt, g_fmt, has_state1,
+                        addresses, j0, scale, scalars, w_bits, m_bits, v_bits)
         i = end
         k += 1
 
 
-def _make_step_cpu(kind, mode, state_fmt, state1):
-    """The CPU step of one configuration: kind, weight mode, state format and which tensors
-    have a first state (``state1_presence``) are constants of the compiled loops (closure
-    variables), so each configuration compiles on first use (~7 s), alone, and is cached."""
+def _make_step_cpu(kind, mode, state_fmt, state1, formats):
+    """The CPU step of one configuration: kind, weight mode, state format, which tensors have
+    a first state (``state1_presence``) and which format loops are needed (``format_cases``)
+    are constants of the compiled loops (closure variables), so each configuration compiles on
+    first use (3-8 s), alone, and is cached."""
+    bf16, fp32, other = formats
 
     @njit(parallel=True, cache=True, error_model="numpy")
     def step_cpu(table, starts, hyper, steps, coefs, inv_scale, found, k0, k1):
@@ -393,8 +395,8 @@ def _make_step_cpu(kind, mode, state_fmt, state1):
         scale = bits_to_f32(inv_scale[0])
         total = starts[-1]
         for c in prange((total + _CHUNK - 1) // _CHUNK):
-            _step_chunk(kind, mode, state_fmt, state1, table, starts, hyper, steps, coefs, scale,
-                        k0, k1, c * _CHUNK, min(c * _CHUNK + _CHUNK, total))
+            _step_chunk(kind, mode, state_fmt, state1, bf16, fp32, other, table, starts, hyper,
+                        steps, coefs, scale, k0, k1, c * _CHUNK, min(c * _CHUNK + _CHUNK, total))
 
     return step_cpu
 
@@ -409,12 +411,21 @@ def state1_presence(table) -> int:
     return STATE1_ALL if present.all() else STATE1_SOME if present.any() else STATE1_NONE
 
 
+def format_cases(table) -> tuple:
+    """``(bf16, fp32, other)``: whether ``table`` has bf16 tensors (parameter and gradient),
+    fp32 ones, and any other combination (fp16, or formats that differ)."""
+    p_fmt, g_fmt = np.asarray(table)[:, P_FMT], np.asarray(table)[:, G_FMT]
+    bf16 = (p_fmt == 1) & (g_fmt == 1)
+    fp32 = (p_fmt == 0) & (g_fmt == 0)
+    return bool(bf16.any()), bool(fp32.any()), bool((~bf16 & ~fp32).any())
+
+
 _STEP_CPU = {}
 
 
-def step_cpu_kernel(kind, mode, state_fmt, state1):
+def step_cpu_kernel(kind, mode, state_fmt, state1, formats):
     """The compiled CPU step of a configuration (``_make_step_cpu``), built once per process."""
-    key = (kind, mode, state_fmt, state1)
+    key = (kind, mode, state_fmt, state1, formats)
     if key not in _STEP_CPU:
         _STEP_CPU[key] = _make_step_cpu(*key)
     return _STEP_CPU[key]
@@ -445,7 +456,8 @@ class FusedStep:
         self._hyper = None
         if device == "cpu":
             self.table, self.starts, self.coefs = table, starts, coefs
-            self._kernel = step_cpu_kernel(kind, mode, state_fmt, state1_presence(table))
+            self._kernel = step_cpu_kernel(kind, mode, state_fmt, state1_presence(table),
+                                           format_cases(table))
         else:
             from ._numba_cuda_compat import import_numba_cuda
 
