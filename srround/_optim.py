@@ -297,7 +297,7 @@ def step_element(kind, mode, state_fmt, p_addr, p_fmt, g_addr, g_fmt, s1_addr, s
                    w_bits16, m_bits16, v_bits16)
 
 
-# -- CPU: one kernel per (kind, mode, state format), chunks of one loop over update_element ---
+# -- CPU: one kernel per configuration, chunks of one loop over update_element --------------
 
 
 @njit(inline="always", cache=True)
