@@ -25,6 +25,7 @@ __all__ = ["View", "adapter_for"]
 # first component of type(x).__module__  ->  adapter module in this package
 _ADAPTERS = {
     "numpy": "numpy",
+    "cupy": "cupy",
     "ml_dtypes": "numpy",
     "numba": "numba",
     "numba_cuda": "numba",
@@ -47,7 +48,9 @@ def adapter_for(**arrays):
         root = type(array).__module__.split(".", 1)[0]
         key = _ADAPTERS.get(root)
         if key is None:
-            supported = "NumPy arrays, Numba CUDA device arrays, torch tensors and JAX arrays"
+            supported = (
+                "NumPy arrays, CuPy arrays, Numba CUDA device arrays, torch tensors and JAX arrays"
+            )
             raise TypeError(
                 f"{name}: unsupported array type {type(array).__module__}.{type(array).__name__};"
                 f" expected one of: {supported}"

@@ -31,6 +31,7 @@ import torch
 from srround._formats import FORMATS, Format
 
 from ._view import View, check_shape
+from .numba import external_stream
 
 _FIX = ".contiguous()"
 
@@ -50,10 +51,6 @@ def _unsigned_numpy_works() -> bool:
 # CPU bit views: unsigned torch views convert straight to NumPy (one step fewer), else signed
 # views re-viewed in NumPy
 _UNSIGNED_NUMPY = _unsigned_numpy_works()
-
-# (device index, stream handle) -> numba external stream
-_STREAMS: dict = {}
-_MAX_STREAMS = 64
 
 
 def _as_tensor(x, name: str):
@@ -99,18 +96,8 @@ def _check_contiguous(t, name: str) -> None:
 
 
 def _external_stream(device):
-    """The Numba stream object for torch's current stream on ``device``, cached by handle."""
-    handle = torch.cuda.current_stream(device).cuda_stream
-    key = (device.index, handle)
-    stream = _STREAMS.get(key)
-    if stream is None:
-        from srround._numba_cuda_compat import import_numba_cuda
-
-        cuda = import_numba_cuda()
-        if len(_STREAMS) >= _MAX_STREAMS:  # many short-lived streams: drop the stale handles
-            _STREAMS.clear()
-        stream = _STREAMS[key] = cuda.external_stream(handle)
-    return stream
+    """The Numba stream object for torch's current stream on ``device`` (cached)."""
+    return external_stream(device.index, torch.cuda.current_stream(device).cuda_stream)
 
 
 def _cuda_view(t, flat, bits_dtype, name: str) -> View:

@@ -1,112 +1,293 @@
 #!/usr/bin/env python
-"""Framework adapters: throughput and per-call overhead against srround's NumPy path.
+"""Framework adapters: per-call overhead and large-array throughput against the core kernels on
+raw buffers, for every framework available here.
 
 Usage::
 
-    python benchmarks/bench_adapters.py               # sizes 2^20 and 2^22, plus 1024 elements
-    python benchmarks/bench_adapters.py --sizes 20 24 --cell-time 0.5
+    python benchmarks/bench_adapters.py                    # CPU; the GPU too if present
+    python benchmarks/bench_adapters.py --device cpu --large 22 --json out.json
 
-JAX section (CPU, or whatever ``jax.default_backend()`` is): ``srround.adapters.jax`` with
-``impl="native"`` (jax.lax integer ops) and ``impl="callback"`` (``jax.pure_callback`` into the
-Numba kernels), both under ``jax.jit`` with the seed passed as a PRNG key argument, timed with
-``block_until_ready``; the baseline is ``srround.stochastic_round`` / ``stochastic_add`` on NumPy
-arrays of the same data (preallocated ``out=`` for rounding; in place for the add). Rows:
-``stochastic_round`` (fp32 -> bf16) and ``stochastic_add`` (bf16 w, fp32 u, alpha=0.1). Cells:
-median milliseconds per call and ``x NumPy`` (time / NumPy path time of the same size, same run;
-below 1 is faster). The ``1024`` column is the per-call overhead regime (microseconds).
+Each row calls one srround function through one framework's arrays; the baseline row of its
+device ("core, raw buffers") calls the backend kernel itself (``srround._cpu`` /
+``srround._cuda``) on the same bytes as NumPy ``uint32``/``uint16`` arrays or Numba device
+arrays - no adapter, no validation, no seed handling. Ops: ``stochastic_round`` (fp32 -> bf16,
+into a preallocated ``out=`` where the framework has one; JAX returns a new array) and
+``stochastic_add`` (bf16 ``w`` in place, fp32 ``u``; JAX returns a new array). JAX runs under
+``jax.jit`` with the seed passed as a PRNG key argument; ``jax user SR`` is the
+``jax.random.bits`` cast users write by hand (stochastic_round only, no special-value care).
 
-Only compare rows of one run; numbers depend on cores and on what else runs on the machine.
+Columns: ``us@1024``: median microseconds per call on 1024 elements (GPU: calls issued back to
+back, one synchronisation per batch - the host cost when it exceeds the kernel's);
+``+us``: that minus the core's (the adapter's overhead; targets <= 10 us on CPU, <= 30 us on
+GPU); ``ms@large``, ``GB/s`` at 6 bytes per element (4 read + 2 written; stochastic_add: 8), and
+``x core``: throughput relative to the core's (target >= 0.95). The device's copy bandwidth of
+the same bytes (CPU: a Numba prange word copy; GPU: a Numba device copy) is printed with each
+table. Compare rows of one run only.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import json
+import os
+import sys
 
+import ml_dtypes
 import numpy as np
 
+from bench_round import Unavailable, _quiet_import, jax_sr_fn, measure
 
-def _time(fn, cell_time: float) -> float:
-    """Median seconds per call of ``fn`` (warmed up first)."""
-    for _ in range(3):
-        fn()
-    samples = []
-    start = time.perf_counter()
-    while len(samples) < 5 or time.perf_counter() - start < cell_time:
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+SEED = 7
+BF16 = np.dtype(ml_dtypes.bfloat16)
+BYTES = {"stochastic_round": 6, "stochastic_add": 8}
+MANTISSA, EXPONENT = 7, 8  # bf16
 
 
-def _jax_rows(sizes, cell_time):
-    import jax
-    import jax.numpy as jnp
-    import ml_dtypes
+def _data(n: int):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(n).astype(np.float32)
+    return x, (x * np.float32(1e-3)), x.astype(BF16)
 
+
+# --------------------------------------------------------------------------------------------
+# rows: name -> setup(n) -> {op: (call, sync)}
+# --------------------------------------------------------------------------------------------
+
+
+def _core_cpu(n):
+    from srround import _cpu
+    from srround._rng import split_seed
+
+    x, u, w = _data(n)
+    k0, k1 = split_seed(SEED)
+    xb, ub, wb = x.view(np.uint32), u.view(np.uint32), w.view(np.uint16)
+    out = np.empty(n, np.uint16)
+    return {
+        "stochastic_round": (lambda: _cpu.stochastic_round(
+            xb, out, k0, k1, 0, MANTISSA, EXPONENT, False), None),
+        "stochastic_add": (lambda: _cpu.stochastic_add(
+            wb, ub, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False), None),
+    }
+
+
+def _api_calls(x, u, w, out, sync=None):
     import srround
-    from srround.adapters import jax as sj
 
-    key = jax.random.key(7)
-    rows = {}
-    for n in sizes:
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal(n).astype(np.float32)
-        u = (rng.standard_normal(n) * 1e-3).astype(np.float32)
-        w = x.astype(ml_dtypes.bfloat16)
-        xj, uj, wj = jnp.asarray(x), jnp.asarray(u), jnp.asarray(w)
-        out = np.empty(n, ml_dtypes.bfloat16)
-        w_np = w.copy()
+    return {
+        "stochastic_round": (lambda: srround.stochastic_round(x, seed=SEED, out=out), sync),
+        "stochastic_add": (lambda: srround.stochastic_add(w, u, seed=SEED), sync),
+    }
 
-        cells = {
-            ("stochastic_round", "NumPy path"): lambda: srround.stochastic_round(
-                x, seed=7, out=out),
-            ("stochastic_add", "NumPy path"): lambda: srround.stochastic_add(
-                w_np, u, alpha=0.1, seed=7),
-        }
-        for impl in sj.IMPLS:
-            sr = jax.jit(lambda a, k, impl=impl: sj.stochastic_round(a, seed=k, impl=impl))
-            add = jax.jit(lambda a, b, k, impl=impl: sj.stochastic_add(
-                a, b, alpha=0.1, seed=k, impl=impl))
-            cells[("stochastic_round", f"jax {impl} (jit)")] = (
-                lambda sr=sr: sr(xj, key).block_until_ready())
-            cells[("stochastic_add", f"jax {impl} (jit)")] = (
-                lambda add=add: add(wj, uj, key).block_until_ready())
-        for (op, name), fn in cells.items():
-            rows.setdefault((op, name), {})[n] = _time(fn, cell_time)
-    return rows, jax.default_backend()
+
+def _numpy(n):
+    x, u, w = _data(n)
+    return _api_calls(x, u, w, np.empty(n, BF16))
+
+
+def _torch(device):
+    def setup(n):
+        try:
+            torch = _quiet_import("torch")
+        except ImportError as exc:
+            raise Unavailable(f"torch not importable ({exc})") from None
+        if device == "cuda" and not torch.cuda.is_available():
+            raise Unavailable("torch has no CUDA device")
+        x, u, w = _data(n)
+        wt = torch.from_numpy(w.view(np.int16)).view(torch.bfloat16).to(device)
+        sync = torch.cuda.synchronize if device == "cuda" else None
+        return _api_calls(torch.from_numpy(x).to(device), torch.from_numpy(u).to(device), wt,
+                          torch.empty(n, dtype=torch.bfloat16, device=device),
+                          sync and (lambda _: sync()))
+    return setup
+
+
+def _jax(impl, platform):
+    def setup(n):
+        try:
+            jax = _quiet_import("jax")
+        except ImportError as exc:
+            raise Unavailable(f"jax not importable ({exc})") from None
+        from srround.adapters import jax as sj
+
+        try:
+            device = jax.devices(platform)[0]
+        except RuntimeError:
+            raise Unavailable(f"JAX has no {platform} device") from None
+        x, u, w = (jax.device_put(a, device) for a in _data(n))
+        key = jax.random.key(SEED)
+        sr = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k, impl=impl))
+        add = jax.jit(lambda a, b, k: sj.stochastic_add(a, b, seed=k, impl=impl))
+        ready = lambda r: r.block_until_ready()  # noqa: E731
+        return {"stochastic_round": (lambda: sr(x, key), ready),
+                "stochastic_add": (lambda: add(w, u, key), ready)}
+    return setup
+
+
+def _jax_user_sr(platform):
+    def setup(n):
+        jax, jax_sr = jax_sr_fn()
+        try:
+            device = jax.devices(platform)[0]
+        except RuntimeError:
+            raise Unavailable(f"JAX has no {platform} device") from None
+        x = jax.device_put(_data(n)[0], device)
+        key = jax.random.key(SEED)
+        return {"stochastic_round": (lambda: jax_sr(key, x), lambda r: r.block_until_ready())}
+    return setup
+
+
+def _cuda():
+    from srround._numba_cuda_compat import import_numba_cuda
+
+    cuda = import_numba_cuda()
+    if not cuda.is_available():
+        raise Unavailable("no CUDA device")
+    return cuda
+
+
+def _core_cuda(n):
+    from srround import _cuda as backend
+    from srround._rng import split_seed
+
+    cuda = _cuda()
+    x, u, w = (cuda.to_device(a) for a in _data(n))
+    xb, ub, wb = x.view(np.uint32), u.view(np.uint32), w.view(np.uint16)
+    out = cuda.device_array(n, np.uint16)
+    k0, k1 = split_seed(SEED)
+    stream = cuda.default_stream()
+    sync = lambda _: cuda.synchronize()  # noqa: E731
+    return {
+        "stochastic_round": (lambda: backend.stochastic_round(
+            xb, out, k0, k1, 0, MANTISSA, EXPONENT, False, stream=stream), sync),
+        "stochastic_add": (lambda: backend.stochastic_add(
+            wb, ub, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False, stream=stream), sync),
+    }
+
+
+def _numba_cuda(n):
+    cuda = _cuda()
+    x, u, w = (cuda.to_device(a) for a in _data(n))
+    return _api_calls(x, u, w, cuda.device_array(n, BF16), lambda _: cuda.synchronize())
+
+
+def _cupy(n):
+    try:
+        cp = _quiet_import("cupy")
+    except ImportError as exc:
+        raise Unavailable(f"cupy not importable ({exc})") from None
+    x, u, w = (cp.asarray(a) for a in _data(n))
+    from srround.adapters.cupy import _result_dtype
+
+    out = cp.empty(n, _result_dtype("bfloat16"))
+    if out.dtype == np.uint16:
+        raise Unavailable("this CuPy has no bfloat16 dtype")
+    return _api_calls(x, u, w, out, lambda _: cp.cuda.get_current_stream().synchronize())
+
+
+ROWS = {
+    "cpu": [("core, raw buffers", _core_cpu), ("numpy", _numpy), ("torch cpu", _torch("cpu")),
+            ("jax native (jit)", _jax("native", "cpu")),
+            ("jax callback (jit)", _jax("callback", "cpu")),
+            ("jax user SR (jit)", _jax_user_sr("cpu"))],
+    "cuda": [("core, raw buffers", _core_cuda), ("numba device arrays", _numba_cuda),
+             ("torch cuda", _torch("cuda")), ("cupy", _cupy),
+             ("jax native (jit)", _jax("native", "gpu")),
+             ("jax user SR (jit)", _jax_user_sr("gpu"))],
+}
+
+
+def _copy_floor(device: str, n: int, cell_time: float) -> float:
+    """Seconds to copy the 6n bytes of one rounding call (3n read, 3n written) on ``device``."""
+    words = n * 3 // 8
+    if device == "cpu":
+        import numba
+
+        @numba.njit(parallel=True, cache=False)
+        def copy(src, dst):
+            for i in numba.prange(src.size):
+                dst[i] = src[i]
+
+        src, dst = np.ones(words, np.uint64), np.empty(words, np.uint64)
+        return measure(lambda: copy(src, dst), cell_time=cell_time)["median_s"]
+    cuda = _cuda()
+
+    @cuda.jit
+    def copy_words(src, dst):
+        i = cuda.grid(1)
+        if i < src.size:
+            dst[i] = src[i]
+
+    src, dst = cuda.to_device(np.ones(words, np.uint64)), cuda.device_array(words, np.uint64)
+    blocks = (words + 255) // 256
+    return measure(lambda: copy_words[blocks, 256](src, dst), lambda _: cuda.synchronize(),
+                   cell_time=cell_time, batch_time=0.05)["median_s"]
+
+
+def run_device(device: str, large: int, cell_time: float) -> list[dict]:
+    results = []
+    batch = 0.05 if device == "cuda" else 0.0
+    for name, setup in ROWS[device]:
+        for n in (1024, large):
+            try:
+                calls = setup(n)
+            except Unavailable as exc:
+                print(f"  [{device}] {name}: skipped ({exc})", file=sys.stderr)
+                break
+            for op, (call, sync) in calls.items():
+                t = measure(call, sync, cell_time=cell_time, batch_time=batch)["median_s"]
+                results.append({"device": device, "row": name, "op": op, "n": n, "s": t})
+    return results
+
+
+def print_table(results: list[dict], device: str, large: int, floor_s: float) -> None:
+    rows = [r for r in results if r["device"] == device]
+    if not rows:
+        return
+    cell = {(r["row"], r["op"], r["n"]): r["s"] for r in rows}
+    floor_gbs = 6 * large / floor_s / 1e9
+    print(f"\n## {device} (n = 1024 and 2^{large.bit_length() - 1}; copy of the same bytes:"
+          f" {floor_gbs:.1f} GB/s; {os.cpu_count()} CPUs)")
+    head = (f"{'op':<17} {'row':<22} {'us@1024':>9} {'+us':>7} {'ms@large':>9} {'GB/s':>7}"
+            f" {'x core':>7} {'x copy':>7}")
+    print(head)
+    print("-" * len(head))
+    for op in BYTES:
+        base_small = cell.get(("core, raw buffers", op, 1024))
+        base_large = cell.get(("core, raw buffers", op, large))
+        for name, _ in ROWS[device]:
+            small, big = cell.get((name, op, 1024)), cell.get((name, op, large))
+            if small is None or big is None:
+                continue
+            gbs = BYTES[op] * large / big / 1e9
+            extra = (small - base_small) * 1e6 if base_small else float("nan")
+            ratio = base_large / big if base_large else float("nan")
+            print(f"{op:<17} {name:<22} {small * 1e6:>9.1f} {extra:>7.1f} {big * 1e3:>9.3f}"
+                  f" {gbs:>7.1f} {ratio:>7.2f} {gbs / floor_gbs:>7.2f}")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[20, 22],
-                        help="log2 of the array sizes (default: 20 22)")
+    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
+    parser.add_argument("--large", type=int, default=None,
+                        help="log2 of the large size (default: 22 on CPU, 26 on GPU)")
     parser.add_argument("--cell-time", type=float, default=0.3, help="seconds per cell")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    sizes = [1024] + [1 << s for s in args.sizes]
-    try:
-        rows, backend = _jax_rows(sizes, args.cell_time)
-    except ImportError as exc:
-        print(f"JAX section skipped: {exc}")
-        return
-    import os
-
-    print(f"## JAX adapter (backend: {backend}, {os.cpu_count()} CPUs)")
-    head = f"{'op':<17} {'implementation':<22}" + "".join(
-        f" {('n=1024 (us)' if n == 1024 else f'n=2^{n.bit_length() - 1} (ms)'):>22}"
-        for n in sizes)
-    print(head)
-    print("-" * len(head))
-    ordered = sorted(rows.items(), key=lambda item: item[0][0] != "stochastic_round")
-    for (op, name), cells in ordered:
-        base = rows[(op, "NumPy path")]
-        line = f"{op:<17} {name:<22}"
-        for n in sizes:
-            t = cells[n]
-            value = t * 1e6 if n == 1024 else t * 1e3
-            line += f" {value:>10.2f} {t / base[n]:>6.2f}x NP"
-        print(line)
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    everything = []
+    for device in devices:
+        large = 1 << (args.large or (26 if device == "cuda" else 22))
+        try:
+            floor_s = _copy_floor(device, large, args.cell_time)
+        except Unavailable as exc:
+            print(f"{device}: skipped ({exc})")
+            continue
+        results = run_device(device, large, args.cell_time)
+        print_table(results, device, large, floor_s)
+        everything += results + [{"device": device, "row": "copy", "n": large, "s": floor_s}]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(everything, f, indent=1)
 
 
 if __name__ == "__main__":

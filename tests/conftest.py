@@ -73,3 +73,16 @@ def writable_backend(request):
         return Backend("numpy", np.array, np.asarray)
     request.getfixturevalue("small_cuda_launch")
     return _cuda_backend()
+
+
+@pytest.fixture
+def cupy_module(monkeypatch, small_cuda_launch):
+    """CuPy on a GPU; under the simulator, the stand-in of ``tests/fake_cupy.py``."""
+    if SIMULATED:
+        from . import fake_cupy
+
+        return fake_cupy.install(monkeypatch)
+    cupy = pytest.importorskip("cupy")
+    if not cupy.cuda.is_available():
+        pytest.skip("CuPy has no CUDA device")
+    return cupy

@@ -17,8 +17,8 @@ import srround
 
 from .reference import bits
 
-BACKENDS = ["numpy", "numpy_readonly", "numba_cuda", "torch_cpu", "torch_cuda", "jax_native",
-            "jax_callback", "jax_gpu"]
+BACKENDS = ["numpy", "numpy_readonly", "numba_cuda", "cupy", "torch_cpu", "torch_cuda",
+            "jax_native", "jax_callback", "jax_gpu"]
 
 
 class Backend:
@@ -79,6 +79,9 @@ def any_backend(request, small_cuda_launch):
         if not cuda.is_available():
             pytest.skip("no CUDA")
         return Backend(cuda.to_device, lambda d: d.copy_to_host())
+    if name == "cupy":  # under the simulator: the stand-in of tests/fake_cupy.py
+        cp = request.getfixturevalue("cupy_module")
+        return Backend(cp.asarray, cp.asnumpy)
     if name.startswith("torch"):
         return _torch(name.split("_")[1])
     if name == "jax_gpu":
