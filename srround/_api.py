@@ -34,7 +34,7 @@ def _launch(kernel: str, view: View, *args) -> None:
     if view.bits.size == 0:
         return
     if view.device == "cpu":
-        getattr(_cpu, kernel)(*args)
+        _cpu.run(getattr(_cpu, kernel), view.bits.size, *args)
     else:
         from . import _cuda  # compiles CUDA kernels on first use only
 
@@ -239,7 +239,7 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     if table.total:
         args = (table.addresses, table.formats, table.starts, scales.bits, flags.bits, per_tensor)
         if first.device == "cpu":
-            _loss_scale.unscale_and_check_cpu(*args)
+            _cpu.run(_loss_scale.unscale_and_check_cpu, table.total, *args)
         else:
             from . import _cuda
 

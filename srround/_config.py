@@ -5,3 +5,8 @@ multi-block, grid-stride paths quickly (``monkeypatch.setattr(srround._config, .
 # of four elements per grid-stride iteration.
 CUDA_THREADS_PER_BLOCK = 256
 CUDA_MAX_BLOCKS = 4096
+
+# CPU: calls on fewer elements than this run their prange loop on the calling thread alone
+# (``_cpu.run``): waking the worker threads costs more than the work, and on a busy machine a
+# whole scheduler time slice.
+CPU_SERIAL_BELOW = 1 << 16

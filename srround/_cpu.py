@@ -17,9 +17,10 @@ import sys
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, set_num_threads, types
 from numba.extending import intrinsic
 
+from . import _config
 from ._rng import _KS_PARITY, MASK32
 from ._scalar import add_exact_f32, decode, encode_nearest, encode_stochastic
 
@@ -32,6 +33,23 @@ _TASK_CHUNKS = 16  # chunks per prange iteration (one buffer allocation each)
 # formats given literal constants in the element loops, so LLVM folds their shifts and masks
 _BF16 = (7, 8)
 _FP16 = (10, 5)
+
+
+def run(kernel, elements: int, *args):
+    """``kernel(*args)`` for a ``prange`` kernel over ``elements`` elements; below
+    ``_config.CPU_SERIAL_BELOW`` on the calling thread alone (the thread count is per calling
+    thread in Numba, and restored after). A parallel region wakes and then waits for every
+    worker thread: 5-10 us on an idle machine, but when other processes keep the cores busy
+    (data-loader workers) a scheduler time slice - measured on a 2-core VM under load, one
+    unscale pass over 200 small gradients: 7.4 ms median on 2 threads, 34 us on one."""
+    if elements >= _config.CPU_SERIAL_BELOW:
+        return kernel(*args)
+    threads = get_num_threads()
+    set_num_threads(1)
+    try:
+        return kernel(*args)
+    finally:
+        set_num_threads(threads)
 
 
 @njit(inline="always", cache=True)

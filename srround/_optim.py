@@ -56,7 +56,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._cpu import _fill_bits
+from ._cpu import _fill_bits, run
 from ._rng import lane_bits16, random_block
 from ._scalar import (
     bits_to_f32,
@@ -486,7 +486,7 @@ class FusedStep:
         args = (self.table, self.starts, self._hyper, self.steps, self.coefs, inv_scale, found,
                 k0, k1)
         if self.device == "cpu":
-            self._kernel(*args)
+            run(self._kernel, self.total, *args)
         else:
             from . import _cuda
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -90,3 +91,39 @@ def test_thread_count_does_not_change_bits():
         )
         digests.append(result.stdout.strip())
     assert digests[0] == digests[1]
+
+
+def test_small_cpu_calls_run_on_one_thread_with_the_same_bits(monkeypatch):
+    """Below ``_config.CPU_SERIAL_BELOW`` elements a CPU kernel runs on the calling thread
+    alone (``_cpu.run``); the bits are those of the parallel path and the caller's Numba thread
+    count is left as it was."""
+    import numba
+
+    from srround import _config, _cpu
+
+    asked = []
+
+    def spy(n):
+        asked.append(n)
+        numba.set_num_threads(n)
+
+    monkeypatch.setattr(_cpu, "set_num_threads", spy)
+    threads = numba.get_num_threads()
+    x = _inputs(5000)
+    results = []
+    for threshold in (0, 1 << 30):  # always parallel, then always serial
+        monkeypatch.setattr(_config, "CPU_SERIAL_BELOW", threshold)
+        w = srround.round_nearest(x)
+        srround.stochastic_add(w, x, alpha=1e-3, seed=6, offset=1)
+        grads = [x[:3000] * np.float32(4), (x[3000:] * np.float32(4)).astype(ml_dtypes.bfloat16)]
+        found = srround.unscale_and_check(grads, 0.25)
+        params, moments = [w[:3000].copy(), w[3000:].copy()], [np.zeros(3000, np.float32),
+                                                                np.zeros(2000, np.float32)]
+        squares = [m.copy() for m in moments]
+        srround.adamw_step(params, [g.astype(ml_dtypes.bfloat16) for g in grads], moments,
+                           squares, lr=1e-2, step=1, seed=7)
+        results.append([bits(a) for a in (srround.stochastic_round(x, seed=5, offset=2), w,
+                                          found, *grads, *params, *moments, *squares)])
+        assert numba.get_num_threads() == threads
+    assert asked and set(asked[::2]) == {1} and set(asked[1::2]) == {threads}
+    assert all(np.array_equal(a, b) for a, b in zip(*results))
