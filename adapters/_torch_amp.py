@@ -130,22 +130,23 @@ class GradScaler:
         return optimizer.step(*args, **kwargs)
 
     def _fused_step(self, optimizer, *args, **kwargs):
-        """srround's optimizers (``srround.adapters.torch.AdamW``/``SGD``): the overflow check
-        alone (``inv_scale=1`` leaves the gradients' bits as they are), then one fused step that
-        multiplies by 1/scale while it reads the gradients and is a no-op on the device when the
-        flag is set: no host sync, gradients unscaled in registers, never written scaled back.
-        After an explicit ``unscale_`` (e.g. for clipping) only the flag is passed."""
+        """srround's optimizers (``srround.adapters.torch.AdamW``/``SGD``): one call that runs
+        the overflow check over the optimizer's cached gradient table (reads the gradients,
+        writes nothing), then the fused step, which multiplies by 1/scale while it reads the
+        gradients and is a no-op on the device when the flag is set: no host sync, gradients
+        never written. After an explicit ``unscale_`` (e.g. for clipping) only the flag is
+        passed."""
         if id(optimizer) in self._unscaled:
             return optimizer.step(*args, found_inf=self._found[id(optimizer)], **kwargs)
-        grads = self._grads(optimizer)
-        self._lazy_init(grads[0].device if grads else self._device)
+        device = next((p.device for g in optimizer.param_groups for p in g["params"]),
+                      self._device)
+        self._lazy_init(device)
         found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
-        if grads:
-            srround.unscale_and_check(grads, 1.0, found_inf=found)
         self._found[id(optimizer)] = found
         self._unscaled.add(id(optimizer))
         inv_scale = self._scale.double().reciprocal().float()
-        return optimizer.step(*args, inv_scale=inv_scale, found_inf=found, **kwargs)
+        return optimizer.step(*args, inv_scale=inv_scale, found_inf=found, check_grads=True,
+                              **kwargs)
 
     def update(self, new_scale=None) -> None:
         """Back off or grow the scale from this iteration's flags (on the device), or set it."""

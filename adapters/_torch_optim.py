@@ -267,7 +267,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # -- step -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure=None, *, inv_scale=None, found_inf=None):
+    def step(self, closure=None, *, inv_scale=None, found_inf=None, check_grads=False):
         """One fused step over every parameter that has a gradient.
 
         Args:
@@ -277,7 +277,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 read once and not modified.
             found_inf: float32 tensor of 1 value; when nonzero the step changes nothing
                 (parameters, states, step counts), decided on the device without a sync.
+            check_grads: first set ``found_inf`` to 1 if any gradient is inf/NaN (one launch
+                over the cached table that reads the gradients and writes nothing): the loss
+                scaler's overflow check and step in one call (``GradScaler.step``).
         """
+        if check_grads and found_inf is None:
+            raise ValueError("found_inf: needed with check_grads=True (the flag to set)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -296,9 +301,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         with _on(entry.device):
             if entry.device.type == "cuda":
                 fused.stream = _external_stream(entry.device)  # torch's current stream
+            found_bits = self._scalar_bits(found_inf, "found_inf", entry, _ZERO_BITS)
+            if check_grads:
+                fused.check_grads(found_bits)
             fused.set_hyper(self._hyper())
-            fused.run(self._scalar_bits(inv_scale, "inv_scale", entry, _ONE_BITS),
-                      self._scalar_bits(found_inf, "found_inf", entry, _ZERO_BITS), k0, k1)
+            fused.run(self._scalar_bits(inv_scale, "inv_scale", entry, _ONE_BITS), found_bits,
+                      k0, k1)
         if entry.written:
             torch.autograd.graph.increment_version(entry.written)
         return loss

@@ -243,7 +243,7 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         else:
             from . import _cuda
 
-            _cuda.unscale_and_check(*args, stream=flags.stream)
+            _cuda.unscale_and_check(*args, total=table.total, stream=flags.stream)
     return flags.result
 
 

@@ -256,9 +256,11 @@ def _update_scale(scale, growth_tracker, overflow_tracker, found, growth_factor,
         )
 
 
-def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor, stream):
+def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor, *, total,
+                      stream):
+    """``total``: elements over all tensors; table arrays on the host are copied over."""
     table = [cuda.to_device(a, stream=stream) for a in (addresses, formats, starts)]
-    grid = _grid(int(starts[-1]))
+    grid = _grid(total)
     _unscale_and_check[grid[0], grid[1], stream](*table, inv_scales, found, per_tensor)
 
 

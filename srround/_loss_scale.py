@@ -68,12 +68,15 @@ def unscale_in_place(address, fmt, j, inv_scale_bits):
     float32 whose bits are ``inv_scale_bits``; returns whether it was finite. Scalars only, so CUDA kernels call
     it directly (also in the simulator, where device functions cannot take arrays)."""
     inv_scale = bits_to_f32(inv_scale_bits)
+    write = inv_scale_bits != _ONE_F32  # the overflow check alone reads and never writes
     if fmt == FORMAT_F32:
         new, finite = unscale_bits(load_bits(address, j, 32), fmt, inv_scale)
-        store_bits(address, j, new, 32)
+        if write:
+            store_bits(address, j, new, 32)
     else:
         new, finite = unscale_bits(load_bits(address, j, 16), fmt, inv_scale)
-        store_bits(address, j, new, 16)
+        if write:
+            store_bits(address, j, new, 16)
     return finite
 
 
@@ -89,9 +92,25 @@ def _unscale_array(a, fmt, inv_scale):
 
 
 @njit(inline="always", cache=True)
+def _all_finite(a, fmt):
+    """True if every element of ``a`` (format code ``fmt``) is finite; reads only."""
+    finite = True
+    for j in range(a.size):
+        finite &= unscale_bits(a[j], fmt, np.float32(1.0))[1]
+    return finite
+
+
+@njit(inline="always", cache=True)
 def _unscale_run(address, fmt, j0, j1, inv_scale_bits):
     """Elements [j0, j1) of one buffer, as a typed array, one loop per format with literal
-    constants (LLVM vectorizes each); True if all were finite."""
+    constants (LLVM vectorizes each); True if all were finite. ``inv_scale == 1``: the check
+    alone, no stores."""
+    if inv_scale_bits == _ONE_F32:
+        if fmt == FORMAT_F32:
+            return _all_finite(carray(typed_pointer(address, 32), j1)[j0:], FORMAT_F32)
+        if fmt == 1:
+            return _all_finite(carray(typed_pointer(address, 16), j1)[j0:], 1)
+        return _all_finite(carray(typed_pointer(address, 16), j1)[j0:], 2)
     inv_scale = bits_to_f32(inv_scale_bits)
     if fmt == FORMAT_F32:
         return _unscale_array(carray(typed_pointer(address, 32), j1)[j0:], FORMAT_F32, inv_scale)

@@ -454,6 +454,7 @@ class FusedStep:
         coefs = np.zeros((len(table), 4), np.float32)
         self._hyper_host = None
         self._hyper = None
+        self._host_table, self._grad_table = table, None  # gradient columns: check_grads
         if device == "cpu":
             self.table, self.starts, self.coefs = table, starts, coefs
             self._kernel = step_cpu_kernel(kind, mode, state_fmt, state1_presence(table),
@@ -480,6 +481,30 @@ class FusedStep:
             from ._numba_cuda_compat import import_numba_cuda
 
             self._hyper = import_numba_cuda().to_device(self._hyper_host, stream=self.stream)
+
+    def check_grads(self, found) -> None:
+        """Set ``found`` (uint32[1], float32 bits, on the table's device) to 1.0 if any gradient
+        of the table is inf/NaN: the loss-scale overflow check, one pass that reads the
+        gradients and writes nothing, through the cached table (no per-call table build)."""
+        from ._loss_scale import unscale_and_check_cpu
+
+        if self._grad_table is None:
+            columns = [np.ascontiguousarray(self._host_table[:, c]) for c in (G_ADDR, G_FMT)]
+            one = np.array([1.0], np.float32).view(np.uint32)
+            if self.device == "cuda":
+                from ._numba_cuda_compat import import_numba_cuda
+
+                cuda = import_numba_cuda()
+                columns = [cuda.to_device(a, stream=self.stream) for a in columns]
+                one = cuda.to_device(one, stream=self.stream)
+            self._grad_table = (*columns, self.starts, one)
+        args = (*self._grad_table, found, False)
+        if self.device == "cpu":
+            run(unscale_and_check_cpu, self.total, *args)
+        else:
+            from . import _cuda
+
+            _cuda.unscale_and_check(*args, total=self.total, stream=self.stream)
 
     def run(self, inv_scale, found, k0, k1) -> None:
         """One step; ``inv_scale``, ``found``: uint32[1] float32 bits on the table's device."""

@@ -498,6 +498,8 @@ def test_errors():
         AdamW(_params(torch.float16), rounding="remainder")
     with pytest.raises(TypeError, match="params"):
         SGD(_params(torch.float64), lr=0.1)
+    with pytest.raises(ValueError, match="found_inf: needed with check_grads=True"):
+        AdamW(ps).step(check_grads=True)
     with pytest.raises(TypeError, match="seed"):
         SGD(ps, lr=0.1, seed="x")
     with pytest.raises(ValueError, match="nesterov"):
