@@ -17,17 +17,94 @@ optimizers (``srround.adapters.torch.AdamW``/``SGD``, marked ``_srround_fused``)
 gradients by 1/scale as it reads them and skips itself on the device when the flag is set (no
 sync, no separate unscale pass writing the gradients).
 
+Per-tensor (per-layer) scales (Zhao et al. 2019, "Adaptive loss scaling for mixed precision
+training"): ``GradScaler(per_tensor=True)``, then ``scaler.attach(model)`` once. Every module
+that directly owns parameters gets a dynamic scale ``s_m`` of its own, so a layer whose
+gradients overflow at a scale that keeps another layer's tiny gradients from underflowing no
+longer decides for all of them. Rescaling a gradient after it was computed would be too late
+(it already over- or underflowed in fp16), so the scales act inside the backward pass:
+
+* the loss is multiplied by ``S`` (``get_scale()``: ``init_scale``, fixed), the scale of the
+  activation gradients between modules;
+* the gradient reaching module ``m``'s outputs is multiplied by ``s_m / S`` (a tensor hook,
+  registered by a forward hook), so ``m``'s parameter gradients come out scaled by ``s_m``;
+* the gradients leaving ``m`` through its arguments are multiplied by ``S / s_m`` (an identity
+  autograd function wrapped around them by a forward pre-hook). Inside a module that owns
+  parameters, its scale takes the place of ``S`` for its submodules.
+
+``unscale_`` multiplies every gradient by its own ``1 / s_m`` and flags it per module (one
+``unscale_and_check(per_tensor=True)`` launch; ``found_inf(optimizer)`` stays one float32
+flag, the max), ``update`` moves every ``s_m`` by the rule above from its own flag (one vector
+``update_scale`` launch) and leaves ``S``. A step is skipped when any gradient overflowed, as
+torch does, but only the modules that overflowed back off. ``tensor_scales`` holds one scale
+per parameter tensor: the tensors of a module share its scale (its flag is the OR of theirs),
+and so do modules that share a parameter object (tied weights). Parameters outside the attached
+model are scaled by ``S``, which does not adapt.
+
+Cost: per attached module and forward, a gradient hook per output and an autograd node per
+input that needs a gradient; per backward, two elementwise multiplies of activation gradients
+(exact for power-of-two scales). Assumptions, not checked: a module reads its parameters only
+in its own ``forward`` (a weight read as ``other.weight`` in another module's forward gets two
+scales mixed); gradient-carrying tensors enter a module through its arguments (also inside
+lists, tuples and dicts); ``S`` keeps the activation gradients finite (otherwise every step is
+skipped: lower ``init_scale``, or set ``S`` with ``update(new_scale)``). As with torch's full
+backward hooks, a module's forward must not modify its inputs in place (autograd raises).
+
 Several ranks (data parallel): reduce the flag before ``update`` so that every rank skips
 together - after ``scaler.unscale_(optimizer)`` call
 ``torch.distributed.all_reduce(scaler.found_inf(optimizer), op=ReduceOp.MAX)``, then
 ``step`` and ``update`` as usual (the gradients themselves are already all-reduced by DDP).
+In per-tensor mode the ranks' module scales must stay equal (DDP averages gradients scaled by
+them); they do when every rank checks the same all-reduced gradients, as under DDP.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from functools import partial
+
 import torch
 
 import srround
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by ``factor`` (a 0-d float32 tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def _map_tensors(fn, obj):
+    """``obj`` with ``fn`` applied to every tensor in it, through lists, tuples and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_map_tensors(fn, o) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(fn, o) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attached:
+    """What ``GradScaler.attach`` found in the model. Slots 0..count-1 are the module scales
+    (modules sharing a parameter share a slot), slot ``count`` is ``S``."""
+
+    count: int  # number of module scales
+    params: list  # the model's parameters, model.parameters() order (kept alive: ids below)
+    slot_of: dict  # id(parameter) -> slot
+    hook_slots: list  # per hooked module: its slot
+    hook_outer: list  # per hooked module: the slot of the scale around it (count: S)
 
 
 class GradScaler:
@@ -38,11 +115,14 @@ class GradScaler:
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch.
         hysteresis: consecutive overflows before backing off (1 = torch's behaviour).
         min_scale, max_scale: bounds of the scale (None: unbounded, as torch).
+        per_tensor: one scale per module that owns parameters (module docstring); needs
+            ``attach(model)`` before the first ``scale``. ``init_scale`` is then ``S`` and the
+            modules' initial scale.
     """
 
     def __init__(self, device="cuda", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, enabled=True, *, hysteresis=1, min_scale=None,
-                 max_scale=None):
+                 max_scale=None, per_tensor=False):
         if growth_factor <= 1.0:
             raise ValueError(f"growth_factor: expected > 1.0, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
@@ -55,33 +135,72 @@ class GradScaler:
         self._growth_interval = int(growth_interval)
         self._hysteresis = int(hysteresis)
         self._min_scale, self._max_scale = min_scale, max_scale
+        self._per_tensor = bool(per_tensor)
         self._init_growth_tracker = 0
         self._init_counters = (0, 0)  # overflow tracker, skipped steps (from load_state_dict)
-        self._scale = None  # float32[1] on the device, created lazily like torch's
-        self._growth_tracker = self._overflow_tracker = None  # int32[1]
+        self._init_modules = None  # (scales, growth, overflow trackers) lists from a state dict
+        self._attached = None  # _Attached after attach()
+        # created lazily like torch's: float32 scales and int32 trackers, one entry per module
+        # scale (per-tensor mode) then S; _scale, _growth_tracker, _overflow_tracker: S's [1]
+        self._scales = self._growth_trackers = self._overflow_trackers = None
+        self._scale = self._growth_tracker = self._overflow_tracker = None
         self._skipped = self._last_skipped = None  # int32[1], float32[1]
         self._found = {}  # id(optimizer) -> float32[1] found_inf of this iteration
         self._unscaled = set()  # ids of optimizers unscaled this iteration
+        self._slot_found = None  # per-tensor mode: float32[count + 1], flags per slot
+        self._slot_index = {}  # per-tensor mode: id(optimizer) -> (slots, int64 device tensor)
+        self._to_inner = self._to_outer = ()  # per hooked module: 0-d s_m/outer, outer/s_m
+        self._hook_index = self._param_index = None  # int64 device tensors: slots of hooks/params
 
     # -- torch.amp.GradScaler's interface ------------------------------------------------
 
     def is_enabled(self) -> bool:
         return self._enabled
 
+    def _initial_state(self):
+        """Host lists (scales, growth trackers, overflow trackers): each module scale's, then
+        S's, from the constructor or the last ``load_state_dict``."""
+        count = self._attached.count if self._attached else 0
+        modules = self._init_modules or ([self._init_scale] * count, [0] * count, [0] * count)
+        return ([*modules[0], self._init_scale], [*modules[1], self._init_growth_tracker],
+                [*modules[2], self._init_counters[0]])
+
+    def _check_module_count(self, saved, count):
+        if saved is not None and len(saved) != count:
+            raise ValueError(f"state_dict: {len(saved)} module scales, but the attached model"
+                             f" has {count} (modules that own parameters, tied ones as one)")
+
     def _lazy_init(self, device):
-        if self._scale is None:
+        if self._scales is None:
             self._device = device
-            self._scale = torch.full((1,), self._init_scale, dtype=torch.float32, device=device)
-            zeros = lambda dtype: torch.zeros(1, dtype=dtype, device=device)  # noqa: E731
-            self._growth_tracker = zeros(torch.int32).fill_(self._init_growth_tracker)
-            self._overflow_tracker = zeros(torch.int32).fill_(self._init_counters[0])
-            self._skipped = zeros(torch.int32).fill_(self._init_counters[1])
-            self._last_skipped = zeros(torch.float32)
+            scales, growth, overflows = self._initial_state()
+            vector = partial(torch.tensor, device=device)
+            self._scales = vector(scales, dtype=torch.float32)
+            self._growth_trackers = vector(growth, dtype=torch.int32)
+            self._overflow_trackers = vector(overflows, dtype=torch.int32)
+            s = len(scales) - 1  # S's slot
+            self._scale = self._scales[s:]
+            self._growth_tracker = self._growth_trackers[s:]
+            self._overflow_tracker = self._overflow_trackers[s:]
+            self._skipped = vector([self._init_counters[1]], dtype=torch.int32)
+            self._last_skipped = torch.zeros(1, dtype=torch.float32, device=device)
+            if self._per_tensor:
+                attached = self._attached
+                self._slot_found = torch.zeros(s + 1, dtype=torch.float32, device=device)
+                index = partial(torch.tensor, dtype=torch.int64, device=device)  # once: syncs
+                self._hook_index = index(attached.hook_slots), index(attached.hook_outer)
+                self._param_index = index([attached.slot_of[id(p)] for p in attached.params])
+                self._refresh_factors()
+
+    def _require_attached(self):
+        if self._per_tensor and self._attached is None:
+            raise RuntimeError("GradScaler(per_tensor=True): call scaler.attach(model) first")
 
     def scale(self, outputs):
         """``outputs`` (a tensor or a nested list/tuple of them) times the current scale."""
         if not self._enabled:
             return outputs
+        self._require_attached()
         if isinstance(outputs, torch.Tensor):
             self._lazy_init(outputs.device)
             return outputs * self._scale.to(device=outputs.device, non_blocking=True)
@@ -89,24 +208,45 @@ class GradScaler:
             return type(outputs)(self.scale(o) for o in outputs)
         raise ValueError("outputs: expected a tensor or a list/tuple of tensors")
 
-    def _grads(self, optimizer):
-        return [p.grad for group in optimizer.param_groups for p in group["params"]
+    def _params_with_grads(self, optimizer):
+        return [p for group in optimizer.param_groups for p in group["params"]
                 if p.grad is not None]
+
+    def _slots(self, optimizer, params):
+        """int64 device tensor: the slot of each of ``params`` (S's for a parameter outside the
+        attached model), cached per optimizer."""
+        attached = self._attached
+        slots = tuple(attached.slot_of.get(id(p), attached.count) for p in params)
+        cached = self._slot_index.get(id(optimizer))
+        if cached is None or cached[0] != slots:
+            cached = slots, torch.tensor(slots, dtype=torch.int64, device=self._scales.device)
+            self._slot_index[id(optimizer)] = cached
+        return cached[1]
 
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place, one fused launch; flags
-        inf/NaN in ``found_inf(optimizer)``. No host sync."""
+        inf/NaN in ``found_inf(optimizer)``. No host sync. Per-tensor mode: each gradient by
+        its module's scale, flags per module kept for ``update``."""
         if not self._enabled:
             return
+        self._require_attached()
         if id(optimizer) in self._unscaled:
             raise RuntimeError("unscale_() has already been called on this optimizer since the"
                                " last update().")
-        grads = self._grads(optimizer)
+        params = self._params_with_grads(optimizer)
+        grads = [p.grad for p in params]
         self._lazy_init(grads[0].device if grads else self._device)
         found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
-        if grads:
-            inv_scale = self._scale.double().reciprocal().float()
-            srround.unscale_and_check(grads, inv_scale, found_inf=found)
+        inv_scales = self._scales.double().reciprocal().float()
+        if grads and self._per_tensor:
+            slots = self._slots(optimizer, params)
+            flags = torch.zeros(len(grads), dtype=torch.float32, device=found.device)
+            srround.unscale_and_check(grads, inv_scales[slots], found_inf=flags,
+                                      per_tensor=True)
+            self._slot_found.index_add_(0, slots, flags)  # nonzero: a tensor overflowed
+            torch.amax(flags, 0, keepdim=True, out=found)
+        elif grads:
+            srround.unscale_and_check(grads, inv_scales, found_inf=found)
         self._found[id(optimizer)] = found
         self._unscaled.add(id(optimizer))
 
@@ -135,7 +275,10 @@ class GradScaler:
         writes nothing), then the fused step, which multiplies by 1/scale while it reads the
         gradients and is a no-op on the device when the flag is set: no host sync, gradients
         never written. After an explicit ``unscale_`` (e.g. for clipping) only the flag is
-        passed."""
+        passed; so too in per-tensor mode, which unscales first (the fused step takes one
+        inv_scale)."""
+        if self._per_tensor and id(optimizer) not in self._unscaled:
+            self.unscale_(optimizer)
         if id(optimizer) in self._unscaled:
             return optimizer.step(*args, found_inf=self._found[id(optimizer)], **kwargs)
         device = next((p.device for g in optimizer.param_groups for p in g["params"]),
@@ -149,7 +292,10 @@ class GradScaler:
                               **kwargs)
 
     def update(self, new_scale=None) -> None:
-        """Back off or grow the scale from this iteration's flags (on the device), or set it."""
+        """Back off or grow the scale from this iteration's flags (on the device), or set it.
+
+        Per-tensor mode: one launch moves every module scale by its own flag (``S`` stays);
+        ``new_scale`` sets ``S`` only (the module scales keep theirs)."""
         if not self._enabled or self._scale is None:
             return
         if new_scale is not None:
@@ -158,20 +304,26 @@ class GradScaler:
             found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
             for flag in self._found.values():
                 found = torch.maximum(found, flag.to(found.device))
+            dynamic = slice(0, len(self._scales) - 1) if self._per_tensor else slice(None)
             srround.update_scale(
-                self._scale, self._growth_tracker, found,
-                overflow_tracker=self._overflow_tracker, growth_factor=self._growth_factor,
-                backoff_factor=self._backoff_factor, growth_interval=self._growth_interval,
-                hysteresis=self._hysteresis, min_scale=self._min_scale,
-                max_scale=self._max_scale,
+                self._scales[dynamic], self._growth_trackers[dynamic],
+                self._slot_found[dynamic] if self._per_tensor else found,
+                overflow_tracker=self._overflow_trackers[dynamic],
+                growth_factor=self._growth_factor, backoff_factor=self._backoff_factor,
+                growth_interval=self._growth_interval, hysteresis=self._hysteresis,
+                min_scale=self._min_scale, max_scale=self._max_scale,
             )
             self._last_skipped.copy_(found)
             self._skipped += (found > 0).to(torch.int32)
+        if self._per_tensor:
+            self._slot_found.zero_()
+            self._refresh_factors()
         self._found.clear()
         self._unscaled.clear()
 
     def get_scale(self) -> float:
-        """The current scale as a Python float (a sync); the initial scale before first use."""
+        """The current scale as a Python float (a sync); the initial scale before first use.
+        Per-tensor mode: ``S``, the scale of the loss (module scales: ``tensor_scales``)."""
         if not self._enabled:
             return 1.0
         return self._init_scale if self._scale is None else float(self._scale.item())
@@ -187,27 +339,48 @@ class GradScaler:
         return self._skipped
 
     def state_dict(self) -> dict:
+        """torch's keys (``scale``, ``_growth_tracker``: ``S``'s in per-tensor mode), plus the
+        bounds, counters and, in per-tensor mode, ``module_scales``, ``module_growth_trackers``
+        and ``module_overflow_trackers`` (lists, one entry per module scale)."""
         if not self._enabled:
             return {}
-        tracker = (self._init_growth_tracker if self._growth_tracker is None
-                   else int(self._growth_tracker.item()))
-        return {
-            "scale": self.get_scale(), "growth_factor": self._growth_factor,
+        if self._scales is None:
+            scales, growth, overflows = self._initial_state()
+        else:
+            scales, growth, overflows = (t.tolist() for t in (
+                self._scales, self._growth_trackers, self._overflow_trackers))
+        state = {
+            "scale": scales[-1], "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
-            "_growth_tracker": tracker, "hysteresis": self._hysteresis,
+            "_growth_tracker": growth[-1], "hysteresis": self._hysteresis,
             "min_scale": self._min_scale, "max_scale": self._max_scale,
-            "_overflow_tracker": 0 if self._overflow_tracker is None
-            else int(self._overflow_tracker.item()),
-            "skipped_steps": 0 if self._skipped is None else int(self._skipped.item()),
+            "_overflow_tracker": overflows[-1],
+            "skipped_steps": self._init_counters[1] if self._skipped is None
+            else int(self._skipped.item()),
         }
+        if self._per_tensor and (self._attached or self._init_modules):
+            state.update(module_scales=scales[:-1], module_growth_trackers=growth[:-1],
+                         module_overflow_trackers=overflows[:-1])
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict of this class or of ``torch.amp.GradScaler``."""
+        """Load a state dict of this class or of ``torch.amp.GradScaler``. Per-tensor mode: one
+        without module scales starts every module at its ``scale``."""
         if not self._enabled:
             return
         if not state_dict:
             raise RuntimeError("The source state dict is empty, possibly because it was saved"
                                " from a disabled instance of GradScaler.")
+        modules = [state_dict.get(k) for k in (
+            "module_scales", "module_growth_trackers", "module_overflow_trackers")]
+        if modules[0] is not None and not self._per_tensor:
+            raise ValueError("state_dict: saved in per-tensor mode; load it into"
+                             " GradScaler(per_tensor=True)")
+        if modules[0] is not None and not len(modules[0]) == len(modules[1]) == len(modules[2]):
+            raise ValueError("state_dict: module_scales, module_growth_trackers and"
+                             " module_overflow_trackers differ in length")
+        if self._attached is not None:
+            self._check_module_count(modules[0], self._attached.count)
         self._init_scale = float(state_dict["scale"])
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
@@ -219,8 +392,115 @@ class GradScaler:
         self._init_counters = (
             int(state_dict.get("_overflow_tracker", 0)), int(state_dict.get("skipped_steps", 0))
         )
-        if self._scale is not None:
-            self._scale.fill_(self._init_scale)
-            self._growth_tracker.fill_(self._init_growth_tracker)
-            self._overflow_tracker.fill_(self._init_counters[0])
+        self._init_modules = None if modules[0] is None else tuple(list(m) for m in modules)
+        if self._scales is not None:
+            for tensor, values in zip(
+                    (self._scales, self._growth_trackers, self._overflow_trackers),
+                    self._initial_state()):
+                tensor.copy_(torch.tensor(values, dtype=tensor.dtype))
             self._skipped.fill_(self._init_counters[1])
+            if self._per_tensor:
+                self._refresh_factors()
+
+    # -- per-tensor mode ----------------------------------------------------------------------
+
+    @property
+    def tensor_scales(self):
+        """Per-tensor mode: float32[N] device tensor, the scale of each parameter of the
+        attached model in ``model.parameters()`` order (a copy; tensors of one module share its
+        scale). None before ``attach``."""
+        return None if self._param_index is None else self._scales[self._param_index]
+
+    def attach(self, model) -> None:
+        """Per-tensor mode: give every module of ``model`` that directly owns parameters its
+        own scale, applied by hooks in the backward pass (module docstring). Call once, after
+        moving ``model`` to its device (the scales are created there). The hooks stay: every
+        later backward through ``model`` with gradients enabled is rescaled, also one whose
+        loss did not go through ``scale``."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not self._per_tensor:
+            raise RuntimeError("attach: only for GradScaler(per_tensor=True)")
+        if self._attached is not None:
+            raise RuntimeError("attach: already attached to a model (one per scaler; attach a"
+                               " module that contains all of them)")
+        owners = [m for m in model.modules() if next(m.parameters(recurse=False), None)
+                  is not None]
+        if not owners:
+            raise ValueError("model: no module owns parameters")
+        slot_of_owner = _share_slots(owners)
+        count = max(slot_of_owner) + 1
+        owner_index = {id(m): i for i, m in enumerate(owners)}
+        outer = {}  # owner index -> slot of the scale around it
+
+        def visit(module, around):
+            i = owner_index.get(id(module))
+            if i is not None:
+                if outer.setdefault(i, around) != around:
+                    raise ValueError(f"model: {type(module).__name__} module is reached under"
+                                     " two modules with different scales")
+                around = slot_of_owner[i]
+            for child in module.children():
+                visit(child, around)
+
+        visit(model, count)
+        self._check_module_count(self._init_modules and self._init_modules[0], count)
+        slot_of = {id(p): slot_of_owner[i] for i, m in enumerate(owners)
+                   for p in m.parameters(recurse=False)}
+        if self._enabled:
+            for i, module in enumerate(owners):
+                module.register_forward_pre_hook(partial(self._wrap_inputs, i), with_kwargs=True)
+                module.register_forward_hook(partial(self._hook_outputs, i))
+        self._attached = _Attached(count, list(model.parameters()), slot_of, slot_of_owner,
+                                   [outer[i] for i in range(len(owners))])
+        if self._enabled:
+            self._lazy_init(self._attached.params[0].device)
+
+    def _refresh_factors(self):
+        """The hooks' 0-d factors ``s_m / outer`` and ``outer / s_m`` from the current scales
+        (after every change of a scale: the hooks read them, no sync)."""
+        inner, outer = (self._scales[index] for index in self._hook_index)
+        self._to_inner = (inner / outer).unbind()
+        self._to_outer = (outer / inner).unbind()
+
+    def _wrap_inputs(self, index, module, args, kwargs):
+        """Forward pre-hook of owner ``index``: the gradients that leave it through its inputs
+        are multiplied by ``outer / s_m``."""
+        if not torch.is_grad_enabled():
+            return None
+        factor = self._to_outer[index]
+        wrap = lambda t: _ScaleGrad.apply(t, factor) if t.requires_grad else t
+        return _map_tensors(wrap, args), _map_tensors(wrap, kwargs)
+
+    def _hook_outputs(self, index, module, args, output):
+        """Forward hook of owner ``index``: the gradient reaching each of its outputs is
+        multiplied by ``s_m / outer`` before its backward runs."""
+        factor = self._to_inner[index]
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(partial(torch.mul, other=factor))
+
+
+def _tensors(obj):
+    """The tensors in ``obj``, through lists, tuples and mappings."""
+    found = []
+    _map_tensors(found.append, obj)
+    return found
+
+
+def _share_slots(owners):
+    """One slot per owner, owners that share a parameter in one slot (union-find); slots
+    numbered in order of first appearance."""
+    parent = list(range(len(owners)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = i = parent[parent[i]]
+        return i
+
+    first = {}
+    for i, module in enumerate(owners):
+        for p in module.parameters(recurse=False):
+            parent[root(i)] = root(first.setdefault(id(p), i))
+    slots = {}
+    return [slots.setdefault(root(i), len(slots)) for i in range(len(owners))]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -123,3 +125,297 @@ def test_fp16_training_needs_the_scaler():
     assert zero_grads["plain"]  # every fp16 gradient underflowed to zero
     assert losses["plain"][-1] == losses["plain"][0]  # so nothing moved
     assert losses["scaled"][-1] < 0.5 * losses["scaled"][0]  # 7.7e-8 -> 3.0e-8
+
+
+# -- per-tensor (per-layer) scales -------------------------------------------------------------
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+class _FlagFed:
+    """A scalar scaler fed one flag per step through a one-element dummy parameter."""
+
+    def __init__(self, scaler):
+        self.scaler, self.param = scaler, torch.nn.Parameter(torch.ones(1))
+        self.opt = torch.optim.SGD([self.param], lr=0.0)
+
+    def step(self, flag):
+        self.opt.zero_grad()
+        self.scaler.scale(self.param.sum()).backward()
+        if flag:
+            self.param.grad.fill_(float("inf"))
+        self.scaler.step(self.opt)
+        self.scaler.update()
+
+
+@pytest.mark.parametrize("reference, settings", [
+    pytest.param(torch.amp.GradScaler, {"init_scale": 2.0**10, "growth_interval": 3},
+                 id="torch"),
+    pytest.param(GradScaler, {"init_scale": 2.0**10, "growth_interval": 2, "hysteresis": 2,
+                              "min_scale": 2.0**7, "max_scale": 2.0**13}, id="srround-global"),
+])
+def test_per_tensor_scales_follow_the_scalar_rule(reference, settings):
+    """Overflows injected into chosen gradients: each module's scale and trackers follow a
+    scalar scaler fed that module's flags (the OR of its tensors'); the step is skipped iff
+    any flag is set and a skipped step leaves parameters and momentum bit-identical; S stays."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = GradScaler("cpu", per_tensor=True, **settings)
+    scaler.attach(model)
+    modules = [model[0], model[2], model[4]]
+    refs = [_FlagFed(reference("cpu", **settings)) for _ in modules]
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    events = np.random.default_rng(1).random((30, 6)) < 0.12  # [step, tensor]
+    apart = 0  # steps with modules at different scales
+    for step, flags in enumerate(events):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        for param, flag in zip(model.parameters(), flags):
+            if flag:
+                param.grad.view(-1)[step % param.numel()] = float("nan" if step % 2 else "inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        momenta = [s["momentum_buffer"].clone() for s in opt.state.values()]
+        scaler.step(opt)
+        scaler.update()
+        assert float(scaler.last_step_skipped.item()) == float(flags.any()), step
+        if flags.any():
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert all(torch.equal(a, s["momentum_buffer"]) for a, s in
+                       zip(momenta, opt.state.values()))
+        state = scaler.state_dict()
+        for m, ref in enumerate(refs):
+            ref.step(flags[2 * m] or flags[2 * m + 1])  # module m owns tensors 2m, 2m+1
+            theirs = ref.scaler.state_dict()
+            assert state["module_scales"][m] == theirs["scale"], (step, m)
+            assert state["module_growth_trackers"][m] == theirs["_growth_tracker"], (step, m)
+            if "_overflow_tracker" in theirs:
+                assert state["module_overflow_trackers"][m] == theirs["_overflow_tracker"]
+        expected = [s for s in state["module_scales"] for _ in range(2)]
+        assert scaler.tensor_scales.tolist() == expected
+        assert scaler.get_scale() == settings["init_scale"]
+        apart += len(set(state["module_scales"])) > 1
+    assert apart >= 10
+    assert int(scaler.skipped_steps.item()) == int(events.any(axis=1).sum())
+
+
+class _Block(torch.nn.Module):
+    """Owns a parameter and contains a module that owns others (nested scales); a residual
+    branch, an in-place ReLU after a hooked module and a keyword tensor argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.inner = torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, h, *, shift):
+        return h + self.act(self.inner(h * self.gain)) + shift
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.block = _Block()
+        self.tail = torch.nn.Linear(8, 8, bias=False)
+        self.tail.weight = self.block.inner.weight  # tied across the nesting: one scale
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        return self.head(self.tail(self.block(h, shift=0.5 * h)))
+
+
+def test_per_tensor_hooks_scale_each_module_gradient():
+    """Each parameter's gradient is its module's scale times the unscaled gradient, exactly
+    (power-of-two scales, float32); the input's and an unattached parameter's are S times it;
+    after unscale_ every gradient equals the unscaled one."""
+    torch.manual_seed(0)
+    model, ref = _Net(), _Net()
+    ref.load_state_dict(model.state_dict())
+    extra = torch.nn.Parameter(torch.randn(3))  # outside the model: scaled by S
+    extra_ref = torch.nn.Parameter(extra.detach().clone())
+    x = torch.randn(5, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    ((ref(x_ref) * extra_ref) ** 2).sum().backward()
+
+    scaler = GradScaler("cpu", init_scale=2.0**4, per_tensor=True)
+    scaler.attach(model)
+    state = scaler.state_dict()
+    assert len(state["module_scales"]) == 4  # embed, block, inner + tail (tied), head
+    scaler.load_state_dict(dict(state, module_scales=[2.0**3, 2.0**-2, 2.0**9, 2.0**-5]))
+    scales = {"embed": 2.0**3, "block.gain": 2.0**-2, "block.inner": 2.0**9, "head": 2.0**-5}
+    opt = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    scaler.scale(((model(x) * extra) ** 2).sum()).backward()
+    names = [name for name, _ in model.named_parameters()]
+    expected = [next(s for k, s in scales.items() if name.startswith(k)) for name in names]
+    assert scaler.tensor_scales.tolist() == expected
+    for (name, p), p_ref, s in zip(model.named_parameters(), ref.parameters(), expected):
+        assert torch.equal(p.grad, p_ref.grad * s), name
+    assert torch.equal(extra.grad, extra_ref.grad * 16.0)
+    assert torch.equal(x.grad, x_ref.grad * 16.0)
+    scaler.unscale_(opt)
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, p_ref.grad), name
+    assert torch.equal(extra.grad, extra_ref.grad)
+    assert scaler.found_inf(opt).tolist() == [0.0]
+
+
+class _TwoRanges(torch.nn.Module):
+    """Two branches whose weight gradients are 2^41 apart: more than fp16's whole range."""
+
+    def __init__(self):
+        super().__init__()
+        self.small, self.large = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+
+    def forward(self, x_small, x_large):
+        return self.small(x_small) * 2.0**-8 + self.large(x_large) * 2.0**8
+
+
+def test_per_tensor_mode_keeps_gradients_a_global_scale_flushes():
+    """AMP (float32 parameters, fp16 autocast compute): the weight gradients pass through fp16
+    at their scale. The small branch's (~3e-6) and the large one's (~7e6) span 2^41, more than
+    fp16 holds (2^-24 .. 65504): the global scale backs off until the large ones fit and the
+    small ones flush to 0; per-tensor scales keep both to fp16 precision."""
+    torch.manual_seed(0)
+    base = _TwoRanges()
+    with torch.no_grad():
+        base.large.weight.mul_(2.0**-12)  # keeps the large branch's forward in fp16 range
+    gen = torch.Generator().manual_seed(1)
+    x_small = (2.0**-13 * (1 + torch.rand(8, 4, generator=gen)) / 2).half().float()
+    x_large = (2.0**12 * (1 + torch.rand(8, 4, generator=gen)) / 2).half().float()
+    ref = copy.deepcopy(base).double()
+    ref(x_small.double(), x_large.double()).sum().backward()
+    small_ref, large_ref = ref.small.weight.grad, ref.large.weight.grad
+    assert large_ref.max() / small_ref.min() > 65504 / 2.0**-24  # no single scale fits both
+    grads = {}
+    for per_tensor in (False, True):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # gradients only
+        scaler = GradScaler("cpu", init_scale=2.0**4, growth_interval=4, per_tensor=per_tensor)
+        if per_tensor:
+            scaler.attach(model)
+        kept = []
+        for step in range(50):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x_small, x_large)
+            scaler.scale(out.float().sum()).backward()
+            scaler.unscale_(opt)
+            if step >= 30 and not scaler.found_inf(opt).item():  # scales settled, not skipped
+                kept.append((model.small.weight.grad.double(), model.large.weight.grad.double()))
+            scaler.step(opt)
+            scaler.update()
+        assert len(kept) >= 5
+        grads[per_tensor] = kept
+    for small, large in grads[False]:
+        assert torch.equal(small, torch.zeros_like(small))  # flushed
+        torch.testing.assert_close(large, large_ref, rtol=1e-3, atol=0)
+    for small, large in grads[True]:
+        torch.testing.assert_close(small, small_ref, rtol=1e-3, atol=0)
+        torch.testing.assert_close(large, large_ref, rtol=1e-3, atol=0)
+
+
+def _train_steps(model, opt, scaler, steps, overflow_at=()):
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    for step in range(steps):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step in overflow_at:
+            model[2].bias.grad[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_per_tensor_state_dict_round_trip():
+    model = _mlp()
+    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, per_tensor=True)
+    scaler.attach(model)
+    _train_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), scaler, 7, (2, 5))
+    state = scaler.state_dict()
+    # 7 steps, growth every 2 clean ones; module 1 overflowed at steps 2 and 5
+    assert state["module_scales"] == [2.0**11, 2.0**8, 2.0**11]
+    assert state["scale"] == 2.0**8 and state["skipped_steps"] == 2
+    after, before = GradScaler("cpu", per_tensor=True), GradScaler("cpu", per_tensor=True)
+    after.attach(_mlp())
+    after.load_state_dict(state)  # into an attached scaler
+    before.load_state_dict(state)  # before attach: applied by attach
+    assert before.state_dict() == state
+    before.attach(_mlp())
+    for loaded in (after, before):
+        assert loaded.state_dict() == state
+        assert torch.equal(loaded.tensor_scales, scaler.tensor_scales)
+    torch_state = torch.amp.GradScaler("cpu", init_scale=64.0).state_dict()
+    after.load_state_dict(torch_state)  # no module scales: every module starts at "scale"
+    assert after.state_dict()["module_scales"] == [64.0] * 3
+
+
+def test_per_tensor_errors():
+    scaler = GradScaler("cpu", per_tensor=True)
+    with pytest.raises(RuntimeError, match="attach"):
+        scaler.scale(torch.ones(1))
+    with pytest.raises(TypeError, match="model"):
+        scaler.attach([torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="model: no module owns parameters"):
+        scaler.attach(torch.nn.ReLU())
+    scaler.attach(_mlp())
+    with pytest.raises(RuntimeError, match="already attached"):
+        scaler.attach(_mlp())
+    state = scaler.state_dict()
+    with pytest.raises(ValueError, match="state_dict: 2 module scales, but the attached model"
+                                         " has 3"):
+        scaler.load_state_dict({**state, "module_scales": [1.0, 2.0],
+                                "module_growth_trackers": [0, 0],
+                                "module_overflow_trackers": [0, 0]})
+    with pytest.raises(ValueError, match="differ in length"):
+        scaler.load_state_dict({**state, "module_scales": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="per_tensor=True"):
+        GradScaler("cpu").load_state_dict(state)
+    with pytest.raises(RuntimeError, match="per_tensor=True"):
+        GradScaler("cpu").attach(_mlp())
+    late = GradScaler("cpu", per_tensor=True)
+    late.load_state_dict({**state, "module_scales": [1.0], "module_growth_trackers": [0],
+                          "module_overflow_trackers": [0]})
+    with pytest.raises(ValueError, match="1 module scales"):
+        late.attach(_mlp())
+    shared = torch.nn.Linear(2, 2)
+    outer = torch.nn.ModuleList([torch.nn.Sequential(shared), torch.nn.Linear(2, 2)])
+    outer[1].add_module("again", shared)  # reached under an owner and under a non-owner
+    with pytest.raises(ValueError, match="reached under two modules"):
+        GradScaler("cpu", per_tensor=True).attach(outer)
+
+
+def test_per_tensor_with_srround_fused_adamw():
+    """srround's fused AdamW behind the per-tensor scaler (unscale pass, then found_inf only):
+    the same parameters, bit for bit, as unscaled training that skips the same steps."""
+    from srround.adapters.torch import AdamW
+
+    models = [_mlp(), _mlp()]
+    opts = [AdamW(m.parameters(), lr=1e-2, seed=3) for m in models]
+    scaler = GradScaler("cpu", init_scale=2.0**6, growth_interval=2, per_tensor=True)
+    scaler.attach(models[0])
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    for step in range(8):
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            if m is models[0]:
+                scaler.scale(loss).backward()
+                if step == 4:
+                    m[4].weight.grad[0, 0] = float("inf")
+                before = [p.detach().clone() for p in m.parameters()]
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                if step != 4:
+                    opt.step()
+        if step == 4:
+            assert all(torch.equal(a, b) for a, b in zip(before, models[0].parameters()))
+        for a, b in zip(*(m.parameters() for m in models)):
+            assert torch.equal(a, b), step
+    assert scaler.state_dict()["module_scales"] == [2.0**10, 2.0**10, 2.0**8]
