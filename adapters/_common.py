@@ -6,6 +6,8 @@ import numpy as np
 
 from srround._formats import FORMATS, Format
 
+from ._view import check_shape
+
 
 def narrow_format(dtype, name: str, fmt: Format | None) -> Format:
     """The format of a narrow array: from its dtype, or from ``dtype=`` for raw ``uint16``."""
@@ -38,6 +40,14 @@ def check_contiguous(is_contiguous: bool, name: str, fix: str) -> None:
             f"{name}: must be C-contiguous (srround works in place on the caller's memory and"
             f" never copies silently); pass {fix} to copy it explicitly"
         )
+
+
+def check_counter(dtype, shape, is_contiguous: bool, name: str, like_shape, fix: str) -> None:
+    """An int32 counter array updated in place: dtype, shape and contiguity."""
+    if dtype != np.int32:
+        raise TypeError(f"{name}: expected an int32 array, got {dtype}")
+    check_shape(name, shape, like_shape, "the expected")
+    check_contiguous(is_contiguous, name, fix)
 
 
 # format codes of the tensor-list kernels (srround._tensor_list), by NumPy dtype

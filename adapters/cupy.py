@@ -23,7 +23,8 @@ import numpy as np
 from srround._formats import FORMATS, Format
 
 from ._common import (
-    buffer_code, buffer_table as _buffer_table, check_contiguous, check_float32, narrow_format,
+    buffer_code, buffer_table as _buffer_table, check_contiguous, check_counter, check_float32,
+    narrow_format,
 )
 from ._view import View, check_shape
 from .numba import external_stream
@@ -119,10 +120,7 @@ def counter(c, name: str, like: View) -> View:
     if c is None:
         c = cupy.zeros(like.shape, np.int32)
     a = _as_array(c, name)
-    if a.dtype != np.int32:
-        raise TypeError(f"{name}: expected an int32 array, got {a.dtype}")
-    check_shape(name, a.shape, like.shape, "the expected")
-    check_contiguous(a.flags.c_contiguous, name, _FIX)
+    check_counter(a.dtype, a.shape, a.flags.c_contiguous, name, like.shape, _FIX)
     return _view(a, np.uint32, name)
 
 

@@ -14,7 +14,10 @@ from srround._numba_cuda_compat import import_numba_cuda
 
 from srround._tensor_list import address
 
-from ._common import buffer_code, buffer_table as _buffer_table, check_contiguous, check_float32, narrow_format
+from ._common import (
+    buffer_code, buffer_table as _buffer_table, check_contiguous, check_counter, check_float32,
+    narrow_format,
+)
 from ._view import View, check_shape
 
 _FIX = "a contiguous copy (numba.cuda.device_array + copy_to_device)"
@@ -58,7 +61,8 @@ def _contiguous(a) -> bool:
     return a.is_c_contiguous()
 
 
-def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False) -> tuple[View, Format | None]:
+def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False
+           ) -> tuple[View, Format | None]:
     if narrow:
         fmt = narrow_format(x.dtype, name, fmt)
     else:
@@ -89,10 +93,7 @@ def counter(c, name: str, like: View) -> View:
     """An int32 device counter array of ``like``'s shape (a new zeroed one for ``None``)."""
     if c is None:
         c = import_numba_cuda().to_device(np.zeros(like.shape, np.int32))
-    if c.dtype != np.int32:
-        raise TypeError(f"{name}: expected an int32 device array, got {c.dtype}")
-    check_shape(name, c.shape, like.shape, "the expected")
-    check_contiguous(_contiguous(c), name, _FIX)
+    check_counter(c.dtype, c.shape, _contiguous(c), name, like.shape, _FIX)
     return _view(c, np.uint32)
 
 

@@ -8,7 +8,10 @@ import numpy as np
 
 from srround._formats import Format
 
-from ._common import buffer_code, buffer_table as _buffer_table, check_contiguous, check_float32, narrow_format
+from ._common import (
+    buffer_code, buffer_table as _buffer_table, check_contiguous, check_counter, check_float32,
+    narrow_format,
+)
 from ._view import View, check_shape
 
 _FIX = "np.ascontiguousarray(...)"
@@ -26,7 +29,8 @@ def _view(a, bits_dtype) -> View:
     return View(bits=a.reshape(-1).view(bits_dtype), device="cpu", shape=a.shape, result=a)
 
 
-def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False) -> tuple[View, Format | None]:
+def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False
+           ) -> tuple[View, Format | None]:
     """A read view of ``x``: float32 data (``narrow=False``) or narrow data (``narrow=True``,
     format from the dtype or ``fmt``). Returns ``(view, format)``."""
     a = _as_array(x, name)
@@ -76,10 +80,7 @@ def counter(c, name: str, like: View) -> View:
     if c is None:
         c = np.zeros(like.shape, np.int32)
     a = _as_array(c, name)
-    if a.dtype != np.int32:
-        raise TypeError(f"{name}: expected an int32 array, got {a.dtype}")
-    check_shape(name, a.shape, like.shape, "the expected")
-    check_contiguous(a.flags.c_contiguous, name, _FIX)
+    check_counter(a.dtype, a.shape, a.flags.c_contiguous, name, like.shape, _FIX)
     _check_writable(a, name)
     return _view(a, np.uint32)
 
