@@ -17,6 +17,7 @@ functions with these names.
 from __future__ import annotations
 
 import importlib
+import sys
 
 from ._view import View
 
@@ -35,6 +36,25 @@ _ADAPTERS = {
 }
 
 
+# array type -> adapter name, filled on first sight of a type (a dict hit per argument)
+_BY_TYPE: dict = {}
+
+
+def _adapter_name(array, name: str) -> str:
+    kind = type(array)
+    key = _BY_TYPE.get(kind)
+    if key is None:
+        key = _ADAPTERS.get(kind.__module__.split(".", 1)[0])
+        if key is None:
+            supported = (
+                "NumPy arrays, CuPy arrays, Numba CUDA device arrays, torch tensors and JAX arrays"
+            )
+            raise TypeError(f"{name}: unsupported array type {kind.__module__}.{kind.__name__};"
+                            f" expected one of: {supported}")
+        _BY_TYPE[kind] = key
+    return key
+
+
 def adapter_for(**arrays):
     """The adapter module shared by every given array (``name=array``; ``None`` is skipped).
 
@@ -45,16 +65,7 @@ def adapter_for(**arrays):
     for name, array in arrays.items():
         if array is None:
             continue
-        root = type(array).__module__.split(".", 1)[0]
-        key = _ADAPTERS.get(root)
-        if key is None:
-            supported = (
-                "NumPy arrays, CuPy arrays, Numba CUDA device arrays, torch tensors and JAX arrays"
-            )
-            raise TypeError(
-                f"{name}: unsupported array type {type(array).__module__}.{type(array).__name__};"
-                f" expected one of: {supported}"
-            )
+        key = _adapter_name(array, name)
         if found is None:
             found = (name, key)
         elif found[1] != key:
@@ -64,7 +75,8 @@ def adapter_for(**arrays):
             )
     if found is None:
         raise TypeError("no array given")
-    return importlib.import_module(f"{__name__}.{found[1]}")
+    module = sys.modules.get(f"{__name__}.{found[1]}")
+    return module if module is not None else importlib.import_module(f"{__name__}.{found[1]}")
 
 
 def __getattr__(name):

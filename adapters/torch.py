@@ -1,8 +1,8 @@
 """PyTorch adapter: CPU and CUDA tensors, zero-copy, results as native torch dtypes.
 
-Tensors are viewed as raw bit patterns before any kernel sees them: fp32 as ``int32`` and
-bf16/fp16 as ``int16`` (then as NumPy ``uint32``/``uint16`` on the CPU via ``.numpy()``, or as a
-Numba device array through ``__cuda_array_interface__`` on CUDA). A bf16 tensor is never handed
+Tensors are viewed as raw bit patterns before any kernel sees them: NumPy ``uint32`` (fp32)
+and ``uint16`` (bf16/fp16, through an ``int16`` torch view) arrays on the CPU, Numba device
+arrays of the ``int32``/``int16`` views through ``__cuda_array_interface__`` on CUDA. A bf16 tensor is never handed
 to Numba itself: numba-cuda would take it as ``__nv_bfloat16`` and convert stored values
 instead of copying bits. Results are ``torch.bfloat16`` / ``torch.float16`` / ``torch.float32``
 tensors on the input's device; ``out=`` and in-place targets are written in their own storage
@@ -41,16 +41,6 @@ _FORMAT_OF = {_TORCH_DTYPES[name]: FORMATS[name] for name in _TORCH_DTYPES}
 _RAW = torch.uint16  # raw bit patterns (torch >= 2.3; the extra needs >= 2.4)
 
 
-def _unsigned_numpy_works() -> bool:
-    try:  # torch's unsigned dtypes are "limited support"; their .numpy() came after their debut
-        return torch.empty(1, dtype=torch.uint32).numpy().dtype == np.uint32
-    except (TypeError, RuntimeError):
-        return False
-
-
-# CPU bit views: unsigned torch views convert straight to NumPy (one step fewer), else signed
-# views re-viewed in NumPy
-_UNSIGNED_NUMPY = _unsigned_numpy_works()
 
 
 def _as_tensor(x, name: str):
@@ -131,13 +121,12 @@ def _cuda_view(t, flat, bits_dtype, name: str) -> View:
 def _view(t, narrow: bool, name: str) -> View:
     """Zero-copy flat bit view of contiguous ``t`` (fp32 as uint32, narrow as uint16)."""
     if t.is_cpu:
-        # numpy's reshape of a contiguous array (torch and NumPy agree on contiguity) is a
-        # view, never a copy
-        if _UNSIGNED_NUMPY:
-            bits = t.detach().view(torch.uint16 if narrow else torch.uint32).numpy().reshape(-1)
-        else:
-            a = t.detach().view(torch.int16 if narrow else torch.int32).numpy()
-            bits = a.reshape(-1).view(np.uint16 if narrow else np.uint32)
+        # float32 converts to NumPy as it is, narrow data as int16 (NumPy has no bf16); the
+        # bit views and the reshape of a contiguous array (torch and NumPy agree on contiguity)
+        # are NumPy's own, the cheapest views there are, never copies
+        base = t.detach() if t.requires_grad else t
+        a = base.view(torch.int16).numpy() if narrow else base.numpy()
+        bits = a.reshape(-1).view(np.uint16 if narrow else np.uint32)
         return View(bits=bits, device="cpu", shape=tuple(t.shape), result=t)
     if t.is_cuda:
         # signed views: their __cuda_array_interface__ typestr is supported by every torch

@@ -206,16 +206,22 @@ def test_input_is_not_copied():
     assert view.bits.dtype == np.uint32
 
 
-@pytest.mark.parametrize("unsigned", [True, False])
-def test_both_cpu_view_paths(monkeypatch, unsigned):
+def test_cpu_bit_views_share_memory():
+    """fp32, bf16, raw uint16, int32 and requires-grad tensors: NumPy bit views of the same
+    memory (the bits the NumPy path sees)."""
     from srround.adapters import torch as adapter
 
-    monkeypatch.setattr(adapter, "_UNSIGNED_NUMPY", unsigned)
     x = np_f32().reshape(4, 250)
     got = srround.stochastic_round(torch.from_numpy(x), seed=1)
     assert np.array_equal(tbits(got).reshape(x.shape), bits(srround.stochastic_round(x, seed=1)))
-    view, _ = adapter.source(got, "y", narrow=True)
-    assert view.bits.dtype == np.uint16 and view.bits.ctypes.data == got.data_ptr()
+    cases = [(got, True, np.uint16), (got.view(torch.uint16), True, np.uint16),
+             (torch.zeros(3, dtype=torch.int32), False, np.uint32),
+             (torch.nn.Parameter(torch.ones(5)), False, np.uint32),
+             (torch.nn.Parameter(torch.ones(5, dtype=torch.float16)), True, np.uint16)]
+    for t, narrow, dtype in cases:
+        view = adapter._view(t, narrow, "t")
+        assert view.bits.dtype == dtype and view.bits.ctypes.data == t.data_ptr()
+        assert view.bits.size == t.numel() and view.result is t
 
 
 # -- autograd --------------------------------------------------------------------------------
