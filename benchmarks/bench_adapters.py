@@ -5,7 +5,7 @@ raw buffers, for every framework available here.
 Usage::
 
     python benchmarks/bench_adapters.py                    # CPU; the GPU too if present
-    python benchmarks/bench_adapters.py --device cpu --large 22 --json out.json
+    python benchmarks/bench_adapters.py --device cpu --large 20 --json out.json
 
 Each row calls one srround function through one framework's arrays; the baseline row of its
 device ("core, raw buffers") calls the backend kernel itself (``srround._cpu`` /
@@ -269,14 +269,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
     parser.add_argument("--large", type=int, default=None,
-                        help="log2 of the large size (default: 22 on CPU, 26 on GPU)")
+                        help="log2 of the large size (default: 24 on CPU, 26 on GPU)")
     parser.add_argument("--cell-time", type=float, default=0.3, help="seconds per cell")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     everything = []
     for device in devices:
-        large = 1 << (args.large or (26 if device == "cuda" else 22))
+        large = 1 << (args.large or (26 if device == "cuda" else 24))
         try:
             floor_s = _copy_floor(device, large, args.cell_time)
         except Unavailable as exc:

@@ -332,3 +332,37 @@ def test_bad_arguments_name_themselves():
         srround.adamw_step(frozen, grads, m, v, **good)
     with pytest.raises(ValueError, match="momentum_buffers"):
         srround.sgd_step(params, grads, lr=0.1, momentum=0.9, step=1)
+
+
+@pytest.mark.cuda
+def test_cuda_check_grads_flags_any_non_finite(small_cuda_launch):
+    """``FusedStep.check_grads`` on CUDA (the torch GradScaler's check through the cached table;
+    the CPU path is covered through srround.adapters.torch.AdamW): a single inf/NaN anywhere,
+    in fp32, bf16 or fp16 gradients, sets the flag; finite gradients leave it and are unchanged."""
+    from numba import cuda
+
+    from srround import _optim
+    from srround._tensor_list import address
+
+    if not cuda.is_available():
+        pytest.skip("no CUDA device and not simulated")
+    rng = np.random.default_rng(4)
+    host = [rng.standard_normal(n).astype(dtype) for n, dtype in
+            ((13, np.float32), (6, BF16), (9, np.float16))]
+    codes = [0, 1, 2]
+    for where in (None, (0, 12), (1, 0), (2, 4)):
+        grads = [g.copy() for g in host]
+        if where is not None:
+            grads[where[0]][where[1]] = np.nan if where[0] == 1 else np.inf
+        device = _to_device(grads)
+        table = np.zeros((3, _optim.TABLE_COLUMNS), np.int64)
+        table[:, _optim.G_ADDR] = [address(d) for d in device]
+        table[:, _optim.G_FMT] = codes
+        stream = cuda.default_stream()
+        fused = _optim.FusedStep(_optim.ADAMW, _optim.MODES["stochastic"], 0, table,
+                                 [g.size for g in grads], cuda.to_device(np.zeros(3, np.uint32)),
+                                 "cuda", stream)
+        found = cuda.to_device(np.zeros(1, np.float32).view(np.uint32))
+        fused.check_grads(found)
+        assert found.copy_to_host().view(np.float32)[0] == (0.0 if where is None else 1.0)
+        assert _same_bits([d.copy_to_host() for d in device], grads)
