@@ -8,10 +8,13 @@ Usage::
                                          [--plot PATH]
 
 CPU: ~25M gradients in ~200 tensors (``--quick``: ~6M); GPU: 268M in 200. Every row reads and
-writes each gradient once (fp32: 8 B per element, bf16: 4 B). GB/s and ``% floor`` divide by
+writes each gradient once (fp32: 8 B per element, bf16: 4 B), except srround's check-only row
+(``inv_scale=1``: reads only, what its GradScaler runs before a fused srround step). GB/s and ``% floor`` divide by
 the same run's floor: an in-place ``flat.mul_(s)`` on one flat tensor of the same bytes (the
 same traffic with no tensor list and no check). ``host µs`` is one call on a 200-tensor list of
-1-element gradients: pure per-call overhead. Medians of timed repetitions after a warm-up.
+1-element gradients: pure per-call overhead. ``step:`` rows time a whole loss-scaled AdamW step
+(``scaled_steps``) against torch's GradScaler with torch's fused AdamW. Medians of timed
+repetitions after a warm-up.
 
 ``--plot PATH`` also trains a small fp16 model whose gradients underflow to zero without
 scaling, with and without ``srround.adapters.torch.GradScaler``, and plots both loss curves.
@@ -20,6 +23,7 @@ scaling, with and without ``srround.adapters.torch.GradScaler``, and plots both 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -59,16 +63,22 @@ def run(device: str, total: int, reps: int):
         grads = [torch.randn(s, device=device).to(dtype) for s in shapes(total)]
         n = sum(g.numel() for g in grads)
         nbytes = 2 * n * grads[0].element_size()
-        inv = torch.tensor([1.0], device=device)  # 1.0 keeps the values: repeatable timing
+        # x2 and x0.5 in turn: exact, so the values stay the same from call to call (1.0 would
+        # let srround skip its stores: that is the check-only row)
+        invs = itertools.cycle([torch.tensor([v], device=device) for v in (2.0, 0.5)])
+        one = torch.tensor([1.0], device=device)
         found = torch.zeros(1, device=device)
         flat = torch.randn(n, device=device).to(dtype)
         cases = {
-            "floor: flat.mul_(s)": lambda: flat.mul_(1.0),
+            "floor: flat.mul_(s)": lambda: flat.mul_(next(invs)),
             "torch _amp_foreach_...unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found, inv
+                grads, found, next(invs)
             ),
             "srround unscale_and_check": lambda: srround.unscale_and_check(
-                grads, inv, found_inf=found
+                grads, next(invs), found_inf=found
+            ),
+            "srround check only (inv_scale=1)": lambda: srround.unscale_and_check(
+                grads, one, found_inf=found
             ),
         }
         floor = None
@@ -79,6 +89,7 @@ def run(device: str, total: int, reps: int):
             rows.append({"device": device, "dtype": str(dtype).split(".")[-1], "method": name,
                          "elements": n, "tensors": len(grads), "ms": seconds * 1e3,
                          "GB/s": gbs, "floor": gbs / floor})
+    rows += scaled_steps(device, total, reps, sync)
     tiny = [torch.ones(1, device=device) for _ in range(200)]
     inv = torch.tensor([1.0], device=device)
     found = torch.zeros(1, device=device)
@@ -90,6 +101,56 @@ def run(device: str, total: int, reps: int):
     }.items():
         rows.append({"device": device, "dtype": "float32", "method": name, "elements": 200,
                      "tensors": 200, "host_us": timeit(fn, sync, 200) * 1e6})
+    return rows
+
+
+def scaled_steps(device: str, total: int, reps: int, sync):
+    """One loss-scaled AdamW step (``scaler.step(opt); scaler.update()``) over the same
+    gradient list, bf16 or fp32 parameters and gradients: torch's GradScaler unscales the
+    gradients in place (read + write) before the fused step reads them again; srround's checks
+    them through the optimizer's cached table (read only) and multiplies by 1/scale inside the
+    fused step. Scale 1 and growth disabled keep every step alike; ``ms`` per step."""
+    import torch
+
+    from srround.adapters.torch import AdamW, GradScaler
+
+    def scaler(cls):
+        return lambda: cls(device, init_scale=1.0, growth_interval=1 << 30)
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        cases = {
+            "srround AdamW + srround GradScaler": (
+                lambda ps: AdamW(ps, lr=1e-3, seed=0), scaler(GradScaler)),
+            "srround AdamW, no scaler": (lambda ps: AdamW(ps, lr=1e-3, seed=0), None),
+            "torch AdamW fused + torch GradScaler": (
+                lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), scaler(torch.amp.GradScaler)),
+            "torch AdamW fused, no scaler": (
+                lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), None),
+        }
+        for name, (make_opt, make_scaler) in cases.items():
+            params = [torch.nn.Parameter((torch.randn(s, device=device) * 0.02).to(dtype))
+                      for s in shapes(total)]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt = make_opt(params)
+            if make_scaler is None:
+                step = opt.step
+            else:
+                grad_scaler = make_scaler()
+                grad_scaler.scale(torch.ones((), device=device))  # creates the scale
+
+                def step(opt=opt, grad_scaler=grad_scaler):
+                    grad_scaler.step(opt)
+                    grad_scaler.update()
+            try:
+                seconds = timeit(step, sync, reps)
+            except (RuntimeError, NotImplementedError) as exc:
+                print(f"{device} {dtype}: {name}: skipped ({type(exc).__name__}: {exc})")
+                continue
+            rows.append({"device": device, "dtype": str(dtype).split(".")[-1],
+                         "method": f"step: {name}", "elements": sum(p.numel() for p in params),
+                         "tensors": len(params), "ms": seconds * 1e3})
     return rows
 
 
@@ -168,15 +229,18 @@ def main(argv=None):
     for device in devices:
         total = (268 << 20) if device == "cuda" else (25 << 20)
         rows += run(device, total // 4 if args.quick else total, 5 if args.quick else 15)
-    print(f"{'device':<6} {'dtype':<9} {'method':<32} {'elements':>11} {'tensors':>7}"
+    print(f"{'device':<6} {'dtype':<9} {'method':<42} {'elements':>11} {'tensors':>7}"
           f" {'ms':>8} {'GB/s':>7} {'% floor':>8} {'host µs':>8}")
     for r in rows:
         if "host_us" in r:
-            print(f"{r['device']:<6} {r['dtype']:<9} {r['method']:<32} {r['elements']:>11,}"
+            print(f"{r['device']:<6} {r['dtype']:<9} {r['method']:<42} {r['elements']:>11,}"
                   f" {r['tensors']:>7} {'':>8} {'':>7} {'':>8} {r['host_us']:>8.1f}")
-        else:
-            print(f"{r['device']:<6} {r['dtype']:<9} {r['method']:<32} {r['elements']:>11,}"
+        elif "GB/s" in r:
+            print(f"{r['device']:<6} {r['dtype']:<9} {r['method']:<42} {r['elements']:>11,}"
                   f" {r['tensors']:>7} {r['ms']:>8.2f} {r['GB/s']:>7.2f} {r['floor']:>8.0%}")
+        else:
+            print(f"{r['device']:<6} {r['dtype']:<9} {r['method']:<42} {r['elements']:>11,}"
+                  f" {r['tensors']:>7} {r['ms']:>8.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
