@@ -6,6 +6,7 @@ Usage::
 
     python benchmarks/bench_adapters.py                    # CPU; the GPU too if present
     python benchmarks/bench_adapters.py --device cpu --large 20 --json out.json
+    python benchmarks/bench_adapters.py --quick            # smoke run, seconds
 
 Each row calls one srround function through one framework's arrays; the baseline row of its
 device ("core, raw buffers") calls the backend kernel itself (``srround._cpu`` /
@@ -271,12 +272,17 @@ def main(argv=None) -> None:
     parser.add_argument("--large", type=int, default=None,
                         help="log2 of the large size (default: 24 on CPU, 26 on GPU)")
     parser.add_argument("--cell-time", type=float, default=0.3, help="seconds per cell")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: large size 2^20 (CPU) / 2^24 (GPU), 0.05 s per cell")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    if args.quick:
+        args.cell_time = min(args.cell_time, 0.05)
     everything = []
     for device in devices:
-        large = 1 << (args.large or (26 if device == "cuda" else 24))
+        default = (24 if args.quick else 26) if device == "cuda" else (20 if args.quick else 24)
+        large = 1 << (args.large or default)
         try:
             floor_s = _copy_floor(device, large, args.cell_time)
         except Unavailable as exc:

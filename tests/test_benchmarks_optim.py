@@ -1,5 +1,5 @@
-"""Smoke test: benchmarks/bench_optim.py and benchmarks/convergence.py run end to end at tiny
-sizes (subprocesses, a few seconds each)."""
+"""Smoke tests: benchmarks/bench_optim.py, convergence.py and bench_adapters.py run end to end
+at tiny sizes (subprocesses, seconds each)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,14 @@ def test_bench_optim_and_convergence_smoke(tmp_path):
     assert "bf16 stochastic" in out and "progress" in out
     if "wrote" in out:
         assert png.stat().st_size > 0
+
+
+def test_bench_adapters_smoke(tmp_path):
+    """Every CPU row of bench_adapters runs and lands in the table and the JSON."""
+    import json
+
+    out = _run([str(BENCH / "bench_adapters.py"), "--quick", "--device", "cpu", "--large", "14",
+                "--json", str(tmp_path / "a.json")], tmp_path)
+    assert "core, raw buffers" in out and "torch cpu" in out
+    rows = json.loads((tmp_path / "a.json").read_text())
+    assert {r["row"] for r in rows} >= {"core, raw buffers", "numpy", "torch cpu", "copy"}
