@@ -40,16 +40,18 @@ Implementations (``impl``):
 
 * ``"native"`` (default): ``jax.lax`` only, jit-able on any backend. Random bits and rounding
   reuse the adapter's Threefry / ``_encode`` / ``_decode`` helpers. Every fma of
-  ``_optim.adamw_math`` is the adapter's integer-exact ``_fma_bits`` (``jax.lax`` has no fma;
-  XLA may or may not contract, and its CPU backend flushes subnormals). The other float32 ops
-  (``p * decay``, ``g - m``, ``v * beta2``, ``(1 - beta2) * g``, sqrt, the divisions, ``+ eps``)
-  are single IEEE ops, correctly rounded on CPU and GPU - except that XLA's CPU backend (and
-  TPU) flushes float32 subnormal inputs and results to zero, where the Numba kernel keeps them:
-  bits can differ where a state, weight, gradient or intermediate is subnormal (|x| < 2**-126),
-  e.g. an ``exp_avg_sq`` decaying below 1e-38. ``prepare_coefs``'s bias corrections are float64
-  repeated squaring; they are traced under ``jax.enable_x64`` (a scalar ``while_loop`` per
-  step), so they need a backend with IEEE float64 (CPU, GPU; TPU emulates float64 and may
-  differ in the last bit of a coefficient).
+  ``_optim.adamw_math`` (and the sum of ``apply_updates``) is exact: ``_fma``, float64 ops on
+  the float32 operands with the sum rounded to odd, subnormal operands and results handled in
+  integer ops - the bits of the adapter's integer ``_fma_bits`` at a fraction of its ops
+  (``jax.lax`` has no fma, XLA may or may not contract, and its CPU backend flushes
+  subnormals). The other float32 ops (``p * decay``, ``g - m``, ``v * beta2``, ``(1 - beta2) *
+  g``, sqrt, the divisions, ``+ eps``) are single IEEE ops, correctly rounded on CPU and GPU -
+  except that XLA's CPU backend (and TPU) flushes float32 subnormal inputs and results to zero,
+  where the Numba kernel keeps them: bits can differ where a state, weight, gradient or
+  intermediate is subnormal (|x| < 2**-126), e.g. an ``exp_avg_sq`` decaying below 1e-38.
+  ``prepare_coefs``'s bias corrections are float64 repeated squaring, traced under
+  ``jax.enable_x64`` (a scalar ``while_loop`` per step) like ``_fma``: both need a backend with
+  IEEE float64 (CPU, GPU; TPU emulates float64 and may differ in the last bit).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -76,7 +78,6 @@ from .jax import (
     _callback,
     _decode,
     _encode,
-    _fma_bits,
     _host,
     _key_words,
     _random16,
@@ -125,11 +126,60 @@ def _b32(x):
     return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), _U32)
 
 
-def _fma(a, b, c):
-    """fma(a, b, c) of float32 arrays/scalars, one rounding (integer-exact ``_fma_bits``)."""
-    a, b, c = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
-                                   jnp.asarray(c, jnp.float32))
-    return _f32(_fma_bits(_b32(a), _b32(b), _b32(c)))
+def _wide(x, exact: bool):
+    """float64 value of float32 ``x``. ``exact``: subnormals too, which XLA's CPU backend
+    converts to zero - needed for values read from buffers; the results of float32 ops are
+    flushed there already, and converted exactly elsewhere. Call under ``jax.enable_x64``."""
+    wide = x.astype(jnp.float64)
+    if not exact:
+        return wide
+    bits = _b32(x)
+    tiny = (bits & 0x7FFFFF).astype(jnp.float64) * 2.0**-149  # a subnormal's quanta
+    tiny = jnp.where((bits >> 31) == 1, -tiny, tiny)
+    return jnp.where((bits & 0x7F800000) == 0, tiny, wide)
+
+
+def _narrow(x):
+    """float32 nearest to float64 ``x`` (ties to even), subnormal results included (XLA's CPU
+    backend flushes those to zero): below 2**-126, ``|x| + 2**-97`` rounds ``|x|`` to the
+    subnormal quantum 2**-149, and its low mantissa bits count the quanta."""
+    mag = jnp.abs(x)
+    quanta = lax.bitcast_convert_type(mag + 2.0**-97, jnp.uint64).astype(_U32) & 0xFFFFFF
+    sign = (lax.bitcast_convert_type(x, jnp.uint64) >> 63).astype(_U32) << 31
+    return jnp.where(mag < 2.0**-126, _f32(sign | quanta), x.astype(jnp.float32))
+
+
+def _stand_in(x):
+    """float32 of float64 ``x`` with every finite nonzero value replaced by +-1."""
+    sign = jnp.where(x < 0, -1.0, 1.0)
+    return jnp.where(jnp.isfinite(x) & (x != 0), sign, x).astype(jnp.float32)
+
+
+def _fma(a, b, c, exact=(True, True, True)):
+    """``fma(a, b, c)`` of float32 arrays/scalars with one rounding (to nearest even), the bits
+    of the adapter's integer ``_fma_bits`` and of the Numba kernels' fma, in float64 ops.
+    Finite operands: ``a * b`` is exact in float64 (48-bit significand); ``s = a * b + c``
+    rounds once more, so ``s`` is rounded to odd (TwoSum gives its error ``e``; an inexact ``s``
+    with an even last bit moves one ulp towards ``e``), which makes the rounding to float32 (24
+    <= 53 - 2 bits) that of ``a * b + c``. Needs IEEE float64 (CPU, GPU). NaN/inf operands:
+    float32 ops on the operands with finite nonzero ones replaced by +-1, as ``_fma_bits``.
+    ``exact``: per operand, as ``_wide``. Each operand is read once (an expensive producer,
+    such as a division, read twice would be materialized by XLA's CPU fusion); the result's
+    last op takes several arrays, so XLA writes it once for all its users."""
+    with jax.enable_x64(True):
+        a, b, c = (_wide(jnp.asarray(v, jnp.float32), e) for v, e in zip((a, b, c), exact))
+        p = a * b
+        s = p + c
+        bb = s - p
+        e = (p - (s - bb)) + (c - bb)  # s + e == p + c exactly (TwoSum)
+        sb = lax.bitcast_convert_type(s, jnp.uint64)
+        odd = jnp.where((e > 0) == (s > 0), sb + 1, sb - 1)
+        sb = jnp.where((e != 0) & ((sb & 1) == 0), odd, sb)
+        finite = _narrow(lax.bitcast_convert_type(sb, jnp.float64))
+        sa, sb_, sc = _stand_in(a), _stand_in(b), _stand_in(c)
+        ab_finite = jnp.isfinite(a) & jnp.isfinite(b)
+        special = jnp.where(ab_finite, sc, sa * sb_ + sc)
+        return jnp.where(ab_finite & jnp.isfinite(c), finite, special)
 
 
 def _widen_bits(x):
@@ -176,7 +226,7 @@ def _native_apply(ws, us, k0, k1, t, *, layout):
         w_parts.append(jnp.zeros(total - end, _U32))
         u_parts.append(jnp.zeros(total - end, _U32))
     w, u = lax.optimization_barrier((_flat(w_parts, total), _flat(u_parts, total)))
-    sums = _fma_bits(jnp.broadcast_to(_U32(0x3F800000), w.shape), u, w)
+    sums = _b32(_fma(1.0, _f32(u), _f32(w)))
     bits16 = _random16(k0, k1, 0, *_first_words(t, 0, 0), total)
     out = [None] * len(ws)
     for name in sorted({_NARROW[jnp.dtype(w.dtype)] for w in ws}):
@@ -316,16 +366,17 @@ def _coefs(t, lr, b1: float, b2: float, wd: float):
 
 
 def _adamw_math(p, g, m, v, decay, step_size, bc2_sqrt, beta2, eps, omb1, omb2):
-    """``_optim.adamw_math`` on float32 arrays, the same operations in the same order."""
+    """``_optim.adamw_math`` on float32 arrays, the same operations in the same order (``p``,
+    ``g``, ``m``, ``v`` read from buffers)."""
     p = p * decay
-    m = _fma(omb1, g - m, m)
-    v = _fma(omb2 * g, g, v * beta2)
+    m = _fma(omb1, g - m, m, exact=(True, False, True))
+    v = _fma(omb2 * g, g, v * beta2, exact=(False, True, False))
     # XLA's algebraic simplifier rewrites x / broadcast(c) into x * broadcast(1 / c) (not
     # correctly rounded: 1-ulp differences); an elementwise divisor it cannot see through
     # keeps the IEEE division. Where v < 0 or NaN, sqrt(v) is NaN and so is the quotient.
     divisor = jnp.where(v >= 0, bc2_sqrt, -bc2_sqrt)
     denom = jnp.sqrt(v) / divisor + eps
-    return _fma(-step_size, m / denom, p), m, v
+    return _fma(-step_size, m / denom, p, exact=(True, False, False)), m, v
 
 
 def _aux_bits(mode, aux):
