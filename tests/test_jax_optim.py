@@ -257,11 +257,11 @@ def test_donated_jit_and_optax_update_path():
 
 
 def test_native_fma_is_exact():
-    """The optimizer's float64 fma against Numba's ``fma32`` (llvm.fma.f32) and the adapter's
-    integer ``_fma_bits`` on hard cases: cancellation, exact ties, tiny addends, subnormal
-    operands and results, overflow, specials."""
+    """The optimizer's float64 fma (and its sum, ``fma(1, u, w)``) against Numba's ``fma32``
+    (llvm.fma.f32) and the adapter's integer ``_fma_bits`` on hard cases: cancellation, exact
+    ties, tiny addends, subnormal operands and results, overflow, specials."""
     numba = pytest.importorskip("numba")
-    from srround.adapters._jax_optim import _fma
+    from srround.adapters._jax_optim import _add, _fma
 
     from srround._scalar import bits_to_f32, f32_to_bits, fma32
 
@@ -297,17 +297,19 @@ def test_native_fma_is_exact():
         (patterns(0, 255), patterns(0, 255), patterns(0, 256)),
         (patterns(20, 110), patterns(20, 110), patterns(0, 30)),  # subnormal results
         (patterns(0, 3), patterns(100, 160), patterns(0, 3)),  # subnormal operands
+        (patterns(100, 160), patterns(0, 3), patterns(0, 3)),  # and sums
         (patterns(150, 254), patterns(100, 254), patterns(200, 255)),  # overflow
+        (patterns(100, 150), (1 + rng.integers(0, 2**23, n) * 2.0**-23).astype(np.float32).view(
+            np.uint32), (rng.choice([-1, 1], n) * 2.0**-24 * rng.choice([1, 1 + 2.0**-23], n))
+         .astype(np.float32).view(np.uint32)),  # sums at and next to ties
         tuple(grid),
     ]
     as_f32 = lambda v: jnp.asarray(v.view(np.float32))
     fma = jax.jit(lambda x, y, z: _fma(x, y, z))
     loose = jax.jit(lambda x, y, z: _fma(x, y, z, exact=(True, False, True)))
-    for i, (x, y, z) in enumerate(cases):
-        x, y, z = (np.ascontiguousarray(v, np.uint32) for v in (x, y, z))
-        want = reference(x, y, z)
-        got = _bits(fma(as_f32(x), as_f32(y), as_f32(z)))
-        old = np.asarray(jax.jit(sj._fma_bits)(jnp.asarray(x), jnp.asarray(y), jnp.asarray(z)))
+    ones = np.full(n, 0x3F800000, np.uint32)
+
+    def check(i, x, y, z, want, got):
         nan_w, nan_g = (want & 0x7FFFFFFF) > 0x7F800000, (got & 0x7FFFFFFF) > 0x7F800000
         # NaN payloads may differ (quieting); NaN-ness and sign may not
         same = np.where(nan_w | nan_g, nan_w & nan_g & ((want >> 31) == (got >> 31)),
@@ -315,6 +317,16 @@ def test_native_fma_is_exact():
         bad = np.flatnonzero(~same)
         assert bad.size == 0, (i, [tuple(hex(int(v[j])) for v in (x, y, z, want, got))
                                    for j in bad[:5]])
+
+    for i, (x, y, z) in enumerate(cases):
+        x, y, z = (np.ascontiguousarray(v, np.uint32) for v in (x, y, z))
+        want = reference(x, y, z)
+        got = _bits(fma(as_f32(x), as_f32(y), as_f32(z)))
+        check(i, x, y, z, want, got)
+        check(i, ones[:y.size], y, z, reference(ones[:y.size], y, z),
+              _bits(jax.jit(_add)(as_f32(y), as_f32(z))))
+        old = np.asarray(jax.jit(sj._fma_bits)(jnp.asarray(x), jnp.asarray(y), jnp.asarray(z)))
+        nan_g = (got & 0x7FFFFFFF) > 0x7F800000
         np.testing.assert_array_equal(np.where(nan_g, got >> 31, got), np.where(
             nan_g, old >> 31, old))  # the integer fma's bits (NaN: its sign)
         normal_b = (y & 0x7F800000) != 0  # b not subnormal: the plain widening is exact
