@@ -34,26 +34,29 @@ srround's NumPy path for the same input bits, seed and offset (the contract of `
 
 Default implementation (``impl=None``): ``"native"`` everywhere. On GPU/TPU it is the only
 sensible choice (the callback copies device -> host -> device). On CPU it is also the faster
-one except for large ``stochastic_add`` calls. Measured with ``benchmarks/bench_adapters.py``
-(2-core x86 VM, jax 0.10.2 CPU, ``jit`` with the key as an argument, ``block_until_ready``,
-median per call; the NumPy path is ``srround.stochastic_round(np_array, out=...)`` /
-``srround.stochastic_add`` on the same data)::
+one except for ``stochastic_add`` calls of ~2^20 elements and more. Measured with
+``benchmarks/bench_adapters.py`` (2-core x86 VM, jax 0.10.2 CPU, ``jit`` with the key as an
+argument, ``block_until_ready``, median per call; the NumPy path is
+``srround.stochastic_round(np_array, out=...)`` / ``srround.stochastic_add`` on the same data;
+one run)::
 
                         1024 elements   2^20        2^22
     stochastic_round (fp32 -> bf16)
-      NumPy path          17 us        0.87 ms     3.4 ms
-      jax native          28 us        1.5 ms      6.2 ms
-      jax callback       481 us        2.0 ms     22.7 ms
+      NumPy path          10 us        0.32 ms     1.7 ms
+      jax native          80 us        1.1 ms      4.2 ms
+      jax callback       449 us        1.6 ms      8.3 ms
     stochastic_add (bf16 w, fp32 u, alpha=0.1)
-      NumPy path          18 us        1.3 ms      5.1 ms
-      jax native          69 us        4.1 ms     16.7 ms
-      jax callback       544 us        2.5 ms     13.8 ms
+      NumPy path          11 us        0.52 ms     2.5 ms
+      jax native          97 us        2.8 ms     11.0 ms
+      jax callback       585 us        2.6 ms      9.5 ms
 
 The callback pays ~0.5 ms per call (pure_callback hand-over, a thread hop, Numba's parallel
-launch) and a copy of the result; native runs as one fused XLA loop (its stochastic_add does
-the exact integer fma, ~3x the NumPy path's time). Native also fuses with surrounding ops, keeps
-Python out of the compiled program and works under every transformation and on accelerators;
-pass ``impl="callback"`` to run the Numba kernels themselves.
+launch) and a copy of the result; native runs as one fused XLA loop, the Threefry rounds in it
+(its stochastic_add does the exact integer fma, ~4x the NumPy path's time). At 1024 elements
+XLA already splits that loop over both threads and waking the second one dominates (~18 us on
+one core). Native also fuses with surrounding ops, keeps Python out of the compiled program and
+works under every transformation and on accelerators; pass ``impl="callback"`` to run the Numba
+kernels themselves.
 
 Seeds (``seed=``):
 
