@@ -40,16 +40,24 @@ Implementations (``impl``):
 
 * ``"native"`` (default): ``jax.lax`` only, jit-able on any backend. Random bits and rounding
   reuse the adapter's Threefry / ``_encode`` / ``_decode`` helpers. Every fma of
-  ``_optim.adamw_math`` is the adapter's integer-exact ``_fma_bits`` (``jax.lax`` has no fma;
-  XLA may or may not contract, and its CPU backend flushes subnormals). The other float32 ops
-  (``p * decay``, ``g - m``, ``v * beta2``, ``(1 - beta2) * g``, sqrt, the divisions, ``+ eps``)
-  are single IEEE ops, correctly rounded on CPU and GPU - except that XLA's CPU backend (and
-  TPU) flushes float32 subnormal inputs and results to zero, where the Numba kernel keeps them:
-  bits can differ where a state, weight, gradient or intermediate is subnormal (|x| < 2**-126),
-  e.g. an ``exp_avg_sq`` decaying below 1e-38. ``prepare_coefs``'s bias corrections are float64
-  repeated squaring; they are traced under ``jax.enable_x64`` (a scalar ``while_loop`` per
-  step), so they need a backend with IEEE float64 (CPU, GPU; TPU emulates float64 and may
-  differ in the last bit of a coefficient).
+  ``_optim.adamw_math`` (and the sum of ``apply_updates``) is exact: ``_fma``, float64 ops on
+  the float32 operands with the sum rounded to odd, subnormal operands and results handled in
+  integer ops - the bits of the adapter's integer ``_fma_bits`` at a fraction of its ops
+  (``jax.lax`` has no fma, XLA may or may not contract, and its CPU backend flushes
+  subnormals). The other float32 ops (``p * decay``, ``g - m``, ``v * beta2``, ``(1 - beta2) *
+  g``, sqrt, the divisions, ``+ eps``) are single IEEE ops, correctly rounded on CPU and GPU -
+  except that XLA's CPU backend (and TPU) flushes float32 subnormal inputs and results to zero,
+  where the Numba kernel keeps them: bits can differ where a state, weight, gradient or
+  intermediate is subnormal (|x| < 2**-126), e.g. an ``exp_avg_sq`` decaying below 1e-38.
+  ``prepare_coefs``'s bias corrections are float64 repeated squaring, traced under
+  ``jax.enable_x64`` (a scalar ``while_loop`` per step) like ``_fma``: both need a backend with
+  IEEE float64 (CPU, GPU; TPU emulates float64 and may differ in the last bit). Each output of
+  each leaf is one elementwise loop over the leaf's buffers, its random bits computed in it
+  (``_native_step``), so the program and its compile time grow with the number of leaves. On
+  a 2-core x86 VM (jax 0.10.2 CPU), for ``benchmarks/bench_optim.py``'s 24.6M bf16 parameters
+  in 196 leaves: ~90 ms per step with float32 states, ~210 ms with bf16 states (three random
+  streams), first call ~32 s / ~80 s (~4 s / ~10 s for 24 leaves); ``optax.adamw`` on the
+  bf16 parameters, ~35-55 ms.
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -72,17 +80,14 @@ from srround import _optim
 from srround._formats import FORMATS
 
 from .jax import (
-    _blocked,
     _callback,
     _decode,
     _encode,
-    _fma_bits,
     _host,
     _key_words,
     _random16,
     _seed_of,
     _u,
-    _unblocked,
 )
 
 __all__ = ["AdamWState", "adamw", "apply_updates"]
@@ -117,6 +122,13 @@ def _first_words(t, stream: int, start: int):
     return _u(start >> 2), hi
 
 
+def _leaf_bits16(k0, k1, t, stream: int, start: int, shape):
+    """The random bits (uint32, ``shape``) of a leaf starting at global element ``start``:
+    element j at counter ``t * 2**36 + stream * 2**34 + start + j``."""
+    n = int(np.prod(shape, dtype=np.int64))
+    return _random16(k0, k1, *_first_words(t, stream, start), start & 3, n).reshape(shape)
+
+
 def _f32(bits):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
@@ -125,26 +137,84 @@ def _b32(x):
     return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), _U32)
 
 
-def _fma(a, b, c):
-    """fma(a, b, c) of float32 arrays/scalars, one rounding (integer-exact ``_fma_bits``)."""
-    a, b, c = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
-                                   jnp.asarray(c, jnp.float32))
-    return _f32(_fma_bits(_b32(a), _b32(b), _b32(c)))
+def _wide(x, exact: bool):
+    """float64 value of float32 ``x``. ``exact``: subnormals too, which XLA's CPU backend
+    converts to zero - needed for values read from buffers; the results of float32 ops are
+    flushed there already, and converted exactly elsewhere. Call under ``jax.enable_x64``."""
+    wide = x.astype(jnp.float64)
+    if not exact:
+        return wide
+    bits = _b32(x)
+    tiny = (bits & 0x7FFFFF).astype(jnp.float64) * 2.0**-149  # a subnormal's quanta
+    tiny = jnp.where((bits >> 31) == 1, -tiny, tiny)
+    return jnp.where((bits & 0x7F800000) == 0, tiny, wide)
+
+
+def _narrow(x):
+    """float32 nearest to float64 ``x`` (ties to even), subnormal results included (XLA's CPU
+    backend flushes those to zero): below 2**-126, ``|x| + 2**-97`` rounds ``|x|`` to the
+    subnormal quantum 2**-149, and its low mantissa bits count the quanta."""
+    mag = jnp.abs(x)
+    quanta = lax.bitcast_convert_type(mag + 2.0**-97, jnp.uint64).astype(_U32) & 0xFFFFFF
+    sign = (lax.bitcast_convert_type(x, jnp.uint64) >> 63).astype(_U32) << 31
+    return jnp.where(mag < 2.0**-126, _f32(sign | quanta), x.astype(jnp.float32))
+
+
+def _stand_in(x):
+    """float32 of float64 ``x`` with every finite nonzero value replaced by +-1."""
+    return jnp.where(jnp.isfinite(x), jnp.sign(x), x).astype(jnp.float32)
+
+
+def _add(u, w):
+    """``u + w`` of float32 arrays read from buffers, rounded once (to nearest even),
+    subnormals included: the bits of ``_fma(1, u, w)`` with fewer ops, as the float64 sum's
+    own rounding cannot change the float32 one (53 >= 2 * 24 + 2 bits). NaN/inf operands: the
+    float32 sum."""
+    with jax.enable_x64(True):
+        wu, ww = _wide(u, True), _wide(w, True)
+        return jnp.where(jnp.isfinite(wu) & jnp.isfinite(ww), _narrow(wu + ww), u + w)
+
+
+def _fma(a, b, c, exact=(True, True, True)):
+    """``fma(a, b, c)`` of float32 arrays/scalars with one rounding (to nearest even), the bits
+    of the adapter's integer ``_fma_bits`` and of the Numba kernels' fma, in float64 ops.
+    Finite operands: ``a * b`` is exact in float64 (48-bit significand); ``s = a * b + c``
+    rounds once more, so ``s`` is rounded to odd (TwoSum gives its error ``e``; an inexact ``s``
+    with an even last bit moves one ulp towards ``e``), which makes the rounding to float32 (24
+    <= 53 - 2 bits) that of ``a * b + c``. Needs IEEE float64 (CPU, GPU). NaN/inf operands:
+    float32 ops on the operands with finite nonzero ones replaced by +-1, as ``_fma_bits``.
+    ``exact``: per operand, as ``_wide``. Each operand is read once (an expensive producer,
+    such as a division, read twice would be materialized by XLA's CPU fusion); the result's
+    last op takes several arrays, so XLA writes it once for all its users."""
+    with jax.enable_x64(True):
+        a, b, c = (_wide(jnp.asarray(v, jnp.float32), e) for v, e in zip((a, b, c), exact))
+        p = a * b
+        s = p + c
+        bb = s - p
+        e = (p - (s - bb)) + (c - bb)  # s + e == p + c exactly (TwoSum)
+        sb = lax.bitcast_convert_type(s, jnp.uint64)
+        odd = jnp.where((e > 0) == (s > 0), sb + 1, sb - 1)
+        sb = jnp.where((e != 0) & ((sb & 1) == 0), odd, sb)
+        finite = _narrow(lax.bitcast_convert_type(sb, jnp.float64))
+        sa, sb_, sc = _stand_in(a), _stand_in(b), _stand_in(c)
+        ab_finite = jnp.isfinite(a) & jnp.isfinite(b)
+        special = jnp.where(ab_finite, sc, sa * sb_ + sc)
+        return jnp.where(ab_finite & jnp.isfinite(c), finite, special)
 
 
 def _widen_bits(x):
-    """Exact fp32 patterns (uint32, flat) of a float32/bf16/fp16 array."""
+    """Exact fp32 patterns (uint32) of a float32/bf16/fp16 array."""
     name = _NARROW.get(jnp.dtype(x.dtype))
     if name is None:
         if x.dtype != jnp.float32:
             raise TypeError(f"expected a float32, bfloat16 or float16 array, got {x.dtype}")
-        return lax.bitcast_convert_type(x, _U32).reshape(-1)
-    h = lax.bitcast_convert_type(x, jnp.uint16).reshape(-1).astype(_U32)
+        return lax.bitcast_convert_type(x, _U32)
+    h = lax.bitcast_convert_type(x, jnp.uint16).astype(_U32)
     return h << 16 if name == "bfloat16" else _decode(h, FORMATS[name])
 
 
-def _narrow_out(patterns, dtype, shape):
-    return lax.bitcast_convert_type(patterns.astype(jnp.uint16), dtype).reshape(shape)
+def _narrow_out(patterns, dtype):
+    return lax.bitcast_convert_type(patterns.astype(jnp.uint16), dtype)
 
 
 # -- apply_updates -----------------------------------------------------------------------------
@@ -157,34 +227,19 @@ def _check_step(step):
         raise ValueError(f"step: expected an int in [0, {_optim.MAX_STEPS}), got {step}")
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
-def _native_apply(ws, us, k0, k1, t, *, layout):
-    """``SR(w + u)`` of the narrow leaves ``ws`` as ONE flat buffer in global element order
-    (gaps - the float32 leaves - are zero padding), so the program does not grow with the
-    number of leaves; the sum is the exact ``fma(1, u, w)`` of ``stochastic_add``. Jitted: an
-    eager call is one compiled program, under an outer ``jit`` it is inlined."""
-    spans, total = layout
-    w_parts, u_parts, end = [], [], 0
-    for (start, size), w, u in zip(spans, ws, us):
-        if start > end:
-            w_parts.append(jnp.zeros(start - end, _U32))
-            u_parts.append(jnp.zeros(start - end, _U32))
-        w_parts.append(_widen_bits(w))
-        u_parts.append(_b32(u).reshape(-1))
-        end = start + size
-    if total > end:
-        w_parts.append(jnp.zeros(total - end, _U32))
-        u_parts.append(jnp.zeros(total - end, _U32))
-    w, u = lax.optimization_barrier((_flat(w_parts, total), _flat(u_parts, total)))
-    sums = _fma_bits(jnp.broadcast_to(_U32(0x3F800000), w.shape), u, w)
-    bits16 = _random16(k0, k1, 0, *_first_words(t, 0, 0), total)
-    out = [None] * len(ws)
-    for name in sorted({_NARROW[jnp.dtype(w.dtype)] for w in ws}):
-        y = lax.optimization_barrier(_encode(sums, FORMATS[name], False, bits16))
-        y = _unblocked(y, 0, total)
-        for i, ((start, size), w) in enumerate(zip(spans, ws)):
-            if _NARROW[jnp.dtype(w.dtype)] == name:
-                out[i] = _narrow_out(y[start:start + size], w.dtype, w.shape)
+@functools.partial(jax.jit, static_argnames=("starts",))
+def _native_apply(ws, us, k0, k1, t, *, starts):
+    """``SR(w + u)`` of the narrow leaves ``ws`` (leaf k at global element ``starts[k]``), the
+    sum the exact ``fma(1, u, w)`` of ``stochastic_add``. Leaf by leaf: each leaf is one
+    elementwise loop over its own buffers, its random bits computed in the loop from its
+    global element indices. Jitted: an eager call is one compiled program, under an outer
+    ``jit`` it is inlined."""
+    out = []
+    for start, w, u in zip(starts, ws, us):
+        name = _NARROW[jnp.dtype(w.dtype)]
+        sums = _b32(_add(u, _f32(_widen_bits(w))))
+        bits16 = _leaf_bits16(k0, k1, t, 0, start, w.shape)
+        out.append(_narrow_out(_encode(sums, FORMATS[name], False, bits16), w.dtype))
     return out
 
 
@@ -238,10 +293,9 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
             continue
         narrow.append((k, p, u, name))
     if impl == "native" and narrow:
-        total = sum(int(np.size(p)) for p in present)
-        layout = (tuple((starts[k], int(p.size)) for k, p, _, _ in narrow), total)
         results = _native_apply([p for _, p, _, _ in narrow], [u for _, _, u, _ in narrow],
-                                 _u(k0), _u(k1), jnp.asarray(t, jnp.int32), layout=layout)
+                                 _u(k0), _u(k1), jnp.asarray(t, jnp.int32),
+                                 starts=tuple(starts[k] for k, *_ in narrow))
         for (k, *_), r in zip(narrow, results):
             out[k] = r
     elif narrow:  # callback
@@ -316,25 +370,26 @@ def _coefs(t, lr, b1: float, b2: float, wd: float):
 
 
 def _adamw_math(p, g, m, v, decay, step_size, bc2_sqrt, beta2, eps, omb1, omb2):
-    """``_optim.adamw_math`` on float32 arrays, the same operations in the same order."""
+    """``_optim.adamw_math`` on float32 arrays, the same operations in the same order (``p``,
+    ``g``, ``m``, ``v`` read from buffers)."""
     p = p * decay
-    m = _fma(omb1, g - m, m)
-    v = _fma(omb2 * g, g, v * beta2)
+    m = _fma(omb1, g - m, m, exact=(True, False, True))
+    v = _fma(omb2 * g, g, v * beta2, exact=(False, True, False))
     # XLA's algebraic simplifier rewrites x / broadcast(c) into x * broadcast(1 / c) (not
     # correctly rounded: 1-ulp differences); an elementwise divisor it cannot see through
     # keeps the IEEE division. Where v < 0 or NaN, sqrt(v) is NaN and so is the quotient.
     divisor = jnp.where(v >= 0, bc2_sqrt, -bc2_sqrt)
     denom = jnp.sqrt(v) / divisor + eps
-    return _fma(-step_size, m / denom, p), m, v
+    return _fma(-step_size, m / denom, p, exact=(True, False, False)), m, v
 
 
 def _aux_bits(mode, aux):
-    """Flat uint32 patterns of a leaf's aux buffer (remainder: the int16 sign-extended)."""
+    """uint32 patterns of a leaf's aux buffer (remainder: the int16 sign-extended)."""
     if mode == "master":
-        return _b32(aux).reshape(-1)
+        return _b32(aux)
     if mode == "remainder":
-        return lax.bitcast_convert_type(aux.astype(jnp.int32), _U32).reshape(-1)
-    return lax.bitcast_convert_type(aux, jnp.uint16).reshape(-1).astype(_U32)  # kahan
+        return lax.bitcast_convert_type(aux.astype(jnp.int32), _U32)
+    return lax.bitcast_convert_type(aux, jnp.uint16).astype(_U32)  # kahan
 
 
 def _weight_value(mode, p_bits, aux_bits):
@@ -369,86 +424,53 @@ def _weight_write(mode, fmt, old_bits, new_bits, aux_bits, bits16):
     return high, jnp.where(nan, _U32(0), low)
 
 
-def _flat(parts, total):
-    """Concatenated flat uint32 parts in ``_random16``'s (blocks, 4) layout, materialized (an
-    optimization barrier keeps the concatenate out of the arithmetic's fused loop)."""
-    flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    return _blocked(flat, 0, total)
-
-
 def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k1, coefs,
                  inv_scale):
-    """The native fused step over all leaves as ONE flat buffer in global element order (the
-    tensor list of the kernels: element j of leaf k is global element starts[k] + j), so the
-    compiled program (and its compile time) does not grow with the number of leaves. Returns
-    per-leaf tuples (p, m, v, aux)."""
+    """The native fused step, leaf by leaf. Every output of a leaf is elementwise in the leaf's
+    buffers (its random bits too, computed in the loop from the global element indices
+    ``starts[k] + j``), so XLA fuses it into a loop over the leaf's own buffers: no
+    concatenation into a flat buffer and no slicing back (each a pass over memory, and on XLA's
+    CPU backend a temporary paged in afresh every call). That backend emits one loop per output;
+    the float32 moments end in an op of several arrays, which it writes once (into the state
+    buffer) for the parameter's loop to read - bf16 moments are recomputed there instead. The
+    program grows with the number of leaves (compile time too). Returns per-leaf
+    (p, m, v, aux)."""
     mode, state_dtype = cfg["rounding"], cfg["state_dtype"]
-    starts = _starts(p_leaves)
-    sizes = [int(p.size) for p in p_leaves]
-    total = sum(sizes)
-    names = [_NARROW.get(jnp.dtype(p.dtype)) for p in p_leaves]
-    has_aux = mode in ("kahan", "master", "remainder") and any(names)
-    p_parts, old_parts, aux_parts = [], [], []
-    for p, a, name in zip(p_leaves, a_leaves, names):
-        p_bits = _widen_bits(p)
-        aux_bits = _aux_bits(mode, a) if (has_aux and name) else None
-        p_parts.append(p_bits)
-        old_parts.append(p_bits if name is None or aux_bits is None else
-                         _weight_value(mode, p_bits, aux_bits))
-        if has_aux:
-            aux_parts.append(jnp.zeros_like(p_bits) if aux_bits is None else aux_bits)
-    old = _flat(old_parts, total)
-    g = _flat([_widen_bits(x) for x in g_leaves], total)
-    m = _flat([_widen_bits(x) for x in m_leaves], total)
-    v = _flat([_widen_bits(x) for x in v_leaves], total)
-    aux = _flat(aux_parts, total) if has_aux else None
-    old, g, m, v, aux = lax.optimization_barrier((old, g, m, v, aux))
-    gf = _f32(g)
-    if inv_scale is not None:
-        gf = gf * inv_scale
     beta2, eps, omb1, omb2 = cfg["constants"]
-    new, mf, vf = _adamw_math(_f32(old), gf, _f32(m), _f32(v), *coefs, beta2, eps, omb1, omb2)
+    outs = []
+    for start, p, g, m, v, a in zip(_starts(p_leaves), p_leaves, g_leaves, m_leaves, v_leaves,
+                                    a_leaves):
+        if p.size == 0:
+            outs.append((p, m, v, a))
+            continue
 
-    def random(stream):
-        return _random16(k0, k1, 0, *_first_words(t, stream, 0), total)
+        def state_out(x, stream, start=start):
+            if state_dtype == jnp.float32:
+                return x
+            bits16 = _leaf_bits16(k0, k1, t, stream, start, x.shape)
+            return _narrow_out(_encode(_b32(x), FORMATS["bfloat16"], False, bits16), state_dtype)
 
-    def split(flat, dtype):
-        flat = _unblocked(flat, 0, total)
-        out = []
-        for s, n, p in zip(starts, sizes, p_leaves):
-            piece = flat[s:s + n]
-            if dtype == jnp.float32:
-                out.append(_f32(piece).reshape(p.shape))
-            else:
-                out.append(_narrow_out(piece, dtype, p.shape))
-        return out
-
-    def state_out(x, stream):
-        if state_dtype == jnp.float32:
-            return lax.optimization_barrier(_b32(x))
-        y = _encode(_b32(x), FORMATS["bfloat16"], False, random(stream))
-        return lax.optimization_barrier(y)
-
-    m_out = split(state_out(mf, 1), state_dtype)
-    v_out = split(state_out(vf, 2), state_dtype)
-    new_bits = lax.optimization_barrier(_b32(new))
-    p_out = split(new_bits, jnp.float32)  # the float32 leaves
-    aux_out = list(a_leaves)
-    bits16 = random(0) if mode == "stochastic" and any(names) else None
-    for name in sorted({n for n in names if n}):
-        written, aux_new = lax.optimization_barrier(
-            _weight_write(mode, FORMATS[name], old, new_bits, aux, bits16))
-        w_leaves = split(written, jnp.dtype(name))
-        if aux_new is not None:
-            aux_dtype = {"master": jnp.float32, "kahan": jnp.dtype(name),
-                         "remainder": jnp.int16}[mode]
-            a_new = split(aux_new, aux_dtype)
-        for k, n in enumerate(names):
-            if n == name:
-                p_out[k] = w_leaves[k]
-                if aux_new is not None:
-                    aux_out[k] = a_new[k]
-    return list(zip(p_out, m_out, v_out, aux_out))
+        name = _NARROW.get(jnp.dtype(p.dtype))
+        p_bits = _widen_bits(p)
+        aux_bits = _aux_bits(mode, a) if name and a is not None else None
+        old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
+        g = _f32(_widen_bits(g))
+        if inv_scale is not None:
+            g = g * inv_scale
+        new, m_new, v_new = _adamw_math(_f32(old), g, _f32(_widen_bits(m)),
+                                        _f32(_widen_bits(v)), *coefs, beta2, eps, omb1, omb2)
+        m_new, v_new = state_out(m_new, 1), state_out(v_new, 2)
+        if name is None:
+            outs.append((new, m_new, v_new, a))
+            continue
+        bits16 = _leaf_bits16(k0, k1, t, 0, start, p.shape) if mode == "stochastic" else None
+        written, aux_new = _weight_write(mode, FORMATS[name], old, _b32(new), aux_bits, bits16)
+        if mode == "master":
+            a = new
+        elif aux_new is not None:
+            a = _narrow_out(aux_new, p.dtype if mode == "kahan" else jnp.int16)
+        outs.append((_narrow_out(written, p.dtype), m_new, v_new, a))
+    return outs
 
 
 class _GT(NamedTuple):  # stand-in for optax.GradientTransformationExtraArgs without optax

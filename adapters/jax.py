@@ -18,9 +18,10 @@ srround's NumPy path for the same input bits, seed and offset (the contract of `
 * ``impl="native"``: ``jax.lax``/``jnp`` integer ops only, so it jit-compiles on every backend
   (CPU, GPU, TPU) and needs no x64. The rounding rule of ``_scalar.py`` is written on ``uint32``
   bit patterns; the 64-bit stream counter is a pair of ``uint32`` words with carry; the Threefry
-  rounds are ``jax.extend.random.threefry_2x32`` (the same function as ``_rng.threefry2x32``:
-  same known-answer vectors). One Threefry block feeds four consecutive elements, as in the
-  Numba kernels. ``stochastic_add`` needs ``fma(alpha, u, w)`` in float32 with one rounding;
+  rounds are unrolled ``uint32`` ops (``_threefry2x32``, the function of ``_rng.threefry2x32``
+  and ``jax.extend.random.threefry_2x32``). One Threefry block feeds four consecutive elements,
+  as in the Numba kernels; each element computes its block, so the random bits fuse into the
+  rounding (one loop, nothing materialized). ``stochastic_add`` needs ``fma(alpha, u, w)`` in float32 with one rounding;
   ``jax.lax`` has no fma, XLA may or may not contract ``alpha * u + w``, and XLA's CPU backend
   flushes float32 subnormals to zero (so float error-free transformations are not exact there,
   nor on TPU), so the fma is computed exactly in integers (``_fma_bits``: 24x24-bit product,
@@ -33,26 +34,29 @@ srround's NumPy path for the same input bits, seed and offset (the contract of `
 
 Default implementation (``impl=None``): ``"native"`` everywhere. On GPU/TPU it is the only
 sensible choice (the callback copies device -> host -> device). On CPU it is also the faster
-one except for large ``stochastic_add`` calls. Measured with ``benchmarks/bench_adapters.py``
-(2-core x86 VM, jax 0.10.2 CPU, ``jit`` with the key as an argument, ``block_until_ready``,
-median per call; the NumPy path is ``srround.stochastic_round(np_array, out=...)`` /
-``srround.stochastic_add`` on the same data)::
+one except for ``stochastic_add`` calls of ~2^20 elements and more. Measured with
+``benchmarks/bench_adapters.py`` (2-core x86 VM, jax 0.10.2 CPU, ``jit`` with the key as an
+argument, ``block_until_ready``, median per call; the NumPy path is
+``srround.stochastic_round(np_array, out=...)`` / ``srround.stochastic_add`` on the same data;
+one run)::
 
                         1024 elements   2^20        2^22
     stochastic_round (fp32 -> bf16)
-      NumPy path          17 us        0.87 ms     3.4 ms
-      jax native          28 us        1.5 ms      6.2 ms
-      jax callback       481 us        2.0 ms     22.7 ms
+      NumPy path          10 us        0.32 ms     1.7 ms
+      jax native          80 us        1.1 ms      4.2 ms
+      jax callback       449 us        1.6 ms      8.3 ms
     stochastic_add (bf16 w, fp32 u, alpha=0.1)
-      NumPy path          18 us        1.3 ms      5.1 ms
-      jax native          69 us        4.1 ms     16.7 ms
-      jax callback       544 us        2.5 ms     13.8 ms
+      NumPy path          11 us        0.52 ms     2.5 ms
+      jax native          97 us        2.8 ms     11.0 ms
+      jax callback       585 us        2.6 ms      9.5 ms
 
 The callback pays ~0.5 ms per call (pure_callback hand-over, a thread hop, Numba's parallel
-launch) and a copy of the result; native runs as one fused XLA loop (its stochastic_add does
-the exact integer fma, ~3x the NumPy path's time). Native also fuses with surrounding ops, keeps
-Python out of the compiled program and works under every transformation and on accelerators;
-pass ``impl="callback"`` to run the Numba kernels themselves.
+launch) and a copy of the result; native runs as one fused XLA loop, the Threefry rounds in it
+(its stochastic_add does the exact integer fma, ~4x the NumPy path's time). At 1024 elements
+XLA already splits that loop over both threads and waking the second one dominates (~18 us on
+one core). Native also fuses with surrounding ops, keeps Python out of the compiled program and
+works under every transformation and on accelerators; pass ``impl="callback"`` to run the Numba
+kernels themselves.
 
 Seeds (``seed=``):
 
@@ -254,8 +258,22 @@ def _gt64(ah, al, bh, bl):
 
 def _encode(u, fmt: Format, saturate: bool, bits16=None):
     """fp32 patterns ``u`` -> narrow patterns (uint32): stochastic with ``bits16``, else nearest
-    (ties to even). The same integer steps as ``_scalar.encode_stochastic/encode_nearest``."""
+    (ties to even). The same integer steps as ``_scalar.encode_stochastic/encode_nearest``;
+    bfloat16, the top half of fp32, takes the short form of those steps (16 bits dropped from
+    every finite value, subnormals included)."""
     mb, eb = fmt.mantissa_bits, fmt.exponent_bits
+    if (eb, mb) == (8, 7):
+        a = u & 0x7FFFFFFF
+        low = a & 0xFFFF
+        if bits16 is not None:
+            up = bits16 < low
+        else:
+            up = (low > 0x8000) | ((low == 0x8000) & ((a & 0x10000) != 0))
+        magnitude = (a >> 16) + up.astype(_U32)  # a carry into the exponent is exact
+        if saturate:
+            magnitude = jnp.minimum(magnitude, _U32(0x7F7F))
+        special = jnp.where(a == 0x7F800000, _U32(0x7F80), _U32(0x7FC0))
+        return ((u >> 31) << 15) | jnp.where(a >= 0x7F800000, special, magnitude)
     bias = fmt.bias
     a = u & 0x7FFFFFFF
     biased = (a >> 23).astype(jnp.int32)
@@ -410,38 +428,42 @@ def _fma_bits(A, B, C):
     return jnp.where(ab_finite & c_finite, finite, special)
 
 
-def _random16(k0, k1, lane0: int, first_lo, first_hi, n: int):
-    """The 16 random bits of elements 0..n-1 of a call (``_rng.py``'s stream), laid out as
-    uint32[blocks, 4]: row j is Threefry block ``first + j`` (lanes 0..3; ``first = offset >>
-    2`` as traced uint32 words, so a new offset does not recompile), and element i sits at
-    flat position ``lane0 + i`` (``lane0 = offset & 3``, static: it fixes the layout). Callers lay their data out the same way
-    (``_blocked``): every op stays elementwise (broadcasts, no concatenate/gather in the fused
-    loop, which on XLA's CPU backend made the fused stochastic_add ~5x slower)."""
-    blocks = (lane0 + n + 3) // 4
-    if blocks >= 1 << 32:
-        raise ValueError("x: more than 2**34 elements in one call are not supported")
-    j = jnp.arange(blocks, dtype=_U32)
+def _rotl(x, r: int):
+    return (x << r) | (x >> (32 - r))
+
+
+def _threefry2x32(k0, k1, c0, c1):
+    """``_rng.threefry2x32`` on uint32 arrays (the Random123 / ``jax.random`` function), the
+    20 rounds unrolled with literal rotations: plain elementwise ops that fuse into their
+    consumer (``jax.extend.random.threefry_2x32`` runs the rounds as a ``while`` loop on CPU,
+    a separate pass over memory per group of four rounds)."""
+    k0, k1 = _u(k0), _u(k1)
+    ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
+    x0, x1 = c0 + k0, c1 + k1
+    for g in range(5):
+        for r in (13, 15, 26, 6) if g % 2 == 0 else (17, 29, 16, 24):
+            x0 = x0 + x1
+            x1 = _rotl(x1, r) ^ x0
+        x0 = x0 + ks[(g + 1) % 3]
+        x1 = x1 + ks[(g + 2) % 3] + (g + 1)
+    return x0, x1
+
+
+def _random16(k0, k1, first_lo, first_hi, lane0: int, n: int):
+    """The 16 random bits (uint32[n]) of elements 0..n-1 of a call (``_rng.py``'s stream):
+    element i is lane ``(lane0 + i) & 3`` of Threefry block ``first + (lane0 + i) >> 2``
+    (``first = offset >> 2`` as traced uint32 words, so a new offset does not recompile;
+    ``lane0 = offset & 3``). Elementwise in i, so it fuses into the rounding that consumes it:
+    each element computes its block (4x the rounds, but a materialized array of blocks would be
+    a temporary - a pass over memory, and fresh pages every call on XLA's CPU backend)."""
+    if n > (1 << 32) - 4:
+        raise ValueError(f"x: {n} elements in one call, at most 2**32 - 4 are supported")
+    i = lax.iota(_U32, n) + _U32(lane0)
+    j = i >> 2
     c_lo = first_lo + j
     c_hi = first_hi + (c_lo < j).astype(_U32)  # carry into the high counter word
-    key = jnp.stack([_u(k0), _u(k1)])
-    from jax.extend.random import threefry_2x32
-
-    out = threefry_2x32(key, jnp.concatenate([c_lo, c_hi]))
-    x0, x1 = out[:blocks, None], out[blocks:, None]
-    lane = jnp.arange(4, dtype=_U32)[None, :]
-    return (jnp.where(lane < 2, x0, x1) >> ((lane & 1) * 16)) & 0xFFFF
-
-
-def _blocked(v, lane0: int, n: int):
-    """Flat ``v`` (n elements) in ``_random16``'s (blocks, 4) layout (zero padded)."""
-    pad = -(lane0 + n) % 4
-    if lane0 or pad:
-        v = jnp.pad(v, (lane0, pad))
-    return v.reshape(-1, 4)
-
-
-def _unblocked(v, lane0: int, n: int):
-    return v.reshape(-1)[lane0:lane0 + n]
+    x0, x1 = _threefry2x32(k0, k1, c_lo, c_hi)
+    return (jnp.where((i & 2) == 0, x0, x1) >> ((i & 1) << 4)) & 0xFFFF
 
 
 def _to_narrow(patterns, fmt: Format, shape):
@@ -472,9 +494,8 @@ def _first_block(offset: int):
 def _native_stochastic_round(x, k0, k1, first_lo, first_hi, *, lane0, fmt_name, saturate):
     fmt = FORMATS[fmt_name]
     n = x.size
-    u = _blocked(_bits(x, _U32), lane0, n)
-    y = _encode(u, fmt, saturate, _random16(k0, k1, lane0, first_lo, first_hi, n))
-    return _to_narrow(_unblocked(y, lane0, n), fmt, x.shape)
+    y = _encode(_bits(x, _U32), fmt, saturate, _random16(k0, k1, first_lo, first_hi, lane0, n))
+    return _to_narrow(y, fmt, x.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt_name", "saturate"))
@@ -494,12 +515,12 @@ def _native_stochastic_add(w, u, alpha, k0, k1, first_lo, first_hi, *, lane0, fm
                            saturate):
     fmt = FORMATS[fmt_name]
     n = w.size
-    wb = _blocked(_bits(w, jnp.uint16).astype(_U32), lane0, n)
-    ub = _blocked(_bits(u, _U32), lane0, n)
+    wb = _bits(w, jnp.uint16).astype(_U32)
+    ub = _bits(u, _U32)
     ab = lax.bitcast_convert_type(jnp.asarray(alpha, jnp.float32), _U32)
     total = _fma_bits(ab, ub, _decode(wb, fmt))
-    bits16 = _random16(k0, k1, lane0, first_lo, first_hi, n)
-    out = _unblocked(_encode(total, fmt, saturate, bits16), lane0, n)
+    bits16 = _random16(k0, k1, first_lo, first_hi, lane0, n)
+    out = _encode(total, fmt, saturate, bits16)
     return lax.bitcast_convert_type(out.astype(jnp.uint16), w.dtype).reshape(w.shape)
 
 

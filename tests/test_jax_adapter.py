@@ -123,6 +123,18 @@ def test_stochastic_add_matches_numpy_path(impl, fmt):
     np.testing.assert_array_equal(_bits(got), _bits(expected))
 
 
+def test_native_threefry_is_rng_threefry():
+    """The unrolled ``_threefry2x32`` of the native path is ``_rng.threefry2x32``."""
+    from srround._rng import threefry2x32
+
+    rng = np.random.default_rng(8)
+    k0, k1 = (int(v) for v in rng.integers(0, 2**32, 2))
+    c0, c1 = rng.integers(0, 2**32, (2, 64), dtype=np.uint32)
+    x0, x1 = jax.jit(lambda a, b: sj._threefry2x32(np.uint32(k0), np.uint32(k1), a, b))(c0, c1)
+    assert list(zip(np.asarray(x0).tolist(), np.asarray(x1).tolist())) == [
+        threefry2x32(k0, k1, int(a), int(b)) for a, b in zip(c0, c1)]
+
+
 def test_native_fma_is_exact():
     """``_fma_bits`` (integer fma) against Numba's ``fma32`` (llvm.fma.f32) on hard cases:
     cancellation, exact ties, tiny addends, subnormal and overflowing results, specials."""
