@@ -308,7 +308,7 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
             results = []
             for w, uh, off, name in zip(arrays[:n], arrays[n:], offsets, names):
                 target = np.array(w)
-                _host("stochastic_add")(target, np.ascontiguousarray(uh), alpha=1.0,
+                _host("stochastic_add")(target, np.asarray(uh, order="C"), alpha=1.0,
                                         seed=_seed_of(h0, h1), offset=base + off, dtype=name)
                 results.append(target)
             return tuple(results)

@@ -586,7 +586,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf"
                                         lane0=offset & 3, fmt_name=fmt.name, saturate=saturate)
 
     def host(xh, h0, h1):
-        y = _host("stochastic_round")(np.ascontiguousarray(xh), dtype=fmt.name,
+        y = _host("stochastic_round")(np.asarray(xh, order="C"), dtype=fmt.name,
                                       seed=_seed_of(h0, h1), offset=offset, overflow=overflow)
         return np.asarray(y).reshape(xh.shape)
 
@@ -607,7 +607,7 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
         return _native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
 
     def host(xh):
-        return np.asarray(_host("round_nearest")(np.ascontiguousarray(xh), dtype=fmt.name,
+        return np.asarray(_host("round_nearest")(np.asarray(xh, order="C"), dtype=fmt.name,
                                                  overflow=overflow)).reshape(xh.shape)
 
     return _callback(host, jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name]), x)
@@ -624,7 +624,7 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
         return _native_to_float32(y, fmt_name=fmt.name)
 
     def host(yh):
-        widened = _host("to_float32")(np.ascontiguousarray(yh), dtype=fmt.name)
+        widened = _host("to_float32")(np.asarray(yh, order="C"), dtype=fmt.name)
         return np.asarray(widened).reshape(yh.shape)
 
     return _callback(host, jax.ShapeDtypeStruct(y.shape, jnp.float32), y)
@@ -667,7 +667,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
 
     def host(wh, uh, ah, h0, h1):
         target = np.array(wh)  # a writable copy: the callback's input is read-only
-        _host("stochastic_add")(target, np.ascontiguousarray(uh), alpha=np.float32(ah),
+        _host("stochastic_add")(target, np.asarray(uh, order="C"), alpha=np.float32(ah),
                                 seed=_seed_of(h0, h1), offset=offset, dtype=fmt.name,
                                 overflow=overflow)
         return target

@@ -87,6 +87,19 @@ def test_apply_updates_matches_optax_structure_and_none_leaves():
     _same(out["b"], np.ones(3, np.float32))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_apply_updates_0d_leaves(impl):
+    """A scalar (0-d) leaf keeps its shape and gets the bits of the 1-element array."""
+    params = {"s": jnp.asarray(0.01, jnp.bfloat16), "v": jnp.full((3,), 0.01, jnp.bfloat16)}
+    updates = {"s": jnp.asarray(-1e-5, jnp.float32), "v": jnp.full((3,), -1e-5, jnp.float32)}
+    new = sj.apply_updates(params, updates, seed=SEED, impl=impl)
+    assert new["s"].shape == () and new["s"].dtype == jnp.bfloat16
+    flat = sj.apply_updates({"s": params["s"].reshape(1), "v": params["v"]},
+                            {"s": updates["s"].reshape(1), "v": updates["v"]}, seed=SEED,
+                            impl=impl)
+    assert np.asarray(new["s"]).view(np.uint16) == np.asarray(flat["s"]).view(np.uint16)[0]
+
+
 def test_apply_updates_fresh_noise_per_step():
     p = jnp.ones(4096, jnp.bfloat16)
     u = jnp.full(4096, 2.0**-10, jnp.float32)
