@@ -66,11 +66,12 @@ def run(device: str, total: int, reps: int):
         # x2 and x0.5 in turn: exact, so the values stay the same from call to call (1.0 would
         # let srround skip its stores: that is the check-only row)
         invs = itertools.cycle([torch.tensor([v], device=device) for v in (2.0, 0.5)])
+        factors = itertools.cycle((2.0, 0.5))  # the floor's (a Python float keeps bf16 math)
         one = torch.tensor([1.0], device=device)
         found = torch.zeros(1, device=device)
         flat = torch.randn(n, device=device).to(dtype)
         cases = {
-            "floor: flat.mul_(s)": lambda: flat.mul_(next(invs)),
+            "floor: flat.mul_(s)": lambda: flat.mul_(next(factors)),
             "torch _amp_foreach_...unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, found, next(invs)
             ),
