@@ -13,6 +13,8 @@ import jax.numpy as jnp  # noqa: E402
 import srround  # noqa: E402
 from srround.adapters import jax as sj  # noqa: E402
 
+from .reference import assert_same_fma_bits, fma32_bits, fma_hard_cases  # noqa: E402
+
 IMPLS = ["native", "callback"]
 FMTS = ["bfloat16", "float16"]
 NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -138,55 +140,10 @@ def test_native_threefry_is_rng_threefry():
 def test_native_fma_is_exact():
     """``_fma_bits`` (integer fma) against Numba's ``fma32`` (llvm.fma.f32) on hard cases:
     cancellation, exact ties, tiny addends, subnormal and overflowing results, specials."""
-    numba = pytest.importorskip("numba")
-    from srround._scalar import bits_to_f32, f32_to_bits, fma32
-
-    @numba.njit
-    def reference(a, b, c):
-        out = np.empty(a.size, np.uint32)
-        for i in range(a.size):
-            out[i] = f32_to_bits(fma32(bits_to_f32(np.int64(a[i])), bits_to_f32(np.int64(b[i])),
-                                       bits_to_f32(np.int64(c[i]))))
-        return out
-
-    rng = np.random.default_rng(3)
-    n = 1 << 15
-
-    def patterns(lo, hi):
-        sign = rng.integers(0, 2, n, dtype=np.uint32) << 31
-        return sign | (rng.integers(lo, hi, n, dtype=np.uint32) << 23) | rng.integers(
-            0, 1 << 23, n, dtype=np.uint32)
-
-    a = rng.standard_normal(n).astype(np.float32)
-    b = rng.standard_normal(n).astype(np.float32)
-    cancel = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(n) * 2.0 ** -rng.integers(
-        0, 40, n))).astype(np.float32)
-    tie_a = (rng.integers(2**12, 2**13, n) * 2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
-    tie_b = (rng.integers(2**12, 2**13, n) * 2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
-    tie_c = (rng.integers(-2**24, 2**24, n) * 2.0 ** rng.integers(-50, 10, n)).astype(np.float32)
-    special = np.array(SPECIAL_BITS, np.uint32)
-    grid = [g.ravel() for g in np.meshgrid(special, special, special, indexing="ij")]
-    cases = [
-        (a.view(np.uint32), b.view(np.uint32), cancel.view(np.uint32)),
-        (tie_a.view(np.uint32), tie_b.view(np.uint32), tie_c.view(np.uint32)),
-        (patterns(0, 255), patterns(0, 255), patterns(0, 256)),
-        (patterns(20, 110), patterns(20, 110), patterns(0, 30)),  # subnormal results
-        (patterns(150, 254), patterns(100, 254), patterns(200, 255)),  # overflow
-        tuple(grid),
-    ]
     fma = jax.jit(sj._fma_bits)
-    for i, (x, y, z) in enumerate(cases):
-        x, y, z = (np.ascontiguousarray(v, np.uint32) for v in (x, y, z))
-        want = reference(x, y, z)
+    for i, (x, y, z) in enumerate(fma_hard_cases(3)):
         got = np.asarray(fma(jnp.asarray(x), jnp.asarray(y), jnp.asarray(z)))
-        nan_w = (want & 0x7FFFFFFF) > 0x7F800000
-        nan_g = (got & 0x7FFFFFFF) > 0x7F800000
-        # NaN payloads may differ (rounding canonicalises them); NaN-ness and sign may not
-        same = np.where(nan_w | nan_g, nan_w & nan_g & ((want >> 31) == (got >> 31)),
-                        want == got)
-        bad = np.flatnonzero(~same)
-        assert bad.size == 0, (i, [tuple(hex(int(v[j])) for v in (x, y, z, want, got))
-                                   for j in bad[:5]])
+        assert_same_fma_bits(i, x, y, z, fma32_bits(x, y, z), got)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -16,6 +16,8 @@ from srround.adapters import jax as sj
 import srround
 from srround import _optim
 
+from .reference import assert_same_fma_bits, fma32_bits, fma_hard_cases
+
 IMPLS = ["native", "callback"]
 SHAPES = [(33,), (7, 5), (130,), (3,), (2, 2, 3)]
 SEED = 0x1234_5678_9ABC
@@ -273,71 +275,19 @@ def test_native_fma_is_exact():
     """The optimizer's float64 fma (and its sum, ``fma(1, u, w)``) against Numba's ``fma32``
     (llvm.fma.f32) and the adapter's integer ``_fma_bits`` on hard cases: cancellation, exact
     ties, tiny addends, subnormal operands and results, overflow, specials."""
-    numba = pytest.importorskip("numba")
     from srround.adapters._jax_optim import _add, _fma
 
-    from srround._scalar import bits_to_f32, f32_to_bits, fma32
+    def as_f32(v):
+        return jnp.asarray(v.view(np.float32))
 
-    @numba.njit
-    def reference(a, b, c):
-        out = np.empty(a.size, np.uint32)
-        for i in range(a.size):
-            out[i] = f32_to_bits(fma32(bits_to_f32(np.int64(a[i])), bits_to_f32(np.int64(b[i])),
-                                       bits_to_f32(np.int64(c[i]))))
-        return out
-
-    rng = np.random.default_rng(7)
-    n = 1 << 15
-
-    def patterns(lo, hi):
-        sign = rng.integers(0, 2, n, dtype=np.uint32) << 31
-        return sign | (rng.integers(lo, hi, n, dtype=np.uint32) << 23) | rng.integers(
-            0, 1 << 23, n, dtype=np.uint32)
-
-    a = rng.standard_normal(n).astype(np.float32)
-    b = rng.standard_normal(n).astype(np.float32)
-    cancel = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(n) * 2.0 ** -rng.integers(
-        0, 40, n))).astype(np.float32)
-    tie = [(rng.integers(2**12, 2**13, n) * 2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
-           for _ in range(2)]
-    tie_c = (rng.integers(-2**24, 2**24, n) * 2.0 ** rng.integers(-50, 10, n)).astype(np.float32)
-    special = np.array([0x7FFFFFFF, 0xFFC00000, 0x7FA00000, 0x7F800000, 0xFF800000, 0, 0x80000000,
-                        0x7F7FFFFF, 0x00000001, 0x807FFFFF, 0x00800000, 0x3F800000], np.uint32)
-    grid = [g.ravel() for g in np.meshgrid(special, special, special, indexing="ij")]
-    cases = [
-        (a.view(np.uint32), b.view(np.uint32), cancel.view(np.uint32)),
-        (tie[0].view(np.uint32), tie[1].view(np.uint32), tie_c.view(np.uint32)),
-        (patterns(0, 255), patterns(0, 255), patterns(0, 256)),
-        (patterns(20, 110), patterns(20, 110), patterns(0, 30)),  # subnormal results
-        (patterns(0, 3), patterns(100, 160), patterns(0, 3)),  # subnormal operands
-        (patterns(100, 160), patterns(0, 3), patterns(0, 3)),  # and sums
-        (patterns(150, 254), patterns(100, 254), patterns(200, 255)),  # overflow
-        (patterns(100, 150), (1 + rng.integers(0, 2**23, n) * 2.0**-23).astype(np.float32).view(
-            np.uint32), (rng.choice([-1, 1], n) * 2.0**-24 * rng.choice([1, 1 + 2.0**-23], n))
-         .astype(np.float32).view(np.uint32)),  # sums at and next to ties
-        tuple(grid),
-    ]
-    as_f32 = lambda v: jnp.asarray(v.view(np.float32))
     fma = jax.jit(lambda x, y, z: _fma(x, y, z))
     loose = jax.jit(lambda x, y, z: _fma(x, y, z, exact=(True, False, True)))
-    ones = np.full(n, 0x3F800000, np.uint32)
-
-    def check(i, x, y, z, want, got):
-        nan_w, nan_g = (want & 0x7FFFFFFF) > 0x7F800000, (got & 0x7FFFFFFF) > 0x7F800000
-        # NaN payloads may differ (quieting); NaN-ness and sign may not
-        same = np.where(nan_w | nan_g, nan_w & nan_g & ((want >> 31) == (got >> 31)),
-                        want == got)
-        bad = np.flatnonzero(~same)
-        assert bad.size == 0, (i, [tuple(hex(int(v[j])) for v in (x, y, z, want, got))
-                                   for j in bad[:5]])
-
-    for i, (x, y, z) in enumerate(cases):
-        x, y, z = (np.ascontiguousarray(v, np.uint32) for v in (x, y, z))
-        want = reference(x, y, z)
+    for i, (x, y, z) in enumerate(fma_hard_cases(7)):
         got = _bits(fma(as_f32(x), as_f32(y), as_f32(z)))
-        check(i, x, y, z, want, got)
-        check(i, ones[:y.size], y, z, reference(ones[:y.size], y, z),
-              _bits(jax.jit(_add)(as_f32(y), as_f32(z))))
+        assert_same_fma_bits(i, x, y, z, fma32_bits(x, y, z), got)
+        ones = np.full(y.size, 0x3F800000, np.uint32)
+        assert_same_fma_bits(i, ones, y, z, fma32_bits(ones, y, z),
+                             _bits(jax.jit(_add)(as_f32(y), as_f32(z))))
         old = np.asarray(jax.jit(sj._fma_bits)(jnp.asarray(x), jnp.asarray(y), jnp.asarray(z)))
         nan_g = (got & 0x7FFFFFFF) > 0x7F800000
         np.testing.assert_array_equal(np.where(nan_g, got >> 31, got), np.where(
