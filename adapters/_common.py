@@ -42,6 +42,18 @@ def check_contiguous(is_contiguous: bool, name: str, fix: str) -> None:
         )
 
 
+def check_source(dtype, is_contiguous: bool, name: str, fmt: Format | None, narrow: bool,
+                 fix: str):
+    """Checks of a read view: ``(format, bit dtype)`` - the narrow format (from the dtype or
+    ``fmt``) and ``uint16`` for ``narrow``, else float32 data: ``(None, uint32)``."""
+    if narrow:
+        fmt = narrow_format(dtype, name, fmt)
+    else:
+        check_float32(dtype, name)
+    check_contiguous(is_contiguous, name, fix)
+    return fmt, np.uint16 if narrow else np.uint32
+
+
 def check_counter(dtype, shape, is_contiguous: bool, name: str, like_shape, fix: str) -> None:
     """An int32 counter array updated in place: dtype, shape and contiguity."""
     if dtype != np.int32:

@@ -23,7 +23,7 @@ import numpy as np
 from srround._formats import FORMATS, Format
 
 from ._common import (
-    buffer_code, buffer_table as _buffer_table, check_contiguous, check_counter, check_float32,
+    buffer_code, buffer_table as _buffer_table, check_contiguous, check_counter, check_float32, check_source,
     narrow_format,
 )
 from ._view import View, check_shape
@@ -84,12 +84,8 @@ def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False
     """A read view of ``x``: float32 data (``narrow=False``) or narrow data (``narrow=True``,
     format from the dtype or ``fmt``). Returns ``(view, format)``."""
     a = _as_array(x, name)
-    if narrow:
-        fmt = narrow_format(a.dtype, name, fmt)
-    else:
-        check_float32(a.dtype, name)
-    check_contiguous(a.flags.c_contiguous, name, _FIX)
-    return _view(a, np.uint16 if narrow else np.uint32, name), fmt
+    fmt, bits = check_source(a.dtype, a.flags.c_contiguous, name, fmt, narrow, _FIX)
+    return _view(a, bits, name), fmt
 
 
 def target(out, name: str, like: View, fmt: Format | None) -> View:

@@ -15,7 +15,7 @@ from srround._numba_cuda_compat import import_numba_cuda
 from srround._tensor_list import address
 
 from ._common import (
-    buffer_code, buffer_table as _buffer_table, check_contiguous, check_counter, check_float32,
+    buffer_code, buffer_table as _buffer_table, check_contiguous, check_counter, check_float32, check_source,
     narrow_format,
 )
 from ._view import View, check_shape
@@ -63,12 +63,8 @@ def _contiguous(a) -> bool:
 
 def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False
            ) -> tuple[View, Format | None]:
-    if narrow:
-        fmt = narrow_format(x.dtype, name, fmt)
-    else:
-        check_float32(x.dtype, name)
-    check_contiguous(_contiguous(x), name, _FIX)
-    return _view(x, np.uint16 if narrow else np.uint32), fmt
+    fmt, bits = check_source(x.dtype, _contiguous(x), name, fmt, narrow, _FIX)
+    return _view(x, bits), fmt
 
 
 def target(out, name: str, like: View, fmt: Format | None) -> View:

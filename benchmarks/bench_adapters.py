@@ -36,7 +36,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from bench_round import Unavailable, _quiet_import, jax_sr_fn, measure
+from bench_round import Unavailable, _cuda_reference_kernels, _quiet_import, jax_sr_fn, measure
 
 SEED = 7
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -211,13 +211,7 @@ def _copy_floor(device: str, n: int, cell_time: float) -> float:
         src, dst = np.ones(words, np.uint64), np.empty(words, np.uint64)
         return measure(lambda: copy(src, dst), cell_time=cell_time)["median_s"]
     cuda = _cuda()
-
-    @cuda.jit
-    def copy_words(src, dst):
-        i = cuda.grid(1)
-        if i < src.size:
-            dst[i] = src[i]
-
+    copy_words, _ = _cuda_reference_kernels()  # bench_round's GPU floor kernel
     src, dst = cuda.to_device(np.ones(words, np.uint64)), cuda.device_array(words, np.uint64)
     blocks = (words + 255) // 256
     return measure(lambda: copy_words[blocks, 256](src, dst), lambda _: cuda.synchronize(),
