@@ -12,7 +12,8 @@ cached. Each step then only walks the parameters to check that the same paramete
 gradients at the same addresses (``data_ptr()``), builds the float64[G, 5] hyperparameter array
 from ``param_groups`` (so lr schedulers and edits of ``group["lr"]`` etc. take effect; the array
 is uploaded only when it changed) and bumps the parameters' version counters. The table is
-rebuilt when the set of parameters with gradients changes, or a gradient / parameter moved.
+rebuilt when the set of parameters with gradients changes, a parameter changes group, or a
+gradient / parameter moved (``p.data = ...``).
 
 ``zero_grad``: both settings are correct. ``zero_grad(set_to_none=True)`` (torch's default)
 frees the gradients; the next backward allocates new ones, and if any lands at another address
@@ -33,6 +34,8 @@ stream: ``load_state_dict`` then continues bit-identically.
 from __future__ import annotations
 
 import contextlib
+import operator
+from itertools import chain
 
 import numpy as np
 import torch
@@ -50,6 +53,8 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ONE_BITS = np.array([1.0], np.float32).view(np.uint32)
 _ZERO_BITS = np.zeros(1, np.uint32)
+_DATA_PTR = torch.Tensor.data_ptr
+_GRAD = operator.attrgetter("grad")
 
 
 def _on(device):
@@ -125,14 +130,20 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # -- the cached table -------------------------------------------------------------------
 
     def _key(self):
-        """Addresses of every (parameter, gradient) pair with a gradient: the cache key, one
-        cheap loop (about 0.3 us per tensor)."""
+        """The cache key: the parameter count of every group, then the addresses of every
+        parameter and of its gradient (0: none) - lists built by C-level ``map`` (about
+        0.2 us per tensor)."""
+        groups = self.param_groups
+        params = list(chain.from_iterable(g["params"] for g in groups))
+        grads = list(map(_GRAD, params))
         try:
-            return tuple([(p.data_ptr(), g.data_ptr()) for group in self.param_groups
-                          for p in group["params"] if (g := p.grad) is not None])
+            grad_ptrs = list(map(_DATA_PTR, grads))
+        except TypeError:  # parameters without a gradient
+            grad_ptrs = [0 if g is None else g.data_ptr() for g in grads]
         except RuntimeError:  # a gradient without strided storage (sparse)
             self._collect()
             raise
+        return ([len(g["params"]) for g in groups], list(map(_DATA_PTR, params)), grad_ptrs)
 
     def _collect(self):
         """``(params with grads, their group indices)``, checking the gradients' layout."""
@@ -289,11 +300,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         config = self._config()
         key = (self._key(), config, self._layout_key())
-        if not key[0]:
-            return loss
         entry = self._entry
         if entry is None or entry.key != key:
             params, group_index = self._collect()
+            if not params:  # no gradients
+                return loss
             with _on(params[0].device):
                 entry = self._build(params, group_index, key, config)
         fused = entry.fused

@@ -389,6 +389,9 @@ def _make_step_cpu(kind, mode, state_fmt, state1, formats):
             return
         for k in range(table.shape[0]):
             steps[k] += 1
+            if k > 0 and steps[k] == steps[k - 1] and table[k, GROUP] == table[k - 1, GROUP]:
+                coefs[k] = coefs[k - 1]  # the common case: the same step of the same group
+                continue
             h = hyper[table[k, GROUP]]
             coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
                 kind, steps[k], h[0], h[1], h[2], h[3], h[4])

@@ -322,6 +322,33 @@ def test_table_cached_and_rebuilt_when_grads_move():
     assert [int(opt.state[p]["step"]) for p in ps] == [4, 3, 4]
 
 
+def test_table_rebuilt_when_a_param_changes_group_or_storage():
+    """Moving a parameter to another group (editing ``group["params"]``) and replacing a
+    parameter's storage (``p.data = ...``, as ``module.to``/``.half`` do) both rebuild the table:
+    the step uses the new group's lr and writes the new storage."""
+    ours, ref = _params(torch.float32), _params(torch.float32)
+    opt = SGD([{"params": ours[:2]}, {"params": ours[2:], "lr": 0.5}], lr=0.1, seed=0)
+    ref_opt = torch.optim.SGD([{"params": ref[:2]}, {"params": ref[2:], "lr": 0.5}], lr=0.1)
+    for step in range(4):
+        if step == 2:  # ours[1] joins group 1 (same flat order, other group sizes)
+            for o in (opt, ref_opt):
+                moved = o.param_groups[0]["params"].pop()
+                o.param_groups[1]["params"].insert(0, moved)
+        if step == 3:  # new storage for a parameter
+            for p in (ours[0], ref[0]):
+                p.data = p.data.clone()
+        grads = _grads(step)
+        for params in (ours, ref):  # gradients kept in place: only the change can rebuild
+            if params[0].grad is None:
+                _set_grads(params, grads)
+            for p, g in zip(params, grads):
+                p.grad.copy_(g)
+        opt.step()
+        ref_opt.step()
+        for p, r in zip(ours, ref):
+            _assert_bits_equal(p, r, f"step {step}")
+
+
 def test_no_grads_is_a_no_op():
     ps = _params()
     opt = AdamW(ps, seed=0)
