@@ -444,11 +444,11 @@ def _group_bits16(k0, k1, t, stream: int, members):
     return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
 
 
-def _update(cfg, p, g, m, v, a, bits, t, coefs, inv_scale):
+def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     """The update of one leaf (or of a concatenation of small leaves): ``bits(stream)`` gives
-    the random bits of its elements. Returns (p, m, v, aux)."""
-    mode, state_dtype = cfg["rounding"], cfg["state_dtype"]
-    beta2, eps, omb1, omb2 = cfg["constants"]
+    the random bits of its elements; ``cfg`` = (rounding, state_dtype, constants). Returns
+    (p, m, v, aux)."""
+    mode, state_dtype, (beta2, eps, omb1, omb2) = cfg
 
     def state_out(x, stream):
         if state_dtype == jnp.float32:
@@ -477,6 +477,19 @@ def _update(cfg, p, g, m, v, a, bits, t, coefs, inv_scale):
     return _narrow_out(written, p.dtype), m_new, v_new, a
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _leaf_update(p, g, m, v, a, k0, k1, t, start_lo, lane0, coefs, inv_scale, *, cfg):
+    """``_update`` of a leaf at global element ``start = 4 start_lo + lane0`` (uint32 scalars):
+    jitted with the start traced, so leaves of the same shapes and dtypes are traced and
+    lowered once (each call is inlined by XLA, which folds the constant start back)."""
+    hi = _u(t) * _U32(4)
+
+    def bits(stream):
+        return _random16(k0, k1, start_lo, hi + _U32(stream), lane0, p.size).reshape(p.shape)
+
+    return _update(cfg, p, g, m, v, a, bits, coefs, inv_scale)
+
+
 def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k1, coefs,
                  inv_scale):
     """The native fused step, leaf by leaf. Every output of a leaf is elementwise in the leaf's
@@ -491,6 +504,13 @@ def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k
     (p, m, v, aux)."""
     starts = _starts(p_leaves)
     outs = [None] * len(p_leaves)
+    cfg = (cfg["rounding"], cfg["state_dtype"], cfg["constants"])
+
+    def leaf(k):
+        return _leaf_update(p_leaves[k], g_leaves[k], m_leaves[k], v_leaves[k], a_leaves[k],
+                            k0, k1, t, _u(starts[k] >> 2), _u(starts[k] & 3), coefs, inv_scale,
+                            cfg=cfg)
+
     groups = {}  # dtypes -> [[leaf index, ...], ...] of small leaves
     for k, (p, g, m, v, a) in enumerate(zip(p_leaves, g_leaves, m_leaves, v_leaves, a_leaves)):
         if p.size == 0:
@@ -502,19 +522,10 @@ def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k
                 runs.append([])
             runs[-1].append(k)
         else:
-            def bits(stream, start=starts[k], shape=p.shape):
-                return _leaf_bits16(k0, k1, t, stream, start, shape)
-
-            outs[k] = _update(cfg, p, g, m, v, a, bits, t, coefs, inv_scale)
+            outs[k] = leaf(k)
     for run in (run for runs in groups.values() for run in runs):
         if len(run) == 1:
-            k = run[0]
-
-            def bits(stream, start=starts[k], shape=p_leaves[k].shape):
-                return _leaf_bits16(k0, k1, t, stream, start, shape)
-
-            outs[k] = _update(cfg, p_leaves[k], g_leaves[k], m_leaves[k], v_leaves[k],
-                              a_leaves[k], bits, t, coefs, inv_scale)
+            outs[run[0]] = leaf(run[0])
             continue
         members = [(starts[k], p_leaves[k].size) for k in run]
 
@@ -527,7 +538,7 @@ def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k
             return jnp.concatenate([jnp.reshape(leaves[k], (-1,)) for k in run])
 
         new = _update(cfg, flat(p_leaves), flat(g_leaves), flat(m_leaves), flat(v_leaves),
-                      flat(a_leaves), bits, t, coefs, inv_scale)
+                      flat(a_leaves), bits, coefs, inv_scale)
         offset = 0
         for k in run:
             n, shape = p_leaves[k].size, p_leaves[k].shape
