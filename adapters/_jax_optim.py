@@ -53,11 +53,15 @@ Implementations (``impl``):
   ``jax.enable_x64`` (a scalar ``while_loop`` per step) like ``_fma``: both need a backend with
   IEEE float64 (CPU, GPU; TPU emulates float64 and may differ in the last bit). Each output of
   each leaf is one elementwise loop over the leaf's buffers, its random bits computed in it
-  (``_native_step``), so the program and its compile time grow with the number of leaves. On
-  a 2-core x86 VM (jax 0.10.2 CPU), for ``benchmarks/bench_optim.py``'s 24.6M bf16 parameters
-  in 196 leaves: ~90 ms per step with float32 states, ~210 ms with bf16 states (three random
-  streams), first call ~32 s / ~80 s (~4 s / ~10 s for 24 leaves); ``optax.adamw`` on the
-  bf16 parameters, ~35-55 ms.
+  (``_native_step``), so the program and its compile time grow with the number of leaves;
+  leaves of at most 2**16 elements (biases, norm scales) of the same dtypes are concatenated
+  and updated together, and a leaf's update is traced once per shape and dtypes (``jax.jit``
+  with the leaf's start traced), but XLA still compiles every large leaf's loops separately
+  (its CPU backend does not share the code of identical loops). On a 2-core x86 VM (jax
+  0.10.2 CPU), for ``benchmarks/bench_optim.py``'s 24.6M bf16 parameters in 196 leaves:
+  ~90 ms per step with float32 states, ~210 ms with bf16 states (three random streams), first
+  call ~25 s / ~50 s (was ~40 s / ~90 s before the grouping and the per-shape tracing,
+  measured in the same runs); ``optax.adamw`` on the bf16 parameters, ~35-55 ms.
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -87,6 +91,7 @@ from .jax import (
     _key_words,
     _random16,
     _seed_of,
+    _threefry2x32,
     _u,
 )
 
@@ -424,6 +429,71 @@ def _weight_write(mode, fmt, old_bits, new_bits, aux_bits, bits16):
     return high, jnp.where(nan, _U32(0), low)
 
 
+# Leaves of at most _SMALL elements (biases, norm scales) are updated together, concatenated into
+# groups of at most _GROUP elements: every leaf costs the compiler a loop per output, however
+# small, and concatenating and slicing back a few thousand elements costs next to nothing.
+_SMALL = 1 << 16
+_GROUP = 1 << 20
+
+
+def _group_bits16(k0, k1, t, stream: int, members):
+    """``_leaf_bits16`` of the leaves ``members`` ((start, size) pairs), concatenated: the
+    Threefry counters of their elements as constants (element j of a member at global element
+    ``start + j``: block ``(start + j) >> 2``, lane ``(start + j) & 3``)."""
+    glob = np.concatenate([np.arange(n, dtype=np.int64) + start for start, n in members])
+    c_lo = jnp.asarray((glob >> 2).astype(np.uint32))  # < 2**32: starts < 2**34
+    lane = jnp.asarray((glob & 3).astype(np.uint32))
+    hi = _u(t) * _U32(4) + _U32(stream)
+    x0, x1 = _threefry2x32(k0, k1, c_lo, jnp.broadcast_to(hi, c_lo.shape))
+    return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
+
+
+def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
+    """The update of one leaf (or of a concatenation of small leaves): ``bits(stream)`` gives
+    the random bits of its elements; ``cfg`` = (rounding, state_dtype, constants). Returns
+    (p, m, v, aux)."""
+    mode, state_dtype, (beta2, eps, omb1, omb2) = cfg
+
+    def state_out(x, stream):
+        if state_dtype == jnp.float32:
+            return x
+        return _narrow_out(_encode(_b32(x), FORMATS["bfloat16"], False, bits(stream)),
+                           state_dtype)
+
+    name = _NARROW.get(jnp.dtype(p.dtype))
+    p_bits = _widen_bits(p)
+    aux_bits = _aux_bits(mode, a) if name and a is not None else None
+    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
+    g = _f32(_widen_bits(g))
+    if inv_scale is not None:
+        g = g * inv_scale
+    new, m_new, v_new = _adamw_math(_f32(old), g, _f32(_widen_bits(m)),
+                                    _f32(_widen_bits(v)), *coefs, beta2, eps, omb1, omb2)
+    m_new, v_new = state_out(m_new, 1), state_out(v_new, 2)
+    if name is None:
+        return new, m_new, v_new, a
+    bits16 = bits(0) if mode == "stochastic" else None
+    written, aux_new = _weight_write(mode, FORMATS[name], old, _b32(new), aux_bits, bits16)
+    if mode == "master":
+        a = new
+    elif aux_new is not None:
+        a = _narrow_out(aux_new, p.dtype if mode == "kahan" else jnp.int16)
+    return _narrow_out(written, p.dtype), m_new, v_new, a
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _leaf_update(p, g, m, v, a, k0, k1, t, start_lo, lane0, coefs, inv_scale, *, cfg):
+    """``_update`` of a leaf at global element ``start = 4 start_lo + lane0`` (uint32 scalars):
+    jitted with the start traced, so leaves of the same shapes and dtypes are traced and
+    lowered once (each call is inlined by XLA, which folds the constant start back)."""
+    hi = _u(t) * _U32(4)
+
+    def bits(stream):
+        return _random16(k0, k1, start_lo, hi + _U32(stream), lane0, p.size).reshape(p.shape)
+
+    return _update(cfg, p, g, m, v, a, bits, coefs, inv_scale)
+
+
 def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k1, coefs,
                  inv_scale):
     """The native fused step, leaf by leaf. Every output of a leaf is elementwise in the leaf's
@@ -433,43 +503,52 @@ def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k
     CPU backend a temporary paged in afresh every call). That backend emits one loop per output;
     the float32 moments end in an op of several arrays, which it writes once (into the state
     buffer) for the parameter's loop to read - bf16 moments are recomputed there instead. The
-    program grows with the number of leaves (compile time too). Returns per-leaf
+    program grows with the number of leaves (compile time too), except that small leaves
+    (``_SMALL``) of the same dtypes are concatenated and updated together. Returns per-leaf
     (p, m, v, aux)."""
-    mode, state_dtype = cfg["rounding"], cfg["state_dtype"]
-    beta2, eps, omb1, omb2 = cfg["constants"]
-    outs = []
-    for start, p, g, m, v, a in zip(_starts(p_leaves), p_leaves, g_leaves, m_leaves, v_leaves,
-                                    a_leaves):
+    starts = _starts(p_leaves)
+    outs = [None] * len(p_leaves)
+    cfg = (cfg["rounding"], cfg["state_dtype"], cfg["constants"])
+
+    def leaf(k):
+        return _leaf_update(p_leaves[k], g_leaves[k], m_leaves[k], v_leaves[k], a_leaves[k],
+                            k0, k1, t, _u(starts[k] >> 2), _u(starts[k] & 3), coefs, inv_scale,
+                            cfg=cfg)
+
+    groups = {}  # dtypes -> [[leaf index, ...], ...] of small leaves
+    for k, (p, g, m, v, a) in enumerate(zip(p_leaves, g_leaves, m_leaves, v_leaves, a_leaves)):
         if p.size == 0:
-            outs.append((p, m, v, a))
+            outs[k] = (p, m, v, a)
+        elif p.size <= _SMALL:
+            key = tuple(None if x is None else jnp.dtype(x.dtype) for x in (p, g, m, v, a))
+            runs = groups.setdefault(key, [[]])
+            if runs[-1] and sum(p_leaves[i].size for i in runs[-1]) + p.size > _GROUP:
+                runs.append([])
+            runs[-1].append(k)
+        else:
+            outs[k] = leaf(k)
+    for run in (run for runs in groups.values() for run in runs):
+        if len(run) == 1:
+            outs[run[0]] = leaf(run[0])
             continue
+        members = [(starts[k], p_leaves[k].size) for k in run]
 
-        def state_out(x, stream, start=start):
-            if state_dtype == jnp.float32:
-                return x
-            bits16 = _leaf_bits16(k0, k1, t, stream, start, x.shape)
-            return _narrow_out(_encode(_b32(x), FORMATS["bfloat16"], False, bits16), state_dtype)
+        def bits(stream, members=members):
+            return _group_bits16(k0, k1, t, stream, members)
 
-        name = _NARROW.get(jnp.dtype(p.dtype))
-        p_bits = _widen_bits(p)
-        aux_bits = _aux_bits(mode, a) if name and a is not None else None
-        old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
-        g = _f32(_widen_bits(g))
-        if inv_scale is not None:
-            g = g * inv_scale
-        new, m_new, v_new = _adamw_math(_f32(old), g, _f32(_widen_bits(m)),
-                                        _f32(_widen_bits(v)), *coefs, beta2, eps, omb1, omb2)
-        m_new, v_new = state_out(m_new, 1), state_out(v_new, 2)
-        if name is None:
-            outs.append((new, m_new, v_new, a))
-            continue
-        bits16 = _leaf_bits16(k0, k1, t, 0, start, p.shape) if mode == "stochastic" else None
-        written, aux_new = _weight_write(mode, FORMATS[name], old, _b32(new), aux_bits, bits16)
-        if mode == "master":
-            a = new
-        elif aux_new is not None:
-            a = _narrow_out(aux_new, p.dtype if mode == "kahan" else jnp.int16)
-        outs.append((_narrow_out(written, p.dtype), m_new, v_new, a))
+        def flat(leaves, run=run):
+            if leaves[run[0]] is None:
+                return None
+            return jnp.concatenate([jnp.reshape(leaves[k], (-1,)) for k in run])
+
+        new = _update(cfg, flat(p_leaves), flat(g_leaves), flat(m_leaves), flat(v_leaves),
+                      flat(a_leaves), bits, coefs, inv_scale)
+        offset = 0
+        for k in run:
+            n, shape = p_leaves[k].size, p_leaves[k].shape
+            outs[k] = tuple(None if x is None else
+                            lax.slice(x, (offset,), (offset + n,)).reshape(shape) for x in new)
+            offset += n
     return outs
 
 

@@ -169,6 +169,23 @@ def test_adamw_matches_adamw_step(impl, rounding, state_dtype):
                                                 state_dtype=state_dtype))
 
 
+@pytest.mark.parametrize("layout", [(0, 0), (64, 100)])
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_adamw_native_small_leaf_groups(monkeypatch, rounding, state_dtype, layout):
+    """The native step concatenates small leaves of the same dtypes (at most ``_SMALL``
+    elements each, ``_GROUP`` per group): the same bits with every leaf on its own (0, 0) and
+    with smaller, split groups."""
+    from srround.adapters import _jax_optim
+
+    monkeypatch.setattr(_jax_optim, "_SMALL", layout[0])
+    monkeypatch.setattr(_jax_optim, "_GROUP", layout[1])
+    params = _params(DTYPES)
+    got, state = _jax_run(params, 2, impl="native", rounding=rounding, state_dtype=state_dtype)
+    _check_against_numpy(got, state, _numpy_run(params, 2, rounding=rounding,
+                                                state_dtype=state_dtype))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_adamw_schedule_key_seed_and_hyperparameters(impl):
     optax = pytest.importorskip("optax")
