@@ -53,15 +53,17 @@ Implementations (``impl``):
   ``jax.enable_x64`` (a scalar ``while_loop`` per step) like ``_fma``: both need a backend with
   IEEE float64 (CPU, GPU; TPU emulates float64 and may differ in the last bit). Each output of
   each leaf is one elementwise loop over the leaf's buffers, its random bits computed in it
-  (``_native_step``), so the program and its compile time grow with the number of leaves;
-  leaves of at most 2**16 elements (biases, norm scales) of the same dtypes are concatenated
-  and updated together, and a leaf's update is traced once per shape and dtypes (``jax.jit``
-  with the leaf's start traced), but XLA still compiles every large leaf's loops separately
-  (its CPU backend does not share the code of identical loops). On a 2-core x86 VM (jax
-  0.10.2 CPU), for ``benchmarks/bench_optim.py``'s 24.6M bf16 parameters in 196 leaves:
-  ~90 ms per step with float32 states, ~210 ms with bf16 states (three random streams), first
-  call ~25 s / ~50 s (was ~40 s / ~90 s before the grouping and the per-shape tracing,
-  measured in the same runs); ``optax.adamw`` on the bf16 parameters, ~35-55 ms.
+  (``_native_leaves``, for ``adamw`` and ``apply_updates``), so the program and its compile
+  time grow with the number of leaves; leaves of at most 2**16 elements (biases, norm scales)
+  of the same dtypes are concatenated and updated together, and a leaf's update is traced
+  once per shape and dtypes (``jax.jit`` with the leaf's start traced), but XLA still
+  compiles every large leaf's loops separately (its CPU backend does not share the code of
+  identical loops). On a 2-core x86 VM (jax 0.10.2 CPU), for ``benchmarks/bench_optim.py``'s
+  24.6M bf16 parameters in 196 leaves: ~90 ms per step with float32 states, ~210 ms with bf16
+  states (three random streams), first call ~25 s / ~50 s (was ~40 s / ~90 s before the
+  grouping and the per-shape tracing, measured in the same runs); ``optax.adamw`` on the bf16
+  parameters, ~35-55 ms; ``optax.adamw`` + ``apply_updates``, ~130 ms per step, first call
+  ~22-24 s (was ~28-31 s; ~2 s of it ``optax.adamw``'s).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
