@@ -53,15 +53,17 @@ Implementations (``impl``):
   ``jax.enable_x64`` (a scalar ``while_loop`` per step) like ``_fma``: both need a backend with
   IEEE float64 (CPU, GPU; TPU emulates float64 and may differ in the last bit). Each output of
   each leaf is one elementwise loop over the leaf's buffers, its random bits computed in it
-  (``_native_step``), so the program and its compile time grow with the number of leaves;
-  leaves of at most 2**16 elements (biases, norm scales) of the same dtypes are concatenated
-  and updated together, and a leaf's update is traced once per shape and dtypes (``jax.jit``
-  with the leaf's start traced), but XLA still compiles every large leaf's loops separately
-  (its CPU backend does not share the code of identical loops). On a 2-core x86 VM (jax
-  0.10.2 CPU), for ``benchmarks/bench_optim.py``'s 24.6M bf16 parameters in 196 leaves:
-  ~90 ms per step with float32 states, ~210 ms with bf16 states (three random streams), first
-  call ~25 s / ~50 s (was ~40 s / ~90 s before the grouping and the per-shape tracing,
-  measured in the same runs); ``optax.adamw`` on the bf16 parameters, ~35-55 ms.
+  (``_native_leaves``, for ``adamw`` and ``apply_updates``), so the program and its compile
+  time grow with the number of leaves; leaves of at most 2**16 elements (biases, norm scales)
+  of the same dtypes are concatenated and updated together, and a leaf's update is traced
+  once per shape and dtypes (``jax.jit`` with the leaf's start traced), but XLA still
+  compiles every large leaf's loops separately (its CPU backend does not share the code of
+  identical loops). On a 2-core x86 VM (jax 0.10.2 CPU), for ``benchmarks/bench_optim.py``'s
+  24.6M bf16 parameters in 196 leaves: ~90 ms per step with float32 states, ~210 ms with bf16
+  states (three random streams), first call ~25 s / ~50 s (was ~40 s / ~90 s before the
+  grouping and the per-shape tracing, measured in the same runs); ``optax.adamw`` on the bf16
+  parameters, ~35-55 ms; ``optax.adamw`` + ``apply_updates``, ~130 ms per step, first call
+  ~22-24 s (was ~28-31 s; ~2 s of it ``optax.adamw``'s).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -118,20 +120,6 @@ def _starts(leaves) -> list[int]:
     if total >= _optim.MAX_ELEMENTS:
         raise ValueError(f"params: {total} elements, at most {_optim.MAX_ELEMENTS - 1} per step")
     return starts
-
-
-def _first_words(t, stream: int, start: int):
-    """``(t * 2**36 + stream * 2**34 + start) >> 2`` as (lo, hi) uint32 words: t may be traced
-    (t < 2**26 and start < 2**34, so lo = start >> 2 and hi = 4 t + stream, no carry)."""
-    hi = _u(t) * _U32(4) + _U32(stream)
-    return _u(start >> 2), hi
-
-
-def _leaf_bits16(k0, k1, t, stream: int, start: int, shape):
-    """The random bits (uint32, ``shape``) of a leaf starting at global element ``start``:
-    element j at counter ``t * 2**36 + stream * 2**34 + start + j``."""
-    n = int(np.prod(shape, dtype=np.int64))
-    return _random16(k0, k1, *_first_words(t, stream, start), start & 3, n).reshape(shape)
 
 
 def _f32(bits):
@@ -222,6 +210,96 @@ def _narrow_out(patterns, dtype):
     return lax.bitcast_convert_type(patterns.astype(jnp.uint16), dtype)
 
 
+# Leaves of at most _SMALL elements (biases, norm scales) are updated together, concatenated into
+# groups of at most _GROUP elements: every leaf costs the compiler a loop per output, however
+# small, and concatenating and slicing back a few thousand elements costs next to nothing.
+_SMALL = 1 << 16
+_GROUP = 1 << 20
+
+
+def _group_bits16(k0, k1, t, stream: int, members):
+    """The random bits (uint32) of the leaves ``members`` ((start, size) pairs), concatenated:
+    element j of a member at counter ``t * 2**36 + stream * 2**34 + start + j``, the Threefry
+    counters of its elements as constants (block ``(start + j) >> 2``, lane ``(start + j) &
+    3``; ``t < 2**26`` and starts < 2**34, so the high word is ``4 t + stream``)."""
+    glob = np.concatenate([np.arange(n, dtype=np.int64) + start for start, n in members])
+    c_lo = jnp.asarray((glob >> 2).astype(np.uint32))  # < 2**32: starts < 2**34
+    lane = jnp.asarray((glob & 3).astype(np.uint32))
+    hi = _u(t) * _U32(4) + _U32(stream)
+    x0, x1 = _threefry2x32(k0, k1, c_lo, jnp.broadcast_to(hi, c_lo.shape))
+    return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
+
+
+@functools.partial(jax.jit, static_argnames=("update", "cfg"))
+def _leaf_call(arrays, k0, k1, t, start_lo, lane0, extra, *, update, cfg):
+    """``update(cfg, *arrays, bits, *extra)`` of one leaf (``arrays[0]`` gives its shape) at
+    global element ``start = 4 start_lo + lane0`` (uint32 scalars), ``bits(stream)`` the random
+    bits of its elements: jitted with the start traced, so leaves of the same shapes and dtypes
+    are traced and lowered once (each call is inlined by XLA, which folds the constant start
+    back)."""
+    shape = arrays[0].shape
+    hi = _u(t) * _U32(4)
+
+    def bits(stream):
+        n = int(np.prod(shape, dtype=np.int64))
+        return _random16(k0, k1, start_lo, hi + _U32(stream), lane0, n).reshape(shape)
+
+    return update(cfg, *arrays, bits, *extra)
+
+
+def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
+    """``update(cfg, *arrays, bits, *extra)`` (a tuple of arrays or ``None``) for every leaf:
+    ``columns`` holds per input a list of nonempty leaves (``None`` where absent), leaf ``k``
+    at global element ``starts[k]``; ``bits(stream)`` gives the random bits of its elements
+    (counter ``t * 2**36 + stream * 2**34 + starts[k] + j``). Every output of a leaf is
+    elementwise in the leaf's buffers (its random bits too, computed in the loop from the
+    global element indices), so XLA fuses it into a loop over the leaf's own buffers: no
+    concatenation into a flat buffer and no slicing back (each a pass over memory, and on XLA's
+    CPU backend a temporary paged in afresh every call). The program grows with the number of
+    leaves (compile time too), except that a leaf's update is traced once per shape and dtypes
+    (``_leaf_call``) and small leaves (``_SMALL``) of the same dtypes are concatenated and
+    updated together. Returns the per-leaf tuples."""
+    outs = [None] * len(starts)
+
+    def leaf(k):
+        return _leaf_call(tuple(c[k] for c in columns), k0, k1, t, _u(starts[k] >> 2),
+                          _u(starts[k] & 3), extra, update=update, cfg=cfg)
+
+    groups = {}  # dtypes -> [[leaf index, ...], ...] of small leaves
+    sizes = [x.size for x in columns[0]]
+    for k, size in enumerate(sizes):
+        if size <= _SMALL:
+            key = tuple(None if c[k] is None else jnp.dtype(c[k].dtype) for c in columns)
+            runs = groups.setdefault(key, [[]])
+            if runs[-1] and sum(sizes[i] for i in runs[-1]) + size > _GROUP:
+                runs.append([])
+            runs[-1].append(k)
+        else:
+            outs[k] = leaf(k)
+    for run in (run for runs in groups.values() for run in runs):
+        if len(run) == 1:
+            outs[run[0]] = leaf(run[0])
+            continue
+        members = [(starts[k], sizes[k]) for k in run]
+
+        def bits(stream, members=members):
+            return _group_bits16(k0, k1, t, stream, members)
+
+        def flat(leaves, run=run):
+            if leaves[run[0]] is None:
+                return None
+            return jnp.concatenate([jnp.reshape(leaves[k], (-1,)) for k in run])
+
+        new = update(cfg, *(flat(c) for c in columns), bits, *extra)
+        offset = 0
+        for k in run:
+            n, shape = sizes[k], columns[0][k].shape
+            outs[k] = tuple(None if x is None else
+                            lax.slice(x, (offset,), (offset + n,)).reshape(shape) for x in new)
+            offset += n
+    return outs
+
+
 # -- apply_updates -----------------------------------------------------------------------------
 
 
@@ -232,20 +310,23 @@ def _check_step(step):
         raise ValueError(f"step: expected an int in [0, {_optim.MAX_STEPS}), got {step}")
 
 
+def _apply_update(cfg, w, u, bits):
+    """``SR(w + u)`` of a narrow leaf (or of a concatenation of leaves of one dtype), the sum
+    the exact ``fma(1, u, w)`` of ``stochastic_add``, rounded with ``bits(0)`` (the weight
+    stream). ``cfg`` is unused (``_native_leaves``'s signature). Returns a 1-tuple."""
+    sums = _b32(_add(u, _f32(_widen_bits(w))))
+    fmt = FORMATS[_NARROW[jnp.dtype(w.dtype)]]
+    return (_narrow_out(_encode(sums, fmt, False, bits(0)), w.dtype),)
+
+
 @functools.partial(jax.jit, static_argnames=("starts",))
 def _native_apply(ws, us, k0, k1, t, *, starts):
-    """``SR(w + u)`` of the narrow leaves ``ws`` (leaf k at global element ``starts[k]``), the
-    sum the exact ``fma(1, u, w)`` of ``stochastic_add``. Leaf by leaf: each leaf is one
-    elementwise loop over its own buffers, its random bits computed in the loop from its
-    global element indices. Jitted: an eager call is one compiled program, under an outer
-    ``jit`` it is inlined."""
-    out = []
-    for start, w, u in zip(starts, ws, us):
-        name = _NARROW[jnp.dtype(w.dtype)]
-        sums = _b32(_add(u, _f32(_widen_bits(w))))
-        bits16 = _leaf_bits16(k0, k1, t, 0, start, w.shape)
-        out.append(_narrow_out(_encode(sums, FORMATS[name], False, bits16), w.dtype))
-    return out
+    """``SR(w + u)`` of the nonempty narrow leaves ``ws`` (leaf k at global element
+    ``starts[k]``): ``_apply_update`` leaf by leaf, small leaves of one dtype together
+    (``_native_leaves``). Jitted: an eager call is one compiled program, under an outer ``jit``
+    it is inlined."""
+    outs = _native_leaves(_apply_update, None, (ws, us), starts, k0, k1, t)
+    return [o[0] for o in outs]
 
 
 def apply_updates(params, updates, seed, *, step=None, impl=None):
@@ -429,25 +510,6 @@ def _weight_write(mode, fmt, old_bits, new_bits, aux_bits, bits16):
     return high, jnp.where(nan, _U32(0), low)
 
 
-# Leaves of at most _SMALL elements (biases, norm scales) are updated together, concatenated into
-# groups of at most _GROUP elements: every leaf costs the compiler a loop per output, however
-# small, and concatenating and slicing back a few thousand elements costs next to nothing.
-_SMALL = 1 << 16
-_GROUP = 1 << 20
-
-
-def _group_bits16(k0, k1, t, stream: int, members):
-    """``_leaf_bits16`` of the leaves ``members`` ((start, size) pairs), concatenated: the
-    Threefry counters of their elements as constants (element j of a member at global element
-    ``start + j``: block ``(start + j) >> 2``, lane ``(start + j) & 3``)."""
-    glob = np.concatenate([np.arange(n, dtype=np.int64) + start for start, n in members])
-    c_lo = jnp.asarray((glob >> 2).astype(np.uint32))  # < 2**32: starts < 2**34
-    lane = jnp.asarray((glob & 3).astype(np.uint32))
-    hi = _u(t) * _U32(4) + _U32(stream)
-    x0, x1 = _threefry2x32(k0, k1, c_lo, jnp.broadcast_to(hi, c_lo.shape))
-    return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
-
-
 def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     """The update of one leaf (or of a concatenation of small leaves): ``bits(stream)`` gives
     the random bits of its elements; ``cfg`` = (rounding, state_dtype, constants). Returns
@@ -481,74 +543,23 @@ def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     return _narrow_out(written, p.dtype), m_new, v_new, a
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _leaf_update(p, g, m, v, a, k0, k1, t, start_lo, lane0, coefs, inv_scale, *, cfg):
-    """``_update`` of a leaf at global element ``start = 4 start_lo + lane0`` (uint32 scalars):
-    jitted with the start traced, so leaves of the same shapes and dtypes are traced and
-    lowered once (each call is inlined by XLA, which folds the constant start back)."""
-    hi = _u(t) * _U32(4)
-
-    def bits(stream):
-        return _random16(k0, k1, start_lo, hi + _U32(stream), lane0, p.size).reshape(p.shape)
-
-    return _update(cfg, p, g, m, v, a, bits, coefs, inv_scale)
-
-
 def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k1, coefs,
                  inv_scale):
-    """The native fused step, leaf by leaf. Every output of a leaf is elementwise in the leaf's
-    buffers (its random bits too, computed in the loop from the global element indices
-    ``starts[k] + j``), so XLA fuses it into a loop over the leaf's own buffers: no
-    concatenation into a flat buffer and no slicing back (each a pass over memory, and on XLA's
-    CPU backend a temporary paged in afresh every call). That backend emits one loop per output;
-    the float32 moments end in an op of several arrays, which it writes once (into the state
-    buffer) for the parameter's loop to read - bf16 moments are recomputed there instead. The
-    program grows with the number of leaves (compile time too), except that small leaves
-    (``_SMALL``) of the same dtypes are concatenated and updated together. Returns per-leaf
+    """The native fused step: ``_update`` leaf by leaf, small leaves of the same dtypes
+    together (``_native_leaves``). XLA's CPU backend emits one loop per output; the float32
+    moments end in an op of several arrays, which it writes once (into the state buffer) for
+    the parameter's loop to read - bf16 moments are recomputed there instead. Returns per-leaf
     (p, m, v, aux)."""
     starts = _starts(p_leaves)
-    outs = [None] * len(p_leaves)
+    outs = [(p, m, v, a) for p, m, v, a in zip(p_leaves, m_leaves, v_leaves, a_leaves)]
+    live = [k for k, p in enumerate(p_leaves) if p.size > 0]
+    columns = [[leaves[k] for k in live]
+               for leaves in (p_leaves, g_leaves, m_leaves, v_leaves, a_leaves)]
     cfg = (cfg["rounding"], cfg["state_dtype"], cfg["constants"])
-
-    def leaf(k):
-        return _leaf_update(p_leaves[k], g_leaves[k], m_leaves[k], v_leaves[k], a_leaves[k],
-                            k0, k1, t, _u(starts[k] >> 2), _u(starts[k] & 3), coefs, inv_scale,
-                            cfg=cfg)
-
-    groups = {}  # dtypes -> [[leaf index, ...], ...] of small leaves
-    for k, (p, g, m, v, a) in enumerate(zip(p_leaves, g_leaves, m_leaves, v_leaves, a_leaves)):
-        if p.size == 0:
-            outs[k] = (p, m, v, a)
-        elif p.size <= _SMALL:
-            key = tuple(None if x is None else jnp.dtype(x.dtype) for x in (p, g, m, v, a))
-            runs = groups.setdefault(key, [[]])
-            if runs[-1] and sum(p_leaves[i].size for i in runs[-1]) + p.size > _GROUP:
-                runs.append([])
-            runs[-1].append(k)
-        else:
-            outs[k] = leaf(k)
-    for run in (run for runs in groups.values() for run in runs):
-        if len(run) == 1:
-            outs[run[0]] = leaf(run[0])
-            continue
-        members = [(starts[k], p_leaves[k].size) for k in run]
-
-        def bits(stream, members=members):
-            return _group_bits16(k0, k1, t, stream, members)
-
-        def flat(leaves, run=run):
-            if leaves[run[0]] is None:
-                return None
-            return jnp.concatenate([jnp.reshape(leaves[k], (-1,)) for k in run])
-
-        new = _update(cfg, flat(p_leaves), flat(g_leaves), flat(m_leaves), flat(v_leaves),
-                      flat(a_leaves), bits, coefs, inv_scale)
-        offset = 0
-        for k in run:
-            n, shape = p_leaves[k].size, p_leaves[k].shape
-            outs[k] = tuple(None if x is None else
-                            lax.slice(x, (offset,), (offset + n,)).reshape(shape) for x in new)
-            offset += n
+    new = _native_leaves(_update, cfg, columns, [starts[k] for k in live], k0, k1, t,
+                         (coefs, inv_scale))
+    for k, o in zip(live, new):
+        outs[k] = o
     return outs
 
 

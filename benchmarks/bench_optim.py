@@ -518,8 +518,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-tensors", type=int, nargs="+", default=[1, 200, 2000])
     p.add_argument("--jax-tensors", type=int, default=24,
                    help="tensors in the JAX section (default 24: compiling srround's native JAX"
-                   " adamw grows with the tensor count: first step ~25 s with fp32 states, ~50 s"
-                   " with bf16 states at 196 tensors on 2 CPU cores)")
+                   " adamw and apply_updates grows with the tensor count: first step ~25 s with"
+                   " fp32 states, ~50 s with bf16 states, ~23 s for optax.adamw + apply_updates"
+                   " at 196 tensors on 2 CPU cores)")
     p.add_argument("--reps", type=int, default=None, help="timed samples per row")
     p.add_argument("--only", nargs="+", metavar="TEXT",
                    help="only torch rows whose label contains one of these")

@@ -102,6 +102,51 @@ def test_apply_updates_0d_leaves(impl):
     assert np.asarray(new["s"]).view(np.uint16) == np.asarray(flat["s"]).view(np.uint16)[0]
 
 
+GROUPED_SHAPES = [(33,), (), (7, 5), (0,), (130,), (3,), (2, 0, 3), (2, 2, 3), (), (50,),
+                  (40,), (9, 9), (1,)]
+GROUPED_DTYPES = [ml_dtypes.bfloat16, ml_dtypes.bfloat16, np.float16, ml_dtypes.bfloat16,
+                  ml_dtypes.bfloat16, np.float32, np.float16, np.float16, np.float16,
+                  ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, ml_dtypes.bfloat16]
+
+
+@pytest.mark.parametrize("step", [None, 3, "traced"])
+@pytest.mark.parametrize("layout", [(0, 0), (64, 100), None])
+def test_apply_updates_native_small_leaf_groups(monkeypatch, request, layout, step):
+    """The native apply_updates concatenates small leaves of the same dtype (at most ``_SMALL``
+    elements each, ``_GROUP`` per group): the bits of ``stochastic_add`` per leaf with every
+    leaf on its own (0, 0), with smaller, split groups and with the defaults (one group per
+    dtype), for 0-d, empty, fp32 (plain add), bf16 and fp16 leaves and both streams."""
+    from srround.adapters import _jax_optim
+
+    if layout is not None:
+        monkeypatch.setattr(_jax_optim, "_SMALL", layout[0])
+        monkeypatch.setattr(_jax_optim, "_GROUP", layout[1])
+    # _native_apply's trace (keyed by shapes, dtypes and starts) is cached: the layout is read
+    # when tracing
+    _jax_optim._native_apply.clear_cache()
+    request.addfinalizer(_jax_optim._native_apply.clear_cache)
+    rng = np.random.default_rng(5)
+    params = [rng.standard_normal(s).astype(d) for s, d in zip(GROUPED_SHAPES, GROUPED_DTYPES)]
+    updates = [(rng.standard_normal(s) * 1e-2).astype(np.float32) for s in GROUPED_SHAPES]
+    if step == "traced":
+        fn = jax.jit(lambda p, u, s: sj.apply_updates(p, u, SEED, step=s, impl="native"))
+        got = fn(list(map(jnp.asarray, params)), list(map(jnp.asarray, updates)), jnp.int32(3))
+        t = 3
+    else:
+        got = sj.apply_updates(list(map(jnp.asarray, params)), list(map(jnp.asarray, updates)),
+                               SEED, step=step, impl="native")
+        t = step or 0
+    for p, u, start, g in zip(params, updates, _starts(params), got):
+        assert g.shape == p.shape
+        if p.dtype == np.float32:
+            _same(g, p + u)
+            continue
+        w = p.reshape(-1).copy()
+        if w.size:
+            srround.stochastic_add(w, u.reshape(-1), seed=SEED, offset=(t << 36) + int(start))
+        _same(g, w.reshape(p.shape))
+
+
 def test_apply_updates_fresh_noise_per_step():
     p = jnp.ones(4096, jnp.bfloat16)
     u = jnp.full(4096, 2.0**-10, jnp.float32)
