@@ -43,7 +43,7 @@ import torch
 from srround import _optim
 from srround._rng import check_seed, next_seed, split_seed
 
-from .torch import _BUFFER_CODES, _external_stream, _view, buffer_table
+from .torch import _BUFFER_CODES, _DATA_PTR, _external_stream, _view, buffer_table
 
 __all__ = ["SGD", "AdamW"]
 
@@ -53,7 +53,6 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ONE_BITS = np.array([1.0], np.float32).view(np.uint32)
 _ZERO_BITS = np.zeros(1, np.uint32)
-_DATA_PTR = torch.Tensor.data_ptr
 _GRAD = operator.attrgetter("grad")
 
 
@@ -137,9 +136,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         params = list(chain.from_iterable(g["params"] for g in groups))
         grads = list(map(_GRAD, params))
         try:
-            grad_ptrs = list(map(_DATA_PTR, grads))
-        except TypeError:  # parameters without a gradient
-            grad_ptrs = [0 if g is None else g.data_ptr() for g in grads]
+            try:
+                grad_ptrs = list(map(_DATA_PTR, grads))
+            except TypeError:  # parameters without a gradient
+                grad_ptrs = [0 if g is None else g.data_ptr() for g in grads]
         except RuntimeError:  # a gradient without strided storage (sparse)
             self._collect()
             raise

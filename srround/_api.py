@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from srround.adapters import adapter_for
+from srround.adapters._common import BUFFER_CODES
 from srround.adapters._view import View, check_same_place, check_shape
 
 from . import _cpu, _loss_scale, _optim
@@ -295,7 +296,7 @@ def update_scale(scale, growth_tracker, found_inf, *, overflow_tracker=None, gro
 # -- fused optimizer steps ------------------------------------------------------------------
 
 
-_CODE_NAMES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "int16"}  # buffer_table codes
+_CODE_NAMES = {code: dtype.name for dtype, code in BUFFER_CODES.items()}  # buffer_table codes
 
 
 def _check_codes(name, codes, allowed, expected):

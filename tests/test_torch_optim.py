@@ -540,6 +540,10 @@ def test_errors():
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(TypeError, match="grads"):
         opt.step()
+    dense = torch.nn.Parameter(torch.zeros(3))  # no gradient, beside the sparse one
+    opt = SGD([dense, *emb.parameters()], lr=0.1)
+    with pytest.raises(TypeError, match="grads"):
+        opt.step()
     opt = AdamW(ps)
     ps[0].grad = torch.zeros_like(ps[0])
     with pytest.raises(TypeError, match="found_inf"):
