@@ -49,8 +49,10 @@ def _adapter_name(array, name: str) -> str:
             supported = (
                 "NumPy arrays, CuPy arrays, Numba CUDA device arrays, torch tensors and JAX arrays"
             )
-            raise TypeError(f"{name}: unsupported array type {kind.__module__}.{kind.__name__};"
-                            f" expected one of: {supported}")
+            raise TypeError(
+                f"{name}: unsupported array type {kind.__module__}.{kind.__name__};"
+                f" expected one of: {supported}"
+            )
         _BY_TYPE[kind] = key
     return key
 

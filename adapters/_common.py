@@ -42,8 +42,7 @@ def check_contiguous(is_contiguous: bool, name: str, fix: str) -> None:
         )
 
 
-def check_source(dtype, is_contiguous: bool, name: str, fmt: Format | None, narrow: bool,
-                 fix: str):
+def check_source(dtype, is_contiguous: bool, name: str, fmt: Format | None, narrow: bool, fix: str):
     """Checks of a read view: ``(format, bit dtype)`` - the narrow format (from the dtype or
     ``fmt``) and ``uint16`` for ``narrow``, else float32 data: ``(None, uint32)``."""
     if narrow:
@@ -64,8 +63,12 @@ def check_counter(dtype, shape, is_contiguous: bool, name: str, like_shape, fix:
 
 # format codes of the tensor-list kernels (srround._tensor_list), by NumPy dtype
 # (int16: the raw 16-bit remainders of the optimizers' "remainder" weight mode)
-BUFFER_CODES = {np.dtype(np.float32): 0, FORMATS["bfloat16"].numpy_dtype: 1,
-                FORMATS["float16"].numpy_dtype: 2, np.dtype(np.int16): 3}
+BUFFER_CODES = {
+    np.dtype(np.float32): 0,
+    FORMATS["bfloat16"].numpy_dtype: 1,
+    FORMATS["float16"].numpy_dtype: 2,
+    np.dtype(np.int16): 3,
+}
 
 
 def buffer_code(dtype, name: str) -> int:
@@ -83,7 +86,9 @@ def buffer_table(arrays, name: str, buffer_info):
     infos = [buffer_info(a, f"{name}[{i}]") for i, a in enumerate(arrays)]
     places = {info[3] for info in infos}
     if len(places) > 1:
-        raise ValueError(f"{name}: arrays on several devices ({sorted(places)}); pass one"
-                         " device's arrays per call")
+        raise ValueError(
+            f"{name}: arrays on several devices ({sorted(places)}); pass one"
+            " device's arrays per call"
+        )
     addresses, sizes, codes, _ = zip(*infos)
     return list(addresses), list(sizes), list(codes), places.pop()

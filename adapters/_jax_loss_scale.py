@@ -28,14 +28,12 @@ import jax.numpy as jnp
 
 
 def _scale_tree(tree, factor):
-    return jax.tree_util.tree_map(lambda x: (x * factor.astype(x.dtype)), tree)
+    return jax.tree_util.tree_map(lambda x: x * factor.astype(x.dtype), tree)
 
 
 def _unscale_tree(tree, scale):
     inverse = (1.0 / scale).astype(jnp.float32)
-    return jax.tree_util.tree_map(
-        lambda g: (g.astype(jnp.float32) * inverse).astype(g.dtype), tree
-    )
+    return jax.tree_util.tree_map(lambda g: (g.astype(jnp.float32) * inverse).astype(g.dtype), tree)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -63,13 +61,21 @@ class DynamicLossScale:
 
     def __post_init__(self):
         if self.growth_interval < 1 or self.hysteresis < 1:
-            raise ValueError("growth_interval and hysteresis: expected ints >= 1, got"
-                             f" {self.growth_interval} and {self.hysteresis}")
+            raise ValueError(
+                "growth_interval and hysteresis: expected ints >= 1, got"
+                f" {self.growth_interval} and {self.hysteresis}"
+            )
 
     def tree_flatten(self):
         children = (self.loss_scale, self.growth_tracker, self.overflow_tracker)
-        settings = (self.growth_factor, self.backoff_factor, self.growth_interval,
-                    self.hysteresis, self.min_scale, self.max_scale)
+        settings = (
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+            self.hysteresis,
+            self.min_scale,
+            self.max_scale,
+        )
         return children, settings
 
     @classmethod
@@ -91,15 +97,18 @@ class DynamicLossScale:
         over = overflows + 1
         back = over >= self.hysteresis
         scale_bad = jnp.where(
-            back, jnp.maximum(scale * jnp.float32(self.backoff_factor),
-                              jnp.float32(self.min_scale)), scale)
+            back,
+            jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(self.min_scale)),
+            scale,
+        )
         overflows_bad = jnp.where(back, 0, over)
         # clean branch
         successful = growth + 1
         grow = successful == self.growth_interval
         grown = scale * jnp.float32(self.growth_factor)
-        scale_good = jnp.where(grow & jnp.isfinite(grown),
-                               jnp.minimum(grown, jnp.float32(self.max_scale)), scale)
+        scale_good = jnp.where(
+            grow & jnp.isfinite(grown), jnp.minimum(grown, jnp.float32(self.max_scale)), scale
+        )
         growth_good = jnp.where(grow, 0, successful)
         return dataclasses.replace(
             self,

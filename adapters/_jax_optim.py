@@ -262,8 +262,17 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
     outs = [None] * len(starts)
 
     def leaf(k):
-        return _leaf_call(tuple(c[k] for c in columns), k0, k1, t, _u(starts[k] >> 2),
-                          _u(starts[k] & 3), extra, update=update, cfg=cfg)
+        return _leaf_call(
+            tuple(c[k] for c in columns),
+            k0,
+            k1,
+            t,
+            _u(starts[k] >> 2),
+            _u(starts[k] & 3),
+            extra,
+            update=update,
+            cfg=cfg,
+        )
 
     groups = {}  # dtypes -> [[leaf index, ...], ...] of small leaves
     sizes = [x.size for x in columns[0]]
@@ -294,8 +303,10 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
         offset = 0
         for k in run:
             n, shape = sizes[k], columns[0][k].shape
-            outs[k] = tuple(None if x is None else
-                            lax.slice(x, (offset,), (offset + n,)).reshape(shape) for x in new)
+            outs[k] = tuple(
+                None if x is None else lax.slice(x, (offset,), (offset + n,)).reshape(shape)
+                for x in new
+            )
             offset += n
     return outs
 
@@ -379,9 +390,14 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
             continue
         narrow.append((k, p, u, name))
     if impl == "native" and narrow:
-        results = _native_apply([p for _, p, _, _ in narrow], [u for _, _, u, _ in narrow],
-                                 _u(k0), _u(k1), jnp.asarray(t, jnp.int32),
-                                 starts=tuple(starts[k] for k, *_ in narrow))
+        results = _native_apply(
+            [p for _, p, _, _ in narrow],
+            [u for _, _, u, _ in narrow],
+            _u(k0),
+            _u(k1),
+            jnp.asarray(t, jnp.int32),
+            starts=tuple(starts[k] for k, *_ in narrow),
+        )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
     elif narrow:  # callback
@@ -394,14 +410,27 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
             results = []
             for w, uh, off, name in zip(arrays[:n], arrays[n:], offsets, names):
                 target = np.array(w)
-                _host("stochastic_add")(target, np.asarray(uh, order="C"), alpha=1.0,
-                                        seed=_seed_of(h0, h1), offset=base + off, dtype=name)
+                _host("stochastic_add")(
+                    target,
+                    np.asarray(uh, order="C"),
+                    alpha=1.0,
+                    seed=_seed_of(h0, h1),
+                    offset=base + off,
+                    dtype=name,
+                )
                 results.append(target)
             return tuple(results)
 
         shapes = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for _, p, _, _ in narrow)
-        results = _callback(host, shapes, _u(k0), _u(k1), jnp.asarray(t, jnp.int32),
-                            *[p for _, p, _, _ in narrow], *[u for _, _, u, _ in narrow])
+        results = _callback(
+            host,
+            shapes,
+            _u(k0),
+            _u(k1),
+            jnp.asarray(t, jnp.int32),
+            *[p for _, p, _, _ in narrow],
+            *[u for _, _, u, _ in narrow],
+        )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -429,6 +458,7 @@ class AdamWState(NamedTuple):
 
 def _power64(base: float, exponent):
     """float64 ``base ** exponent`` by repeated squaring (``_optim._power``), traced."""
+
     def body(carry):
         result, b, e = carry
         result = jnp.where((e & 1) == 1, result * b, result)
@@ -519,8 +549,7 @@ def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     def state_out(x, stream):
         if state_dtype == jnp.float32:
             return x
-        return _narrow_out(_encode(_b32(x), FORMATS["bfloat16"], False, bits(stream)),
-                           state_dtype)
+        return _narrow_out(_encode(_b32(x), FORMATS["bfloat16"], False, bits(stream)), state_dtype)
 
     name = _NARROW.get(jnp.dtype(p.dtype))
     p_bits = _widen_bits(p)
@@ -529,8 +558,9 @@ def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     g = _f32(_widen_bits(g))
     if inv_scale is not None:
         g = g * inv_scale
-    new, m_new, v_new = _adamw_math(_f32(old), g, _f32(_widen_bits(m)),
-                                    _f32(_widen_bits(v)), *coefs, beta2, eps, omb1, omb2)
+    new, m_new, v_new = _adamw_math(
+        _f32(old), g, _f32(_widen_bits(m)), _f32(_widen_bits(v)), *coefs, beta2, eps, omb1, omb2
+    )
     m_new, v_new = state_out(m_new, 1), state_out(v_new, 2)
     if name is None:
         return new, m_new, v_new, a
@@ -543,8 +573,9 @@ def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     return _narrow_out(written, p.dtype), m_new, v_new, a
 
 
-def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k1, coefs,
-                 inv_scale):
+def _native_step(
+    cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k1, coefs, inv_scale
+):
     """The native fused step: ``_update`` leaf by leaf, small leaves of the same dtypes
     together (``_native_leaves``). XLA's CPU backend emits one loop per output; the float32
     moments end in an op of several arrays, which it writes once (into the state buffer) for
@@ -553,11 +584,13 @@ def _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k
     starts = _starts(p_leaves)
     outs = [(p, m, v, a) for p, m, v, a in zip(p_leaves, m_leaves, v_leaves, a_leaves)]
     live = [k for k, p in enumerate(p_leaves) if p.size > 0]
-    columns = [[leaves[k] for k in live]
-               for leaves in (p_leaves, g_leaves, m_leaves, v_leaves, a_leaves)]
+    columns = [
+        [leaves[k] for k in live] for leaves in (p_leaves, g_leaves, m_leaves, v_leaves, a_leaves)
+    ]
     cfg = (cfg["rounding"], cfg["state_dtype"], cfg["constants"])
-    new = _native_leaves(_update, cfg, columns, [starts[k] for k in live], k0, k1, t,
-                         (coefs, inv_scale))
+    new = _native_leaves(
+        _update, cfg, columns, [starts[k] for k in live], k0, k1, t, (coefs, inv_scale)
+    )
     for k, o in zip(live, new):
         outs[k] = o
     return outs
@@ -586,8 +619,18 @@ class FusedAdamW(_Base):
         return self
 
 
-def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2, *, seed=0,
-          rounding="stochastic", state_dtype=jnp.float32, impl=None) -> FusedAdamW:
+def adamw(
+    learning_rate,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    weight_decay=1e-2,
+    *,
+    seed=0,
+    rounding="stochastic",
+    state_dtype=jnp.float32,
+    impl=None,
+) -> FusedAdamW:
     """Fused AdamW (torch.optim.AdamW's math, decoupled weight decay) with srround's weight
     write-back, bit for bit ``srround.adamw_step``.
 
@@ -611,9 +654,18 @@ def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2, *, seed=
     impl = _impl(impl)
     k0, k1 = _key_words(seed)
     constants = tuple(np.float32(c) for c in (b2, eps, 1.0 - b1, 1.0 - b2))
-    cfg = dict(rounding=rounding, state_dtype=state_dtype, constants=constants, impl=impl,
-               lr=learning_rate, b1=float(b1), b2=float(b2), eps=float(eps),
-               wd=float(weight_decay), seed=seed)
+    cfg = dict(
+        rounding=rounding,
+        state_dtype=state_dtype,
+        constants=constants,
+        impl=impl,
+        lr=learning_rate,
+        b1=float(b1),
+        b2=float(b2),
+        eps=float(eps),
+        wd=float(weight_decay),
+        seed=seed,
+    )
 
     def aux_for(p):
         name = _NARROW.get(jnp.dtype(p.dtype))
@@ -633,8 +685,9 @@ def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2, *, seed=
         leaves, treedef = jax.tree_util.tree_flatten(params)
         for i, p in enumerate(leaves):
             if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.float32), *_NARROW):
-                raise TypeError(f"params[{i}]: expected float32, bfloat16 or float16, got"
-                                f" {p.dtype}")
+                raise TypeError(
+                    f"params[{i}]: expected float32, bfloat16 or float16, got {p.dtype}"
+                )
         zeros = lambda p: jnp.zeros(jnp.shape(p), state_dtype)
         return AdamWState(
             count=jnp.zeros((), jnp.int32),
@@ -661,12 +714,27 @@ def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2, *, seed=
             coefs = _coefs(t, lr, cfg["b1"], cfg["b2"], cfg["wd"])
             if inv_scale is not None:
                 inv_scale = jnp.asarray(inv_scale, jnp.float32)
-            outs = _native_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t,
-                                _u(k0), _u(k1), coefs, inv_scale) if total else \
-                list(zip(p_leaves, m_leaves, v_leaves, a_leaves))
+            outs = (
+                _native_step(
+                    cfg,
+                    p_leaves,
+                    g_leaves,
+                    m_leaves,
+                    v_leaves,
+                    a_leaves,
+                    t,
+                    _u(k0),
+                    _u(k1),
+                    coefs,
+                    inv_scale,
+                )
+                if total
+                else list(zip(p_leaves, m_leaves, v_leaves, a_leaves))
+            )
         else:
-            outs = _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr,
-                                  k0, k1, inv_scale)
+            outs = _callback_step(
+                cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr, k0, k1, inv_scale
+            )
         unflat = lambda i: jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
         new_state = AdamWState(t, unflat(1), unflat(2), unflat(3))
         return unflat(0), new_state
@@ -676,8 +744,11 @@ def adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2, *, seed=
             return compute(grads, state, params, inv_scale)
         skip = jnp.asarray(found_inf)
         skip = skip.astype(bool) if skip.dtype == jnp.bool_ else skip != 0
-        return lax.cond(jnp.reshape(skip, ()), lambda: (params, state),
-                        lambda: compute(grads, state, params, inv_scale))
+        return lax.cond(
+            jnp.reshape(skip, ()),
+            lambda: (params, state),
+            lambda: compute(grads, state, params, inv_scale),
+        )
 
     def update(updates, state, params=None, **extra_args):
         if params is None:
@@ -702,8 +773,7 @@ def _exact_update(new, p):
     return jnp.where((miss != n32) & (p32 + nudged == n32), nudged, u)
 
 
-def _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr, k0, k1,
-                   inv_scale):
+def _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr, k0, k1, inv_scale):
     """The fused step as one ``pure_callback`` into ``srround.adamw_step``."""
     live = [i for i, p in enumerate(p_leaves) if p.size > 0]
     has_aux = [a_leaves[i] is not None for i in live]
@@ -713,18 +783,27 @@ def _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr,
 
     def host(h0, h1, t_host, lr_host, scale_host, *arrays):
         ps = [np.array(a) for a in arrays[:n]]
-        gs = [np.array(a) for a in arrays[n:2 * n]]  # writable: the table wants it
-        ms = [np.array(a) for a in arrays[2 * n:3 * n]]
-        vs = [np.array(a) for a in arrays[3 * n:4 * n]]
-        rest = [np.array(a) for a in arrays[4 * n:]]
+        gs = [np.array(a) for a in arrays[n : 2 * n]]  # writable: the table wants it
+        ms = [np.array(a) for a in arrays[2 * n : 3 * n]]
+        vs = [np.array(a) for a in arrays[3 * n : 4 * n]]
+        rest = [np.array(a) for a in arrays[4 * n :]]
         it = iter(rest)
         aux = [next(it) if h else None for h in has_aux]
         _host("adamw_step")(
-            ps, gs, ms, vs, lr=static_lr if static_lr is not None else float(lr_host),
-            betas=(cfg["b1"], cfg["b2"]), eps=cfg["eps"], weight_decay=cfg["wd"],
-            step=int(t_host), rounding=cfg["rounding"],
+            ps,
+            gs,
+            ms,
+            vs,
+            lr=static_lr if static_lr is not None else float(lr_host),
+            betas=(cfg["b1"], cfg["b2"]),
+            eps=cfg["eps"],
+            weight_decay=cfg["wd"],
+            step=int(t_host),
+            rounding=cfg["rounding"],
             aux=aux if cfg["rounding"] in ("kahan", "master", "remainder") else None,
-            seed=_seed_of(h0, h1), inv_scale=float(scale_host))
+            seed=_seed_of(h0, h1),
+            inv_scale=float(scale_host),
+        )
         return tuple(ps + ms + vs + [a for a in aux if a is not None])
 
     def sds(x):
@@ -735,10 +814,15 @@ def _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr,
     shapes = tuple(sds(x) for x in pick(p_leaves) + pick(m_leaves) + pick(v_leaves) + aux_in)
     scale = jnp.float32(1.0) if inv_scale is None else jnp.asarray(inv_scale, jnp.float32)
     lr_arg = jnp.asarray(0.0 if static_lr is not None else lr, jnp.float32)
-    results = list(_callback(host, shapes, _u(k0), _u(k1), jnp.asarray(t, jnp.int32), lr_arg,
-                             scale, *ins)) if n else []
+    results = (
+        list(
+            _callback(host, shapes, _u(k0), _u(k1), jnp.asarray(t, jnp.int32), lr_arg, scale, *ins)
+        )
+        if n
+        else []
+    )
     outs = [list(x) for x in zip(p_leaves, m_leaves, v_leaves, a_leaves)]
-    it = iter(results[3 * n:])
+    it = iter(results[3 * n :])
     for j, i in enumerate(live):
         outs[i][0], outs[i][1], outs[i][2] = results[j], results[n + j], results[2 * n + j]
         if has_aux[j]:

@@ -120,9 +120,20 @@ class GradScaler:
             modules' initial scale.
     """
 
-    def __init__(self, device="cuda", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000, enabled=True, *, hysteresis=1, min_scale=None,
-                 max_scale=None, per_tensor=False):
+    def __init__(
+        self,
+        device="cuda",
+        init_scale=2.0**16,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2000,
+        enabled=True,
+        *,
+        hysteresis=1,
+        min_scale=None,
+        max_scale=None,
+        per_tensor=False,
+    ):
         if growth_factor <= 1.0:
             raise ValueError(f"growth_factor: expected > 1.0, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
@@ -162,13 +173,18 @@ class GradScaler:
         S's, from the constructor or the last ``load_state_dict``."""
         count = self._attached.count if self._attached else 0
         modules = self._init_modules or ([self._init_scale] * count, [0] * count, [0] * count)
-        return ([*modules[0], self._init_scale], [*modules[1], self._init_growth_tracker],
-                [*modules[2], self._init_counters[0]])
+        return (
+            [*modules[0], self._init_scale],
+            [*modules[1], self._init_growth_tracker],
+            [*modules[2], self._init_counters[0]],
+        )
 
     def _check_module_count(self, saved, count):
         if saved is not None and len(saved) != count:
-            raise ValueError(f"state_dict: {len(saved)} module scales, but the attached model"
-                             f" has {count} (modules that own parameters, tied ones as one)")
+            raise ValueError(
+                f"state_dict: {len(saved)} module scales, but the attached model"
+                f" has {count} (modules that own parameters, tied ones as one)"
+            )
 
     def _lazy_init(self, device):
         if self._scales is None:
@@ -209,8 +225,9 @@ class GradScaler:
         raise ValueError("outputs: expected a tensor or a list/tuple of tensors")
 
     def _params_with_grads(self, optimizer):
-        return [p for group in optimizer.param_groups for p in group["params"]
-                if p.grad is not None]
+        return [
+            p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
 
     def _slots(self, optimizer, params):
         """int64 device tensor: the slot of each of ``params`` (S's for a parameter outside the
@@ -231,8 +248,9 @@ class GradScaler:
             return
         self._require_attached()
         if id(optimizer) in self._unscaled:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the"
-                               " last update().")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
         params = self._params_with_grads(optimizer)
         grads = [p.grad for p in params]
         self._lazy_init(grads[0].device if grads else self._device)
@@ -241,8 +259,7 @@ class GradScaler:
         if grads and self._per_tensor:
             slots = self._slots(optimizer, params)
             flags = torch.zeros(len(grads), dtype=torch.float32, device=found.device)
-            srround.unscale_and_check(grads, inv_scales[slots], found_inf=flags,
-                                      per_tensor=True)
+            srround.unscale_and_check(grads, inv_scales[slots], found_inf=flags, per_tensor=True)
             self._slot_found.index_add_(0, slots, flags)  # nonzero: a tensor overflowed
             torch.amax(flags, 0, keepdim=True, out=found)
         elif grads:
@@ -281,15 +298,15 @@ class GradScaler:
             self.unscale_(optimizer)
         if id(optimizer) in self._unscaled:
             return optimizer.step(*args, found_inf=self._found[id(optimizer)], **kwargs)
-        device = next((p.device for g in optimizer.param_groups for p in g["params"]),
-                      self._device)
+        device = next((p.device for g in optimizer.param_groups for p in g["params"]), self._device)
         self._lazy_init(device)
         found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
         self._found[id(optimizer)] = found
         self._unscaled.add(id(optimizer))
         inv_scale = self._scale.double().reciprocal().float()
-        return optimizer.step(*args, inv_scale=inv_scale, found_inf=found, check_grads=True,
-                              **kwargs)
+        return optimizer.step(
+            *args, inv_scale=inv_scale, found_inf=found, check_grads=True, **kwargs
+        )
 
     def update(self, new_scale=None) -> None:
         """Back off or grow the scale from this iteration's flags (on the device), or set it.
@@ -306,12 +323,16 @@ class GradScaler:
                 found = torch.maximum(found, flag.to(found.device))
             dynamic = slice(0, len(self._scales) - 1) if self._per_tensor else slice(None)
             srround.update_scale(
-                self._scales[dynamic], self._growth_trackers[dynamic],
+                self._scales[dynamic],
+                self._growth_trackers[dynamic],
                 self._slot_found[dynamic] if self._per_tensor else found,
                 overflow_tracker=self._overflow_trackers[dynamic],
-                growth_factor=self._growth_factor, backoff_factor=self._backoff_factor,
-                growth_interval=self._growth_interval, hysteresis=self._hysteresis,
-                min_scale=self._min_scale, max_scale=self._max_scale,
+                growth_factor=self._growth_factor,
+                backoff_factor=self._backoff_factor,
+                growth_interval=self._growth_interval,
+                hysteresis=self._hysteresis,
+                min_scale=self._min_scale,
+                max_scale=self._max_scale,
             )
             self._last_skipped.copy_(found)
             self._skipped += (found > 0).to(torch.int32)
@@ -347,20 +368,29 @@ class GradScaler:
         if self._scales is None:
             scales, growth, overflows = self._initial_state()
         else:
-            scales, growth, overflows = (t.tolist() for t in (
-                self._scales, self._growth_trackers, self._overflow_trackers))
+            scales, growth, overflows = (
+                t.tolist() for t in (self._scales, self._growth_trackers, self._overflow_trackers)
+            )
         state = {
-            "scale": scales[-1], "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
-            "_growth_tracker": growth[-1], "hysteresis": self._hysteresis,
-            "min_scale": self._min_scale, "max_scale": self._max_scale,
+            "scale": scales[-1],
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": growth[-1],
+            "hysteresis": self._hysteresis,
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
             "_overflow_tracker": overflows[-1],
-            "skipped_steps": self._init_counters[1] if self._skipped is None
+            "skipped_steps": self._init_counters[1]
+            if self._skipped is None
             else int(self._skipped.item()),
         }
         if self._per_tensor and (self._attached or self._init_modules):
-            state.update(module_scales=scales[:-1], module_growth_trackers=growth[:-1],
-                         module_overflow_trackers=overflows[:-1])
+            state.update(
+                module_scales=scales[:-1],
+                module_growth_trackers=growth[:-1],
+                module_overflow_trackers=overflows[:-1],
+            )
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -369,16 +399,23 @@ class GradScaler:
         if not self._enabled:
             return
         if not state_dict:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved"
-                               " from a disabled instance of GradScaler.")
-        modules = [state_dict.get(k) for k in (
-            "module_scales", "module_growth_trackers", "module_overflow_trackers")]
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved"
+                " from a disabled instance of GradScaler."
+            )
+        modules = [
+            state_dict.get(k)
+            for k in ("module_scales", "module_growth_trackers", "module_overflow_trackers")
+        ]
         if modules[0] is not None and not self._per_tensor:
-            raise ValueError("state_dict: saved in per-tensor mode; load it into"
-                             " GradScaler(per_tensor=True)")
+            raise ValueError(
+                "state_dict: saved in per-tensor mode; load it into GradScaler(per_tensor=True)"
+            )
         if modules[0] is not None and not len(modules[0]) == len(modules[1]) == len(modules[2]):
-            raise ValueError("state_dict: module_scales, module_growth_trackers and"
-                             " module_overflow_trackers differ in length")
+            raise ValueError(
+                "state_dict: module_scales, module_growth_trackers and"
+                " module_overflow_trackers differ in length"
+            )
         if self._attached is not None:
             self._check_module_count(modules[0], self._attached.count)
         self._init_scale = float(state_dict["scale"])
@@ -390,13 +427,15 @@ class GradScaler:
         self._min_scale = state_dict.get("min_scale")
         self._max_scale = state_dict.get("max_scale")
         self._init_counters = (
-            int(state_dict.get("_overflow_tracker", 0)), int(state_dict.get("skipped_steps", 0))
+            int(state_dict.get("_overflow_tracker", 0)),
+            int(state_dict.get("skipped_steps", 0)),
         )
         self._init_modules = None if modules[0] is None else tuple(list(m) for m in modules)
         if self._scales is not None:
             for tensor, values in zip(
-                    (self._scales, self._growth_trackers, self._overflow_trackers),
-                    self._initial_state()):
+                (self._scales, self._growth_trackers, self._overflow_trackers),
+                self._initial_state(),
+            ):
                 tensor.copy_(torch.tensor(values, dtype=tensor.dtype))
             self._skipped.fill_(self._init_counters[1])
             if self._per_tensor:
@@ -422,10 +461,11 @@ class GradScaler:
         if not self._per_tensor:
             raise RuntimeError("attach: only for GradScaler(per_tensor=True)")
         if self._attached is not None:
-            raise RuntimeError("attach: already attached to a model (one per scaler; attach a"
-                               " module that contains all of them)")
-        owners = [m for m in model.modules() if next(m.parameters(recurse=False), None)
-                  is not None]
+            raise RuntimeError(
+                "attach: already attached to a model (one per scaler; attach a"
+                " module that contains all of them)"
+            )
+        owners = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
         if not owners:
             raise ValueError("model: no module owns parameters")
         slot_of_owner = _share_slots(owners)
@@ -437,22 +477,32 @@ class GradScaler:
             i = owner_index.get(id(module))
             if i is not None:
                 if outer.setdefault(i, around) != around:
-                    raise ValueError(f"model: {type(module).__name__} module is reached under"
-                                     " two modules with different scales")
+                    raise ValueError(
+                        f"model: {type(module).__name__} module is reached under"
+                        " two modules with different scales"
+                    )
                 around = slot_of_owner[i]
             for child in module.children():
                 visit(child, around)
 
         visit(model, count)
         self._check_module_count(self._init_modules and self._init_modules[0], count)
-        slot_of = {id(p): slot_of_owner[i] for i, m in enumerate(owners)
-                   for p in m.parameters(recurse=False)}
+        slot_of = {
+            id(p): slot_of_owner[i]
+            for i, m in enumerate(owners)
+            for p in m.parameters(recurse=False)
+        }
         if self._enabled:
             for i, module in enumerate(owners):
                 module.register_forward_pre_hook(partial(self._wrap_inputs, i), with_kwargs=True)
                 module.register_forward_hook(partial(self._hook_outputs, i))
-        self._attached = _Attached(count, list(model.parameters()), slot_of, slot_of_owner,
-                                   [outer[i] for i in range(len(owners))])
+        self._attached = _Attached(
+            count,
+            list(model.parameters()),
+            slot_of,
+            slot_of_owner,
+            [outer[i] for i in range(len(owners))],
+        )
         if self._enabled:
             self._lazy_init(self._attached.params[0].device)
 

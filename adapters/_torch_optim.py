@@ -68,8 +68,9 @@ def _check_rounding(rounding):
 
 def _check_state_dtype(state_dtype):
     if state_dtype not in _STATE_DTYPES:
-        raise ValueError(f"state_dtype: expected torch.float32 or torch.bfloat16, got"
-                         f" {state_dtype!r}")
+        raise ValueError(
+            f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype!r}"
+        )
 
 
 class _Entry:
@@ -100,20 +101,27 @@ class _FusedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         for name in ("rounding", "state_dtype", "seed"):
             if group[name] != self.defaults[name]:
-                raise ValueError(f"{name}: one value per optimizer; param group"
-                                 f" {len(self.param_groups) - 1} has {group[name]!r}, the"
-                                 f" optimizer {self.defaults[name]!r}")
+                raise ValueError(
+                    f"{name}: one value per optimizer; param group"
+                    f" {len(self.param_groups) - 1} has {group[name]!r}, the"
+                    f" optimizer {self.defaults[name]!r}"
+                )
         devices = {p.device for g in self.param_groups for p in g["params"]}
         if len(devices) > 1:
-            raise ValueError(f"params: on several devices ({sorted(map(str, devices))}); use one"
-                             " optimizer per device")
+            raise ValueError(
+                f"params: on several devices ({sorted(map(str, devices))}); use one"
+                " optimizer per device"
+            )
         for i, p in enumerate(group["params"]):
             if p.dtype not in _PARAM_DTYPES:
-                raise TypeError(f"params[{i}]: expected a float32, bfloat16 or float16"
-                                f" parameter, got {p.dtype}")
+                raise TypeError(
+                    f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got {p.dtype}"
+                )
             if group["rounding"] == "remainder" and p.dtype == torch.float16:
-                raise ValueError("rounding: 'remainder' needs bfloat16 (or float32) parameters;"
-                                 f" params[{i}] is float16 (use 'master' or 'kahan')")
+                raise ValueError(
+                    "rounding: 'remainder' needs bfloat16 (or float32) parameters;"
+                    f" params[{i}] is float16 (use 'master' or 'kahan')"
+                )
         self._entry = None
 
     def _config(self):
@@ -122,8 +130,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         config = (first["rounding"], first["state_dtype"], first["seed"])
         for i, g in enumerate(self.param_groups):
             if (g["rounding"], g["state_dtype"], g["seed"]) != config:
-                raise ValueError(f"param_groups[{i}]: rounding, state_dtype and seed must be the"
-                                 " same in every group (one value per optimizer)")
+                raise ValueError(
+                    f"param_groups[{i}]: rounding, state_dtype and seed must be the"
+                    " same in every group (one value per optimizer)"
+                )
         return config
 
     # -- the cached table -------------------------------------------------------------------
@@ -154,8 +164,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if g is None:
                     continue
                 if g.layout is not torch.strided:
-                    raise TypeError(f"grads: {g.layout} gradients are not supported (parameter"
-                                    f" {len(params)} with a gradient); srround needs dense ones")
+                    raise TypeError(
+                        f"grads: {g.layout} gradients are not supported (parameter"
+                        f" {len(params)} with a gradient); srround needs dense ones"
+                    )
                 params.append(p)
                 groups.append(gi)
         return params, groups
@@ -166,8 +178,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for name in self._needed_states(group):
             buf = state.get(name)
             if buf is None:
-                state[name] = torch.zeros_like(p, dtype=state_dtype,
-                                               memory_format=torch.contiguous_format)
+                state[name] = torch.zeros_like(
+                    p, dtype=state_dtype, memory_format=torch.contiguous_format
+                )
             elif buf.dtype != state_dtype or buf.device != p.device:
                 state[name] = buf.to(device=p.device, dtype=state_dtype).contiguous()
         name = AUX_NAMES.get(rounding)
@@ -175,25 +188,32 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if rounding == "master":
                 state[name] = p.detach().float().contiguous()
             else:
-                state[name] = torch.zeros_like(p, dtype=p.dtype if rounding == "kahan"
-                                               else torch.int16,
-                                               memory_format=torch.contiguous_format)
+                state[name] = torch.zeros_like(
+                    p,
+                    dtype=p.dtype if rounding == "kahan" else torch.int16,
+                    memory_format=torch.contiguous_format,
+                )
         return state
 
     def _build(self, params, group_index, key, config):
         rounding, state_dtype, _seed = config
         for i, p in enumerate(params):
             if p.dtype not in _PARAM_DTYPES:
-                raise TypeError(f"params[{i}]: expected a float32, bfloat16 or float16"
-                                f" parameter, got {p.dtype}")
+                raise TypeError(
+                    f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got {p.dtype}"
+                )
             if rounding == "remainder" and p.dtype == torch.float16:
-                raise ValueError("rounding: 'remainder' needs bfloat16 (or float32) parameters;"
-                                 f" params[{i}] is float16")
+                raise ValueError(
+                    "rounding: 'remainder' needs bfloat16 (or float32) parameters;"
+                    f" params[{i}] is float16"
+                )
             if not p.is_contiguous():
                 raise ValueError(f"params[{i}]: must be contiguous (updated in place)")
             if p.grad.shape != p.shape or p.grad.dtype not in _BUFFER_CODES:
-                raise ValueError(f"grads[{i}]: shape {tuple(p.grad.shape)} / dtype"
-                                 f" {p.grad.dtype} does not fit its parameter")
+                raise ValueError(
+                    f"grads[{i}]: shape {tuple(p.grad.shape)} / dtype"
+                    f" {p.grad.dtype} does not fit its parameter"
+                )
             if not p.grad.is_contiguous():
                 raise ValueError(f"grads[{i}]: must be contiguous")
         p_addr, sizes, p_codes, place = buffer_table(params, "params")
@@ -202,13 +222,20 @@ class _FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"grads: on {g_place}, but params are on {place}")
         device = params[0].device
         groups = self.param_groups
-        states = [self._state_buffers(p, groups[gi], rounding, state_dtype)
-                  for p, gi in zip(params, group_index)]
+        states = [
+            self._state_buffers(p, groups[gi], rounding, state_dtype)
+            for p, gi in zip(params, group_index)
+        ]
         # step counters: one flat int32 tensor, state["step"] views of it
         zero = torch.zeros((), dtype=torch.int32, device=device)
-        steps = torch.stack([zero if s.get("step") is None else
-                             s["step"].detach().to(device=device, dtype=torch.int32).reshape(())
-                             for s in states])
+        steps = torch.stack(
+            [
+                zero
+                if s.get("step") is None
+                else s["step"].detach().to(device=device, dtype=torch.int32).reshape(())
+                for s in states
+            ]
+        )
         for i, s in enumerate(states):
             s["step"] = steps[i]
         count = len(params)
@@ -217,27 +244,46 @@ class _FusedOptimizer(torch.optim.Optimizer):
         table[:, _optim.G_ADDR], table[:, _optim.G_FMT] = g_addr, g_codes
         table[:, _optim.GROUP] = group_index
         for column, name in zip((_optim.S1_ADDR, _optim.S2_ADDR), self._STATE_NAMES):
-            table[:, column] = [s[name].data_ptr() if name in s and self._uses_state(
-                groups[gi], name) else 0 for s, gi in zip(states, group_index)]
+            table[:, column] = [
+                s[name].data_ptr() if name in s and self._uses_state(groups[gi], name) else 0
+                for s, gi in zip(states, group_index)
+            ]
         aux = AUX_NAMES.get(rounding)
         if aux is not None:
-            table[:, _optim.AUX_ADDR] = [s[aux].data_ptr() if p.dtype != torch.float32 else 0
-                                         for s, p in zip(states, params)]
+            table[:, _optim.AUX_ADDR] = [
+                s[aux].data_ptr() if p.dtype != torch.float32 else 0 for s, p in zip(states, params)
+            ]
         state_fmt = 0 if state_dtype == torch.float32 else 1
         entry = _Entry()
         if device.type == "cuda":  # (the caller made the parameters' device current)
             stream = _external_stream(device)
-            fused = _optim.FusedStep(self._KIND, _optim.MODES[rounding], state_fmt, table,
-                                     sizes, _view(steps, False, "step").bits, "cuda", stream)
+            fused = _optim.FusedStep(
+                self._KIND,
+                _optim.MODES[rounding],
+                state_fmt,
+                table,
+                sizes,
+                _view(steps, False, "step").bits,
+                "cuda",
+                stream,
+            )
             stream.synchronize()  # the table copy, before launches on another stream
         else:
-            fused = _optim.FusedStep(self._KIND, _optim.MODES[rounding], state_fmt, table, sizes,
-                                     _view(steps, False, "step").bits, "cpu")
+            fused = _optim.FusedStep(
+                self._KIND,
+                _optim.MODES[rounding],
+                state_fmt,
+                table,
+                sizes,
+                _view(steps, False, "step").bits,
+                "cpu",
+            )
         entry.key, entry.fused, entry.params, entry.device = key, fused, params, device
         entry.written = [p for p in params if not p.is_inference()]
         # the kernel writes through raw addresses: keep every buffer of the table alive
-        entry.buffers = [steps] + [v for s in states for v in s.values()
-                                   if isinstance(v, torch.Tensor)]
+        entry.buffers = [steps] + [
+            v for s in states for v in s.values() if isinstance(v, torch.Tensor)
+        ]
         entry.defaults = {}
         self._entry = entry
         return entry
@@ -268,8 +314,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if value is None:
                     entry.defaults[name] = cached
             value = cached
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 \
-                or value.numel() != 1:
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.dtype != torch.float32
+            or value.numel() != 1
+        ):
             raise TypeError(f"{name}: expected a float or a float32 tensor of 1 value")
         if value.device != device:
             raise ValueError(f"{name}: on {value.device}, but params are on {device}")
@@ -316,8 +365,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if check_grads:
                 fused.check_grads(found_bits)
             fused.set_hyper(self._hyper())
-            fused.run(self._scalar_bits(inv_scale, "inv_scale", entry, _ONE_BITS), found_bits,
-                      k0, k1)
+            fused.run(
+                self._scalar_bits(inv_scale, "inv_scale", entry, _ONE_BITS), found_bits, k0, k1
+            )
         if entry.written:
             torch.autograd.graph.increment_version(entry.written)
         return loss
@@ -337,8 +387,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 restored = {}
                 for name, value in saved[index].items():
                     if name == "step":
-                        value = torch.as_tensor(value).detach().to(device=p.device,
-                                                                    dtype=torch.int32)
+                        value = (
+                            torch.as_tensor(value).detach().to(device=p.device, dtype=torch.int32)
+                        )
                         restored[name] = value.reshape(()).clone()
                     elif isinstance(value, torch.Tensor):
                         restored[name] = value.detach().to(device=p.device, copy=True)
@@ -369,8 +420,19 @@ class AdamW(_FusedOptimizer):
     _KIND = _optim.ADAMW
     _STATE_NAMES = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, rounding="stochastic", state_dtype=torch.float32, seed=None):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        rounding="stochastic",
+        state_dtype=torch.float32,
+        seed=None,
+    ):
         if amsgrad:
             raise ValueError("amsgrad: not supported by srround's AdamW")
         if not 0.0 <= float(lr):
@@ -386,8 +448,13 @@ class AdamW(_FusedOptimizer):
         super().__init__(params, defaults, rounding, state_dtype, seed)
 
     def _hyper(self):
-        return np.array([(float(g["lr"]), g["betas"][0], g["betas"][1], g["eps"],
-                          g["weight_decay"]) for g in self.param_groups], np.float64)
+        return np.array(
+            [
+                (float(g["lr"]), g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"])
+                for g in self.param_groups
+            ],
+            np.float64,
+        )
 
 
 class SGD(_FusedOptimizer):
@@ -401,8 +468,19 @@ class SGD(_FusedOptimizer):
     _KIND = _optim.SGD
     _STATE_NAMES = ("momentum_buffer", "unused")
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False, *, rounding="stochastic", state_dtype=torch.float32, seed=None):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        *,
+        rounding="stochastic",
+        state_dtype=torch.float32,
+        seed=None,
+    ):
         if not 0.0 <= float(lr):
             raise ValueError(f"lr: expected >= 0, got {lr}")
         if momentum < 0.0:
@@ -411,8 +489,13 @@ class SGD(_FusedOptimizer):
             raise ValueError(f"weight_decay: expected >= 0, got {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov: needs momentum > 0 and dampening == 0")
-        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
-                        "weight_decay": weight_decay, "nesterov": nesterov}
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+        }
         super().__init__(params, defaults, rounding, state_dtype, seed)
 
     def _uses_state(self, group, name):
@@ -426,6 +509,13 @@ class SGD(_FusedOptimizer):
         for g in self.param_groups:
             if g["nesterov"] and (g["momentum"] <= 0 or g["dampening"] != 0):
                 raise ValueError("nesterov: needs momentum > 0 and dampening == 0")
-            rows.append((float(g["lr"]), g["momentum"], g["dampening"], g["weight_decay"],
-                         float(g["nesterov"])))
+            rows.append(
+                (
+                    float(g["lr"]),
+                    g["momentum"],
+                    g["dampening"],
+                    g["weight_decay"],
+                    float(g["nesterov"]),
+                )
+            )
         return np.array(rows, np.float64)

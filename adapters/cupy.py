@@ -23,8 +23,15 @@ import numpy as np
 from srround._formats import FORMATS, Format
 
 from ._common import (
-    buffer_code, buffer_table as _buffer_table, check_contiguous, check_counter, check_float32, check_source,
+    buffer_code,
+    check_contiguous,
+    check_counter,
+    check_float32,
+    check_source,
     narrow_format,
+)
+from ._common import (
+    buffer_table as _buffer_table,
 )
 from ._view import View, check_shape
 from .numba import external_stream
@@ -75,12 +82,14 @@ def _view(a, bits_dtype, name: str) -> View:
     # empty: nothing launches (the API returns first); don't ask the driver about a null pointer
     bits = np.empty(0, bits_dtype) if a.size == 0 else _as_numba(flat)
     stream = external_stream(device, cupy.cuda.get_current_stream().ptr)
-    return View(bits=bits, device="cuda", shape=tuple(a.shape), result=a, stream=stream,
-                device_id=device)
+    return View(
+        bits=bits, device="cuda", shape=tuple(a.shape), result=a, stream=stream, device_id=device
+    )
 
 
-def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False
-           ) -> tuple[View, Format | None]:
+def source(
+    x, name: str, fmt: Format | None = None, *, narrow: bool = False
+) -> tuple[View, Format | None]:
     """A read view of ``x``: float32 data (``narrow=False``) or narrow data (``narrow=True``,
     format from the dtype or ``fmt``). Returns ``(view, format)``."""
     a = _as_array(x, name)

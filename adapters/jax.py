@@ -417,8 +417,9 @@ def _fma_bits(A, B, C):
     # subnormal to zero, turning inf * tiny into inf * 0 = NaN)
     def stand_in(v):
         keep = ((v & 0x7F800000) == 0x7F800000) | ((v & 0x7FFFFFFF) == 0)
-        return lax.bitcast_convert_type(jnp.where(keep, v, (v >> 31 << 31) | 0x3F800000),
-                                        jnp.float32)
+        return lax.bitcast_convert_type(
+            jnp.where(keep, v, (v >> 31 << 31) | 0x3F800000), jnp.float32
+        )
 
     a_f, b_f, c_f = stand_in(A), stand_in(B), stand_in(C)
     ab_finite = ((A & 0x7F800000) != 0x7F800000) & ((B & 0x7F800000) != 0x7F800000)
@@ -511,8 +512,7 @@ def _native_to_float32(y, *, fmt_name):
 
 
 @_static
-def _native_stochastic_add(w, u, alpha, k0, k1, first_lo, first_hi, *, lane0, fmt_name,
-                           saturate):
+def _native_stochastic_add(w, u, alpha, k0, k1, first_lo, first_hi, *, lane0, fmt_name, saturate):
     fmt = FORMATS[fmt_name]
     n = w.size
     wb = _bits(w, jnp.uint16).astype(_U32)
@@ -557,8 +557,9 @@ def _host(name: str):
 # -- public functions ------------------------------------------------------------------------
 
 
-def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf", impl=None,
-                     out=None):
+def stochastic_round(
+    x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf", impl=None, out=None
+):
     """Stochastically round a float32 JAX array to bf16/fp16 (see ``srround.stochastic_round``).
 
     Args:
@@ -582,12 +583,24 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf"
     if impl == "native":
         if x.size == 0:
             return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
-        return _native_stochastic_round(x, _u(k0), _u(k1), *_first_block(offset),
-                                        lane0=offset & 3, fmt_name=fmt.name, saturate=saturate)
+        return _native_stochastic_round(
+            x,
+            _u(k0),
+            _u(k1),
+            *_first_block(offset),
+            lane0=offset & 3,
+            fmt_name=fmt.name,
+            saturate=saturate,
+        )
 
     def host(xh, h0, h1):
-        y = _host("stochastic_round")(np.asarray(xh, order="C"), dtype=fmt.name,
-                                      seed=_seed_of(h0, h1), offset=offset, overflow=overflow)
+        y = _host("stochastic_round")(
+            np.asarray(xh, order="C"),
+            dtype=fmt.name,
+            seed=_seed_of(h0, h1),
+            offset=offset,
+            overflow=overflow,
+        )
         return np.asarray(y).reshape(xh.shape)
 
     shape = jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name])
@@ -607,8 +620,9 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
         return _native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
 
     def host(xh):
-        return np.asarray(_host("round_nearest")(np.asarray(xh, order="C"), dtype=fmt.name,
-                                                 overflow=overflow)).reshape(xh.shape)
+        return np.asarray(
+            _host("round_nearest")(np.asarray(xh, order="C"), dtype=fmt.name, overflow=overflow)
+        ).reshape(xh.shape)
 
     return _callback(host, jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name]), x)
 
@@ -630,8 +644,7 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
     return _callback(host, jax.ShapeDtypeStruct(y.shape, jnp.float32), y)
 
 
-def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow="inf",
-                   impl=None):
+def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow="inf", impl=None):
     """``SR(w + alpha * u)`` for a bf16/fp16 JAX array ``w`` and a float32 ``u`` of its shape:
     the sum in float32 with one rounding (``fma(alpha, u, w)``), then stochastically rounded to
     ``w``'s format. Returns the new ``w`` (same dtype); JAX arrays are immutable, so unlike the
@@ -662,14 +675,29 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     if impl == "native":
         if w.size == 0:
             return w
-        return _native_stochastic_add(w, u, alpha, _u(k0), _u(k1), *_first_block(offset),
-                                      lane0=offset & 3, fmt_name=fmt.name, saturate=saturate)
+        return _native_stochastic_add(
+            w,
+            u,
+            alpha,
+            _u(k0),
+            _u(k1),
+            *_first_block(offset),
+            lane0=offset & 3,
+            fmt_name=fmt.name,
+            saturate=saturate,
+        )
 
     def host(wh, uh, ah, h0, h1):
         target = np.array(wh)  # a writable copy: the callback's input is read-only
-        _host("stochastic_add")(target, np.asarray(uh, order="C"), alpha=np.float32(ah),
-                                seed=_seed_of(h0, h1), offset=offset, dtype=fmt.name,
-                                overflow=overflow)
+        _host("stochastic_add")(
+            target,
+            np.asarray(uh, order="C"),
+            alpha=np.float32(ah),
+            seed=_seed_of(h0, h1),
+            offset=offset,
+            dtype=fmt.name,
+            overflow=overflow,
+        )
         return target
 
     shape = jax.ShapeDtypeStruct(w.shape, w.dtype)

@@ -11,12 +11,18 @@ import numpy as np
 
 from srround._formats import Format
 from srround._numba_cuda_compat import import_numba_cuda
-
 from srround._tensor_list import address
 
 from ._common import (
-    buffer_code, buffer_table as _buffer_table, check_contiguous, check_counter, check_float32, check_source,
+    buffer_code,
+    check_contiguous,
+    check_counter,
+    check_float32,
+    check_source,
     narrow_format,
+)
+from ._common import (
+    buffer_table as _buffer_table,
 )
 from ._view import View, check_shape
 
@@ -61,8 +67,9 @@ def _contiguous(a) -> bool:
     return a.is_c_contiguous()
 
 
-def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False
-           ) -> tuple[View, Format | None]:
+def source(
+    x, name: str, fmt: Format | None = None, *, narrow: bool = False
+) -> tuple[View, Format | None]:
     fmt, bits = check_source(x.dtype, _contiguous(x), name, fmt, narrow, _FIX)
     return _view(x, bits), fmt
 

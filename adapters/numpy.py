@@ -9,8 +9,15 @@ import numpy as np
 from srround._formats import Format
 
 from ._common import (
-    buffer_code, buffer_table as _buffer_table, check_contiguous, check_counter, check_float32, check_source,
+    buffer_code,
+    check_contiguous,
+    check_counter,
+    check_float32,
+    check_source,
     narrow_format,
+)
+from ._common import (
+    buffer_table as _buffer_table,
 )
 from ._view import View, check_shape
 
@@ -29,8 +36,9 @@ def _view(a, bits_dtype) -> View:
     return View(bits=a.reshape(-1).view(bits_dtype), device="cpu", shape=a.shape, result=a)
 
 
-def source(x, name: str, fmt: Format | None = None, *, narrow: bool = False
-           ) -> tuple[View, Format | None]:
+def source(
+    x, name: str, fmt: Format | None = None, *, narrow: bool = False
+) -> tuple[View, Format | None]:
     """A read view of ``x``: float32 data (``narrow=False``) or narrow data (``narrow=True``,
     format from the dtype or ``fmt``). Returns ``(view, format)``."""
     a = _as_array(x, name)

@@ -222,16 +222,20 @@ def buffer_table(tensors, name: str):
         _buffer_error(tensors, name)
         raise
     if len(devices) > 1:
-        raise ValueError(f"{name}: tensors on several devices ({sorted(map(str, devices))});"
-                         " pass one device's tensors per call")
+        raise ValueError(
+            f"{name}: tensors on several devices ({sorted(map(str, devices))});"
+            " pass one device's tensors per call"
+        )
     (device,) = devices
     if device.type == "cpu":
         return addresses, sizes, codes, "cpu"
     if device.type != "cuda":
         raise ValueError(f"{name}: is on {device}; srround runs on CPU and CUDA tensors only")
     if device.index != torch.cuda.current_device():
-        raise ValueError(f"{name}: is on {device}, not the current CUDA device; call inside"
-                         " `with torch.cuda.device(...)`")
+        raise ValueError(
+            f"{name}: is on {device}, not the current CUDA device; call inside"
+            " `with torch.cuda.device(...)`"
+        )
     return addresses, sizes, codes, f"cuda:{device.index}"
 
 
@@ -241,10 +245,11 @@ def _buffer_error(tensors, name):
         item = f"{name}[{i}]"
         _as_tensor(t, item)
         if t.dtype not in _BUFFER_CODES:
-            raise TypeError(f"{item}: expected a float32, bfloat16, float16 (or int16) tensor,"
-                            f" got {t.dtype}")
+            raise TypeError(
+                f"{item}: expected a float32, bfloat16, float16 (or int16) tensor, got {t.dtype}"
+            )
         _check_contiguous(t, item)
 
 
 from ._torch_amp import GradScaler  # noqa: E402, F401  (the framework layer, after the adapter)
-from ._torch_optim import AdamW, SGD  # noqa: E402, F401
+from ._torch_optim import SGD, AdamW  # noqa: E402, F401

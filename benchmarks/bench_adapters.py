@@ -35,7 +35,6 @@ import sys
 
 import ml_dtypes
 import numpy as np
-
 from bench_round import Unavailable, _cuda_reference_kernels, _quiet_import, jax_sr_fn, measure
 
 SEED = 7
@@ -64,10 +63,16 @@ def _core_cpu(n):
     xb, ub, wb = x.view(np.uint32), u.view(np.uint32), w.view(np.uint16)
     out = np.empty(n, np.uint16)
     return {
-        "stochastic_round": (lambda: _cpu.stochastic_round(
-            xb, out, k0, k1, 0, MANTISSA, EXPONENT, False), None),
-        "stochastic_add": (lambda: _cpu.stochastic_add(
-            wb, ub, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False), None),
+        "stochastic_round": (
+            lambda: _cpu.stochastic_round(xb, out, k0, k1, 0, MANTISSA, EXPONENT, False),
+            None,
+        ),
+        "stochastic_add": (
+            lambda: _cpu.stochastic_add(
+                wb, ub, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False
+            ),
+            None,
+        ),
     }
 
 
@@ -96,9 +101,14 @@ def _torch(device):
         x, u, w = _data(n)
         wt = torch.from_numpy(w.view(np.int16)).view(torch.bfloat16).to(device)
         sync = torch.cuda.synchronize if device == "cuda" else None
-        return _api_calls(torch.from_numpy(x).to(device), torch.from_numpy(u).to(device), wt,
-                          torch.empty(n, dtype=torch.bfloat16, device=device),
-                          sync and (lambda _: sync()))
+        return _api_calls(
+            torch.from_numpy(x).to(device),
+            torch.from_numpy(u).to(device),
+            wt,
+            torch.empty(n, dtype=torch.bfloat16, device=device),
+            sync and (lambda _: sync()),
+        )
+
     return setup
 
 
@@ -119,8 +129,11 @@ def _jax(impl, platform):
         sr = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k, impl=impl))
         add = jax.jit(lambda a, b, k: sj.stochastic_add(a, b, seed=k, impl=impl))
         ready = lambda r: r.block_until_ready()  # noqa: E731
-        return {"stochastic_round": (lambda: sr(x, key), ready),
-                "stochastic_add": (lambda: add(w, u, key), ready)}
+        return {
+            "stochastic_round": (lambda: sr(x, key), ready),
+            "stochastic_add": (lambda: add(w, u, key), ready),
+        }
+
     return setup
 
 
@@ -134,6 +147,7 @@ def _jax_user_sr(platform):
         x = jax.device_put(_data(n)[0], device)
         key = jax.random.key(SEED)
         return {"stochastic_round": (lambda: jax_sr(key, x), lambda r: r.block_until_ready())}
+
     return setup
 
 
@@ -158,10 +172,18 @@ def _core_cuda(n):
     stream = cuda.default_stream()
     sync = lambda _: cuda.synchronize()  # noqa: E731
     return {
-        "stochastic_round": (lambda: backend.stochastic_round(
-            xb, out, k0, k1, 0, MANTISSA, EXPONENT, False, stream=stream), sync),
-        "stochastic_add": (lambda: backend.stochastic_add(
-            wb, ub, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False, stream=stream), sync),
+        "stochastic_round": (
+            lambda: backend.stochastic_round(
+                xb, out, k0, k1, 0, MANTISSA, EXPONENT, False, stream=stream
+            ),
+            sync,
+        ),
+        "stochastic_add": (
+            lambda: backend.stochastic_add(
+                wb, ub, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False, stream=stream
+            ),
+            sync,
+        ),
     }
 
 
@@ -186,14 +208,22 @@ def _cupy(n):
 
 
 ROWS = {
-    "cpu": [("core, raw buffers", _core_cpu), ("numpy", _numpy), ("torch cpu", _torch("cpu")),
-            ("jax native (jit)", _jax("native", "cpu")),
-            ("jax callback (jit)", _jax("callback", "cpu")),
-            ("jax user SR (jit)", _jax_user_sr("cpu"))],
-    "cuda": [("core, raw buffers", _core_cuda), ("numba device arrays", _numba_cuda),
-             ("torch cuda", _torch("cuda")), ("cupy", _cupy),
-             ("jax native (jit)", _jax("native", "gpu")),
-             ("jax user SR (jit)", _jax_user_sr("gpu"))],
+    "cpu": [
+        ("core, raw buffers", _core_cpu),
+        ("numpy", _numpy),
+        ("torch cpu", _torch("cpu")),
+        ("jax native (jit)", _jax("native", "cpu")),
+        ("jax callback (jit)", _jax("callback", "cpu")),
+        ("jax user SR (jit)", _jax_user_sr("cpu")),
+    ],
+    "cuda": [
+        ("core, raw buffers", _core_cuda),
+        ("numba device arrays", _numba_cuda),
+        ("torch cuda", _torch("cuda")),
+        ("cupy", _cupy),
+        ("jax native (jit)", _jax("native", "gpu")),
+        ("jax user SR (jit)", _jax_user_sr("gpu")),
+    ],
 }
 
 
@@ -214,8 +244,12 @@ def _copy_floor(device: str, n: int, cell_time: float) -> float:
     copy_words, _ = _cuda_reference_kernels()  # bench_round's GPU floor kernel
     src, dst = cuda.to_device(np.ones(words, np.uint64)), cuda.device_array(words, np.uint64)
     blocks = (words + 255) // 256
-    return measure(lambda: copy_words[blocks, 256](src, dst), lambda _: cuda.synchronize(),
-                   cell_time=cell_time, batch_time=0.05)["median_s"]
+    return measure(
+        lambda: copy_words[blocks, 256](src, dst),
+        lambda _: cuda.synchronize(),
+        cell_time=cell_time,
+        batch_time=0.05,
+    )["median_s"]
 
 
 def run_device(device: str, large: int, cell_time: float) -> list[dict]:
@@ -240,10 +274,14 @@ def print_table(results: list[dict], device: str, large: int, floor_s: float) ->
         return
     cell = {(r["row"], r["op"], r["n"]): r["s"] for r in rows}
     floor_gbs = 6 * large / floor_s / 1e9
-    print(f"\n## {device} (n = 1024 and 2^{large.bit_length() - 1}; copy of the same bytes:"
-          f" {floor_gbs:.1f} GB/s; {os.cpu_count()} CPUs)")
-    head = (f"{'op':<17} {'row':<22} {'us@1024':>9} {'+us':>7} {'ms@large':>9} {'GB/s':>7}"
-            f" {'x core':>7} {'x copy':>7}")
+    print(
+        f"\n## {device} (n = 1024 and 2^{large.bit_length() - 1}; copy of the same bytes:"
+        f" {floor_gbs:.1f} GB/s; {os.cpu_count()} CPUs)"
+    )
+    head = (
+        f"{'op':<17} {'row':<22} {'us@1024':>9} {'+us':>7} {'ms@large':>9} {'GB/s':>7}"
+        f" {'x core':>7} {'x copy':>7}"
+    )
     print(head)
     print("-" * len(head))
     for op in BYTES:
@@ -256,18 +294,27 @@ def print_table(results: list[dict], device: str, large: int, floor_s: float) ->
             gbs = BYTES[op] * large / big / 1e9
             extra = (small - base_small) * 1e6 if base_small else float("nan")
             ratio = base_large / big if base_large else float("nan")
-            print(f"{op:<17} {name:<22} {small * 1e6:>9.1f} {extra:>7.1f} {big * 1e3:>9.3f}"
-                  f" {gbs:>7.1f} {ratio:>7.2f} {gbs / floor_gbs:>7.2f}")
+            print(
+                f"{op:<17} {name:<22} {small * 1e6:>9.1f} {extra:>7.1f} {big * 1e3:>9.3f}"
+                f" {gbs:>7.1f} {ratio:>7.2f} {gbs / floor_gbs:>7.2f}"
+            )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
-    parser.add_argument("--large", type=int, default=None,
-                        help="log2 of the large size (default: 24 on CPU, 26 on GPU)")
+    parser.add_argument(
+        "--large",
+        type=int,
+        default=None,
+        help="log2 of the large size (default: 24 on CPU, 26 on GPU)",
+    )
     parser.add_argument("--cell-time", type=float, default=0.3, help="seconds per cell")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: large size 2^20 (CPU) / 2^24 (GPU), 0.05 s per cell")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: large size 2^20 (CPU) / 2^24 (GPU), 0.05 s per cell",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]

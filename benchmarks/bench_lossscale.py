@@ -29,7 +29,6 @@ import statistics
 import time
 
 
-
 def shapes(total: int, tensors: int = 196):
     """A transformer-like mix: per layer 4 square matrices, 2 wide, 4 vectors, scaled to total."""
     d = 1
@@ -72,8 +71,8 @@ def run(device: str, total: int, reps: int):
         flat = torch.randn(n, device=device).to(dtype)
         cases = {
             "floor: flat.mul_(s)": lambda: flat.mul_(next(factors)),
-            "torch _amp_foreach_...unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found, next(invs)
+            "torch _amp_foreach_...unscale_": lambda: (
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, next(invs))
             ),
             "srround unscale_and_check": lambda: srround.unscale_and_check(
                 grads, next(invs), found_inf=found
@@ -87,9 +86,18 @@ def run(device: str, total: int, reps: int):
             seconds = timeit(fn, sync, reps)
             gbs = nbytes / seconds / 1e9
             floor = floor or gbs
-            rows.append({"device": device, "dtype": str(dtype).split(".")[-1], "method": name,
-                         "elements": n, "tensors": len(grads), "ms": seconds * 1e3,
-                         "GB/s": gbs, "floor": gbs / floor})
+            rows.append(
+                {
+                    "device": device,
+                    "dtype": str(dtype).split(".")[-1],
+                    "method": name,
+                    "elements": n,
+                    "tensors": len(grads),
+                    "ms": seconds * 1e3,
+                    "GB/s": gbs,
+                    "floor": gbs / floor,
+                }
+            )
     rows += scaled_steps(device, total, reps, sync)
     tiny = [torch.ones(1, device=device) for _ in range(200)]
     inv = torch.tensor([1.0], device=device)
@@ -100,8 +108,16 @@ def run(device: str, total: int, reps: int):
         ),
         "srround unscale_and_check": lambda: srround.unscale_and_check(tiny, inv, found_inf=found),
     }.items():
-        rows.append({"device": device, "dtype": "float32", "method": name, "elements": 200,
-                     "tensors": 200, "host_us": timeit(fn, sync, 200) * 1e6})
+        rows.append(
+            {
+                "device": device,
+                "dtype": "float32",
+                "method": name,
+                "elements": 200,
+                "tensors": 200,
+                "host_us": timeit(fn, sync, 200) * 1e6,
+            }
+        )
     return rows
 
 
@@ -122,16 +138,24 @@ def scaled_steps(device: str, total: int, reps: int, sync):
     for dtype in (torch.float32, torch.bfloat16):
         cases = {
             "srround AdamW + srround GradScaler": (
-                lambda ps: AdamW(ps, lr=1e-3, seed=0), scaler(GradScaler)),
+                lambda ps: AdamW(ps, lr=1e-3, seed=0),
+                scaler(GradScaler),
+            ),
             "srround AdamW, no scaler": (lambda ps: AdamW(ps, lr=1e-3, seed=0), None),
             "torch AdamW fused + torch GradScaler": (
-                lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), scaler(torch.amp.GradScaler)),
+                lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+                scaler(torch.amp.GradScaler),
+            ),
             "torch AdamW fused, no scaler": (
-                lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), None),
+                lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+                None,
+            ),
         }
         for name, (make_opt, make_scaler) in cases.items():
-            params = [torch.nn.Parameter((torch.randn(s, device=device) * 0.02).to(dtype))
-                      for s in shapes(total)]
+            params = [
+                torch.nn.Parameter((torch.randn(s, device=device) * 0.02).to(dtype))
+                for s in shapes(total)
+            ]
             for p in params:
                 p.grad = torch.randn_like(p)
             opt = make_opt(params)
@@ -144,14 +168,22 @@ def scaled_steps(device: str, total: int, reps: int, sync):
                 def step(opt=opt, grad_scaler=grad_scaler):
                     grad_scaler.step(opt)
                     grad_scaler.update()
+
             try:
                 seconds = timeit(step, sync, reps)
             except (RuntimeError, NotImplementedError) as exc:
                 print(f"{device} {dtype}: {name}: skipped ({type(exc).__name__}: {exc})")
                 continue
-            rows.append({"device": device, "dtype": str(dtype).split(".")[-1],
-                         "method": f"step: {name}", "elements": sum(p.numel() for p in params),
-                         "tensors": len(params), "ms": seconds * 1e3})
+            rows.append(
+                {
+                    "device": device,
+                    "dtype": str(dtype).split(".")[-1],
+                    "method": f"step: {name}",
+                    "elements": sum(p.numel() for p in params),
+                    "tensors": len(params),
+                    "ms": seconds * 1e3,
+                }
+            )
     return rows
 
 
@@ -181,8 +213,9 @@ def fp16_training(steps: int = 60):
         torch.manual_seed(2)
         model = torch.nn.Linear(8, 1).half()
         opt = HalfSGD(model.parameters(), lr=3e7)
-        scaler = GradScaler("cpu", init_scale=2.0**24, growth_interval=10,
-                            enabled=name == "dynamic scaling")
+        scaler = GradScaler(
+            "cpu", init_scale=2.0**24, growth_interval=10, enabled=name == "dynamic scaling"
+        )
         curve = []
         for _ in range(steps):
             opt.zero_grad()
@@ -224,24 +257,37 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import torch
 
-    devices = ["cpu"] if args.device == "cpu" else ["cuda"] if args.device == "cuda" else (
-        ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    devices = (
+        ["cpu"]
+        if args.device == "cpu"
+        else ["cuda"]
+        if args.device == "cuda"
+        else (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    )
     rows = []
     for device in devices:
         total = (268 << 20) if device == "cuda" else (25 << 20)
         rows += run(device, total // 4 if args.quick else total, 5 if args.quick else 15)
-    print(f"{'device':<6} {'dtype':<9} {'method':<42} {'elements':>11} {'tensors':>7}"
-          f" {'ms':>8} {'GB/s':>7} {'% floor':>8} {'host µs':>8}")
+    print(
+        f"{'device':<6} {'dtype':<9} {'method':<42} {'elements':>11} {'tensors':>7}"
+        f" {'ms':>8} {'GB/s':>7} {'% floor':>8} {'host µs':>8}"
+    )
     for r in rows:
         if "host_us" in r:
-            print(f"{r['device']:<6} {r['dtype']:<9} {r['method']:<42} {r['elements']:>11,}"
-                  f" {r['tensors']:>7} {'':>8} {'':>7} {'':>8} {r['host_us']:>8.1f}")
+            print(
+                f"{r['device']:<6} {r['dtype']:<9} {r['method']:<42} {r['elements']:>11,}"
+                f" {r['tensors']:>7} {'':>8} {'':>7} {'':>8} {r['host_us']:>8.1f}"
+            )
         elif "GB/s" in r:
-            print(f"{r['device']:<6} {r['dtype']:<9} {r['method']:<42} {r['elements']:>11,}"
-                  f" {r['tensors']:>7} {r['ms']:>8.2f} {r['GB/s']:>7.2f} {r['floor']:>8.0%}")
+            print(
+                f"{r['device']:<6} {r['dtype']:<9} {r['method']:<42} {r['elements']:>11,}"
+                f" {r['tensors']:>7} {r['ms']:>8.2f} {r['GB/s']:>7.2f} {r['floor']:>8.0%}"
+            )
         else:
-            print(f"{r['device']:<6} {r['dtype']:<9} {r['method']:<42} {r['elements']:>11,}"
-                  f" {r['tensors']:>7} {r['ms']:>8.2f}")
+            print(
+                f"{r['device']:<6} {r['dtype']:<9} {r['method']:<42} {r['elements']:>11,}"
+                f" {r['tensors']:>7} {r['ms']:>8.2f}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

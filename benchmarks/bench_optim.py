@@ -78,8 +78,11 @@ def _quiet_import(name: str):
 
     logging.disable(logging.WARNING)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
             warnings.simplefilter("ignore")
             return importlib.import_module(name)
     except ImportError as exc:
@@ -137,9 +140,15 @@ def time_steps(step, sync, reps: int, batch: int = 1) -> dict:
             host.append(time.perf_counter() - h0)
         sync()
         per_step.append((time.perf_counter() - t0) / batch)
-    return {"first_s": first, "median_s": statistics.median(per_step), "min_s": min(per_step),
-            "host_s": statistics.median(host), "reps": reps, "batch": batch,
-            "others_busy_cpus": _others_busy(before, _cpu_counters())}
+    return {
+        "first_s": first,
+        "median_s": statistics.median(per_step),
+        "min_s": min(per_step),
+        "host_s": statistics.median(host),
+        "reps": reps,
+        "batch": batch,
+        "others_busy_cpus": _others_busy(before, _cpu_counters()),
+    }
 
 
 def _cpu_counters():
@@ -240,9 +249,17 @@ class _FunctionalAdamW:
         import srround
 
         self.t += 1
-        srround.adamw_step([p.detach() for p in self.params], [p.grad for p in self.params],
-                           self.m, self.v, lr=self.lr, step=self.t, rounding=self.rounding,
-                           aux=self.aux, seed=self.seed)
+        srround.adamw_step(
+            [p.detach() for p in self.params],
+            [p.grad for p in self.params],
+            self.m,
+            self.v,
+            lr=self.lr,
+            step=self.t,
+            rounding=self.rounding,
+            aux=self.aux,
+            seed=self.seed,
+        )
 
 
 def srround_adamw(torch):
@@ -267,23 +284,39 @@ def torch_rows(torch, device: str, quick: bool):
     for state_dtype, base in ((torch.float32, 22), (torch.bfloat16, 14)):
         sname = "fp32" if state_dtype == torch.float32 else "bf16"
         for mode in ("stochastic", "kahan", "master", "remainder"):
-            rows.append((f"srround AdamW {mode:<10} {sname} states", base + EXTRA_BYTES[mode],
-                         torch.bfloat16,
-                         (lambda params, mode=mode, sd=state_dtype:
-                          factory(params, rounding=mode, state_dtype=sd, seed=SEED)), None))
+            rows.append(
+                (
+                    f"srround AdamW {mode:<10} {sname} states",
+                    base + EXTRA_BYTES[mode],
+                    torch.bfloat16,
+                    (
+                        lambda params, mode=mode, sd=state_dtype: factory(
+                            params, rounding=mode, state_dtype=sd, seed=SEED
+                        )
+                    ),
+                    None,
+                )
+            )
     for impl in ("fused", "foreach"):
         for dtype, nb in ((torch.bfloat16, 14), (torch.float32, 28)):
             dname = "bf16" if dtype == torch.bfloat16 else "fp32"
-            rows.append((f"torch AdamW {impl:<7} {dname} params (RNE)", nb, dtype,
-                         (lambda params, impl=impl:
-                          torch.optim.AdamW(params, lr=LR, **{impl: True})), None))
+            rows.append(
+                (
+                    f"torch AdamW {impl:<7} {dname} params (RNE)",
+                    nb,
+                    dtype,
+                    (lambda params, impl=impl: torch.optim.AdamW(params, lr=LR, **{impl: True})),
+                    None,
+                )
+            )
 
     def torchao(params):
         mod = _quiet_import("torchao.optim")
         return mod._AdamW(params, lr=LR, bf16_stochastic_round=True)
 
-    rows.append(("torchao _AdamW bf16 SR (compiled)", 14, torch.bfloat16, torchao,
-                 3 if quick else 10))
+    rows.append(
+        ("torchao _AdamW bf16 SR (compiled)", 14, torch.bfloat16, torchao, 3 if quick else 10)
+    )
 
     def optimi(params):
         mod = _quiet_import("optimi")
@@ -293,8 +326,9 @@ def torch_rows(torch, device: str, quick: bool):
     return rows, how
 
 
-def run_torch(device: str, total: int, tensors: int, reps: int, quick: bool, notes: list,
-              only=None) -> list[dict]:
+def run_torch(
+    device: str, total: int, tensors: int, reps: int, quick: bool, notes: list, only=None
+) -> list[dict]:
     torch = _quiet_import("torch")
     shape_list = shapes(total, tensors)
     n = numel(shape_list)
@@ -302,8 +336,10 @@ def run_torch(device: str, total: int, tensors: int, reps: int, quick: bool, not
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     batch = 5 if gpu else 1
     rows, how = torch_rows(torch, device, quick)
-    print(f"\n-- torch on {device}: {n:,} params in {len(shape_list)} tensors "
-          f"(srround via {how}) --", flush=True)
+    print(
+        f"\n-- torch on {device}: {n:,} params in {len(shape_list)} tensors (srround via {how}) --",
+        flush=True,
+    )
     results = []
     for label, nbytes, dtype, factory, max_reps in rows:
         if only and not any(o in label for o in only):
@@ -320,16 +356,27 @@ def run_torch(device: str, total: int, tensors: int, reps: int, quick: bool, not
             continue
         except Exception as exc:  # noqa: BLE001 - a row that fails here is reported, not fatal
             msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            notes.append(f"{device} {tensors} tensors: {label}: failed: {type(exc).__name__}: {msg}")
+            notes.append(
+                f"{device} {tensors} tensors: {label}: failed: {type(exc).__name__}: {msg}"
+            )
             continue
         finally:
             del params, opt
             release(device)
         floor = copy_floor(device, nbytes * n, reps)
         gbps = nbytes * n / r["median_s"] / 1e9
-        row = {"section": "torch", "device": device, "tensors": len(shape_list), "params": n,
-               "method": label, "bytes_per_param": nbytes, "gbps": gbps,
-               "frac_copy": floor / r["median_s"], "copy_gbps": nbytes * n / floor / 1e9, **r}
+        row = {
+            "section": "torch",
+            "device": device,
+            "tensors": len(shape_list),
+            "params": n,
+            "method": label,
+            "bytes_per_param": nbytes,
+            "gbps": gbps,
+            "frac_copy": floor / r["median_s"],
+            "copy_gbps": nbytes * n / floor / 1e9,
+            **r,
+        }
         results.append(row)
         print_row(row, gpu)
     return results
@@ -353,8 +400,11 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
     dev = jax.devices()[0]
     shape_list = shapes(total, tensors)
     n = numel(shape_list)
-    print(f"\n-- jax on {backend} ({dev.device_kind}): {n:,} params in {len(shape_list)} tensors"
-          " (jit, donated params and states) --", flush=True)
+    print(
+        f"\n-- jax on {backend} ({dev.device_kind}): {n:,} params in {len(shape_list)} tensors"
+        " (jit, donated params and states) --",
+        flush=True,
+    )
     try:
         sj = _quiet_import("srround.adapters.jax")
     except Unavailable as exc:
@@ -396,14 +446,24 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
                 return apply(params, updates, key), state
 
             return jax.jit(step, donate_argnums=(0, 1)), params, state, grads
+
         return build
 
     def fused_row(state_dtype):
         def build():
             if sj is None or not hasattr(sj, "adamw"):
                 raise Unavailable("srround.adapters.jax.adamw not present")
-            opt = sj.adamw(LR, 0.9, 0.999, 1e-8, 1e-2, seed=SEED, rounding="stochastic",
-                           state_dtype=state_dtype, impl="native")
+            opt = sj.adamw(
+                LR,
+                0.9,
+                0.999,
+                1e-8,
+                1e-2,
+                seed=SEED,
+                rounding="stochastic",
+                state_dtype=state_dtype,
+                impl="native",
+            )
             params, grads = make(jnp.bfloat16)
             state = opt.init(params)
 
@@ -412,6 +472,7 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
                 return params, state
 
             return jax.jit(step, donate_argnums=(0, 1)), params, state, grads
+
         return build
 
     def srround_apply(params, updates, key):
@@ -454,9 +515,16 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
         finally:
             box = params = state = grads = None
             gc.collect()
-        row = {"section": "jax", "device": f"jax-{backend}", "tensors": len(shape_list),
-               "params": n, "method": label, "bytes_per_param": nbytes,
-               "gbps": nbytes * n / r["median_s"] / 1e9, **r}
+        row = {
+            "section": "jax",
+            "device": f"jax-{backend}",
+            "tensors": len(shape_list),
+            "params": n,
+            "method": label,
+            "bytes_per_param": nbytes,
+            "gbps": nbytes * n / r["median_s"] / 1e9,
+            **r,
+        }
         if floor_device:
             floor = copy_floor(floor_device, nbytes * n, reps)
             row["frac_copy"] = floor / r["median_s"]
@@ -470,8 +538,10 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
 # output
 # --------------------------------------------------------------------------------------------
 
-HEADER = (f"{'method':<42} {'B/par':>5} {'ms/step':>9} {'GB/s':>8} {'% copy':>7} "
-          f"{'host ms':>8} {'first step':>11}")
+HEADER = (
+    f"{'method':<42} {'B/par':>5} {'ms/step':>9} {'GB/s':>8} {'% copy':>7} "
+    f"{'host ms':>8} {'first step':>11}"
+)
 
 
 def print_row(r: dict, gpu: bool) -> None:
@@ -481,49 +551,86 @@ def print_row(r: dict, gpu: bool) -> None:
         print_row._header_for = (r["section"], r["device"], r["tensors"])
     frac = f"{100 * r['frac_copy']:6.0f}%" if "frac_copy" in r else f"{'-':>7}"
     busy = not gpu and (r.get("others_busy_cpus") or 0) > BUSY_MARK
-    print(f"{r['method']:<42} {r['bytes_per_param']:>5} {r['median_s'] * 1e3:9.3f} "
-          f"{r['gbps']:8.2f} {frac} {r['host_s'] * 1e3:8.3f} {r['first_s']:10.2f}s"
-          f"{'  *busy {:.1f}'.format(r['others_busy_cpus']) if busy else ''}", flush=True)
+    print(
+        f"{r['method']:<42} {r['bytes_per_param']:>5} {r['median_s'] * 1e3:9.3f} "
+        f"{r['gbps']:8.2f} {frac} {r['host_s'] * 1e3:8.3f} {r['first_s']:10.2f}s"
+        f"{'  *busy {:.1f}'.format(r['others_busy_cpus']) if busy else ''}",
+        flush=True,
+    )
 
 
 def print_targets(results: list[dict]) -> None:
     print("\n== targets ==")
-    ref = [r for r in results if r["section"] == "torch" and r["device"] == "cpu"
-           and r["method"].startswith("srround AdamW stochastic") and "fp32 states" in r["method"]]
+    ref = [
+        r
+        for r in results
+        if r["section"] == "torch"
+        and r["device"] == "cpu"
+        and r["method"].startswith("srround AdamW stochastic")
+        and "fp32 states" in r["method"]
+    ]
     for r in ref:
         ok = r["median_s"] * 1e3 <= CPU_TARGET_MS
-        print(f"CPU: srround AdamW (stochastic, fp32 states) <= {CPU_TARGET_MS:g} ms/step at "
-              f"{r['params'] / 1e6:.1f}M params: {r['median_s'] * 1e3:.2f} ms "
-              f"({('met' if ok else 'NOT met') if r['params'] > 20e6 else 'n/a: the target is for 24.6M params'})")
-    gpu = [r for r in results if r["section"] == "torch" and r["device"].startswith("cuda")
-           and r["method"].startswith("srround AdamW") and r["tensors"] == 200]
+        print(
+            f"CPU: srround AdamW (stochastic, fp32 states) <= {CPU_TARGET_MS:g} ms/step at "
+            f"{r['params'] / 1e6:.1f}M params: {r['median_s'] * 1e3:.2f} ms "
+            f"({('met' if ok else 'NOT met') if r['params'] > 20e6 else 'n/a: the target is for 24.6M params'})"
+        )
+    gpu = [
+        r
+        for r in results
+        if r["section"] == "torch"
+        and r["device"].startswith("cuda")
+        and r["method"].startswith("srround AdamW")
+        and r["tensors"] == 200
+    ]
     for r in gpu:
         ok = r["frac_copy"] >= GPU_TARGET_FRAC
-        print(f"GPU 200 tensors: {r['method']:<40} {100 * r['frac_copy']:5.0f}% of copy "
-              f"(target >= {100 * GPU_TARGET_FRAC:.0f}%: {'met' if ok else 'NOT met'})")
+        print(
+            f"GPU 200 tensors: {r['method']:<40} {100 * r['frac_copy']:5.0f}% of copy "
+            f"(target >= {100 * GPU_TARGET_FRAC:.0f}%: {'met' if ok else 'NOT met'})"
+        )
     if not ref and not gpu:
         print("(no srround row measured)")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="CPU ~2M params, GPU 67M params, fewer steps")
-    p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
-                   help="'all' = CPU, plus CUDA when torch.cuda.is_available()")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="CPU ~2M params, GPU 67M params, fewer steps"
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "all"),
+        default="all",
+        help="'all' = CPU, plus CUDA when torch.cuda.is_available()",
+    )
     p.add_argument("--sections", nargs="+", choices=("torch", "jax"), default=["torch", "jax"])
-    p.add_argument("--params", type=float, default=None,
-                   help="parameters per device in millions (default CPU 24.6, GPU 268)")
+    p.add_argument(
+        "--params",
+        type=float,
+        default=None,
+        help="parameters per device in millions (default CPU 24.6, GPU 268)",
+    )
     p.add_argument("--gpu-tensors", type=int, nargs="+", default=[1, 200, 2000])
-    p.add_argument("--jax-tensors", type=int, default=24,
-                   help="tensors in the JAX section (default 24: compiling srround's native JAX"
-                   " adamw and apply_updates grows with the tensor count: first step ~25 s with"
-                   " fp32 states, ~50 s with bf16 states, ~23 s for optax.adamw + apply_updates"
-                   " at 196 tensors on 2 CPU cores)")
+    p.add_argument(
+        "--jax-tensors",
+        type=int,
+        default=24,
+        help="tensors in the JAX section (default 24: compiling srround's native JAX"
+        " adamw and apply_updates grows with the tensor count: first step ~25 s with"
+        " fp32 states, ~50 s with bf16 states, ~23 s for optax.adamw + apply_updates"
+        " at 196 tensors on 2 CPU cores)",
+    )
     p.add_argument("--reps", type=int, default=None, help="timed samples per row")
-    p.add_argument("--only", nargs="+", metavar="TEXT",
-                   help="only torch rows whose label contains one of these")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="TEXT",
+        help="only torch rows whose label contains one of these",
+    )
     p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
     args = p.parse_args(argv)
 
@@ -533,9 +640,15 @@ def main(argv=None) -> int:
     import srround
 
     notes: list[str] = []
-    meta = {"python": platform.python_version(), "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "numba_threads": numba.get_num_threads(),
-            "numpy": np.__version__, "srround": srround.__version__, "quick": args.quick}
+    meta = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "numba_threads": numba.get_num_threads(),
+        "numpy": np.__version__,
+        "srround": srround.__version__,
+        "quick": args.quick,
+    }
     devices = ["cpu"] if args.device in ("cpu", "all") else []
     torch = None
     try:
@@ -552,8 +665,10 @@ def main(argv=None) -> int:
     for name in ("torchao", "optimi", "jax", "optax"):
         with contextlib.suppress(Exception):
             meta[name] = getattr(_quiet_import(name), "__version__", "?")
-    print("srround optimizer benchmark | " + ", ".join(f"{k}={v}" for k, v in meta.items()),
-          flush=True)
+    print(
+        "srround optimizer benchmark | " + ", ".join(f"{k}={v}" for k, v in meta.items()),
+        flush=True,
+    )
 
     t_start = time.perf_counter()
     results: list[dict] = []
@@ -567,24 +682,29 @@ def main(argv=None) -> int:
             else:
                 reps = args.reps or (5 if args.quick else 10)
                 for tensors in args.gpu_tensors:
-                    results += run_torch("cuda", gpu_total, tensors, reps, args.quick, notes,
-                                         args.only)
+                    results += run_torch(
+                        "cuda", gpu_total, tensors, reps, args.quick, notes, args.only
+                    )
     if "jax" in args.sections:
         try:
             jax = _quiet_import("jax")
             on_gpu = jax.default_backend() == "gpu"
-            floor_device = ("cuda" if on_gpu and "cuda" in devices else
-                            None if on_gpu else "cpu")
+            floor_device = "cuda" if on_gpu and "cuda" in devices else None if on_gpu else "cpu"
             total = gpu_total if on_gpu else cpu_total
             reps = args.reps or (3 if args.quick else 5)
             results += run_jax(total, args.jax_tensors, reps, notes, floor_device)
         except Unavailable as exc:
             notes.append(f"jax section skipped: {exc}")
     print_targets(results)
-    if any((r.get("others_busy_cpus") or 0) > BUSY_MARK for r in results
-           if not r["device"].startswith("cuda")):
-        notes.append(f"*busy: other processes used more than {BUSY_MARK} CPU while the row was"
-                     " timed (shared cores and memory bandwidth): treat it as noisy")
+    if any(
+        (r.get("others_busy_cpus") or 0) > BUSY_MARK
+        for r in results
+        if not r["device"].startswith("cuda")
+    ):
+        notes.append(
+            f"*busy: other processes used more than {BUSY_MARK} CPU while the row was"
+            " timed (shared cores and memory bandwidth): treat it as noisy"
+        )
     if notes:
         print("\nnotes:")
         for note in notes:

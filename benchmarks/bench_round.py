@@ -110,8 +110,15 @@ class Unavailable(Exception):
 # --------------------------------------------------------------------------------------------
 
 
-def measure(fn, sync=None, *, cell_time: float, batch_time: float = 0.0, min_samples: int = 3,
-            max_samples: int = 200) -> dict:
+def measure(
+    fn,
+    sync=None,
+    *,
+    cell_time: float,
+    batch_time: float = 0.0,
+    min_samples: int = 3,
+    max_samples: int = 200,
+) -> dict:
     """Median seconds per call of ``fn``.
 
     ``sync(result)`` waits for asynchronous work (device synchronize, ``block_until_ready``).
@@ -137,9 +144,13 @@ def measure(fn, sync=None, *, cell_time: float, batch_time: float = 0.0, min_sam
         times = [first] + [run(1) for _ in range(samples - 1)]
     else:
         times = [run(per_sample) for _ in range(samples)]
-    return {"median_s": statistics.median(times), "min_s": min(times),
-            "samples": samples, "calls_per_sample": per_sample,
-            "others_busy_cpus": _others_busy(before, _cpu_counters())}
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "samples": samples,
+        "calls_per_sample": per_sample,
+        "others_busy_cpus": _others_busy(before, _cpu_counters()),
+    }
 
 
 def _cpu_counters():
@@ -204,13 +215,13 @@ def torchao_sr():
             def torchao_style_sr(x):
                 """torchao's ``_fp32_to_bf16_sr`` formula (torchao 0.x), reimplemented: round
                 away from zero when 16 random bits < the 16 bits bf16 drops."""
-                rand_16bit = torch.randint(0, 1 << 16, x.shape, device=x.device,
-                                           dtype=torch.int32)
+                rand_16bit = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32)
                 x_fp32 = x.view(torch.int32)
                 x_fraction = x_fp32 & 0xFFFF
                 x_bf16_towards_zero = x_fp32 & 0xFFFF0000
-                x_fp32 = torch.where(rand_16bit < x_fraction, x_bf16_towards_zero + 0x10000,
-                                     x_bf16_towards_zero)
+                x_fp32 = torch.where(
+                    rand_16bit < x_fraction, x_bf16_towards_zero + 0x10000, x_bf16_towards_zero
+                )
                 return x_fp32.view(torch.float32).bfloat16()
 
             _TORCHAO = (torchao_style_sr, "torchao-style SR")
@@ -278,6 +289,7 @@ def cpu_rows():
         def setup(x):
             out = np.empty(x.size, ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
             return (lambda: srround.stochastic_round(x, dtype=dtype, seed=SEED, out=out)), None
+
         return setup
 
     def rne(x):
@@ -402,8 +414,10 @@ def cuda_rows():
     def sr(dtype):
         def setup(dx):
             out = cuda.device_array(dx.size, np.uint16)  # uint16 bits + dtype= is accepted
-            return (lambda: srround.stochastic_round(dx, dtype=dtype, seed=SEED, out=out)), \
-                numba_sync
+            return (
+                lambda: srround.stochastic_round(dx, dtype=dtype, seed=SEED, out=out)
+            ), numba_sync
+
         return setup
 
     def rne(dx):
@@ -503,8 +517,9 @@ def cuda_rows():
 # --------------------------------------------------------------------------------------------
 
 
-def run_device(device: str, sizes: list[int], cell_time: float, notes: list[str],
-               retries: int = 1) -> list[dict]:
+def run_device(
+    device: str, sizes: list[int], cell_time: float, notes: list[str], retries: int = 1
+) -> list[dict]:
     rng = np.random.default_rng(0)
     x_host = rng.standard_normal(max(sizes), dtype=np.float32)
     if device == "cpu":
@@ -519,8 +534,9 @@ def run_device(device: str, sizes: list[int], cell_time: float, notes: list[str]
     try:
         from tqdm import tqdm
 
-        progress = tqdm(total=len(rows) * len(sizes), desc=device, leave=False, disable=None,
-                        file=sys.stderr)
+        progress = tqdm(
+            total=len(rows) * len(sizes), desc=device, leave=False, disable=None, file=sys.stderr
+        )
     except ImportError:
         progress = None
 
@@ -536,8 +552,9 @@ def run_device(device: str, sizes: list[int], cell_time: float, notes: list[str]
                     fn, sync = setup(x)
                     m = measure(fn, sync, cell_time=cell_time, batch_time=batch_time)
                     for _ in range(retries if device == "cpu" else 0):
-                        if (m["others_busy_cpus"] or 0) <= BUSY_MARK or \
-                                m["median_s"] * m["samples"] > 1.0:  # quiet, or too slow
+                        if (m["others_busy_cpus"] or 0) <= BUSY_MARK or m["median_s"] * m[
+                            "samples"
+                        ] > 1.0:  # quiet, or too slow
                             break
                         time.sleep(0.5)  # someone else is using the cores: try again, keep the
                         again = measure(fn, sync, cell_time=cell_time)  # quietest attempt
@@ -547,14 +564,25 @@ def run_device(device: str, sizes: list[int], cell_time: float, notes: list[str]
                     notes.append(f"[{device}] skipped {label} ({op}): {exc}")
                 except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
                     skipped.add((label, op))
-                    notes.append(f"[{device}] FAILED {label} ({op}) at n={n}: "
-                                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                    notes.append(
+                        f"[{device}] FAILED {label} ({op}) at n={n}: "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    )
                 else:
                     gbps = BYTES_PER_ELEMENT * n / m["median_s"] / 1e9
                     floor_gbps = floor_gbps or gbps  # the first row is the floor
-                    results.append({"device": device, "method": label, "op": op, "n": n,
-                                    **m, "gbps": gbps, "frac_of_floor": gbps / floor_gbps,
-                                    "ns_per_element": m["median_s"] / n * 1e9})
+                    results.append(
+                        {
+                            "device": device,
+                            "method": label,
+                            "op": op,
+                            "n": n,
+                            **m,
+                            "gbps": gbps,
+                            "frac_of_floor": gbps / floor_gbps,
+                            "ns_per_element": m["median_s"] / n * 1e9,
+                        }
+                    )
                 fn = sync = None  # free this size's buffers before the next row
             if progress is not None:
                 progress.update()
@@ -577,8 +605,11 @@ def print_table(results: list[dict], device: str) -> None:
     w_m = max(len(k[0]) for k in keys)
     w_o = max(len("op"), *(len(k[1]) for k in keys))
     big = sizes[-1]
-    head = f"{'method':<{w_m}}  {'op':<{w_o}}" + "".join(
-        f"  {'n=' + size_label(n):>17}" for n in sizes) + f"  {'ms/call @' + size_label(big):>14}"
+    head = (
+        f"{'method':<{w_m}}  {'op':<{w_o}}"
+        + "".join(f"  {'n=' + size_label(n):>17}" for n in sizes)
+        + f"  {'ms/call @' + size_label(big):>14}"
+    )
     print(f"\n== {device.upper()}: GB/s (6 B/element) and % of the same-size floor ==")
     print(head)
     print("-" * len(head))
@@ -596,8 +627,10 @@ def print_table(results: list[dict], device: str) -> None:
         r = cell.get((method, op, big))
         print(line + (f"  {r['median_s'] * 1e3:14.3f}" if r else f"  {'-':>14}"))
     if marked:
-        print(f"* other processes used more than {BUSY_MARK} CPU while this cell was timed "
-              "(others_busy_cpus in the JSON): treat it as noisy")
+        print(
+            f"* other processes used more than {BUSY_MARK} CPU while this cell was timed "
+            "(others_busy_cpus in the JSON): treat it as noisy"
+        )
 
 
 LATENCY_SNIPPET = r"""
@@ -629,17 +662,23 @@ def first_call_latency(notes: list[str]) -> dict | None:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache}
         for case in ("cold", "warm"):
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-c", LATENCY_SNIPPET], env=env,
-                                  capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(
+                [sys.executable, "-c", LATENCY_SNIPPET],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             wall = time.perf_counter() - t0
             if proc.returncode != 0:
                 notes.append(f"latency {case} subprocess failed: {proc.stderr.strip()[-300:]}")
                 return None
-            out[case] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
-                         "process_wall_s": wall}
+            out[case] = {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_wall_s": wall}
     if source_fingerprint(srround)["kernel_src_sha256"] != src_before:
-        notes.append("srround's kernel sources changed on disk during the latency runs: the warm"
-                      " process may have recompiled (see its cache hits)")
+        notes.append(
+            "srround's kernel sources changed on disk during the latency runs: the warm"
+            " process may have recompiled (see its cache hits)"
+        )
     if out["warm"]["cache_hits"] == 0:
         notes.append("the warm process found no cached kernel and compiled again")
     return out
@@ -647,14 +686,20 @@ def first_call_latency(notes: list[str]) -> dict | None:
 
 def print_latency(lat: dict) -> None:
     print("\n== first-call latency of srround.stochastic_round (fresh process, 4096 elements) ==")
-    print(f"{'case':<34}{'import srround':>16}{'first call':>14}{'second call':>14}"
-          f"{'process wall':>15}{'cache hits':>12}")
-    for case, desc in (("cold", "cold (empty NUMBA_CACHE_DIR)"),
-                       ("warm", "warm (same cache dir, new proc)")):
+    print(
+        f"{'case':<34}{'import srround':>16}{'first call':>14}{'second call':>14}"
+        f"{'process wall':>15}{'cache hits':>12}"
+    )
+    for case, desc in (
+        ("cold", "cold (empty NUMBA_CACHE_DIR)"),
+        ("warm", "warm (same cache dir, new proc)"),
+    ):
         r = lat[case]
-        print(f"{desc:<34}{r['import_s'] * 1e3:13.0f} ms{r['first_call_s'] * 1e3:11.0f} ms"
-              f"{r['second_call_s'] * 1e3:11.2f} ms{r['process_wall_s']:13.2f} s"
-              f"{'?' if r['cache_hits'] is None else r['cache_hits']:>12}")
+        print(
+            f"{desc:<34}{r['import_s'] * 1e3:13.0f} ms{r['first_call_s'] * 1e3:11.0f} ms"
+            f"{r['second_call_s'] * 1e3:11.2f} ms{r['process_wall_s']:13.2f} s"
+            f"{'?' if r['cache_hits'] is None else r['cache_hits']:>12}"
+        )
 
 
 def busy_cpus(interval: float = 0.5) -> float | None:
@@ -678,9 +723,16 @@ def source_fingerprint(srround) -> dict:
             h.update(f.read())
     out = {"kernel_src_sha256": h.hexdigest()[:12]}
     with contextlib.suppress(Exception):
-        out["git_head"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=pkg, capture_output=True, text=True,
-            timeout=10).stdout.strip() or None
+        out["git_head"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=pkg,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     return out
 
 
@@ -694,19 +746,38 @@ def parse_size(token: str) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="CPU 2^20..2^22, GPU 2^20..2^24, 0.1 s per cell")
-    p.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
-                   help="'all' = CPU, plus CUDA when numba.cuda.is_available()")
-    p.add_argument("--sizes", nargs="+", type=parse_size, metavar="N",
-                   help="element counts for every device: 24, 2^24 or 16777216")
-    p.add_argument("--cell-time", type=float, default=None,
-                   help="seconds of timed calls per cell (default 0.2, 0.1 with --quick)")
-    p.add_argument("--retries", type=int, default=1,
-                   help="re-time a CPU cell up to this many times while other processes use more"
-                   f" than {BUSY_MARK} CPU during it, keeping the quietest attempt (default 1)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="CPU 2^20..2^22, GPU 2^20..2^24, 0.1 s per cell"
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "all"),
+        default="all",
+        help="'all' = CPU, plus CUDA when numba.cuda.is_available()",
+    )
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        type=parse_size,
+        metavar="N",
+        help="element counts for every device: 24, 2^24 or 16777216",
+    )
+    p.add_argument(
+        "--cell-time",
+        type=float,
+        default=None,
+        help="seconds of timed calls per cell (default 0.2, 0.1 with --quick)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        help="re-time a CPU cell up to this many times while other processes use more"
+        f" than {BUSY_MARK} CPU during it, keeping the quietest attempt (default 1)",
+    )
     p.add_argument("--no-latency", action="store_true", help="skip the cold/warm subprocesses")
     p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
     args = p.parse_args(argv)
@@ -727,8 +798,10 @@ def main(argv=None) -> int:
             gpu_name = cuda.get_current_device().name
             gpu_name = gpu_name.decode() if isinstance(gpu_name, bytes) else gpu_name
         else:
-            notes.append("CUDA: numba.cuda.is_available() is False (or the simulator is on); "
-                         "GPU rows skipped")
+            notes.append(
+                "CUDA: numba.cuda.is_available() is False (or the simulator is on); "
+                "GPU rows skipped"
+            )
 
     sizes_for = {
         "cpu": args.sizes or [1 << k for k in range(20, (22 if args.quick else 26) + 1)],
@@ -736,10 +809,15 @@ def main(argv=None) -> int:
     }
 
     meta = {
-        "python": platform.python_version(), "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "numba": numba.__version__,
-        "numba_threads": numba.get_num_threads(), "numpy": np.__version__,
-        "srround": srround.__version__, "cell_time_s": cell_time, "quick": args.quick,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "numba": numba.__version__,
+        "numba_threads": numba.get_num_threads(),
+        "numpy": np.__version__,
+        "srround": srround.__version__,
+        "cell_time_s": cell_time,
+        "quick": args.quick,
         "bytes_per_element": BYTES_PER_ELEMENT,
         "others_busy_cpus_at_start": busy_cpus(),
     }
@@ -763,9 +841,11 @@ def main(argv=None) -> int:
 
     meta["others_busy_cpus_at_end"] = busy = busy_cpus()
     if busy is not None and max(busy, meta["others_busy_cpus_at_start"]) > 0.25:
-        notes.append(f"other processes kept {meta['others_busy_cpus_at_start']} CPUs busy before"
-                     f" the run and {busy} after it (of {os.cpu_count()}): they share the cores"
-                     " and memory bandwidth, so CPU numbers are noisy - rerun on a quiet machine")
+        notes.append(
+            f"other processes kept {meta['others_busy_cpus_at_start']} CPUs busy before"
+            f" the run and {busy} after it (of {os.cpu_count()}): they share the cores"
+            " and memory bandwidth, so CPU numbers are noisy - rerun on a quiet machine"
+        )
     latency = None if args.no_latency else first_call_latency(notes)
     if latency:
         print_latency(latency)
@@ -777,8 +857,9 @@ def main(argv=None) -> int:
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results, "latency": latency, "notes": notes},
-                      f, indent=1)
+            json.dump(
+                {"meta": meta, "results": results, "latency": latency, "notes": notes}, f, indent=1
+            )
         print(f"wrote {args.json}")
     return 0
 

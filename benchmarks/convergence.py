@@ -42,8 +42,14 @@ import time
 
 import numpy as np
 
-VARIANTS = ("fp32", "bf16 nearest", "bf16 stochastic", "bf16 kahan", "bf16 remainder",
-            "bf16 master")
+VARIANTS = (
+    "fp32",
+    "bf16 nearest",
+    "bf16 stochastic",
+    "bf16 kahan",
+    "bf16 remainder",
+    "bf16 master",
+)
 TARGET = 0.02
 
 D_IN, HIDDEN, SAMPLES, BATCH = 32, 128, 4096, 256
@@ -52,9 +58,11 @@ D_IN, HIDDEN, SAMPLES, BATCH = 32, 128, 4096, 256
 def problem(seed: int):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((SAMPLES, D_IN)).astype(np.float32)
-    teacher = [rng.normal(0.0, 1 / np.sqrt(D_IN), (HIDDEN, D_IN)),
-               rng.normal(0.0, 0.1, HIDDEN),
-               rng.normal(0.0, 1 / np.sqrt(HIDDEN), (1, HIDDEN))]
+    teacher = [
+        rng.normal(0.0, 1 / np.sqrt(D_IN), (HIDDEN, D_IN)),
+        rng.normal(0.0, 0.1, HIDDEN),
+        rng.normal(0.0, 1 / np.sqrt(HIDDEN), (1, HIDDEN)),
+    ]
     teacher = [t.astype(np.float32) for t in teacher]
     y = forward_np(teacher, x)
     y = y + 0.01 * y.std() * rng.standard_normal(y.shape).astype(np.float32)
@@ -68,8 +76,9 @@ def forward_np(w, x):
 
 def train(variant: str, lr: float, steps: int, eval_every: int, data, seed: int):
     """Returns (steps evaluated at, full-data losses) for one variant."""
-    import srround.adapters.torch as sat
     import torch
+
+    import srround.adapters.torch as sat
 
     x, y, start = data
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
@@ -80,8 +89,14 @@ def train(variant: str, lr: float, steps: int, eval_every: int, data, seed: int)
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     else:
         params = [torch.nn.Parameter(s.clone()) for s in start_bf16]
-        opt = sat.AdamW(params, lr=lr, weight_decay=0.01, rounding=variant.split()[1],
-                        state_dtype=torch.float32, seed=seed)
+        opt = sat.AdamW(
+            params,
+            lr=lr,
+            weight_decay=0.01,
+            rounding=variant.split()[1],
+            state_dtype=torch.float32,
+            seed=seed,
+        )
 
     def loss_of(xb, yb):
         w1, b1, w2 = (p.float() for p in params)  # bf16 -> fp32 upcast; grads come back bf16
@@ -133,13 +148,18 @@ def plot(results: dict, lrs, path: str) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 1500, "
-                   "--quick 400)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="steps per run (default 1500, --quick 400)"
+    )
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 3e-5])
-    p.add_argument("--quick", action="store_true", help="400 steps (smoke run; the effect is "
-                   "smaller at so few steps)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="400 steps (smoke run; the effect is smaller at so few steps)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="convergence.png", help="PNG of the loss curves")
     args = p.parse_args(argv)
@@ -157,28 +177,36 @@ def main(argv=None) -> int:
             results[(lr, v)] = train(v, lr, steps, eval_every, data, args.seed)
     elapsed = time.perf_counter() - t0
 
-    print(f"teacher-student MLP {D_IN}->{HIDDEN}->1 ({D_IN * HIDDEN + 2 * HIDDEN} weights), "
-          f"{steps} steps, batch {BATCH}, AdamW wd 0.01; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
-    print("progress = (L - L_fp32) / (L_0 - L_fp32) at the end: 0 = as far as fp32, "
-          "1 = no progress")
+    print(
+        f"teacher-student MLP {D_IN}->{HIDDEN}->1 ({D_IN * HIDDEN + 2 * HIDDEN} weights), "
+        f"{steps} steps, batch {BATCH}, AdamW wd 0.01; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(
+        "progress = (L - L_fp32) / (L_0 - L_fp32) at the end: 0 = as far as fp32, 1 = no progress"
+    )
     print(f"{'lr':>8}  {'variant':<17} {'L_0':>10} {'final loss':>11} {'progress':>9}")
     verdicts = []
     for lr in args.lrs:
         ref = results[(lr, "fp32")][1]
         for v in VARIANTS:
             curve = results[(lr, v)][1]
-            print(f"{lr:>8g}  {v:<17} {curve[0]:>10.6f} {curve[-1]:>11.6f} "
-                  f"{progress(curve, ref):>9.3f}")
+            print(
+                f"{lr:>8g}  {v:<17} {curve[0]:>10.6f} {curve[-1]:>11.6f} "
+                f"{progress(curve, ref):>9.3f}"
+            )
         near = progress(results[(lr, "bf16 nearest")][1], ref)
         sr = progress(results[(lr, "bf16 stochastic")][1], ref)
         if near > 0.5:
             verdicts.append((lr, near, sr, abs(sr) <= TARGET))
-    print(f"\ntarget: stochastic within {TARGET} of fp32 (|progress| <= {TARGET}) where nearest"
-          " is above 0.5")
+    print(
+        f"\ntarget: stochastic within {TARGET} of fp32 (|progress| <= {TARGET}) where nearest"
+        " is above 0.5"
+    )
     for lr, near, sr, ok in verdicts:
-        print(f"  lr={lr:g}: nearest {near:.3f}, stochastic {sr:+.3f} -> "
-              f"{'met' if ok else 'NOT met'}")
+        print(
+            f"  lr={lr:g}: nearest {near:.3f}, stochastic {sr:+.3f} -> {'met' if ok else 'NOT met'}"
+        )
     if not verdicts:
         print("  (nearest is not above 0.5 at any of these learning rates: no stall to fix here)")
     print(f"training time {elapsed:.1f} s")

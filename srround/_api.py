@@ -20,6 +20,7 @@ from ._formats import get_format, saturate_flag
 from ._rng import check_offset, check_seed, next_seed, split_seed
 from ._tensor_list import FORMAT_CODES, TensorList
 
+
 def _key(seed) -> tuple[int, int]:
     return split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
 
@@ -79,8 +80,16 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     dst = adapter.target(out, "out", src, fmt)
     check_same_place(x=src, out=dst)
     _launch(
-        "stochastic_round", src, src.bits, dst.bits, k0, k1, offset,
-        fmt.mantissa_bits, fmt.exponent_bits, saturate,
+        "stochastic_round",
+        src,
+        src.bits,
+        dst.bits,
+        k0,
+        k1,
+        offset,
+        fmt.mantissa_bits,
+        fmt.exponent_bits,
+        saturate,
     )
     return dst.result
 
@@ -153,8 +162,17 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     check_shape("u", src.shape, dst.shape, "w's")
     check_same_place(w=dst, u=src)
     _launch(
-        "stochastic_add", dst, dst.bits, src.bits, np.float32(alpha), k0, k1, offset,
-        fmt.mantissa_bits, fmt.exponent_bits, saturate,
+        "stochastic_add",
+        dst,
+        dst.bits,
+        src.bits,
+        np.float32(alpha),
+        k0,
+        k1,
+        offset,
+        fmt.mantissa_bits,
+        fmt.exponent_bits,
+        saturate,
     )
     return dst.result
 
@@ -215,8 +233,11 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
     if not grads:
         raise ValueError("grads: expected at least one array")
-    extra = {n: v for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf))
-             if v is not None and not isinstance(v, (int, float, np.floating))}
+    extra = {
+        n: v
+        for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf))
+        if v is not None and not isinstance(v, (int, float, np.floating))
+    }
     adapter = adapter_for(grads=grads[0], **extra)
     _check_one_type(grads, "grads", grads[0], "grads[0]")
     addresses, sizes, codes, place = adapter.buffer_table(grads, "grads")
@@ -246,9 +267,19 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     return flags.result
 
 
-def update_scale(scale, growth_tracker, found_inf, *, overflow_tracker=None, growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=2000, hysteresis=1, min_scale=None,
-                 max_scale=None):
+def update_scale(
+    scale,
+    growth_tracker,
+    found_inf,
+    *,
+    overflow_tracker=None,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=2000,
+    hysteresis=1,
+    min_scale=None,
+    max_scale=None,
+):
     """Update loss scale(s) in place on their device (rule in ``srround/_loss_scale.py``):
     back off on overflow, grow after ``growth_interval`` clean steps; no host sync.
 
@@ -268,19 +299,32 @@ def update_scale(scale, growth_tracker, found_inf, *, overflow_tracker=None, gro
         raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis}")
     if overflow_tracker is None and hysteresis > 1:
         raise ValueError("overflow_tracker: needed when hysteresis > 1")
-    adapter = adapter_for(scale=scale, growth_tracker=growth_tracker, found_inf=found_inf,
-                          overflow_tracker=overflow_tracker)
+    adapter = adapter_for(
+        scale=scale,
+        growth_tracker=growth_tracker,
+        found_inf=found_inf,
+        overflow_tracker=overflow_tracker,
+    )
     scale_view, _ = adapter.source(scale, "scale")
     scale_view = adapter.target(scale, "scale", scale_view, None)
     found_view, _ = adapter.source(found_inf, "found_inf")
     check_shape("found_inf", found_view.shape, scale_view.shape, "scale's")
-    trackers = [adapter.counter(t, name, scale_view) for name, t in
-                (("growth_tracker", growth_tracker), ("overflow_tracker", overflow_tracker))]
-    check_same_place(scale=scale_view, found_inf=found_view, growth_tracker=trackers[0],
-                     overflow_tracker=trackers[1])
+    trackers = [
+        adapter.counter(t, name, scale_view)
+        for name, t in (("growth_tracker", growth_tracker), ("overflow_tracker", overflow_tracker))
+    ]
+    check_same_place(
+        scale=scale_view,
+        found_inf=found_view,
+        growth_tracker=trackers[0],
+        overflow_tracker=trackers[1],
+    )
     factors = (
-        np.float32(growth_factor), np.float32(backoff_factor), int(growth_interval),
-        int(hysteresis), np.float32(0.0 if min_scale is None else min_scale),
+        np.float32(growth_factor),
+        np.float32(backoff_factor),
+        int(growth_interval),
+        int(hysteresis),
+        np.float32(0.0 if min_scale is None else min_scale),
         np.float32(np.inf if max_scale is None else max_scale),
     )
     args = (scale_view.bits, trackers[0].bits, trackers[1].bits, found_view.bits, *factors)
@@ -349,8 +393,9 @@ _AUX = {  # weight mode -> (aux format code for a param of code c, description)
 }
 
 
-def _fused_step(kind, hyper, params, grads, states, aux, *, step, rounding, seed, inv_scale,
-                found_inf, name):
+def _fused_step(
+    kind, hyper, params, grads, states, aux, *, step, rounding, seed, inv_scale, found_inf, name
+):
     """Validate the buffer lists, build a ``_optim.FusedStep`` and run it once."""
     if rounding not in _optim.MODES:
         raise ValueError(f"rounding: expected one of {sorted(_optim.MODES)}, got {rounding!r}")
@@ -359,43 +404,60 @@ def _fused_step(kind, hyper, params, grads, states, aux, *, step, rounding, seed
         raise ValueError("params: expected at least one array")
     count = len(params)
     grads = _as_list(grads, "grads", count)
-    extra = {n: v for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf), ("step", step))
-             if v is not None and not isinstance(v, (int, float, np.integer, np.floating))}
+    extra = {
+        n: v
+        for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf), ("step", step))
+        if v is not None and not isinstance(v, (int, float, np.integer, np.floating))
+    }
     adapter = adapter_for(params=params[0], grads=grads[0], **extra)
     if _own(adapter, "stochastic_round"):  # immutable arrays (JAX)
-        raise TypeError(f"params: {name} updates buffers in place; for JAX use"
-                        " srround.adapters.jax.adamw or .apply_updates")
+        raise TypeError(
+            f"params: {name} updates buffers in place; for JAX use"
+            " srround.adapters.jax.adamw or .apply_updates"
+        )
     _check_one_type(params, "params", params[0], "params[0]")
     _check_one_type(grads, "grads", params[0], "params[0]")
     p_addr, sizes, p_codes, place = adapter.buffer_table(params, "params")
     _check_codes("params", p_codes, (0, 1, 2), "float32, bfloat16 or float16")
     if rounding == "remainder":
         _check_codes("params", p_codes, (0, 1), "bfloat16 (or float32) with rounding='remainder'")
-    g_addr, g_codes = _table_columns(adapter, grads, "grads", sizes, place, (0, 1, 2),
-                                     "float32, bfloat16 or float16")
+    g_addr, g_codes = _table_columns(
+        adapter, grads, "grads", sizes, place, (0, 1, 2), "float32, bfloat16 or float16"
+    )
     columns, state_fmt = [], None
     for label, arrays in states:
         if arrays is None:
             columns.append([0] * count)
             continue
-        addrs, codes = _table_columns(adapter, _as_list(arrays, label, count), label, sizes, place,
-                                      (0, 1), "float32 or bfloat16")
+        addrs, codes = _table_columns(
+            adapter,
+            _as_list(arrays, label, count),
+            label,
+            sizes,
+            place,
+            (0, 1),
+            "float32 or bfloat16",
+        )
         for i, c in enumerate(codes):
             if state_fmt is not None and c != state_fmt:
-                raise TypeError(f"{label}[{i}]: every state must have one dtype (float32 or"
-                                " bfloat16)")
+                raise TypeError(
+                    f"{label}[{i}]: every state must have one dtype (float32 or bfloat16)"
+                )
             state_fmt = c
         columns.append(addrs)
     aux_addr = [0] * count
     if rounding in _AUX:
         code_of, expected = _AUX[rounding]
         if aux is None:
-            raise ValueError(f"aux: rounding={rounding!r} needs one buffer per parameter"
-                             f" ({expected}; None for float32 parameters)")
+            raise ValueError(
+                f"aux: rounding={rounding!r} needs one buffer per parameter"
+                f" ({expected}; None for float32 parameters)"
+            )
         aux = _as_list(aux, "aux", count)
         aux = [a if c else None for a, c in zip(aux, p_codes)]
-        aux_addr, a_codes = _table_columns(adapter, aux, "aux", sizes, place, (0, 1, 2, 3),
-                                           expected)
+        aux_addr, a_codes = _table_columns(
+            adapter, aux, "aux", sizes, place, (0, 1, 2, 3), expected
+        )
         for i, (a, c) in enumerate(zip(aux, p_codes)):
             if a is None and c:
                 raise ValueError(f"aux[{i}]: missing ({expected} buffer for rounding={rounding!r})")
@@ -410,11 +472,18 @@ def _fused_step(kind, hyper, params, grads, states, aux, *, step, rounding, seed
     steps = _step_counter(adapter, step, first, count)
     scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)
     flags = _scalar_buffer(adapter, found_inf, "found_inf", first, 1)
-    check_same_place(**{"params[0]": first, "inv_scale": scales, "found_inf": flags,
-                        "step": steps})
+    check_same_place(**{"params[0]": first, "inv_scale": scales, "found_inf": flags, "step": steps})
     k0, k1 = _key(seed)
-    fused = _optim.FusedStep(kind, _optim.MODES[rounding], state_fmt or 0, table, sizes,
-                             steps.bits, first.device, first.stream)
+    fused = _optim.FusedStep(
+        kind,
+        _optim.MODES[rounding],
+        state_fmt or 0,
+        table,
+        sizes,
+        steps.bits,
+        first.device,
+        first.stream,
+    )
     fused.set_hyper(np.asarray([hyper], np.float64))
     fused.run(scales.bits, flags.bits, k0, k1)
 
@@ -436,9 +505,23 @@ def _step_counter(adapter, step, like: View, count: int) -> View:
     return adapter.counter(step, "step", shaped)
 
 
-def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, betas=(0.9, 0.999), eps=1e-8,
-               weight_decay=1e-2, step, rounding="stochastic", aux=None, seed=None,
-               inv_scale=None, found_inf=None):
+def adamw_step(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    lr,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=1e-2,
+    step,
+    rounding="stochastic",
+    aux=None,
+    seed=None,
+    inv_scale=None,
+    found_inf=None,
+):
     """One fused AdamW step (torch.optim.AdamW's math) over lists of buffers, in place: each
     element read and written once, one launch (two on CUDA) for any number of tensors.
 
@@ -460,15 +543,39 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, betas=(0.9, 0.999), 
         found_inf: float32 array of 1; when nonzero the step changes nothing (no host sync).
     """
     beta1, beta2 = betas
-    _fused_step(_optim.ADAMW, (lr, beta1, beta2, eps, weight_decay), params, grads,
-                (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)), aux, step=step,
-                rounding=rounding, seed=seed, inv_scale=inv_scale, found_inf=found_inf,
-                name="adamw_step")
+    _fused_step(
+        _optim.ADAMW,
+        (lr, beta1, beta2, eps, weight_decay),
+        params,
+        grads,
+        (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)),
+        aux,
+        step=step,
+        rounding=rounding,
+        seed=seed,
+        inv_scale=inv_scale,
+        found_inf=found_inf,
+        name="adamw_step",
+    )
 
 
-def sgd_step(params, grads, momentum_buffers=None, *, lr, momentum=0.0, dampening=0.0,
-             weight_decay=0.0, nesterov=False, step, rounding="stochastic", aux=None, seed=None,
-             inv_scale=None, found_inf=None):
+def sgd_step(
+    params,
+    grads,
+    momentum_buffers=None,
+    *,
+    lr,
+    momentum=0.0,
+    dampening=0.0,
+    weight_decay=0.0,
+    nesterov=False,
+    step,
+    rounding="stochastic",
+    aux=None,
+    seed=None,
+    inv_scale=None,
+    found_inf=None,
+):
     """One fused SGD step (torch.optim.SGD's math: momentum, dampening, nesterov, weight
     decay) over lists of buffers, in place. ``momentum_buffers`` (fp32 or bf16, one per param)
     are needed when ``momentum != 0``; at step 1 they are set to the gradient, as torch does.
@@ -477,7 +584,17 @@ def sgd_step(params, grads, momentum_buffers=None, *, lr, momentum=0.0, dampenin
         raise ValueError("momentum_buffers: needed when momentum != 0")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov: needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
-    _fused_step(_optim.SGD, (lr, momentum, dampening, weight_decay, float(nesterov)), params,
-                grads, (("momentum_buffers", momentum_buffers if momentum != 0 else None),
-                        ("unused", None)), aux, step=step, rounding=rounding, seed=seed,
-                inv_scale=inv_scale, found_inf=found_inf, name="sgd_step")
+    _fused_step(
+        _optim.SGD,
+        (lr, momentum, dampening, weight_decay, float(nesterov)),
+        params,
+        grads,
+        (("momentum_buffers", momentum_buffers if momentum != 0 else None), ("unused", None)),
+        aux,
+        step=step,
+        rounding=rounding,
+        seed=seed,
+        inv_scale=inv_scale,
+        found_inf=found_inf,
+        name="sgd_step",
+    )

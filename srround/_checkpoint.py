@@ -59,6 +59,7 @@ def load(path: str) -> dict:
     return {
         name: value
         for name, value in tensors.items()
-        if kind == "torch" or np.issubdtype(np.asarray(value).dtype, np.floating)
+        if kind == "torch"
+        or np.issubdtype(np.asarray(value).dtype, np.floating)
         or str(np.asarray(value).dtype) == "bfloat16"
     }

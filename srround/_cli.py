@@ -17,7 +17,10 @@ def _demo(args) -> int:
     label = f"training {len(METHODS)} variants"
     bar = tqdm(total=args.steps, desc=label, unit="step") if tqdm else None
     result = run_demo(
-        steps=args.steps, lr=args.lr, seed=args.seed, framework=args.framework,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        framework=args.framework,
         device=args.device,
         progress=(lambda _step: bar.update()) if bar else None,
     )
@@ -48,7 +51,9 @@ def _audit(args) -> int:
         print(f"srround audit: error: {error}", file=sys.stderr)
         return 2
     if not tensors:
-        print(f"srround audit: error: {args.checkpoint}: no floating-point tensors", file=sys.stderr)
+        print(
+            f"srround audit: error: {args.checkpoint}: no floating-point tensors", file=sys.stderr
+        )
         return 2
     rows = []
     for name, tensor in tensors.items():
@@ -57,49 +62,70 @@ def _audit(args) -> int:
             tensor, update, lr=None if update is not None else args.lr, dtype=args.dtype
         )
         rows.append(
-            {"name": name, "shape": list(np.shape(tensor)), "stagnation": stag.__dict__,
-             "fp16": audit.fp16_range(tensor).__dict__}
+            {
+                "name": name,
+                "shape": list(np.shape(tensor)),
+                "stagnation": stag.__dict__,
+                "fp16": audit.fp16_range(tensor).__dict__,
+            }
         )
     rows.sort(key=lambda r: (-r["stagnation"]["lost_fraction"], -r["stagnation"]["count"]))
     flat = np.concatenate([audit.to_float64(t).ravel() for t in tensors.values()])
     flat_update = None
     if updates:
         flat_update = np.concatenate(
-            [audit.to_float64(updates[n]).ravel() if n in updates
-             else np.full(np.size(tensors[n]), args.lr) for n in tensors]
+            [
+                audit.to_float64(updates[n]).ravel()
+                if n in updates
+                else np.full(np.size(tensors[n]), args.lr)
+                for n in tensors
+            ]
         )
     overall = audit.stagnation(flat, flat_update, lr=args.lr, dtype=args.dtype)
     fp16_all = audit.fp16_range(flat)
     summary = {
-        "checkpoint": args.checkpoint, "dtype": args.dtype, "lr": args.lr,
-        "overall": {"stagnation": overall.__dict__, "fp16": fp16_all.__dict__,
-                    "recommendation": overall.recommendation()},
+        "checkpoint": args.checkpoint,
+        "dtype": args.dtype,
+        "lr": args.lr,
+        "overall": {
+            "stagnation": overall.__dict__,
+            "fp16": fp16_all.__dict__,
+            "recommendation": overall.recommendation(),
+        },
         "tensors": rows,
     }
     if args.json:
         print(json.dumps(summary, indent=2, default=float))
         return 0
-    print(f"{args.checkpoint}: {len(rows)} tensors, {overall.count:,} weights; updates of"
-          f" {'--update file' if updates else f'lr={args.lr:g}'} stored in {args.dtype}")
-    header = (f"{'tensor':<36} {'weights':>10} {'lost':>7} {'min upd p50':>12} {'lr x50%':>8}"
-              f" {'max|w|':>9} {'fp16 inf':>8} {'fp16 0':>7} {'rescale':>8}")
+    print(
+        f"{args.checkpoint}: {len(rows)} tensors, {overall.count:,} weights; updates of"
+        f" {'--update file' if updates else f'lr={args.lr:g}'} stored in {args.dtype}"
+    )
+    header = (
+        f"{'tensor':<36} {'weights':>10} {'lost':>7} {'min upd p50':>12} {'lr x50%':>8}"
+        f" {'max|w|':>9} {'fp16 inf':>8} {'fp16 0':>7} {'rescale':>8}"
+    )
     print(header)
     print("-" * len(header))
     shown = rows if args.all else rows[:20]
     for r in shown:
         s, f = r["stagnation"], r["fp16"]
         rescale = "none" if f["rescale"] is None else f"{f['rescale']:g}"
-        print(f"{r['name'][:36]:<36} {s['count']:>10,} {s['lost_fraction']:>7.1%}"
-              f" {s['min_update_percentiles'][50]:>12.3g} {s['lr_scale_half']:>8.3g}"
-              f" {f['max_abs']:>9.3g} {f['overflow_fraction']:>8.2%} {f['zero_fraction']:>7.2%}"
-              f" {rescale:>8}")
+        print(
+            f"{r['name'][:36]:<36} {s['count']:>10,} {s['lost_fraction']:>7.1%}"
+            f" {s['min_update_percentiles'][50]:>12.3g} {s['lr_scale_half']:>8.3g}"
+            f" {f['max_abs']:>9.3g} {f['overflow_fraction']:>8.2%} {f['zero_fraction']:>7.2%}"
+            f" {rescale:>8}"
+        )
     if len(shown) < len(rows):
         print(f"... {len(rows) - len(shown)} more (--all shows every tensor)")
     print("-" * len(header))
-    print(f"{'all':<36} {overall.count:>10,} {overall.lost_fraction:>7.1%}"
-          f" {overall.min_update_percentiles[50]:>12.3g} {overall.lr_scale_half:>8.3g}"
-          f" {fp16_all.max_abs:>9.3g} {fp16_all.overflow_fraction:>8.2%}"
-          f" {fp16_all.zero_fraction:>7.2%}")
+    print(
+        f"{'all':<36} {overall.count:>10,} {overall.lost_fraction:>7.1%}"
+        f" {overall.min_update_percentiles[50]:>12.3g} {overall.lr_scale_half:>8.3g}"
+        f" {fp16_all.max_abs:>9.3g} {fp16_all.overflow_fraction:>8.2%}"
+        f" {fp16_all.zero_fraction:>7.2%}"
+    )
     print(f"90% of weights move at lr x{overall.lr_scale_90:.3g}.")
     print(overall.recommendation())
     if fp16_all.safe:
@@ -125,7 +151,8 @@ def _bench(args) -> int:
         print(
             "srround bench: error: the benchmark scripts live in the repository's benchmarks/"
             " folder, which this installation does not have; run it from a source checkout"
-            " (pip install -e .)", file=sys.stderr,
+            " (pip install -e .)",
+            file=sys.stderr,
         )
         return 2
     scripts = sorted(folder.glob("bench_*.py"))
@@ -149,20 +176,36 @@ def main(argv=None) -> int:
     demo.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
     demo.add_argument("--seed", type=int, default=0, help="data and rounding seed (default 0)")
     demo.add_argument("--out", default="srround-demo", help="folder for the plot")
-    demo.add_argument("--framework", default="numpy", choices=["numpy", "torch", "jax"],
-                      help="where the weights live (default numpy)")
-    demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                      help="cpu (default) or cuda (torch/jax on a GPU)")
+    demo.add_argument(
+        "--framework",
+        default="numpy",
+        choices=["numpy", "torch", "jax"],
+        help="where the weights live (default numpy)",
+    )
+    demo.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cpu (default) or cuda (torch/jax on a GPU)",
+    )
     demo.set_defaults(run=_demo)
     audit = commands.add_parser(
         "audit", help="check a checkpoint for bf16/fp16 update stagnation and fp16 range"
     )
     audit.add_argument("checkpoint", help=".safetensors, .pt/.pth/.bin (torch) or .npz")
-    audit.add_argument("--lr", type=float, default=1e-5,
-                       help="update magnitude per weight, Adam-like (default 1e-5)")
+    audit.add_argument(
+        "--lr",
+        type=float,
+        default=1e-5,
+        help="update magnitude per weight, Adam-like (default 1e-5)",
+    )
     audit.add_argument("--update", help="a checkpoint of real per-weight updates (same names)")
-    audit.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
-                       help="storage format of the weights (default bfloat16)")
+    audit.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16"],
+        help="storage format of the weights (default bfloat16)",
+    )
     audit.add_argument("--json", action="store_true", help="machine-readable output")
     audit.add_argument("--all", action="store_true", help="list every tensor, not the top 20")
     audit.set_defaults(run=_audit)

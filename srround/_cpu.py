@@ -82,7 +82,9 @@ def _threefry2x32_i32(typingctx, k0, k1, c0, c1):
         for g in range(5):
             for r in _ROTATIONS[g % 2]:
                 x0 = builder.add(x0, x1)
-                x1 = builder.xor(builder.or_(builder.shl(x1, i32(r)), builder.lshr(x1, i32(32 - r))), x0)
+                x1 = builder.xor(
+                    builder.or_(builder.shl(x1, i32(r)), builder.lshr(x1, i32(32 - r))), x0
+                )
             x0 = builder.add(x0, ks[(g + 1) % 3])
             x1 = builder.add(builder.add(x1, ks[(g + 2) % 3]), i32(g + 1))
         return context.make_tuple(builder, signature.return_type, (x0, x1))
@@ -112,7 +114,7 @@ def _fill_bits(words, k0, k1, block0, nblocks):
         block = block0 + k
         low = block & MASK32
         stop = min(nblocks, k + (1 << 32) - low)
-        _fill_run(words[2 * k:2 * stop], k0, k1, low, block >> 32)
+        _fill_run(words[2 * k : 2 * stop], k0, k1, low, block >> 32)
         k = stop
 
 
@@ -181,7 +183,7 @@ def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, satur
             _fill_bits(words, k0, k1, block0, m)
             b = offset + lo - 4 * block0
             _round_span(
-                x[lo:hi], out[lo:hi], bits[b:b + hi - lo], mantissa_bits, exponent_bits, saturate
+                x[lo:hi], out[lo:hi], bits[b : b + hi - lo], mantissa_bits, exponent_bits, saturate
             )
 
 
@@ -230,6 +232,12 @@ def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, sa
             _fill_bits(words, k0, k1, block0, m)
             b = offset + lo - 4 * block0
             _add_span(
-                w[lo:hi], u[lo:hi], alpha, total[:hi - lo], bits[b:b + hi - lo], mantissa_bits,
-                exponent_bits, saturate,
+                w[lo:hi],
+                u[lo:hi],
+                alpha,
+                total[: hi - lo],
+                bits[b : b + hi - lo],
+                mantissa_bits,
+                exponent_bits,
+                saturate,
             )

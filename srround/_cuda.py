@@ -14,8 +14,8 @@ Kernels run on the stream the caller passes (the adapters pass the framework's c
 from __future__ import annotations
 
 from . import _config
-from ._numba_cuda_compat import import_numba_cuda
 from ._loss_scale import unscale_in_place, update_one
+from ._numba_cuda_compat import import_numba_cuda
 from ._optim import GROUP, prepare_coefs, step_element
 from ._rng import lane_bits16, random_block
 from ._scalar import (
@@ -30,6 +30,7 @@ from ._scalar import (
 from ._tensor_list import address
 
 cuda = import_numba_cuda()
+
 
 @cuda.jit(cache=True)
 def _stochastic_round_general(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
@@ -77,7 +78,9 @@ def _stochastic_add_general(w, u, alpha, k0, k1, offset, mantissa_bits, exponent
             i = block * 4 + lane - offset
             if 0 <= i < n:
                 r16 = lane_bits16(x0, x1, lane)
-                w[i] = add_stochastic(w[i], u[i], alpha, r16, mantissa_bits, exponent_bits, saturate)
+                w[i] = add_stochastic(
+                    w[i], u[i], alpha, r16, mantissa_bits, exponent_bits, saturate
+                )
 
 
 @cuda.jit(cache=True)
@@ -91,10 +94,18 @@ def _stochastic_add_vec4(w4, u2, alpha, k0, k1, first, mantissa_bits, exponent_b
         hi = u2[2 * b + 1]
         m, e, sat = mantissa_bits, exponent_bits, saturate
         w4[b] = pack4(
-            add_stochastic(unpack(old, 0, 16), unpack(lo, 0, 32), alpha, unpack(x0, 0, 16), m, e, sat),
-            add_stochastic(unpack(old, 1, 16), unpack(lo, 1, 32), alpha, unpack(x0, 1, 16), m, e, sat),
-            add_stochastic(unpack(old, 2, 16), unpack(hi, 0, 32), alpha, unpack(x1, 0, 16), m, e, sat),
-            add_stochastic(unpack(old, 3, 16), unpack(hi, 1, 32), alpha, unpack(x1, 1, 16), m, e, sat),
+            add_stochastic(
+                unpack(old, 0, 16), unpack(lo, 0, 32), alpha, unpack(x0, 0, 16), m, e, sat
+            ),
+            add_stochastic(
+                unpack(old, 1, 16), unpack(lo, 1, 32), alpha, unpack(x0, 1, 16), m, e, sat
+            ),
+            add_stochastic(
+                unpack(old, 2, 16), unpack(hi, 0, 32), alpha, unpack(x1, 0, 16), m, e, sat
+            ),
+            add_stochastic(
+                unpack(old, 3, 16), unpack(hi, 1, 32), alpha, unpack(x1, 1, 16), m, e, sat
+            ),
         )
 
 
@@ -166,8 +177,14 @@ def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, satur
     if head:
         grid = _grid(head // 4)
         _stochastic_round_vec4[grid[0], grid[1], stream](
-            x[:head].view("uint64"), out[:head].view("uint64"), k0, k1, offset >> 2,
-            mantissa_bits, exponent_bits, saturate,
+            x[:head].view("uint64"),
+            out[:head].view("uint64"),
+            k0,
+            k1,
+            offset >> 2,
+            mantissa_bits,
+            exponent_bits,
+            saturate,
         )
     if head < n:
         grid = _grid((n - head) // 4 + 2)
@@ -182,13 +199,27 @@ def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, sa
     if head:
         grid = _grid(head // 4)
         _stochastic_add_vec4[grid[0], grid[1], stream](
-            w[:head].view("uint64"), u[:head].view("uint64"), alpha, k0, k1, offset >> 2,
-            mantissa_bits, exponent_bits, saturate,
+            w[:head].view("uint64"),
+            u[:head].view("uint64"),
+            alpha,
+            k0,
+            k1,
+            offset >> 2,
+            mantissa_bits,
+            exponent_bits,
+            saturate,
         )
     if head < n:
         grid = _grid((n - head) // 4 + 2)
         _stochastic_add_general[grid[0], grid[1], stream](
-            w[head:], u[head:], alpha, k0, k1, offset + head, mantissa_bits, exponent_bits,
+            w[head:],
+            u[head:],
+            alpha,
+            k0,
+            k1,
+            offset + head,
+            mantissa_bits,
+            exponent_bits,
             saturate,
         )
 
@@ -199,7 +230,10 @@ def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, stream):
     if head:
         grid = _grid(head // 4)
         _round_nearest_vec4[grid[0], grid[1], stream](
-            x[:head].view("uint64"), out[:head].view("uint64"), mantissa_bits, exponent_bits,
+            x[:head].view("uint64"),
+            out[:head].view("uint64"),
+            mantissa_bits,
+            exponent_bits,
             saturate,
         )
     if head < n:
@@ -246,18 +280,35 @@ def _unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor
 
 
 @cuda.jit(cache=True)
-def _update_scale(scale, growth_tracker, overflow_tracker, found, growth_factor, backoff_factor,
-                  growth_interval, hysteresis, min_scale, max_scale):
+def _update_scale(
+    scale,
+    growth_tracker,
+    overflow_tracker,
+    found,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+    min_scale,
+    max_scale,
+):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for k in range(start, scale.size, stride):
         scale[k], growth_tracker[k], overflow_tracker[k] = update_one(
-            scale[k], growth_tracker[k], overflow_tracker[k], found[k], growth_factor,
-            backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+            scale[k],
+            growth_tracker[k],
+            overflow_tracker[k],
+            found[k],
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            max_scale,
         )
 
 
-def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor, *, total,
-                      stream):
+def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor, *, total, stream):
     """``total``: elements over all tensors; table arrays on the host are copied over."""
     table = [cuda.to_device(a, stream=stream) for a in (addresses, formats, starts)]
     grid = _grid(total)
@@ -266,7 +317,9 @@ def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor,
 
 def update_scale(scale, growth_tracker, overflow_tracker, found, *factors, stream):
     grid = _grid(scale.size)
-    _update_scale[grid[0], grid[1], stream](scale, growth_tracker, overflow_tracker, found, *factors)
+    _update_scale[grid[0], grid[1], stream](
+        scale, growth_tracker, overflow_tracker, found, *factors
+    )
 
 
 # -- fused optimizer steps (tables of _optim.py) -----------------------------------------------
@@ -279,12 +332,14 @@ def _optim_prepare(kind, table, hyper, steps, coefs, found):
         steps[k] += 1
         g = table[k, GROUP]
         coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
-            kind, steps[k], hyper[g, 0], hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4])
+            kind, steps[k], hyper[g, 0], hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4]
+        )
 
 
 @cuda.jit(cache=True)
-def _optim_step(kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0,
-                k1):
+def _optim_step(
+    kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1
+):
     if found[0] & 0x7FFFFFFF:
         return
     start, stride = cuda.grid(1), cuda.gridsize(1)
@@ -297,17 +352,54 @@ def _optim_step(kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_s
             else:
                 hi = mid - 1
         g = table[k, 7]
-        step_element(kind, mode, state_fmt, table[k, 0], table[k, 1], table[k, 2], table[k, 3],
-                     table[k, 4], table[k, 5], table[k, 6], i - starts[k], starts[k], steps[k],
-                     inv_scale[0], coefs[k, 0], coefs[k, 1], coefs[k, 2], hyper[g, 1], hyper[g, 2],
-                     hyper[g, 3], hyper[g, 4], k0, k1)
+        step_element(
+            kind,
+            mode,
+            state_fmt,
+            table[k, 0],
+            table[k, 1],
+            table[k, 2],
+            table[k, 3],
+            table[k, 4],
+            table[k, 5],
+            table[k, 6],
+            i - starts[k],
+            starts[k],
+            steps[k],
+            inv_scale[0],
+            coefs[k, 0],
+            coefs[k, 1],
+            coefs[k, 2],
+            hyper[g, 1],
+            hyper[g, 2],
+            hyper[g, 3],
+            hyper[g, 4],
+            k0,
+            k1,
+        )
 
 
-def optim_step(kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0,
-               k1, *, total, stream):
+def optim_step(
+    kind,
+    mode,
+    state_fmt,
+    table,
+    starts,
+    hyper,
+    steps,
+    coefs,
+    inv_scale,
+    found,
+    k0,
+    k1,
+    *,
+    total,
+    stream,
+):
     """Both passes of one fused step over ``total`` elements; every array on the device."""
     grid = _grid(steps.size)
     _optim_prepare[grid[0], grid[1], stream](kind, table, hyper, steps, coefs, found)
     grid = _grid(total)
-    _optim_step[grid[0], grid[1], stream](kind, mode, state_fmt, table, starts, hyper, steps,
-                                          coefs, inv_scale, found, k0, k1)
+    _optim_step[grid[0], grid[1], stream](
+        kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1
+    )

@@ -97,8 +97,17 @@ class _Framework:
 
 
 def run_demo(
-    steps=1500, lr=3e-5, weight_decay=0.01, features=512, samples=4096, batch=256, seed=0,
-    eval_every=10, framework="numpy", device="cpu", progress=None,
+    steps=1500,
+    lr=3e-5,
+    weight_decay=0.01,
+    features=512,
+    samples=4096,
+    batch=256,
+    seed=0,
+    eval_every=10,
+    framework="numpy",
+    device="cpu",
+    progress=None,
 ):
     """Train every variant; returns a ``DemoResult``. ``progress(step)`` is called per step.
 
@@ -205,7 +214,10 @@ def plot(result: DemoResult, path: str) -> bool:
     styles = {"fp32": dict(color="black", ls="--", zorder=3)}
     for method in METHODS:
         ax.plot(
-            result.evaluated_at, result.losses[method], label=method, lw=1.5,
+            result.evaluated_at,
+            result.losses[method],
+            label=method,
+            lw=1.5,
             **styles.get(method, {}),
         )
     ax.set_xlabel("step")

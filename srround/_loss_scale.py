@@ -133,16 +133,27 @@ def unscale_and_check_cpu(addresses, formats, starts, inv_scales, found, per_ten
         while i < hi:
             end = min(hi, starts[k + 1])
             slot = k if per_tensor else 0
-            if not _unscale_run(addresses[k], formats[k], i - starts[k], end - starts[k],
-                                inv_scales[slot]):
+            if not _unscale_run(
+                addresses[k], formats[k], i - starts[k], end - starts[k], inv_scales[slot]
+            ):
                 found[slot] = _ONE_F32
             i = end
             k += 1
 
 
 @njit(inline="always", cache=True)
-def update_one(scale_bits, growth, overflows, found_bits, growth_factor, backoff_factor,
-               growth_interval, hysteresis, min_scale, max_scale):
+def update_one(
+    scale_bits,
+    growth,
+    overflows,
+    found_bits,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+    min_scale,
+    max_scale,
+):
     """The rule of the module docstring for one scale (float32 bits) and its two counters;
     returns the new ``(scale_bits, growth, overflows)``."""
     current = bits_to_f32(scale_bits)
@@ -164,12 +175,30 @@ def update_one(scale_bits, growth, overflows, found_bits, growth_factor, backoff
 
 
 @njit(cache=True)
-def update_scale_cpu(scale, growth_tracker, overflow_tracker, found, growth_factor,
-                     backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
+def update_scale_cpu(
+    scale,
+    growth_tracker,
+    overflow_tracker,
+    found,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+    min_scale,
+    max_scale,
+):
     for k in range(scale.size):
         scale[k], growth_tracker[k], overflow_tracker[k] = update_one(
-            scale[k], growth_tracker[k], overflow_tracker[k], found[k], growth_factor,
-            backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+            scale[k],
+            growth_tracker[k],
+            overflow_tracker[k],
+            found[k],
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            max_scale,
         )
 
 

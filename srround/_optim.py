@@ -173,14 +173,19 @@ def prepare_coefs(kind, step, h0, h1, h2, h3, h4):
         lr, beta1, beta2, wd = h0, h1, h2, h4
         bc1 = 1.0 - _power(beta1, step)
         bc2 = 1.0 - _power(beta2, step)
-        return (np.float32(1.0 - lr * wd), np.float32(lr / bc1), np.float32(math.sqrt(bc2)),
-                np.float32(0.0))
+        return (
+            np.float32(1.0 - lr * wd),
+            np.float32(lr / bc1),
+            np.float32(math.sqrt(bc2)),
+            np.float32(0.0),
+        )
     return np.float32(h0), np.float32(1.0 if step == 1 else 0.0), np.float32(0.0), np.float32(0.0)
 
 
 @njit(cache=True, error_model="numpy")  # no zero-division branch: the loops vectorize
-def adamw_math(p, g, m, v, decay, step_size, bc2_sqrt, beta2, eps, one_minus_beta1,
-               one_minus_beta2):
+def adamw_math(
+    p, g, m, v, decay, step_size, bc2_sqrt, beta2, eps, one_minus_beta1, one_minus_beta2
+):
     """One AdamW element in float32: returns ``(p, m, v)``."""
     p = p * decay
     m = fma32(one_minus_beta1, g - m, m)
@@ -237,9 +242,31 @@ def _bits16(k0, k1, offset):
 
 
 @njit(inline="always", cache=True)
-def update_element(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, p_addr, g_addr, s1_addr,
-                   s2_addr, aux_addr, j, scale, coef0, coef1, coef2, const1, const2, const3,
-                   const4, w_bits16, m_bits16, v_bits16):
+def update_element(
+    kind,
+    mode,
+    state_fmt,
+    p_fmt,
+    g_fmt,
+    has_state1,
+    p_addr,
+    g_addr,
+    s1_addr,
+    s2_addr,
+    aux_addr,
+    j,
+    scale,
+    coef0,
+    coef1,
+    coef2,
+    const1,
+    const2,
+    const3,
+    const4,
+    w_bits16,
+    m_bits16,
+    v_bits16,
+):
     """Element ``j`` of one tensor, in place: the body both backends run. ``has_state1``:
     whether ``s1_addr`` is a buffer (SGD without momentum has none); ``scale``: float32
     gradient multiplier; ``coef*``: the tensor's float32 coefficients (``prepare_coefs``);
@@ -256,8 +283,9 @@ def update_element(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, p_addr, g_ad
         m = bits_to_f32(widen(_load(s1_addr, j, state_fmt), state_fmt))
     if kind == ADAMW:
         v = bits_to_f32(widen(_load(s2_addr, j, state_fmt), state_fmt))
-        new, m, v = adamw_math(bits_to_f32(old), g, m, v, coef0, coef1, coef2, const1, const2,
-                               const3, const4)
+        new, m, v = adamw_math(
+            bits_to_f32(old), g, m, v, coef0, coef1, coef2, const1, const2, const3, const4
+        )
         v_bits = f32_to_bits(v)
         if state_fmt != 0:
             v_bits = narrow_stochastic(v_bits, v_bits16, 1)
@@ -276,9 +304,31 @@ def update_element(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, p_addr, g_ad
 
 
 @njit(cache=True)
-def step_element(kind, mode, state_fmt, p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr,
-                 aux_addr, j, start, step, inv_scale_bits, coef0, coef1, coef2, h1, h2, h3, h4,
-                 k0, k1):
+def step_element(
+    kind,
+    mode,
+    state_fmt,
+    p_addr,
+    p_fmt,
+    g_addr,
+    g_fmt,
+    s1_addr,
+    s2_addr,
+    aux_addr,
+    j,
+    start,
+    step,
+    inv_scale_bits,
+    coef0,
+    coef1,
+    coef2,
+    h1,
+    h2,
+    h3,
+    h4,
+    k0,
+    k1,
+):
     """``update_element`` for the CUDA kernel (also runnable in the simulator): draws the
     element's random bits itself. ``h1..h4``: the group's float64 hyperparameters (the
     simulator passes Python floats, so every float32 is made here)."""
@@ -291,10 +341,31 @@ def step_element(kind, mode, state_fmt, p_addr, p_fmt, g_addr, g_fmt, s1_addr, s
             m_bits16 = _bits16(k0, k1, stream_offset(step, 1, start) + j)
         if kind == ADAMW:
             v_bits16 = _bits16(k0, k1, stream_offset(step, 2, start) + j)
-    update_element(kind, mode, state_fmt, p_fmt, g_fmt, s1_addr != 0, p_addr, g_addr, s1_addr,
-                   s2_addr, aux_addr, j, bits_to_f32(inv_scale_bits), np.float32(coef0),
-                   np.float32(coef1), np.float32(coef2), const1, const2, const3, const4,
-                   w_bits16, m_bits16, v_bits16)
+    update_element(
+        kind,
+        mode,
+        state_fmt,
+        p_fmt,
+        g_fmt,
+        s1_addr != 0,
+        p_addr,
+        g_addr,
+        s1_addr,
+        s2_addr,
+        aux_addr,
+        j,
+        bits_to_f32(inv_scale_bits),
+        np.float32(coef0),
+        np.float32(coef1),
+        np.float32(coef2),
+        const1,
+        const2,
+        const3,
+        const4,
+        w_bits16,
+        m_bits16,
+        v_bits16,
+    )
 
 
 # -- CPU: one kernel per configuration, chunks of one loop over update_element --------------
@@ -307,43 +378,150 @@ def _random_bits(words, k0, k1, offset, n):
     first = offset >> 2
     _fill_bits(words, k0, k1, first, ((offset + n - 1) >> 2) - first + 1)
     b = offset - 4 * first
-    return words.view(np.uint16)[b:b + n]
+    return words.view(np.uint16)[b : b + n]
 
 
 @njit(inline="always", cache=True)
-def _update_run(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, addresses, j0, scale, scalars,
-                w_bits, m_bits, v_bits):
+def _update_run(
+    kind,
+    mode,
+    state_fmt,
+    p_fmt,
+    g_fmt,
+    has_state1,
+    addresses,
+    j0,
+    scale,
+    scalars,
+    w_bits,
+    m_bits,
+    v_bits,
+):
     """Elements j0 + e of one tensor, e < w_bits.size; ``addresses``: (param, grad, state 1,
     state 2, aux), ``scalars``: (coef0..2, const1..4) of ``update_element``. With every mode
     and format a constant, LLVM folds the branches of the body and vectorizes this loop."""
     p_addr, g_addr, s1_addr, s2_addr, aux_addr = addresses
     coef0, coef1, coef2, const1, const2, const3, const4 = scalars
     for e in range(w_bits.size):
-        update_element(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, p_addr, g_addr, s1_addr,
-                       s2_addr, aux_addr, j0 + e, scale, coef0, coef1, coef2, const1, const2, const3,
-                       const4, w_bits[e], m_bits[e], v_bits[e])
+        update_element(
+            kind,
+            mode,
+            state_fmt,
+            p_fmt,
+            g_fmt,
+            has_state1,
+            p_addr,
+            g_addr,
+            s1_addr,
+            s2_addr,
+            aux_addr,
+            j0 + e,
+            scale,
+            coef0,
+            coef1,
+            coef2,
+            const1,
+            const2,
+            const3,
+            const4,
+            w_bits[e],
+            m_bits[e],
+            v_bits[e],
+        )
 
 
 @njit(inline="always", cache=True)
-def _update_formats(kind, mode, state_fmt, bf16, fp32, other, p_fmt, g_fmt, has_state1,
-                    addresses, j0, scale, scalars, w_bits, m_bits, v_bits):
+def _update_formats(
+    kind,
+    mode,
+    state_fmt,
+    bf16,
+    fp32,
+    other,
+    p_fmt,
+    g_fmt,
+    has_state1,
+    addresses,
+    j0,
+    scale,
+    scalars,
+    w_bits,
+    m_bits,
+    v_bits,
+):
     """``_update_run`` with constant formats for bf16 and fp32 tensors (parameter and gradient
     alike; vectorized), generic (scalar, ~10x slower) otherwise. ``bf16, fp32, other``:
     which of the three loops the table needs (``format_cases``); only those are compiled."""
     if bf16 and p_fmt == 1 and g_fmt == 1:
-        _update_run(kind, mode, state_fmt, 1, 1, has_state1, addresses, j0, scale, scalars,
-                    w_bits, m_bits, v_bits)
+        _update_run(
+            kind,
+            mode,
+            state_fmt,
+            1,
+            1,
+            has_state1,
+            addresses,
+            j0,
+            scale,
+            scalars,
+            w_bits,
+            m_bits,
+            v_bits,
+        )
     elif fp32 and p_fmt == 0 and g_fmt == 0:
-        _update_run(kind, mode, state_fmt, 0, 0, has_state1, addresses, j0, scale, scalars,
-                    w_bits, m_bits, v_bits)
+        _update_run(
+            kind,
+            mode,
+            state_fmt,
+            0,
+            0,
+            has_state1,
+            addresses,
+            j0,
+            scale,
+            scalars,
+            w_bits,
+            m_bits,
+            v_bits,
+        )
     elif other:
-        _update_run(kind, mode, state_fmt, p_fmt, g_fmt, has_state1, addresses, j0, scale,
-                    scalars, w_bits, m_bits, v_bits)
+        _update_run(
+            kind,
+            mode,
+            state_fmt,
+            p_fmt,
+            g_fmt,
+            has_state1,
+            addresses,
+            j0,
+            scale,
+            scalars,
+            w_bits,
+            m_bits,
+            v_bits,
+        )
 
 
 @njit(inline="always", cache=True)
-def _step_chunk(kind, mode, state_fmt, state1, bf16, fp32, other, table, starts, hyper, steps,
-                coefs, scale, k0, k1, lo, hi):
+def _step_chunk(
+    kind,
+    mode,
+    state_fmt,
+    state1,
+    bf16,
+    fp32,
+    other,
+    table,
+    starts,
+    hyper,
+    steps,
+    coefs,
+    scale,
+    k0,
+    k1,
+    lo,
+    hi,
+):
     """Global elements [lo, hi) of one CPU step: per tensor run, its random bits into scratch,
     then one loop over ``update_element`` (``_update_formats``)."""
     words = np.empty((3, _CHUNK // 2 + 4), np.uint32)
@@ -368,8 +546,24 @@ def _step_chunk(kind, mode, state_fmt, state1, bf16, fp32, other, table, starts,
         addresses = (row[P_ADDR], row[G_ADDR], row[S1_ADDR], row[S2_ADDR], row[AUX_ADDR])
         scalars = (coefs[k, 0], coefs[k, 1], coefs[k, 2], c1, c2, c3, c4)
         has_state1 = row[S1_ADDR] != 0 if state1 == STATE1_SOME else state1 == STATE1_ALL
-        _update_formats(kind, mode, state_fmt, bf16, fp32, other, p_fmt, g_fmt, has_state1,
-                        addresses, j0, scale, scalars, w_bits, m_bits, v_bits)
+        _update_formats(
+            kind,
+            mode,
+            state_fmt,
+            bf16,
+            fp32,
+            other,
+            p_fmt,
+            g_fmt,
+            has_state1,
+            addresses,
+            j0,
+            scale,
+            scalars,
+            w_bits,
+            m_bits,
+            v_bits,
+        )
         i = end
         k += 1
 
@@ -394,12 +588,30 @@ def _make_step_cpu(kind, mode, state_fmt, state1, formats):
                 continue
             h = hyper[table[k, GROUP]]
             coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
-                kind, steps[k], h[0], h[1], h[2], h[3], h[4])
+                kind, steps[k], h[0], h[1], h[2], h[3], h[4]
+            )
         scale = bits_to_f32(inv_scale[0])
         total = starts[-1]
         for c in prange((total + _CHUNK - 1) // _CHUNK):
-            _step_chunk(kind, mode, state_fmt, state1, bf16, fp32, other, table, starts, hyper,
-                        steps, coefs, scale, k0, k1, c * _CHUNK, min(c * _CHUNK + _CHUNK, total))
+            _step_chunk(
+                kind,
+                mode,
+                state_fmt,
+                state1,
+                bf16,
+                fp32,
+                other,
+                table,
+                starts,
+                hyper,
+                steps,
+                coefs,
+                scale,
+                k0,
+                k1,
+                c * _CHUNK,
+                min(c * _CHUNK + _CHUNK, total),
+            )
 
     return step_cpu
 
@@ -460,14 +672,16 @@ class FusedStep:
         self._host_table, self._grad_table = table, None  # gradient columns: check_grads
         if device == "cpu":
             self.table, self.starts, self.coefs = table, starts, coefs
-            self._kernel = step_cpu_kernel(kind, mode, state_fmt, state1_presence(table),
-                                           format_cases(table))
+            self._kernel = step_cpu_kernel(
+                kind, mode, state_fmt, state1_presence(table), format_cases(table)
+            )
         else:
             from ._numba_cuda_compat import import_numba_cuda
 
             cuda = import_numba_cuda()
-            self.table, self.starts, self.coefs = (cuda.to_device(a, stream=stream)
-                                                   for a in (table, starts, coefs))
+            self.table, self.starts, self.coefs = (
+                cuda.to_device(a, stream=stream) for a in (table, starts, coefs)
+            )
 
     def set_hyper(self, hyper: np.ndarray) -> None:
         """Per-group hyperparameters (float64[G, 5]); copied to the device only when changed
@@ -511,12 +725,22 @@ class FusedStep:
 
     def run(self, inv_scale, found, k0, k1) -> None:
         """One step; ``inv_scale``, ``found``: uint32[1] float32 bits on the table's device."""
-        args = (self.table, self.starts, self._hyper, self.steps, self.coefs, inv_scale, found,
-                k0, k1)
+        args = (
+            self.table,
+            self.starts,
+            self._hyper,
+            self.steps,
+            self.coefs,
+            inv_scale,
+            found,
+            k0,
+            k1,
+        )
         if self.device == "cpu":
             run(self._kernel, self.total, *args)
         else:
             from . import _cuda
 
-            _cuda.optim_step(self.kind, self.mode, self.state_fmt, *args, total=self.total,
-                             stream=self.stream)
+            _cuda.optim_step(
+                self.kind, self.mode, self.state_fmt, *args, total=self.total, stream=self.stream
+            )

@@ -115,9 +115,7 @@ class TensorList:
     def __init__(self, addresses, formats, sizes, keepalive):
         self.addresses = np.asarray(addresses, np.int64)
         self.formats = np.asarray(formats, np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(np.asarray(sizes, np.int64))]).astype(
-            np.int64
-        )
+        self.starts = np.concatenate([[0], np.cumsum(np.asarray(sizes, np.int64))]).astype(np.int64)
         self.total = int(self.starts[-1])
         self.keepalive = keepalive
 

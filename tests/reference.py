@@ -66,8 +66,20 @@ FORMAT_NAMES = list(srround.FORMATS)
 
 # -- fma: hard cases and the Numba reference (shared by the JAX fma tests) ----------------------
 
-_FMA_SPECIALS = [0x7FFFFFFF, 0xFFC00000, 0x7FA00000, 0x7F800000, 0xFF800000, 0, 0x80000000,
-                 0x7F7FFFFF, 0x00000001, 0x807FFFFF, 0x00800000, 0x3F800000]
+_FMA_SPECIALS = [
+    0x7FFFFFFF,
+    0xFFC00000,
+    0x7FA00000,
+    0x7F800000,
+    0xFF800000,
+    0,
+    0x80000000,
+    0x7F7FFFFF,
+    0x00000001,
+    0x807FFFFF,
+    0x00800000,
+    0x3F800000,
+]
 
 
 def fma_hard_cases(seed: int, n: int = 1 << 15) -> list[tuple]:
@@ -78,19 +90,24 @@ def fma_hard_cases(seed: int, n: int = 1 << 15) -> list[tuple]:
 
     def patterns(lo, hi):
         sign = rng.integers(0, 2, n, dtype=np.uint32) << 31
-        return sign | (rng.integers(lo, hi, n, dtype=np.uint32) << 23) | rng.integers(
-            0, 1 << 23, n, dtype=np.uint32)
+        return (
+            sign
+            | (rng.integers(lo, hi, n, dtype=np.uint32) << 23)
+            | rng.integers(0, 1 << 23, n, dtype=np.uint32)
+        )
 
     def f32_bits(x):
         return np.asarray(x, np.float32).view(np.uint32)
 
     a = rng.standard_normal(n).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32)
-    cancel = -(a.astype(np.float64) * b) * (1 + rng.standard_normal(n) * 2.0 ** -rng.integers(
-        0, 40, n))
-    tie_a, tie_b = (rng.integers(2**12, 2**13, n) * 2.0 ** rng.integers(-20, 20, n)
-                    for _ in range(2))
-    tie_c = rng.integers(-2**24, 2**24, n) * 2.0 ** rng.integers(-50, 10, n)
+    cancel = -(a.astype(np.float64) * b) * (
+        1 + rng.standard_normal(n) * 2.0 ** -rng.integers(0, 40, n)
+    )
+    tie_a, tie_b = (
+        rng.integers(2**12, 2**13, n) * 2.0 ** rng.integers(-20, 20, n) for _ in range(2)
+    )
+    tie_c = rng.integers(-(2**24), 2**24, n) * 2.0 ** rng.integers(-50, 10, n)
     special = np.array(_FMA_SPECIALS, np.uint32)
     grid = [g.ravel() for g in np.meshgrid(special, special, special, indexing="ij")]
     cases = [
@@ -101,8 +118,11 @@ def fma_hard_cases(seed: int, n: int = 1 << 15) -> list[tuple]:
         (patterns(0, 3), patterns(100, 160), patterns(0, 3)),  # subnormal operands
         (patterns(100, 160), patterns(0, 3), patterns(0, 3)),  # and sums
         (patterns(150, 254), patterns(100, 254), patterns(200, 255)),  # overflow
-        (patterns(100, 150), f32_bits(1 + rng.integers(0, 2**23, n) * 2.0**-23),
-         f32_bits(rng.choice([-1, 1], n) * 2.0**-24 * rng.choice([1, 1 + 2.0**-23], n))),
+        (
+            patterns(100, 150),
+            f32_bits(1 + rng.integers(0, 2**23, n) * 2.0**-23),
+            f32_bits(rng.choice([-1, 1], n) * 2.0**-24 * rng.choice([1, 1 + 2.0**-23], n)),
+        ),
         tuple(grid),  # sums at and next to ties, then specials
     ]
     return [tuple(np.ascontiguousarray(v, np.uint32) for v in case) for case in cases]
@@ -122,8 +142,13 @@ def _compile_fma32():
     def loop(a, b, c):
         out = np.empty(a.size, np.uint32)
         for i in range(a.size):
-            out[i] = f32_to_bits(fma32(bits_to_f32(np.int64(a[i])), bits_to_f32(np.int64(b[i])),
-                                       bits_to_f32(np.int64(c[i]))))
+            out[i] = f32_to_bits(
+                fma32(
+                    bits_to_f32(np.int64(a[i])),
+                    bits_to_f32(np.int64(b[i])),
+                    bits_to_f32(np.int64(c[i])),
+                )
+            )
         return out
 
     return loop
@@ -141,5 +166,7 @@ def assert_same_fma_bits(case, x, y, z, want, got):
     nan_w, nan_g = (want & 0x7FFFFFFF) > 0x7F800000, (got & 0x7FFFFFFF) > 0x7F800000
     same = np.where(nan_w | nan_g, nan_w & nan_g & ((want >> 31) == (got >> 31)), want == got)
     bad = np.flatnonzero(~same)
-    assert bad.size == 0, (case, [tuple(hex(int(v[j])) for v in (x, y, z, want, got))
-                                  for j in bad[:5]])
+    assert bad.size == 0, (
+        case,
+        [tuple(hex(int(v[j])) for v in (x, y, z, want, got)) for j in bad[:5]],
+    )

@@ -63,9 +63,7 @@ def test_cuda_unaligned_slice_uses_general_kernel_same_bits(small_cuda_launch):
     x = _inputs(64)
     dx = cuda.to_device(x)
     got = srround.stochastic_round(dx[1:], seed=3, offset=1)
-    assert np.array_equal(
-        bits(got.copy_to_host()), bits(srround.stochastic_round(x, seed=3))[1:]
-    )
+    assert np.array_equal(bits(got.copy_to_host()), bits(srround.stochastic_round(x, seed=3))[1:])
 
 
 _HASH_SCRIPT = """
@@ -86,7 +84,10 @@ def test_thread_count_does_not_change_bits():
     for threads in ("1", "2"):
         env = dict(os.environ, NUMBA_NUM_THREADS=threads)
         result = subprocess.run(
-            [sys.executable, "-c", _HASH_SCRIPT], env=env, capture_output=True, text=True,
+            [sys.executable, "-c", _HASH_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
             check=True,
         )
         digests.append(result.stdout.strip())
@@ -117,13 +118,34 @@ def test_small_cpu_calls_run_on_one_thread_with_the_same_bits(monkeypatch):
         srround.stochastic_add(w, x, alpha=1e-3, seed=6, offset=1)
         grads = [x[:3000] * np.float32(4), (x[3000:] * np.float32(4)).astype(ml_dtypes.bfloat16)]
         found = srround.unscale_and_check(grads, 0.25)
-        params, moments = [w[:3000].copy(), w[3000:].copy()], [np.zeros(3000, np.float32),
-                                                                np.zeros(2000, np.float32)]
+        params, moments = (
+            [w[:3000].copy(), w[3000:].copy()],
+            [np.zeros(3000, np.float32), np.zeros(2000, np.float32)],
+        )
         squares = [m.copy() for m in moments]
-        srround.adamw_step(params, [g.astype(ml_dtypes.bfloat16) for g in grads], moments,
-                           squares, lr=1e-2, step=1, seed=7)
-        results.append([bits(a) for a in (srround.stochastic_round(x, seed=5, offset=2), w,
-                                          found, *grads, *params, *moments, *squares)])
+        srround.adamw_step(
+            params,
+            [g.astype(ml_dtypes.bfloat16) for g in grads],
+            moments,
+            squares,
+            lr=1e-2,
+            step=1,
+            seed=7,
+        )
+        results.append(
+            [
+                bits(a)
+                for a in (
+                    srround.stochastic_round(x, seed=5, offset=2),
+                    w,
+                    found,
+                    *grads,
+                    *params,
+                    *moments,
+                    *squares,
+                )
+            ]
+        )
         assert numba.get_num_threads() == threads
     assert asked and set(asked[::2]) == {1} and set(asked[1::2]) == {threads}
     assert all(np.array_equal(a, b) for a, b in zip(*results))

@@ -18,8 +18,15 @@ pytest.importorskip("torch")
 
 def _run(args, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, *args], check=False, cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, *args],
+        check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -29,15 +36,31 @@ def test_bench_optim_and_convergence_smoke(tmp_path):
 
     if not hasattr(sat, "AdamW"):
         pytest.skip("srround.adapters.torch.AdamW not present")
-    out = _run([str(BENCH / "bench_optim.py"), "--quick", "--device", "cpu", "--sections",
-                "torch", "--params", "0.02", "--reps", "1", "--only",
-                "srround AdamW stochastic"], tmp_path)
+    out = _run(
+        [
+            str(BENCH / "bench_optim.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--sections",
+            "torch",
+            "--params",
+            "0.02",
+            "--reps",
+            "1",
+            "--only",
+            "srround AdamW stochastic",
+        ],
+        tmp_path,
+    )
     assert "srround AdamW stochastic" in out and "fp32 states" in out
     assert "== targets ==" in out
 
     png = tmp_path / "conv.png"
-    out = _run([str(BENCH / "convergence.py"), "--steps", "20", "--lrs", "1e-5",
-                "--out", str(png)], tmp_path)
+    out = _run(
+        [str(BENCH / "convergence.py"), "--steps", "20", "--lrs", "1e-5", "--out", str(png)],
+        tmp_path,
+    )
     assert "bf16 stochastic" in out and "progress" in out
     if "wrote" in out:
         assert png.stat().st_size > 0
@@ -47,8 +70,19 @@ def test_bench_adapters_smoke(tmp_path):
     """Every CPU row of bench_adapters runs and lands in the table and the JSON."""
     import json
 
-    out = _run([str(BENCH / "bench_adapters.py"), "--quick", "--device", "cpu", "--large", "14",
-                "--json", str(tmp_path / "a.json")], tmp_path)
+    out = _run(
+        [
+            str(BENCH / "bench_adapters.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--large",
+            "14",
+            "--json",
+            str(tmp_path / "a.json"),
+        ],
+        tmp_path,
+    )
     assert "core, raw buffers" in out and "torch cpu" in out
     rows = json.loads((tmp_path / "a.json").read_text())
     assert {r["row"] for r in rows} >= {"core, raw buffers", "numpy", "torch cpu", "copy"}

@@ -17,8 +17,17 @@ import srround
 
 from .reference import bits
 
-BACKENDS = ["numpy", "numpy_readonly", "numba_cuda", "cupy", "torch_cpu", "torch_cuda",
-            "jax_native", "jax_callback", "jax_gpu"]
+BACKENDS = [
+    "numpy",
+    "numpy_readonly",
+    "numba_cuda",
+    "cupy",
+    "torch_cpu",
+    "torch_cuda",
+    "jax_native",
+    "jax_callback",
+    "jax_gpu",
+]
 
 
 class Backend:
@@ -57,8 +66,9 @@ def _jax(impl, platform="cpu"):
         pytest.skip(f"no {platform} device for JAX")
     from srround.adapters import jax as jax_adapter
 
-    return Backend(functools.partial(jax.device_put, device=device), np.asarray, jax_adapter,
-                   impl=impl)
+    return Backend(
+        functools.partial(jax.device_put, device=device), np.asarray, jax_adapter, impl=impl
+    )
 
 
 @pytest.fixture(params=BACKENDS)
@@ -67,6 +77,7 @@ def any_backend(request, small_cuda_launch):
     if name == "numpy":
         return Backend(np.array, np.asarray)
     if name == "numpy_readonly":
+
         def put(a):  # float32 arrays are only read: make them read-only; narrow ones get written
             a = a.copy()
             a.flags.writeable = a.dtype != np.float32
@@ -90,16 +101,36 @@ def any_backend(request, small_cuda_launch):
 
 
 SPECIALS = np.array(
-    [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7FC00000, 0xFFC00000, 0x7F800000, 0xFF800000, 0,
-     0x80000000, 0x7F7FFFFF, 0x00000001, 0x807FFFFF, 0x3F808000, 0x477FF000, 0x33000000],
+    [
+        0x7FFFFFFF,
+        0xFFFFFFFF,
+        0x7F800001,
+        0x7FC00000,
+        0xFFC00000,
+        0x7F800000,
+        0xFF800000,
+        0,
+        0x80000000,
+        0x7F7FFFFF,
+        0x00000001,
+        0x807FFFFF,
+        0x3F808000,
+        0x477FF000,
+        0x33000000,
+    ],
     np.uint32,
 ).view(np.float32)
 
 
 def _inputs():
     rng = np.random.default_rng(11)
-    return np.concatenate([SPECIALS, rng.standard_normal(97).astype(np.float32),
-                           (rng.standard_normal(40) * 1e-6).astype(np.float32)])
+    return np.concatenate(
+        [
+            SPECIALS,
+            rng.standard_normal(97).astype(np.float32),
+            (rng.standard_normal(40) * 1e-6).astype(np.float32),
+        ]
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -111,10 +142,12 @@ def test_every_backend_gives_the_numpy_bits(any_backend, dtype):
         got = b.get(b.call("stochastic_round", b.put(x), dtype=dtype, seed=2024, offset=offset))
         assert np.array_equal(bits(got), bits(expected)), offset
     nearest = srround.round_nearest(x, dtype=dtype)
-    assert np.array_equal(bits(b.get(b.call("round_nearest", b.put(x), dtype=dtype))),
-                          bits(nearest))
-    assert np.array_equal(bits(b.get(b.call("to_float32", b.put(nearest)))),
-                          bits(srround.to_float32(nearest)))
+    assert np.array_equal(
+        bits(b.get(b.call("round_nearest", b.put(x), dtype=dtype))), bits(nearest)
+    )
+    assert np.array_equal(
+        bits(b.get(b.call("to_float32", b.put(nearest)))), bits(srround.to_float32(nearest))
+    )
     u = np.random.default_rng(5).standard_normal(x.size).astype(np.float32) * np.float32(1e-3)
     expected = srround.stochastic_add(nearest.copy(), u, alpha=-0.7, seed=9, offset=5)
     w = b.put(nearest)

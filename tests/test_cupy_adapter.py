@@ -31,9 +31,10 @@ def test_results_are_cupy_arrays_of_the_native_dtype(cupy_module):
     assert isinstance(half, cp.ndarray) and half.dtype == np.float16
     back = srround.to_float32(y)
     assert isinstance(back, cp.ndarray) and back.dtype == np.float32
-    assert np.array_equal(bits(cp.asnumpy(back)),
-                          bits(srround.to_float32(srround.stochastic_round(_x().reshape(5, 10),
-                                                                           seed=1))))
+    assert np.array_equal(
+        bits(cp.asnumpy(back)),
+        bits(srround.to_float32(srround.stochastic_round(_x().reshape(5, 10), seed=1))),
+    )
 
 
 def test_out_and_inplace_write_the_callers_array(cupy_module):
@@ -106,8 +107,10 @@ def test_errors_name_the_argument(cupy_module):
 def test_unscale_and_check_on_a_list_of_cupy_arrays(cupy_module):
     cp = cupy_module
     rng = np.random.default_rng(2)
-    host = [rng.standard_normal(n).astype(dtype) for n, dtype in
-            ((33, np.float32), (7, BF16), (20, np.float16))]
+    host = [
+        rng.standard_normal(n).astype(dtype)
+        for n, dtype in ((33, np.float32), (7, BF16), (20, np.float16))
+    ]
     host[1][3] = np.inf
     grads = [cp.asarray(g) for g in host]
     found = srround.unscale_and_check(grads, 0.25)

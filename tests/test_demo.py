@@ -24,7 +24,10 @@ def test_demo_command_writes_table_and_plot(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     result = subprocess.run(
         [sys.executable, "-m", "srround", "demo", "--steps", "40", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=env, check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     )
     assert "bf16 stochastic" in result.stdout
     assert (tmp_path / "demo_loss.png").stat().st_size > 10_000

@@ -21,12 +21,46 @@ NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 SPECIAL_BITS = [
-    0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF800001, 0x7FC00000, 0xFFC00000, 0x7FA00000,
-    0x7F800000, 0xFF800000, 0x00000000, 0x80000000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00000001,
-    0x80000001, 0x007FFFFF, 0x00800000, 0x3F800000, 0x3F808000, 0x3F808001, 0x3F7FFFFF,
+    0x7FFFFFFF,
+    0xFFFFFFFF,
+    0x7F800001,
+    0xFF800001,
+    0x7FC00000,
+    0xFFC00000,
+    0x7FA00000,
+    0x7F800000,
+    0xFF800000,
+    0x00000000,
+    0x80000000,
+    0x7F7FFFFF,
+    0xFF7FFFFF,
+    0x00000001,
+    0x80000001,
+    0x007FFFFF,
+    0x00800000,
+    0x3F800000,
+    0x3F808000,
+    0x3F808001,
+    0x3F7FFFFF,
 ]
-SPECIAL_VALUES = [65504.0, -65504.0, 65519.0, 65520.0, 65535.0, 1e5, 6.1e-5, 6.0e-8, 5.9e-8,
-                  3.0e-8, 2.9e-8, 1e-10, 3.389e38, 3.3895e38, -3.4e38, 1.0 + 2.0**-9]
+SPECIAL_VALUES = [
+    65504.0,
+    -65504.0,
+    65519.0,
+    65520.0,
+    65535.0,
+    1e5,
+    6.1e-5,
+    6.0e-8,
+    5.9e-8,
+    3.0e-8,
+    2.9e-8,
+    1e-10,
+    3.389e38,
+    3.3895e38,
+    -3.4e38,
+    1.0 + 2.0**-9,
+]
 
 
 def _bits(a) -> np.ndarray:
@@ -43,9 +77,13 @@ def _inputs(n=4096, seed=0) -> np.ndarray:
         rng.standard_normal(256) * 2.0**-20,  # fp16 subnormal range
         rng.uniform(6e4, 7e4, 64) * rng.choice([-1, 1], 64),  # fp16 overflow boundary
     ]
-    x = np.concatenate([np.concatenate(parts).astype(np.float32),
-                        np.array(SPECIAL_VALUES, np.float32),
-                        np.array(SPECIAL_BITS, np.uint32).view(np.float32)])
+    x = np.concatenate(
+        [
+            np.concatenate(parts).astype(np.float32),
+            np.array(SPECIAL_VALUES, np.float32),
+            np.array(SPECIAL_BITS, np.uint32).view(np.float32),
+        ]
+    )
     return x
 
 
@@ -54,11 +92,15 @@ def _inputs(n=4096, seed=0) -> np.ndarray:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_stochastic_round_matches_numpy_path(impl, fmt, overflow):
     x = _inputs()
-    x = np.concatenate([x, x[:-x.size % 7]]).reshape(-1, 7)  # 2-D, odd row length
-    expected = srround.stochastic_round(x, dtype=fmt, seed=0x1234_5678_9ABC, offset=7,
-                                        overflow=overflow)
-    fn = jax.jit(lambda a: sj.stochastic_round(a, dtype=fmt, seed=0x1234_5678_9ABC, offset=7,
-                                               overflow=overflow, impl=impl))
+    x = np.concatenate([x, x[: -x.size % 7]]).reshape(-1, 7)  # 2-D, odd row length
+    expected = srround.stochastic_round(
+        x, dtype=fmt, seed=0x1234_5678_9ABC, offset=7, overflow=overflow
+    )
+    fn = jax.jit(
+        lambda a: sj.stochastic_round(
+            a, dtype=fmt, seed=0x1234_5678_9ABC, offset=7, overflow=overflow, impl=impl
+        )
+    )
     got = fn(jnp.asarray(x))
     assert got.dtype == JNP_DTYPES[fmt] and got.shape == x.shape
     np.testing.assert_array_equal(_bits(got), _bits(expected))
@@ -71,7 +113,8 @@ def test_round_nearest_matches_numpy_path(impl, fmt, overflow):
     x = _inputs(seed=1)
     expected = srround.round_nearest(x, dtype=fmt, overflow=overflow)
     got = jax.jit(lambda a: sj.round_nearest(a, dtype=fmt, overflow=overflow, impl=impl))(
-        jnp.asarray(x))
+        jnp.asarray(x)
+    )
     assert got.dtype == JNP_DTYPES[fmt]
     np.testing.assert_array_equal(_bits(got), _bits(expected))
 
@@ -95,8 +138,8 @@ def _add_case(fmt, n=3000, seed=2):
     # hard cases: u ~ -w / alpha (cancellation), tiny u (sticky / ties), specials, subnormals
     u[:300] = (-w[:300] / 0.37 * (1 + rng.standard_normal(300) * 2.0**-20)).astype(np.float32)
     u[300:600] *= np.float32(2.0**-60)
-    u[600:600 + len(SPECIAL_BITS)] = np.array(SPECIAL_BITS, np.uint32).view(np.float32)
-    w[700:700 + len(SPECIAL_BITS)] = np.array(SPECIAL_BITS, np.uint32).view(np.float32)
+    u[600 : 600 + len(SPECIAL_BITS)] = np.array(SPECIAL_BITS, np.uint32).view(np.float32)
+    w[700 : 700 + len(SPECIAL_BITS)] = np.array(SPECIAL_BITS, np.uint32).view(np.float32)
     w[800:900] *= np.float32(2.0**-120)
     with np.errstate(over="ignore", invalid="ignore"):
         return w.astype(NP_DTYPES[fmt]), u
@@ -106,8 +149,11 @@ def _add_case(fmt, n=3000, seed=2):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_stochastic_add_matches_numpy_path(impl, fmt):
     w, u = _add_case(fmt)
-    fn = jax.jit(lambda a, b, alpha, key: sj.stochastic_add(a, b, alpha=alpha, seed=key,
-                                                            offset=11, impl=impl))
+    fn = jax.jit(
+        lambda a, b, alpha, key: sj.stochastic_add(
+            a, b, alpha=alpha, seed=key, offset=11, impl=impl
+        )
+    )
     key = jax.random.key(99)
     seed = int(jax.random.key_data(key)[0]) | int(jax.random.key_data(key)[1]) << 32
     for alpha in [1.0, -0.37, 3.1e-4, 1.7e3, 2.0**-130, -1.0 / 3.0]:
@@ -119,8 +165,15 @@ def test_stochastic_add_matches_numpy_path(impl, fmt):
     # static alpha, saturating overflow, uint16 patterns with dtype=
     expected = w.copy()
     srround.stochastic_add(expected, u, alpha=0.1, seed=5, overflow="saturate")
-    got = sj.stochastic_add(jnp.asarray(w.view(np.uint16)), jnp.asarray(u), alpha=0.1, seed=5,
-                            dtype=fmt, overflow="saturate", impl=impl)
+    got = sj.stochastic_add(
+        jnp.asarray(w.view(np.uint16)),
+        jnp.asarray(u),
+        alpha=0.1,
+        seed=5,
+        dtype=fmt,
+        overflow="saturate",
+        impl=impl,
+    )
     assert got.dtype == jnp.uint16
     np.testing.assert_array_equal(_bits(got), _bits(expected))
 
@@ -134,7 +187,8 @@ def test_native_threefry_is_rng_threefry():
     c0, c1 = rng.integers(0, 2**32, (2, 64), dtype=np.uint32)
     x0, x1 = jax.jit(lambda a, b: sj._threefry2x32(np.uint32(k0), np.uint32(k1), a, b))(c0, c1)
     assert list(zip(np.asarray(x0).tolist(), np.asarray(x1).tolist())) == [
-        threefry2x32(k0, k1, int(a), int(b)) for a, b in zip(c0, c1)]
+        threefry2x32(k0, k1, int(a), int(b)) for a, b in zip(c0, c1)
+    ]
 
 
 def test_native_fma_is_exact():
@@ -155,12 +209,14 @@ def test_jit_with_key_and_int_seed(impl):
     by_key = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k, offset=3, impl=impl))
     np.testing.assert_array_equal(_bits(by_key(jnp.asarray(x), key)), _bits(expected))
     legacy = jax.random.PRNGKey(2024)  # uint32[2], as a traced argument
-    np.testing.assert_array_equal(_bits(by_key(jnp.asarray(x), legacy)),
-                                  _bits(srround.stochastic_round(
-                                      x, seed=int(legacy[0]) | int(legacy[1]) << 32, offset=3)))
+    np.testing.assert_array_equal(
+        _bits(by_key(jnp.asarray(x), legacy)),
+        _bits(srround.stochastic_round(x, seed=int(legacy[0]) | int(legacy[1]) << 32, offset=3)),
+    )
     by_int = jax.jit(lambda a: sj.stochastic_round(a, seed=77, offset=3, impl=impl))
-    np.testing.assert_array_equal(_bits(by_int(jnp.asarray(x))),
-                                  _bits(srround.stochastic_round(x, seed=77, offset=3)))
+    np.testing.assert_array_equal(
+        _bits(by_int(jnp.asarray(x))), _bits(srround.stochastic_round(x, seed=77, offset=3))
+    )
 
 
 def test_key_seed_is_the_documented_int_seed():
@@ -168,37 +224,47 @@ def test_key_seed_is_the_documented_int_seed():
     for key in [jax.random.key(5), jax.random.PRNGKey(5), jax.random.key(2**40 + 9)]:
         data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
         seed = int(data[0]) | int(data[1]) << 32
-        np.testing.assert_array_equal(_bits(sj.stochastic_round(x, seed=key)),
-                                      _bits(sj.stochastic_round(x, seed=seed)))
+        np.testing.assert_array_equal(
+            _bits(sj.stochastic_round(x, seed=key)), _bits(sj.stochastic_round(x, seed=seed))
+        )
     # jax.random.key(5) has data (0, 5): the int seed 5 << 32, not 5
-    np.testing.assert_array_equal(_bits(sj.stochastic_round(x, seed=jax.random.key(5))),
-                                  _bits(sj.stochastic_round(x, seed=5 << 32)))
+    np.testing.assert_array_equal(
+        _bits(sj.stochastic_round(x, seed=jax.random.key(5))),
+        _bits(sj.stochastic_round(x, seed=5 << 32)),
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_vmap_equals_per_row_calls(impl):
     x = _inputs(1200, seed=6)[:1200].reshape(4, 300)
     key = jax.random.key(11)
-    rows = jax.vmap(lambda r: sj.stochastic_round(r, seed=key, offset=5, impl=impl))(
-        jnp.asarray(x))
+    rows = jax.vmap(lambda r: sj.stochastic_round(r, seed=key, offset=5, impl=impl))(jnp.asarray(x))
     for i in range(4):
         np.testing.assert_array_equal(
-            _bits(rows[i]), _bits(sj.stochastic_round(jnp.asarray(x[i]), seed=key, offset=5,
-                                                      impl=impl)))
+            _bits(rows[i]),
+            _bits(sj.stochastic_round(jnp.asarray(x[i]), seed=key, offset=5, impl=impl)),
+        )
     keys = jax.random.split(key, 4)  # a batched (traced) key per row
     rows = jax.jit(jax.vmap(lambda r, k: sj.stochastic_round(r, seed=k, impl=impl)))(
-        jnp.asarray(x), keys)
+        jnp.asarray(x), keys
+    )
     for i in range(4):
         data = jax.random.key_data(keys[i])
         expected = srround.stochastic_round(x[i], seed=int(data[0]) | int(data[1]) << 32)
         np.testing.assert_array_equal(_bits(rows[i]), _bits(expected))
     w = x.astype(ml_dtypes.bfloat16)
     added = jax.vmap(lambda a, b: sj.stochastic_add(a, b, alpha=0.3, seed=key, impl=impl))(
-        jnp.asarray(w), jnp.asarray(x * 0.01))
+        jnp.asarray(w), jnp.asarray(x * 0.01)
+    )
     for i in range(4):
         np.testing.assert_array_equal(
-            _bits(added[i]), _bits(sj.stochastic_add(jnp.asarray(w[i]), jnp.asarray(x[i] * 0.01),
-                                                     alpha=0.3, seed=key, impl=impl)))
+            _bits(added[i]),
+            _bits(
+                sj.stochastic_add(
+                    jnp.asarray(w[i]), jnp.asarray(x[i] * 0.01), alpha=0.3, seed=key, impl=impl
+                )
+            ),
+        )
 
 
 @pytest.mark.parametrize("offset", [2**33 + 3, 4 * (2**32 - 1) + 1, 2**62 - 5])
@@ -228,9 +294,9 @@ def test_top_level_api_dispatches_jax_arrays():
     y = srround.stochastic_round(xj, seed=8, offset=2, dtype="fp16")
     assert isinstance(y, jax.Array) and y.dtype == jnp.float16
     np.testing.assert_array_equal(
-        _bits(y), _bits(srround.stochastic_round(x, seed=8, offset=2, dtype="fp16")))
-    np.testing.assert_array_equal(_bits(srround.round_nearest(xj)),
-                                  _bits(srround.round_nearest(x)))
+        _bits(y), _bits(srround.stochastic_round(x, seed=8, offset=2, dtype="fp16"))
+    )
+    np.testing.assert_array_equal(_bits(srround.round_nearest(xj)), _bits(srround.round_nearest(x)))
     z = srround.to_float32(srround.round_nearest(xj))
     assert z.dtype == jnp.float32
     w = jnp.asarray(x.astype(ml_dtypes.bfloat16))
@@ -240,8 +306,9 @@ def test_top_level_api_dispatches_jax_arrays():
     np.testing.assert_array_equal(_bits(new), _bits(expected))
     np.testing.assert_array_equal(_bits(w), _bits(x.astype(ml_dtypes.bfloat16)))  # unchanged
     traced = jax.jit(lambda a, k: srround.stochastic_round(a, seed=k))(xj, jax.random.key(4))
-    np.testing.assert_array_equal(_bits(traced),
-                                  _bits(sj.stochastic_round(xj, seed=jax.random.key(4))))
+    np.testing.assert_array_equal(
+        _bits(traced), _bits(sj.stochastic_round(xj, seed=jax.random.key(4)))
+    )
 
 
 def test_empty_and_scalar_inputs():

@@ -19,9 +19,17 @@ from srround.adapters._jax_loss_scale import (  # noqa: E402
 
 
 def test_pytree_round_trip_keeps_every_field():
-    scale = DynamicLossScale(jnp.float32(2.0**15), jnp.int32(3), jnp.int32(1), growth_factor=4.0,
-                             backoff_factor=0.25, growth_interval=7, hysteresis=2,
-                             min_scale=8.0, max_scale=2.0**20)
+    scale = DynamicLossScale(
+        jnp.float32(2.0**15),
+        jnp.int32(3),
+        jnp.int32(1),
+        growth_factor=4.0,
+        backoff_factor=0.25,
+        growth_interval=7,
+        hysteresis=2,
+        min_scale=8.0,
+        max_scale=2.0**20,
+    )
     leaves, treedef = jax.tree_util.tree_flatten(scale)
     assert len(leaves) == 3
     again = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -36,14 +44,26 @@ def test_pytree_round_trip_keeps_every_field():
 def test_jitted_trajectory_equals_update_scale(hysteresis):
     events = np.random.default_rng(0).random(300) < 0.1
     adjust = jax.jit(lambda s, finite: s.adjust(finite))
-    ours = DynamicLossScale(jnp.float32(2.0**16), growth_interval=9, hysteresis=hysteresis,
-                            min_scale=1.0, max_scale=2.0**18)
+    ours = DynamicLossScale(
+        jnp.float32(2.0**16),
+        growth_interval=9,
+        hysteresis=hysteresis,
+        min_scale=1.0,
+        max_scale=2.0**18,
+    )
     scale, growth, overflows = np.float32([2.0**16]), np.zeros(1, np.int32), np.zeros(1, np.int32)
     for overflow in events:
         ours = adjust(ours, jnp.bool_(not overflow))
-        srround.update_scale(scale, growth, np.float32([overflow]), overflow_tracker=overflows,
-                             growth_interval=9, hysteresis=hysteresis, min_scale=1.0,
-                             max_scale=2.0**18)
+        srround.update_scale(
+            scale,
+            growth,
+            np.float32([overflow]),
+            overflow_tracker=overflows,
+            growth_interval=9,
+            hysteresis=hysteresis,
+            min_scale=1.0,
+            max_scale=2.0**18,
+        )
         assert float(ours.loss_scale) == scale[0]
         assert int(ours.growth_tracker) == growth[0]
         assert int(ours.overflow_tracker) == overflows[0]

@@ -11,10 +11,10 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
-from srround.adapters import jax as sj
 
 import srround
 from srround import _optim
+from srround.adapters import jax as sj
 
 from .reference import assert_same_fma_bits, fma32_bits, fma_hard_cases
 
@@ -40,8 +40,9 @@ def _params(dtypes, seed=0):
 
 def _grads(t):
     rng = np.random.default_rng(100 + t)
-    return [(rng.standard_normal(s) * 10.0 ** rng.integers(-3, 2)).astype(np.float32)
-            for s in SHAPES]
+    return [
+        (rng.standard_normal(s) * 10.0 ** rng.integers(-3, 2)).astype(np.float32) for s in SHAPES
+    ]
 
 
 def _starts(arrays):
@@ -68,7 +69,8 @@ def test_apply_updates_is_stochastic_add_per_leaf(impl, step):
         t = 5
     else:
         out = jax.jit(lambda p, u, k: sj.apply_updates(p, u, k, step=step, impl=impl))(
-            tree, utree, key)
+            tree, utree, key
+        )
         t = step or 0
     got = jax.tree_util.tree_leaves(out)
     for p, u, start, g in zip(params, updates, _starts(params), got):
@@ -96,17 +98,45 @@ def test_apply_updates_0d_leaves(impl):
     updates = {"s": jnp.asarray(-1e-5, jnp.float32), "v": jnp.full((3,), -1e-5, jnp.float32)}
     new = sj.apply_updates(params, updates, seed=SEED, impl=impl)
     assert new["s"].shape == () and new["s"].dtype == jnp.bfloat16
-    flat = sj.apply_updates({"s": params["s"].reshape(1), "v": params["v"]},
-                            {"s": updates["s"].reshape(1), "v": updates["v"]}, seed=SEED,
-                            impl=impl)
+    flat = sj.apply_updates(
+        {"s": params["s"].reshape(1), "v": params["v"]},
+        {"s": updates["s"].reshape(1), "v": updates["v"]},
+        seed=SEED,
+        impl=impl,
+    )
     assert np.asarray(new["s"]).view(np.uint16) == np.asarray(flat["s"]).view(np.uint16)[0]
 
 
-GROUPED_SHAPES = [(33,), (), (7, 5), (0,), (130,), (3,), (2, 0, 3), (2, 2, 3), (), (50,),
-                  (40,), (9, 9), (1,)]
-GROUPED_DTYPES = [ml_dtypes.bfloat16, ml_dtypes.bfloat16, np.float16, ml_dtypes.bfloat16,
-                  ml_dtypes.bfloat16, np.float32, np.float16, np.float16, np.float16,
-                  ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, ml_dtypes.bfloat16]
+GROUPED_SHAPES = [
+    (33,),
+    (),
+    (7, 5),
+    (0,),
+    (130,),
+    (3,),
+    (2, 0, 3),
+    (2, 2, 3),
+    (),
+    (50,),
+    (40,),
+    (9, 9),
+    (1,),
+]
+GROUPED_DTYPES = [
+    ml_dtypes.bfloat16,
+    ml_dtypes.bfloat16,
+    np.float16,
+    ml_dtypes.bfloat16,
+    ml_dtypes.bfloat16,
+    np.float32,
+    np.float16,
+    np.float16,
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.float32,
+    ml_dtypes.bfloat16,
+    ml_dtypes.bfloat16,
+]
 
 
 @pytest.mark.parametrize("step", [None, 3, "traced"])
@@ -133,8 +163,13 @@ def test_apply_updates_native_small_leaf_groups(monkeypatch, request, layout, st
         got = fn(list(map(jnp.asarray, params)), list(map(jnp.asarray, updates)), jnp.int32(3))
         t = 3
     else:
-        got = sj.apply_updates(list(map(jnp.asarray, params)), list(map(jnp.asarray, updates)),
-                               SEED, step=step, impl="native")
+        got = sj.apply_updates(
+            list(map(jnp.asarray, params)),
+            list(map(jnp.asarray, updates)),
+            SEED,
+            step=step,
+            impl="native",
+        )
         t = step or 0
     for p, u, start, g in zip(params, updates, _starts(params), got):
         assert g.shape == p.shape
@@ -172,8 +207,18 @@ def _numpy_run(params, steps, *, rounding, state_dtype, lr=1e-2, lrs=None, seed=
     elif rounding == "remainder":
         aux = [None if p.dtype == np.float32 else np.zeros(p.shape, np.int16) for p in P]
     for t in range(steps):
-        srround.adamw_step(P, _grads(t), M, V, lr=lr if lrs is None else lrs[t], step=t + 1,
-                           seed=seed, rounding=rounding, aux=aux, **kw)
+        srround.adamw_step(
+            P,
+            _grads(t),
+            M,
+            V,
+            lr=lr if lrs is None else lrs[t],
+            step=t + 1,
+            seed=seed,
+            rounding=rounding,
+            aux=aux,
+            **kw,
+        )
     return P, M, V, aux
 
 
@@ -205,13 +250,15 @@ DTYPES = [ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float16, ml_dty
 @pytest.mark.parametrize("rounding", list(_optim.MODES))
 @pytest.mark.parametrize("impl", IMPLS)
 def test_adamw_matches_adamw_step(impl, rounding, state_dtype):
-    dtypes = [ml_dtypes.bfloat16 if (rounding == "remainder" and d == np.float16) else d
-              for d in DTYPES]
+    dtypes = [
+        ml_dtypes.bfloat16 if (rounding == "remainder" and d == np.float16) else d for d in DTYPES
+    ]
     params = _params(dtypes)
     got, state = _jax_run(params, 3, impl=impl, rounding=rounding, state_dtype=state_dtype)
     assert int(state.count) == 3
-    _check_against_numpy(got, state, _numpy_run(params, 3, rounding=rounding,
-                                                state_dtype=state_dtype))
+    _check_against_numpy(
+        got, state, _numpy_run(params, 3, rounding=rounding, state_dtype=state_dtype)
+    )
 
 
 @pytest.mark.parametrize("layout", [(0, 0), (64, 100)])
@@ -227,8 +274,9 @@ def test_adamw_native_small_leaf_groups(monkeypatch, rounding, state_dtype, layo
     monkeypatch.setattr(_jax_optim, "_GROUP", layout[1])
     params = _params(DTYPES)
     got, state = _jax_run(params, 2, impl="native", rounding=rounding, state_dtype=state_dtype)
-    _check_against_numpy(got, state, _numpy_run(params, 2, rounding=rounding,
-                                                state_dtype=state_dtype))
+    _check_against_numpy(
+        got, state, _numpy_run(params, 2, rounding=rounding, state_dtype=state_dtype)
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -251,8 +299,18 @@ def test_adamw_schedule_key_seed_and_hyperparameters(impl):
     M = [np.zeros(p.shape, np.float32) for p in P]
     V = [np.zeros(p.shape, np.float32) for p in P]
     for t in range(4):
-        srround.adamw_step(P, _grads(t), M, V, lr=lrs[t], betas=(0.8, 0.95), eps=1e-6,
-                           weight_decay=0.1, step=t + 1, seed=seed)
+        srround.adamw_step(
+            P,
+            _grads(t),
+            M,
+            V,
+            lr=lrs[t],
+            betas=(0.8, 0.95),
+            eps=1e-6,
+            weight_decay=0.1,
+            step=t + 1,
+            seed=seed,
+        )
     for a, b in zip(ps + state.exp_avg + state.exp_avg_sq, P + M + V):
         _same(a, b)
 
@@ -266,8 +324,7 @@ def test_native_coefs_are_prepare_coefs(t):
         got = jax.jit(lambda s: _coefs(s, lr, 0.9, 0.999, 0.01))(jnp.int32(t))
         for a, b in zip(got, expected):
             _same(np.float32(a), np.float32(b))
-        traced = jax.jit(lambda s, r: _coefs(s, r, 0.9, 0.999, 0.01))(jnp.int32(t),
-                                                                    jnp.float32(lr))
+        traced = jax.jit(lambda s, r: _coefs(s, r, 0.9, 0.999, 0.01))(jnp.int32(t), jnp.float32(lr))
         lr32 = float(np.float32(lr))
         expected = _optim.prepare_coefs(_optim.ADAMW, t, lr32, 0.9, 0.999, 1e-8, 0.01)[:3]
         for a, b in zip(traced, expected):
@@ -291,8 +348,9 @@ def test_found_inf_skips_bit_identically(impl):
             _same(a, b)
     # a clean step after the skip is the step 2 of the NumPy path
     ps, state = fn([jnp.asarray(g) for g in _grads(1)], state, ps, jnp.bool_(False))
-    _check_against_numpy(ps, state, _numpy_run(params, 2, rounding="kahan",
-                                               state_dtype=jnp.float32))
+    _check_against_numpy(
+        ps, state, _numpy_run(params, 2, rounding="kahan", state_dtype=jnp.float32)
+    )
 
 
 def test_inv_scale_matches_adamw_step():
@@ -300,9 +358,13 @@ def test_inv_scale_matches_adamw_step():
     tx = sj.adamw(1e-2, seed=SEED)
     ps = [jnp.asarray(p) for p in params]
     ps, state = jax.jit(lambda g, s, p: tx.step(g, s, p, inv_scale=jnp.float32(0.25)))(
-        [jnp.asarray(g) for g in _grads(0)], tx.init(ps), ps)
-    _check_against_numpy(ps, state, _numpy_run(params, 1, rounding="stochastic",
-                                               state_dtype=jnp.float32, inv_scale=0.25))
+        [jnp.asarray(g) for g in _grads(0)], tx.init(ps), ps
+    )
+    _check_against_numpy(
+        ps,
+        state,
+        _numpy_run(params, 1, rounding="stochastic", state_dtype=jnp.float32, inv_scale=0.25),
+    )
 
 
 def test_donated_jit_and_optax_update_path():
@@ -328,8 +390,9 @@ def test_donated_jit_and_optax_update_path():
         donated = jax.jit(tx.step, donate_argnums=(1, 2))
         copies = jax.tree_util.tree_map(jnp.copy, (state, ps))
         p3, s3 = donated(grads, *copies)
-    for a, b in zip(jax.tree_util.tree_leaves((p3, s3, s2)),
-                    jax.tree_util.tree_leaves((ref_p, ref_s, ref_s))):
+    for a, b in zip(
+        jax.tree_util.tree_leaves((p3, s3, s2)), jax.tree_util.tree_leaves((ref_p, ref_s, ref_s))
+    ):
         _same(a, b)
 
 
@@ -348,15 +411,18 @@ def test_native_fma_is_exact():
         got = _bits(fma(as_f32(x), as_f32(y), as_f32(z)))
         assert_same_fma_bits(i, x, y, z, fma32_bits(x, y, z), got)
         ones = np.full(y.size, 0x3F800000, np.uint32)
-        assert_same_fma_bits(i, ones, y, z, fma32_bits(ones, y, z),
-                             _bits(jax.jit(_add)(as_f32(y), as_f32(z))))
+        assert_same_fma_bits(
+            i, ones, y, z, fma32_bits(ones, y, z), _bits(jax.jit(_add)(as_f32(y), as_f32(z)))
+        )
         old = np.asarray(jax.jit(sj._fma_bits)(jnp.asarray(x), jnp.asarray(y), jnp.asarray(z)))
         nan_g = (got & 0x7FFFFFFF) > 0x7F800000
-        np.testing.assert_array_equal(np.where(nan_g, got >> 31, got), np.where(
-            nan_g, old >> 31, old))  # the integer fma's bits (NaN: its sign)
+        np.testing.assert_array_equal(
+            np.where(nan_g, got >> 31, got), np.where(nan_g, old >> 31, old)
+        )  # the integer fma's bits (NaN: its sign)
         normal_b = (y & 0x7F800000) != 0  # b not subnormal: the plain widening is exact
-        np.testing.assert_array_equal(_bits(loose(as_f32(x), as_f32(y), as_f32(z)))[normal_b],
-                                      got[normal_b])
+        np.testing.assert_array_equal(
+            _bits(loose(as_f32(x), as_f32(y), as_f32(z)))[normal_b], got[normal_b]
+        )
 
 
 def test_master_tracks_optax_adamw_fp32():
@@ -401,5 +467,6 @@ def test_errors():
     with pytest.raises(ValueError, match="impl"):
         sj.apply_updates([jnp.zeros(2, jnp.bfloat16)], [jnp.zeros(2)], 0, impl="gpu")
     with pytest.raises(TypeError, match="JAX"):
-        srround.adamw_step([jnp.zeros(2)], [jnp.zeros(2)], [jnp.zeros(2)], [jnp.zeros(2)],
-                           lr=1e-3, step=1)
+        srround.adamw_step(
+            [jnp.zeros(2)], [jnp.zeros(2)], [jnp.zeros(2)], [jnp.zeros(2)], lr=1e-3, step=1
+        )

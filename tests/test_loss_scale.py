@@ -48,8 +48,10 @@ def test_matches_torch_amp_unscale():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(2)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        theirs = [torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 100).to(dtype)
-                  for n in (5, 0, 33)]
+        theirs = [
+            torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 100).to(dtype)
+            for n in (5, 0, 33)
+        ]
         ours = [t.clone() for t in theirs]
         found_theirs = torch.zeros(1)
         inv = torch.tensor([1 / 1024.0])
@@ -57,8 +59,10 @@ def test_matches_torch_amp_unscale():
         found_ours = srround.unscale_and_check(ours, inv)
         assert torch.equal(found_ours, found_theirs)
         for a, b in zip(ours, theirs):
-            assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                               b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+            assert torch.equal(
+                a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                b.view(torch.int16 if b.element_size() == 2 else torch.int32),
+            )
 
 
 def test_per_tensor_flags_and_scales():
@@ -89,8 +93,17 @@ def test_hysteresis_min_and_max():
     scale, growth, overflows = np.float32([8.0]), np.zeros(1, np.int32), np.zeros(1, np.int32)
 
     def step(flag, **kw):
-        srround.update_scale(scale, growth, np.float32([flag]), overflow_tracker=overflows,
-                             growth_interval=2, hysteresis=2, min_scale=2.0, max_scale=16.0, **kw)
+        srround.update_scale(
+            scale,
+            growth,
+            np.float32([flag]),
+            overflow_tracker=overflows,
+            growth_interval=2,
+            hysteresis=2,
+            min_scale=2.0,
+            max_scale=16.0,
+            **kw,
+        )
         return float(scale[0])
 
     assert [step(1), step(1)] == [8.0, 4.0]  # backs off on the second consecutive overflow
@@ -99,8 +112,14 @@ def test_hysteresis_min_and_max():
     assert [step(0), step(0), step(0), step(0), step(0), step(0)][-1] == 16.0  # cap at max
     static = np.float32([4.0])
     for flag in (1, 0, 0, 1):
-        srround.update_scale(static, np.zeros(1, np.int32), np.float32([flag]), growth_factor=1.0,
-                             backoff_factor=1.0, growth_interval=1)
+        srround.update_scale(
+            static,
+            np.zeros(1, np.int32),
+            np.float32([flag]),
+            growth_factor=1.0,
+            backoff_factor=1.0,
+            growth_interval=1,
+        )
     assert static[0] == 4.0
 
 
@@ -112,7 +131,7 @@ def test_update_scale_on_cuda_matches_cpu(writable_backend):
         get = (lambda a: a) if place == "cpu" else writable_backend.get
         scale, tracker = put(np.float32([2.0**10, 2.0**12])), put(np.zeros(2, np.int32))
         for i in range(0, 40, 2):
-            srround.update_scale(scale, tracker, put(flags[i:i + 2].copy()), growth_interval=3)
+            srround.update_scale(scale, tracker, put(flags[i : i + 2].copy()), growth_interval=3)
         results.append((get(scale).tolist(), get(tracker).tolist()))
     assert results[0] == results[1]
 
@@ -121,13 +140,15 @@ def test_errors():
     with pytest.raises(TypeError, match=r"grads\[1\]: expected a float32, bfloat16, float16"):
         srround.unscale_and_check([np.ones(2, np.float32), np.ones(2, np.int64)], 0.5)
     with pytest.raises(ValueError, match=r"inv_scale: expected 1 or 2 values, got 3"):
-        srround.unscale_and_check([np.ones(2, np.float32)] * 2, np.ones(3, np.float32),
-                                  per_tensor=True)
+        srround.unscale_and_check(
+            [np.ones(2, np.float32)] * 2, np.ones(3, np.float32), per_tensor=True
+        )
     with pytest.raises(TypeError, match=r"growth_tracker: expected an int32 array, got int64"):
         srround.update_scale(np.float32([1.0]), np.zeros(1, np.int64), np.float32([0.0]))
     with pytest.raises(ValueError, match=r"overflow_tracker: needed when hysteresis > 1"):
-        srround.update_scale(np.float32([1.0]), np.zeros(1, np.int32), np.float32([0.0]),
-                             hysteresis=3)
+        srround.update_scale(
+            np.float32([1.0]), np.zeros(1, np.int32), np.float32([0.0]), hysteresis=3
+        )
     ro = np.ones(2, np.float32)
     ro.flags.writeable = False
     with pytest.raises(ValueError, match=r"grads\[0\]: is read-only"):

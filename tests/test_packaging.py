@@ -18,8 +18,11 @@ def _run(code, **env):
     environment = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     environment.update(env)
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-        env=environment, cwd=tempfile.gettempdir(),
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=tempfile.gettempdir(),
     )
 
 
@@ -37,7 +40,9 @@ def test_import_srround_imports_no_framework_and_no_cuda():
 
 
 def test_adapters_installed_under_srround_only():
-    result = _run("import srround.adapters, importlib.util; print(importlib.util.find_spec('adapters'))")
+    result = _run(
+        "import srround.adapters, importlib.util; print(importlib.util.find_spec('adapters'))"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "None"
 
@@ -53,9 +58,11 @@ print("ok")
 
 
 def test_numpy_25_shim_makes_numba_cuda_importable():
-    fixed = _run(_WITHOUT_ROW_STACK.format(
-        import_line="from srround._numba_cuda_compat import import_numba_cuda; import_numba_cuda()"
-    ))
+    fixed = _run(
+        _WITHOUT_ROW_STACK.format(
+            import_line="from srround._numba_cuda_compat import import_numba_cuda; import_numba_cuda()"
+        )
+    )
     assert fixed.returncode == 0 and fixed.stdout.strip() == "ok", fixed.stderr
     unfixed = _run(_WITHOUT_ROW_STACK.format(import_line="from numba import cuda"))
     if unfixed.returncode == 0:

@@ -108,9 +108,25 @@ def _count_up(u, mantissa_bits, exponent_bits, down_bits):
 def interesting_values(fmt):
     tiny = fmt.smallest_subnormal
     values = [
-        1.0, 1.0 + 2.0**-20, 1.0 + 2.0**-9, 3.0 / 7.0, -0.1, 1e-3, 12345.678, -2.0**-130,
-        tiny * 0.5, tiny * 0.25, tiny * 1.5, tiny * 3.75, -tiny * 0.7, tiny * 2.0**-10,
-        2.0**-126 * 1.5, 2.0**-140, 65519.0, 65504.0 + 8.0, 3.0e38,
+        1.0,
+        1.0 + 2.0**-20,
+        1.0 + 2.0**-9,
+        3.0 / 7.0,
+        -0.1,
+        1e-3,
+        12345.678,
+        -(2.0**-130),
+        tiny * 0.5,
+        tiny * 0.25,
+        tiny * 1.5,
+        tiny * 3.75,
+        -tiny * 0.7,
+        tiny * 2.0**-10,
+        2.0**-126 * 1.5,
+        2.0**-140,
+        65519.0,
+        65504.0 + 8.0,
+        3.0e38,
     ]
     x = np.array(values, np.float32)
     return x[np.abs(x.astype(np.float64)) < 2.0 ** (fmt.bias + 1)]  # inside the format's range
@@ -193,9 +209,22 @@ def test_sr_ties_and_subnormals_probabilities():
 # -- special values -----------------------------------------------------------------------------
 
 SPECIALS = [
-    0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7FC00000, 0xFFC00000, 0x7F800000, 0xFF800000,
-    0x00000000, 0x80000000, 0x7F7FFFFF, 0x7F7F0000, 0x00000001, 0x80000001, 0x007FFFFF,
-    0x3F800000, 0xBF808000,
+    0x7FFFFFFF,
+    0xFFFFFFFF,
+    0x7F800001,
+    0x7FC00000,
+    0xFFC00000,
+    0x7F800000,
+    0xFF800000,
+    0x00000000,
+    0x80000000,
+    0x7F7FFFFF,
+    0x7F7F0000,
+    0x00000001,
+    0x80000001,
+    0x007FFFFF,
+    0x3F800000,
+    0xBF808000,
 ]
 
 

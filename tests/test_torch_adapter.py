@@ -214,10 +214,13 @@ def test_cpu_bit_views_share_memory():
     x = np_f32().reshape(4, 250)
     got = srround.stochastic_round(torch.from_numpy(x), seed=1)
     assert np.array_equal(tbits(got).reshape(x.shape), bits(srround.stochastic_round(x, seed=1)))
-    cases = [(got, True, np.uint16), (got.view(torch.uint16), True, np.uint16),
-             (torch.zeros(3, dtype=torch.int32), False, np.uint32),
-             (torch.nn.Parameter(torch.ones(5)), False, np.uint32),
-             (torch.nn.Parameter(torch.ones(5, dtype=torch.float16)), True, np.uint16)]
+    cases = [
+        (got, True, np.uint16),
+        (got.view(torch.uint16), True, np.uint16),
+        (torch.zeros(3, dtype=torch.int32), False, np.uint32),
+        (torch.nn.Parameter(torch.ones(5)), False, np.uint32),
+        (torch.nn.Parameter(torch.ones(5, dtype=torch.float16)), True, np.uint16),
+    ]
     for t, narrow, dtype in cases:
         view = adapter._view(t, narrow, "t")
         assert view.bits.dtype == dtype and view.bits.ctypes.data == t.data_ptr()
@@ -314,8 +317,11 @@ def test_tensor_list_errors_name_the_tensor():
     passes, then name the first bad one."""
     ok = torch.ones(3)
     cases = [
-        ([ok, torch.ones(3, dtype=torch.int32)], TypeError,
-         r"grads\[1\]: expected a float32, bfloat16, float16 \(or int16\) tensor, got torch.int32"),
+        (
+            [ok, torch.ones(3, dtype=torch.int32)],
+            TypeError,
+            r"grads\[1\]: expected a float32, bfloat16, float16 \(or int16\) tensor, got torch.int32",
+        ),
         ([ok, ok, torch.ones(3, 2).t()], ValueError, r"grads\[2\]: must be contiguous"),
         ([ok, torch.ones(3).to_sparse()], TypeError, r"grads\[1\]: torch.sparse_coo tensors"),
         ([ok, torch.ones(3, device="meta")], ValueError, r"grads: tensors on several devices"),
@@ -326,11 +332,21 @@ def test_tensor_list_errors_name_the_tensor():
         with pytest.raises(error, match=message):
             srround.unscale_and_check(grads, 0.5)
     with pytest.raises(TypeError, match=r"grads\[1\]: is a numpy array but params\[0\]"):
-        srround.adamw_step([ok, ok], [ok, np.ones(3, np.float32)], [ok, ok], [ok, ok],
-                           lr=1e-3, step=None, seed=0)
-    with pytest.raises(TypeError, match=r"params\[1\]: expected float32, bfloat16 or float16, got int16"):
-        srround.adamw_step([ok, torch.ones(3, dtype=torch.int16)], [ok, ok], [ok, ok],
-                           [ok, ok], lr=1e-3, step=None, seed=0)
+        srround.adamw_step(
+            [ok, ok], [ok, np.ones(3, np.float32)], [ok, ok], [ok, ok], lr=1e-3, step=None, seed=0
+        )
+    with pytest.raises(
+        TypeError, match=r"params\[1\]: expected float32, bfloat16 or float16, got int16"
+    ):
+        srround.adamw_step(
+            [ok, torch.ones(3, dtype=torch.int16)],
+            [ok, ok],
+            [ok, ok],
+            [ok, ok],
+            lr=1e-3,
+            step=None,
+            seed=0,
+        )
 
 
 def test_import_srround_does_not_import_torch_adapter_by_itself():

@@ -30,7 +30,10 @@ def test_same_trajectory_as_torch_gradscaler():
     x, y = torch.randn(32, 8), torch.randn(32, 1)
     events = np.random.default_rng(0).random(30) < 0.25
     for step, overflow in enumerate(events):
-        for model, opt, scaler in ((ours_model, ours_opt, ours), (theirs_model, theirs_opt, theirs)):
+        for model, opt, scaler in (
+            (ours_model, ours_opt, ours),
+            (theirs_model, theirs_opt, theirs),
+        ):
             opt.zero_grad()
             scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
             if overflow:
@@ -132,8 +135,13 @@ def test_fp16_training_needs_the_scaler():
 
 def _mlp(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 1),
+    )
 
 
 class _FlagFed:
@@ -152,12 +160,25 @@ class _FlagFed:
         self.scaler.update()
 
 
-@pytest.mark.parametrize("reference, settings", [
-    pytest.param(torch.amp.GradScaler, {"init_scale": 2.0**10, "growth_interval": 3},
-                 id="torch"),
-    pytest.param(GradScaler, {"init_scale": 2.0**10, "growth_interval": 2, "hysteresis": 2,
-                              "min_scale": 2.0**7, "max_scale": 2.0**13}, id="srround-global"),
-])
+@pytest.mark.parametrize(
+    "reference, settings",
+    [
+        pytest.param(
+            torch.amp.GradScaler, {"init_scale": 2.0**10, "growth_interval": 3}, id="torch"
+        ),
+        pytest.param(
+            GradScaler,
+            {
+                "init_scale": 2.0**10,
+                "growth_interval": 2,
+                "hysteresis": 2,
+                "min_scale": 2.0**7,
+                "max_scale": 2.0**13,
+            },
+            id="srround-global",
+        ),
+    ],
+)
 def test_per_tensor_scales_follow_the_scalar_rule(reference, settings):
     """Overflows injected into chosen gradients: each module's scale and trackers follow a
     scalar scaler fed that module's flags (the OR of its tensors'); the step is skipped iff
@@ -184,8 +205,9 @@ def test_per_tensor_scales_follow_the_scalar_rule(reference, settings):
         assert float(scaler.last_step_skipped.item()) == float(flags.any()), step
         if flags.any():
             assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-            assert all(torch.equal(a, s["momentum_buffer"]) for a, s in
-                       zip(momenta, opt.state.values()))
+            assert all(
+                torch.equal(a, s["momentum_buffer"]) for a, s in zip(momenta, opt.state.values())
+            )
         state = scaler.state_dict()
         for m, ref in enumerate(refs):
             ref.step(flags[2 * m] or flags[2 * m + 1])  # module m owns tensors 2m, 2m+1
@@ -366,11 +388,17 @@ def test_per_tensor_errors():
     with pytest.raises(RuntimeError, match="already attached"):
         scaler.attach(_mlp())
     state = scaler.state_dict()
-    with pytest.raises(ValueError, match="state_dict: 2 module scales, but the attached model"
-                                         " has 3"):
-        scaler.load_state_dict({**state, "module_scales": [1.0, 2.0],
-                                "module_growth_trackers": [0, 0],
-                                "module_overflow_trackers": [0, 0]})
+    with pytest.raises(
+        ValueError, match="state_dict: 2 module scales, but the attached model has 3"
+    ):
+        scaler.load_state_dict(
+            {
+                **state,
+                "module_scales": [1.0, 2.0],
+                "module_growth_trackers": [0, 0],
+                "module_overflow_trackers": [0, 0],
+            }
+        )
     with pytest.raises(ValueError, match="differ in length"):
         scaler.load_state_dict({**state, "module_scales": [1.0, 2.0]})
     with pytest.raises(ValueError, match="per_tensor=True"):
@@ -378,8 +406,14 @@ def test_per_tensor_errors():
     with pytest.raises(RuntimeError, match="per_tensor=True"):
         GradScaler("cpu").attach(_mlp())
     late = GradScaler("cpu", per_tensor=True)
-    late.load_state_dict({**state, "module_scales": [1.0], "module_growth_trackers": [0],
-                          "module_overflow_trackers": [0]})
+    late.load_state_dict(
+        {
+            **state,
+            "module_scales": [1.0],
+            "module_growth_trackers": [0],
+            "module_overflow_trackers": [0],
+        }
+    )
     with pytest.raises(ValueError, match="1 module scales"):
         late.attach(_mlp())
     shared = torch.nn.Linear(2, 2)

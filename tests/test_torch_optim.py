@@ -12,9 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from srround.adapters.torch import SGD, AdamW, GradScaler
-
 import srround
+from srround.adapters.torch import SGD, AdamW, GradScaler
 
 SHAPES = [(5, 3), (7,), (4, 2, 2)]
 STEP_SHIFT = 36
@@ -22,8 +21,10 @@ STEP_SHIFT = 36
 
 def _params(dtype=torch.bfloat16, shapes=SHAPES, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype))
-            for s in shapes]
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype))
+        for s in shapes
+    ]
 
 
 def _grads(step, shapes=SHAPES, dtype=torch.float32, scale=1.0):
@@ -60,8 +61,9 @@ def test_adamw_fp32_params_match_torch(rounding):
     """fp32 parameters are updated exactly in every mode: torch.optim.AdamW within a few ulp
     over 100 steps."""
     ours, ref = _params(torch.float32), _params(torch.float32)
-    opt = AdamW(ours, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, rounding=rounding,
-                seed=1)
+    opt = AdamW(
+        ours, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, rounding=rounding, seed=1
+    )
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     for step in range(100):
         grads = _grads(step)
@@ -119,8 +121,12 @@ def test_sgd_fp32_params_match_torch(config):
     for p, r in zip(ours, ref):
         _ulp_close(p, r, 2, "param")  # measured: bit-identical
         if config["momentum"]:
-            _ulp_close(opt.state[p]["momentum_buffer"], ref_opt.state[r]["momentum_buffer"], 2,
-                       "momentum_buffer")
+            _ulp_close(
+                opt.state[p]["momentum_buffer"],
+                ref_opt.state[r]["momentum_buffer"],
+                2,
+                "momentum_buffer",
+            )
         else:
             assert "momentum_buffer" not in opt.state[p]
 
@@ -128,8 +134,9 @@ def test_sgd_fp32_params_match_torch(config):
 def test_sgd_master_bf16_matches_torch_fp32():
     ours = _params(torch.bfloat16)
     ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    opt = SGD(ours, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, rounding="master",
-              seed=3)
+    opt = SGD(
+        ours, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, rounding="master", seed=3
+    )
     ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
     for step in range(100):
         grads = _grads(step, dtype=torch.bfloat16)
@@ -188,15 +195,26 @@ def test_stochastic_is_the_documented_stream(kind):
     for step, ours, shadow, _ in _shadow_run("stochastic", seed=seed, kind=kind):
         start = 0
         for p, s in zip(ours, shadow):
-            expected = srround.stochastic_round(s.detach(), seed=seed,
-                                                offset=(step << STEP_SHIFT) + start)
+            expected = srround.stochastic_round(
+                s.detach(), seed=seed, offset=(step << STEP_SHIFT) + start
+            )
             _assert_bits_equal(p, expected, f"step {step}")
             down = srround.round_nearest(s.detach()).float()
             value = p.detach().float()
-            lo = torch.where(down <= s, down, torch.nextafter(down.bfloat16(), torch.tensor(
-                -np.inf, dtype=torch.bfloat16)).float())
-            hi = torch.where(down >= s, down, torch.nextafter(down.bfloat16(), torch.tensor(
-                np.inf, dtype=torch.bfloat16)).float())
+            lo = torch.where(
+                down <= s,
+                down,
+                torch.nextafter(
+                    down.bfloat16(), torch.tensor(-np.inf, dtype=torch.bfloat16)
+                ).float(),
+            )
+            hi = torch.where(
+                down >= s,
+                down,
+                torch.nextafter(
+                    down.bfloat16(), torch.tensor(np.inf, dtype=torch.bfloat16)
+                ).float(),
+            )
             assert bool(((value == lo) | (value == hi)).all())
             start += p.numel()
 
@@ -235,8 +253,10 @@ def test_kahan_state_and_bf16_moments():
 def test_mixed_dtypes_one_table():
     """bf16, fp16 and fp32 parameters in one optimizer (one fused step): the fp32 one is exact."""
     gen = torch.Generator().manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(6, generator=gen).to(d))
-          for d in (torch.bfloat16, torch.float16, torch.float32)]
+    ps = [
+        torch.nn.Parameter(torch.randn(6, generator=gen).to(d))
+        for d in (torch.bfloat16, torch.float16, torch.float32)
+    ]
     ref = torch.nn.Parameter(ps[2].detach().clone())
     opt = AdamW(ps, lr=1e-2, rounding="master", seed=0)
     ref_opt = AdamW([ref], lr=1e-2, rounding="master", seed=0)
@@ -257,10 +277,15 @@ def test_mixed_dtypes_one_table():
 
 def test_param_groups_and_step_lr():
     ours, ref = _params(torch.float32), _params(torch.float32)
-    opt = AdamW([{"params": ours[:2]}, {"params": ours[2:], "lr": 0.1, "weight_decay": 0.0}],
-                lr=1e-2, rounding="master", seed=0)
-    ref_opt = torch.optim.AdamW([{"params": ref[:2]},
-                                 {"params": ref[2:], "lr": 0.1, "weight_decay": 0.0}], lr=1e-2)
+    opt = AdamW(
+        [{"params": ours[:2]}, {"params": ours[2:], "lr": 0.1, "weight_decay": 0.0}],
+        lr=1e-2,
+        rounding="master",
+        seed=0,
+    )
+    ref_opt = torch.optim.AdamW(
+        [{"params": ref[:2]}, {"params": ref[2:], "lr": 0.1, "weight_decay": 0.0}], lr=1e-2
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.1)
     for step in range(10):
@@ -276,8 +301,11 @@ def test_param_groups_and_step_lr():
         _ulp_close(p, r, 4, "param")
     # the lr really matters: a run without the schedule ends elsewhere
     other = _params(torch.float32)
-    other_opt = AdamW([{"params": other[:2]}, {"params": other[2:], "lr": 0.1,
-                                                "weight_decay": 0.0}], lr=1e-2, seed=0)
+    other_opt = AdamW(
+        [{"params": other[:2]}, {"params": other[2:], "lr": 0.1, "weight_decay": 0.0}],
+        lr=1e-2,
+        seed=0,
+    )
     for step in range(10):
         _set_grads(other, _grads(step))
         other_opt.step()
@@ -378,8 +406,9 @@ def test_closure():
 
 def _model(dtype, seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(),
-                               torch.nn.Linear(6, 1)).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).to(
+        dtype
+    )
 
 
 def _snapshot(model, opt):
@@ -418,12 +447,16 @@ def test_fused_scaler_equals_torch_scaler(dtype):
     (unscale pass, then the plain step) give the same bits: the scale is a power of two, so
     grad * (1/scale) is exact whether or not it is rounded to the gradient's dtype first."""
     runs = []
-    for scaler in (GradScaler("cpu", init_scale=2.0**10, growth_interval=2),
-                   torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)):
+    for scaler in (
+        GradScaler("cpu", init_scale=2.0**10, growth_interval=2),
+        torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2),
+    ):
         model = _model(dtype)
         opt = AdamW(model.parameters(), lr=1e-2, seed=7)
-        x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(dtype), \
-            torch.randn(8, 1, generator=torch.Generator().manual_seed(2)).to(dtype)
+        x, y = (
+            torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(dtype),
+            torch.randn(8, 1, generator=torch.Generator().manual_seed(2)).to(dtype),
+        )
         scales = []
         for step in range(5):
             opt.zero_grad()
@@ -474,12 +507,17 @@ def test_fused_scaler_after_explicit_unscale():
 # -- state dict -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps, seed: AdamW(ps, lr=1e-2, rounding="stochastic", state_dtype=torch.bfloat16,
-                           seed=seed),
-    lambda ps, seed: AdamW(ps, lr=1e-2, rounding="remainder", seed=seed),
-    lambda ps, seed: SGD(ps, lr=0.1, momentum=0.9, rounding="kahan", seed=seed),
-], ids=["adamw-stochastic-bf16-states", "adamw-remainder", "sgd-kahan"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps, seed: AdamW(
+            ps, lr=1e-2, rounding="stochastic", state_dtype=torch.bfloat16, seed=seed
+        ),
+        lambda ps, seed: AdamW(ps, lr=1e-2, rounding="remainder", seed=seed),
+        lambda ps, seed: SGD(ps, lr=0.1, momentum=0.9, rounding="kahan", seed=seed),
+    ],
+    ids=["adamw-stochastic-bf16-states", "adamw-remainder", "sgd-kahan"],
+)
 def test_state_dict_resume_is_bit_identical(make):
     def train(params, opt, steps):
         for step in steps:
@@ -572,11 +610,18 @@ class Lion(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     g = p.grad.float()
-                    m = self.state[p].setdefault("exp_avg", torch.zeros_like(p, dtype=torch.float32))
+                    m = self.state[p].setdefault(
+                        "exp_avg", torch.zeros_like(p, dtype=torch.float32)
+                    )
                     update = (m * beta1 + g * (1 - beta1)).sign_()
                     update.add_(p.float(), alpha=group["weight_decay"])
-                    srround.stochastic_add(p, update, alpha=-group["lr"], seed=self.seed,
-                                           offset=(self.t << STEP_SHIFT) + start)
+                    srround.stochastic_add(
+                        p,
+                        update,
+                        alpha=-group["lr"],
+                        seed=self.seed,
+                        offset=(self.t << STEP_SHIFT) + start,
+                    )
                     m.mul_(beta2).add_(g, alpha=1 - beta2)
                 start += p.numel()
 
