@@ -9,7 +9,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import srround  # noqa: E402
-from srround.adapters._jax_loss_scale import (  # noqa: E402
+from srround.adapters.jax.loss_scale import (  # noqa: E402
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,

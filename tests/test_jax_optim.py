@@ -146,7 +146,7 @@ def test_apply_updates_native_small_leaf_groups(monkeypatch, request, layout, st
     elements each, ``_GROUP`` per group): the bits of ``stochastic_add`` per leaf with every
     leaf on its own (0, 0), with smaller, split groups and with the defaults (one group per
     dtype), for 0-d, empty, fp32 (plain add), bf16 and fp16 leaves and both streams."""
-    from srround.adapters import _jax_optim
+    from srround.adapters.jax import optim as _jax_optim
 
     if layout is not None:
         monkeypatch.setattr(_jax_optim, "_SMALL", layout[0])
@@ -268,7 +268,7 @@ def test_adamw_native_small_leaf_groups(monkeypatch, rounding, state_dtype, layo
     """The native step concatenates small leaves of the same dtypes (at most ``_SMALL``
     elements each, ``_GROUP`` per group): the same bits with every leaf on its own (0, 0) and
     with smaller, split groups."""
-    from srround.adapters import _jax_optim
+    from srround.adapters.jax import optim as _jax_optim
 
     monkeypatch.setattr(_jax_optim, "_SMALL", layout[0])
     monkeypatch.setattr(_jax_optim, "_GROUP", layout[1])
@@ -317,7 +317,7 @@ def test_adamw_schedule_key_seed_and_hyperparameters(impl):
 
 @pytest.mark.parametrize("t", [1, 2, 3, 10, 1000, 12345, 2**20 + 7, 2**26 - 1])
 def test_native_coefs_are_prepare_coefs(t):
-    from srround.adapters._jax_optim import _coefs
+    from srround.adapters.jax.optim import _coefs
 
     for lr in (1e-3, 0.3):
         expected = _optim.prepare_coefs(_optim.ADAMW, t, lr, 0.9, 0.999, 1e-8, 0.01)[:3]
@@ -400,7 +400,7 @@ def test_native_fma_is_exact():
     """The optimizer's float64 fma (and its sum, ``fma(1, u, w)``) against Numba's ``fma32``
     (llvm.fma.f32) and the adapter's integer ``_fma_bits`` on hard cases: cancellation, exact
     ties, tiny addends, subnormal operands and results, overflow, specials."""
-    from srround.adapters._jax_optim import _add, _fma
+    from srround.adapters.jax.optim import _add, _fma
 
     def as_f32(v):
         return jnp.asarray(v.view(np.float32))

@@ -43,7 +43,7 @@ import torch
 from srround import _optim
 from srround._rng import check_seed, next_seed, split_seed
 
-from .torch import _BUFFER_CODES, _DATA_PTR, _external_stream, _view, buffer_table
+from ._views import _BUFFER_CODES, _DATA_PTR, _external_stream, _view, buffer_table
 
 __all__ = ["SGD", "AdamW"]
 

@@ -93,19 +93,6 @@ from jax import lax
 from srround._formats import FORMATS, Format, get_format, saturate_flag
 from srround._rng import check_offset, check_seed, next_seed, split_seed
 
-__all__ = [
-    "DynamicLossScale",
-    "IMPLS",
-    "NoOpLossScale",
-    "StaticLossScale",
-    "all_finite",
-    "round_nearest",
-    "select_tree",
-    "stochastic_add",
-    "stochastic_round",
-    "to_float32",
-]
-
 IMPLS = ("native", "callback")
 _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _U32 = jnp.uint32
@@ -715,13 +702,3 @@ def _unsupported(*args, **kwargs):
 
 
 source = target = inplace = counter = buffer_table = _unsupported
-
-
-from ._jax_loss_scale import (  # noqa: E402  (the framework layer, after the adapter)
-    DynamicLossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    all_finite,
-    select_tree,
-)
-from ._jax_optim import AdamWState, FusedAdamW, adamw, apply_updates  # noqa: E402, F401

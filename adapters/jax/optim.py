@@ -85,7 +85,7 @@ from jax import lax
 from srround import _optim
 from srround._formats import FORMATS
 
-from .jax import (
+from ._lax import (
     _callback,
     _decode,
     _encode,

@@ -32,8 +32,8 @@ import torch
 
 from srround._formats import FORMATS, Format
 
-from ._view import View, check_shape
-from .numba import external_stream
+from .._view import View, check_shape
+from ..numba import external_stream
 
 _FIX = ".contiguous()"
 
@@ -249,7 +249,3 @@ def _buffer_error(tensors, name):
                 f"{item}: expected a float32, bfloat16, float16 (or int16) tensor, got {t.dtype}"
             )
         _check_contiguous(t, item)
-
-
-from ._torch_amp import GradScaler  # noqa: E402, F401  (the framework layer, after the adapter)
-from ._torch_optim import SGD, AdamW  # noqa: E402, F401
