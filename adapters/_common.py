@@ -1,64 +1,141 @@
-"""Validation shared by the NumPy and Numba adapters (both expose NumPy dtypes and flags)."""
+"""Validation shared by the view adapters (NumPy, Numba, CuPy, torch): dtype, shape and
+layout checks with errors naming the argument, and the tensor-list table."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 
+from srround._dispatch import check_shape
 from srround._formats import FORMATS, Format
 
-from ._view import check_shape
+
+@dataclasses.dataclass(frozen=True)
+class Dtypes:
+    """One framework's dtypes and words, for the checks and error messages shared by adapters.
+
+    Attributes:
+        noun: what the framework's arrays are called (``"array"``, ``"tensor"``).
+        float32, float64, int32: the framework's dtype objects.
+        raw: the dtype of narrow bit patterns (uint16), taken with ``dtype=`` given.
+        narrow: the framework's dtype of each narrow format.
+        cast: how to cast to float32 (suggested when float64 is rejected).
+        contiguous: the layout the kernels need (``"C-contiguous"``, ``"contiguous"``).
+    """
+
+    noun: str
+    float32: Any
+    float64: Any
+    int32: Any
+    raw: Any
+    narrow: dict
+    cast: str
+    contiguous: str = "C-contiguous"
 
 
-def narrow_format(dtype, name: str, fmt: Format | None) -> Format:
+NUMPY = Dtypes(
+    noun="array",
+    float32=np.dtype(np.float32),
+    float64=np.dtype(np.float64),
+    int32=np.dtype(np.int32),
+    raw=np.dtype(np.uint16),
+    narrow={fmt.numpy_dtype: fmt for fmt in FORMATS.values()},
+    cast=".astype(np.float32)",
+)
+
+
+def _a(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def narrow_format(dtype, name: str, fmt: Format | None, dtypes: Dtypes = NUMPY) -> Format:
     """The format of a narrow array: from its dtype, or from ``dtype=`` for raw ``uint16``."""
-    for candidate in FORMATS.values():
-        if dtype == candidate.numpy_dtype:
-            if fmt is not None and fmt is not candidate:
-                raise TypeError(f"{name}: dtype {dtype} does not match dtype={fmt.name!r}")
-            return candidate
-    if dtype == np.uint16 and fmt is not None:
+    candidate = dtypes.narrow.get(dtype)
+    if candidate is not None:
+        if fmt is not None and fmt is not candidate:
+            raise TypeError(f"{name}: dtype {dtype} does not match dtype={fmt.name!r}")
+        return candidate
+    if dtype == dtypes.raw and fmt is not None:
         return fmt
-    expected = ", ".join(str(f.numpy_dtype) for f in FORMATS.values())
-    hint = " (or uint16 bit patterns with dtype= given)"
-    raise TypeError(f"{name}: expected a narrow float array ({expected}{hint}), got {dtype}")
+    expected = ", ".join(str(d) for d in dtypes.narrow)
+    hint = f" (or {dtypes.raw} bit patterns with dtype= given)"
+    raise TypeError(
+        f"{name}: expected a narrow float {dtypes.noun} ({expected}{hint}), got {dtype}"
+    )
 
 
-def check_float32(dtype, name: str) -> None:
-    if dtype != np.float32:
+def check_float32(dtype, name: str, dtypes: Dtypes = NUMPY) -> None:
+    """A float32 array; float64 is refused with a hint (rounding through float32 rounds twice)."""
+    if dtype != dtypes.float32:
         extra = ""
-        if dtype == np.float64:
+        if dtype == dtypes.float64:
             extra = (
                 "; float64 is rejected rather than rounded through float32, which would round"
-                " twice - cast with .astype(np.float32) if that is what you want"
+                f" twice - cast with {dtypes.cast} if that is what you want"
             )
-        raise TypeError(f"{name}: expected a float32 array, got {dtype}{extra}")
-
-
-def check_contiguous(is_contiguous: bool, name: str, fix: str) -> None:
-    if not is_contiguous:
-        raise ValueError(
-            f"{name}: must be C-contiguous (srround works in place on the caller's memory and"
-            f" never copies silently); pass {fix} to copy it explicitly"
+        raise TypeError(
+            f"{name}: expected {_a(str(dtypes.float32))} {dtypes.noun}, got {dtype}{extra}"
         )
 
 
-def check_source(dtype, is_contiguous: bool, name: str, fmt: Format | None, narrow: bool, fix: str):
+def check_contiguous(is_contiguous: bool, name: str, fix: str, dtypes: Dtypes = NUMPY) -> None:
+    """Contiguous memory: the kernels work in place and never copy silently."""
+    if not is_contiguous:
+        raise ValueError(
+            f"{name}: must be {dtypes.contiguous} (srround works in place on the caller's memory"
+            f" and never copies silently); pass {fix} to copy it explicitly"
+        )
+
+
+def check_source(
+    dtype,
+    is_contiguous: bool,
+    name: str,
+    fmt: Format | None,
+    narrow: bool,
+    fix: str,
+    dtypes: Dtypes = NUMPY,
+):
     """Checks of a read view: ``(format, bit dtype)`` - the narrow format (from the dtype or
     ``fmt``) and ``uint16`` for ``narrow``, else float32 data: ``(None, uint32)``."""
     if narrow:
-        fmt = narrow_format(dtype, name, fmt)
+        fmt = narrow_format(dtype, name, fmt, dtypes)
     else:
-        check_float32(dtype, name)
-    check_contiguous(is_contiguous, name, fix)
+        check_float32(dtype, name, dtypes)
+    check_contiguous(is_contiguous, name, fix, dtypes)
     return fmt, np.uint16 if narrow else np.uint32
 
 
-def check_counter(dtype, shape, is_contiguous: bool, name: str, like_shape, fix: str) -> None:
+def check_target(
+    dtype,
+    shape,
+    is_contiguous: bool,
+    name: str,
+    like_shape,
+    fmt: Format | None,
+    fix: str,
+    dtypes: Dtypes = NUMPY,
+) -> None:
+    """Checks of a caller's ``out=``: float32 (``fmt=None``) or ``fmt``'s narrow dtype, the
+    input's shape, contiguous."""
+    if fmt is None:
+        check_float32(dtype, name, dtypes)
+    else:
+        narrow_format(dtype, name, fmt, dtypes)
+    check_shape(name, shape, like_shape, "the input's")
+    check_contiguous(is_contiguous, name, fix, dtypes)
+
+
+def check_counter(
+    dtype, shape, is_contiguous: bool, name: str, like_shape, fix: str, dtypes: Dtypes = NUMPY
+) -> None:
     """An int32 counter array updated in place: dtype, shape and contiguity."""
-    if dtype != np.int32:
-        raise TypeError(f"{name}: expected an int32 array, got {dtype}")
+    if dtype != dtypes.int32:
+        raise TypeError(f"{name}: expected {_a(str(dtypes.int32))} {dtypes.noun}, got {dtype}")
     check_shape(name, shape, like_shape, "the expected")
-    check_contiguous(is_contiguous, name, fix)
+    check_contiguous(is_contiguous, name, fix, dtypes)
 
 
 # format codes of the tensor-list kernels (srround._tensor_list), by NumPy dtype

@@ -20,22 +20,14 @@ import functools
 import cupy
 import numpy as np
 
+from srround._dispatch import View
 from srround._formats import FORMATS, Format
 
-from ._common import (
-    buffer_code,
-    check_contiguous,
-    check_counter,
-    check_float32,
-    check_source,
-    narrow_format,
-)
-from ._common import (
-    buffer_table as _buffer_table,
-)
-from ._view import View, check_shape
+from ._common import buffer_code, check_contiguous, check_counter, check_source, check_target
+from ._common import buffer_table as _buffer_table
 from .numba import external_stream
 
+MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller's memory
 _FIX = "cupy.ascontiguousarray(...)"
 
 
@@ -105,12 +97,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
         out = cupy.empty(like.shape, dtype)
     else:
         a = _as_array(out, name)
-        if fmt is None:
-            check_float32(a.dtype, name)
-        else:
-            narrow_format(a.dtype, name, fmt)
-        check_shape(name, a.shape, like.shape, "the input's")
-        check_contiguous(a.flags.c_contiguous, name, _FIX)
+        check_target(a.dtype, a.shape, a.flags.c_contiguous, name, like.shape, fmt, _FIX)
     return _view(out, np.uint32 if fmt is None else np.uint16, name)
 
 

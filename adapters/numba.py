@@ -9,23 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from srround._dispatch import View
 from srround._formats import Format
 from srround._numba_cuda_compat import import_numba_cuda
 from srround._tensor_list import address
 
-from ._common import (
-    buffer_code,
-    check_contiguous,
-    check_counter,
-    check_float32,
-    check_source,
-    narrow_format,
-)
-from ._common import (
-    buffer_table as _buffer_table,
-)
-from ._view import View, check_shape
+from ._common import buffer_code, check_contiguous, check_counter, check_source, check_target
+from ._common import buffer_table as _buffer_table
 
+MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller's memory
 _FIX = "a contiguous copy (numba.cuda.device_array + copy_to_device)"
 
 
@@ -79,12 +71,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
     if out is None:
         cuda = import_numba_cuda()
         out = cuda.device_array(like.shape, dtype=dtype)
-    elif fmt is None:
-        check_float32(out.dtype, name)
-    else:
-        narrow_format(out.dtype, name, fmt)
-    check_shape(name, out.shape, like.shape, "the input's")
-    check_contiguous(_contiguous(out), name, _FIX)
+    check_target(out.dtype, out.shape, _contiguous(out), name, like.shape, fmt, _FIX)
     return _view(out, np.uint32 if fmt is None else np.uint16)
 
 

@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from srround._dispatch import View
 from srround._formats import Format
 
-from ._common import (
-    buffer_code,
-    check_contiguous,
-    check_counter,
-    check_float32,
-    check_source,
-    narrow_format,
-)
-from ._common import (
-    buffer_table as _buffer_table,
-)
-from ._view import View, check_shape
+from ._common import buffer_code, check_contiguous, check_counter, check_source, check_target
+from ._common import buffer_table as _buffer_table
 
+MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller's memory
 _FIX = "np.ascontiguousarray(...)"
 
 
@@ -61,12 +53,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
     if out is None:
         return _view(np.empty(like.shape, dtype), np.uint32 if fmt is None else np.uint16)
     a = _as_array(out, name)
-    if fmt is None:
-        check_float32(a.dtype, name)
-    else:
-        narrow_format(a.dtype, name, fmt)
-    check_shape(name, a.shape, like.shape, "the input's")
-    check_contiguous(a.flags.c_contiguous, name, _FIX)
+    check_target(a.dtype, a.shape, a.flags.c_contiguous, name, like.shape, fmt, _FIX)
     _check_writable(a, name)
     return _view(a, np.uint32 if fmt is None else np.uint16)
 

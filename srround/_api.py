@@ -1,4 +1,4 @@
-"""The functional API: validate, view the caller's arrays (``srround.adapters``), launch the
+"""The functional API: validate, view the caller's arrays (``srround._dispatch``), launch the
 backend kernel where the data lives, and return the caller's own type.
 
 Every rounding call is a pure function of (input bits, seed, offset, index): see ``_rng.py``
@@ -11,11 +11,8 @@ import dataclasses
 
 import numpy as np
 
-from srround.adapters import adapter_for
-from srround.adapters._common import BUFFER_CODES
-from srround.adapters._view import View, check_same_place, check_shape
-
 from . import _cpu, _loss_scale, _optim
+from ._dispatch import View, adapter_for, check_same_place, check_shape, mutable_adapter_for
 from ._formats import get_format, saturate_flag
 from ._rng import check_offset, check_seed, next_seed, split_seed
 from ._tensor_list import FORMAT_CODES, TensorList
@@ -26,9 +23,9 @@ def _key(seed) -> tuple[int, int]:
 
 
 def _own(adapter, name: str):
-    """The adapter's own implementation of API function ``name``, if it has one: adapters of
-    immutable arrays (JAX) provide the functional API themselves (``srround.adapters``)."""
-    return getattr(adapter, name, None)
+    """The adapter's own implementation of API function ``name`` for immutable arrays (JAX:
+    ``MUTABLE = False``, ``srround._dispatch``), else ``None``."""
+    return None if adapter.MUTABLE else getattr(adapter, name)
 
 
 def _launch(kernel: str, view: View, *args) -> None:
@@ -238,7 +235,7 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf))
         if v is not None and not isinstance(v, (int, float, np.floating))
     }
-    adapter = adapter_for(grads=grads[0], **extra)
+    adapter = mutable_adapter_for(grads=grads[0], **extra)
     _check_one_type(grads, "grads", grads[0], "grads[0]")
     addresses, sizes, codes, place = adapter.buffer_table(grads, "grads")
     _check_codes("grads", codes, (0, 1, 2), "float32, bfloat16 or float16")
@@ -299,7 +296,7 @@ def update_scale(
         raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis}")
     if overflow_tracker is None and hysteresis > 1:
         raise ValueError("overflow_tracker: needed when hysteresis > 1")
-    adapter = adapter_for(
+    adapter = mutable_adapter_for(
         scale=scale,
         growth_tracker=growth_tracker,
         found_inf=found_inf,
@@ -340,7 +337,7 @@ def update_scale(
 # -- fused optimizer steps ------------------------------------------------------------------
 
 
-_CODE_NAMES = {code: dtype.name for dtype, code in BUFFER_CODES.items()}  # buffer_table codes
+_CODE_NAMES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "int16"}  # buffer_table codes
 
 
 def _check_codes(name, codes, allowed, expected):

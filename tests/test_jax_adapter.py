@@ -12,6 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import srround  # noqa: E402
 from srround.adapters import jax as sj  # noqa: E402
+from srround.adapters.jax import _lax  # noqa: E402
 
 from .reference import assert_same_fma_bits, fma32_bits, fma_hard_cases  # noqa: E402
 
@@ -185,7 +186,7 @@ def test_native_threefry_is_rng_threefry():
     rng = np.random.default_rng(8)
     k0, k1 = (int(v) for v in rng.integers(0, 2**32, 2))
     c0, c1 = rng.integers(0, 2**32, (2, 64), dtype=np.uint32)
-    x0, x1 = jax.jit(lambda a, b: sj._threefry2x32(np.uint32(k0), np.uint32(k1), a, b))(c0, c1)
+    x0, x1 = jax.jit(lambda a, b: _lax._threefry2x32(np.uint32(k0), np.uint32(k1), a, b))(c0, c1)
     assert list(zip(np.asarray(x0).tolist(), np.asarray(x1).tolist())) == [
         threefry2x32(k0, k1, int(a), int(b)) for a, b in zip(c0, c1)
     ]
@@ -194,7 +195,7 @@ def test_native_threefry_is_rng_threefry():
 def test_native_fma_is_exact():
     """``_fma_bits`` (integer fma) against Numba's ``fma32`` (llvm.fma.f32) on hard cases:
     cancellation, exact ties, tiny addends, subnormal and overflowing results, specials."""
-    fma = jax.jit(sj._fma_bits)
+    fma = jax.jit(_lax._fma_bits)
     for i, (x, y, z) in enumerate(fma_hard_cases(3)):
         got = np.asarray(fma(jnp.asarray(x), jnp.asarray(y), jnp.asarray(z)))
         assert_same_fma_bits(i, x, y, z, fma32_bits(x, y, z), got)

@@ -199,7 +199,7 @@ def test_contiguous_view_with_storage_offset():
 
 def test_input_is_not_copied():
     x = torch.from_numpy(np_f32(special=False))
-    from srround.adapters import torch as adapter
+    from srround.adapters.torch import _views as adapter
 
     view, _ = adapter.source(x, "x")
     assert view.bits.ctypes.data == x.data_ptr() and view.result is x
@@ -209,7 +209,7 @@ def test_input_is_not_copied():
 def test_cpu_bit_views_share_memory():
     """fp32, bf16, raw uint16, int32 and requires-grad tensors: NumPy bit views of the same
     memory (the bits the NumPy path sees)."""
-    from srround.adapters import torch as adapter
+    from srround.adapters.torch import _views as adapter
 
     x = np_f32().reshape(4, 250)
     got = srround.stochastic_round(torch.from_numpy(x), seed=1)

@@ -1,34 +1,31 @@
-"""JAX: the functional API on ``jax.Array`` (jit-able), optimizers and loss scales."""
+"""srround for JAX: the functional API on ``jax.Array`` s, optimizers and loss scales.
 
-from ._lax import (  # noqa: F401
-    IMPLS,
-    _fma_bits,
-    _threefry2x32,
-    buffer_table,
-    counter,
-    inplace,
-    round_nearest,
-    source,
-    stochastic_add,
-    stochastic_round,
-    target,
-    to_float32,
-)
-from .loss_scale import (  # noqa: F401
+* ``stochastic_round``, ``round_nearest``, ``to_float32``, ``stochastic_add``: the functional
+  API, jit-able on any backend (``srround.stochastic_round(jax_array)`` etc. delegate here).
+* ``apply_updates`` (a drop-in for ``optax.apply_updates`` with stochastic rounding) and
+  ``adamw`` (the fused AdamW, state ``AdamWState``).
+* ``DynamicLossScale``, ``StaticLossScale``, ``NoOpLossScale``, ``all_finite``,
+  ``select_tree``: loss scaling with jmp's interface.
+"""
+
+from ._api import round_nearest, stochastic_add, stochastic_round, to_float32
+from .loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
     all_finite,
     select_tree,
 )
-from .optim import AdamWState, FusedAdamW, adamw, apply_updates  # noqa: F401
+from .optim import AdamWState, adamw, apply_updates
 
 __all__ = [
+    "AdamWState",
     "DynamicLossScale",
-    "IMPLS",
     "NoOpLossScale",
     "StaticLossScale",
+    "adamw",
     "all_finite",
+    "apply_updates",
     "round_nearest",
     "select_tree",
     "stochastic_add",

@@ -1,88 +1,27 @@
-"""JAX adapter: stochastic rounding on ``jax.Array`` s, inside ``jit`` and ``vmap``, any backend.
+"""The ``jax.lax`` backend: srround's rounding, Threefry stream and fma on ``uint32`` patterns.
 
-JAX arrays are immutable and may live on an accelerator, so this adapter does not hand buffer
-views to the Numba kernels like the other adapters do. It provides the functional API itself,
-and ``srround.stochastic_round(jax_array)`` (and ``round_nearest``, ``to_float32``,
-``stochastic_add``) delegate here (see ``srround.adapters``):
+Only ``jax.lax``/``jnp`` integer ops, so it jit-compiles on every backend (CPU, GPU, TPU) and
+needs no x64; results are bit for bit those of the Numba kernels for the same input bits, seed
+and offset:
 
-* ``stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf", impl=None)``
-* ``round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None)``
-* ``to_float32(y, *, dtype=None, impl=None)``
-* ``stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow="inf",
-  impl=None)`` - returns the new ``w`` (``SR(w + alpha * u)``); ``w`` itself is unchanged.
+* ``_encode`` / ``_decode``: the rounding rules of ``srround/_scalar.py`` (stochastic and
+  nearest-even encode, exact decode with NaN payloads kept) on ``uint32`` bit patterns.
+* ``_threefry2x32`` / ``_random16``: Threefry-2x32 with 20 rounds (``srround/_rng.py``, the
+  function of ``jax.random``), the rounds unrolled; the 64-bit stream counter is a pair of
+  ``uint32`` words with carry. One block feeds four consecutive elements, as in the kernels;
+  each element computes its block, so the random bits fuse into the rounding loop.
+* ``_fma_bits``: ``fma(a, b, c)`` in float32 with one rounding, computed exactly in integers:
+  ``jax.lax`` has no fma, XLA may or may not contract ``a * b + c``, and XLA's CPU backend (and
+  TPU) flushes float32 subnormals to zero.
+* ``_native_*``: the four functional operations, jitted with the layout static (key words,
+  stream position and ``alpha`` are traced arguments: a new seed or offset does not recompile).
 
-Results are ``jnp.bfloat16`` / ``jnp.float16`` / ``jnp.float32`` arrays, bit for bit those of
-srround's NumPy path for the same input bits, seed and offset (the contract of ``_rng.py`` and
-``_scalar.py``), under either implementation:
-
-* ``impl="native"``: ``jax.lax``/``jnp`` integer ops only, so it jit-compiles on every backend
-  (CPU, GPU, TPU) and needs no x64. The rounding rule of ``_scalar.py`` is written on ``uint32``
-  bit patterns; the 64-bit stream counter is a pair of ``uint32`` words with carry; the Threefry
-  rounds are unrolled ``uint32`` ops (``_threefry2x32``, the function of ``_rng.threefry2x32``
-  and ``jax.extend.random.threefry_2x32``). One Threefry block feeds four consecutive elements,
-  as in the Numba kernels; each element computes its block, so the random bits fuse into the
-  rounding (one loop, nothing materialized). ``stochastic_add`` needs ``fma(alpha, u, w)`` in float32 with one rounding;
-  ``jax.lax`` has no fma, XLA may or may not contract ``alpha * u + w``, and XLA's CPU backend
-  flushes float32 subnormals to zero (so float error-free transformations are not exact there,
-  nor on TPU), so the fma is computed exactly in integers (``_fma_bits``: 24x24-bit product,
-  alignment with a sticky bit, round to nearest even incl. subnormals and overflow).
-* ``impl="callback"``: ``jax.pure_callback`` into srround's NumPy/Numba path on the host
-  (``vmap_method="sequential"``: a vmapped call equals the per-example calls). The data is
-  copied to the host and back, so it is only sensible on CPU. The host work runs on a helper
-  thread: XLA runs callbacks with flush-to-zero/denormals-are-zero set, which would make the
-  Numba fma of ``stochastic_add`` treat subnormal operands as zero.
-
-Default implementation (``impl=None``): ``"native"`` everywhere. On GPU/TPU it is the only
-sensible choice (the callback copies device -> host -> device). On CPU it is also the faster
-one except for ``stochastic_add`` calls of ~2^20 elements and more. Measured with
-``benchmarks/bench_adapters.py`` (2-core x86 VM, jax 0.10.2 CPU, ``jit`` with the key as an
-argument, ``block_until_ready``, median per call; the NumPy path is
-``srround.stochastic_round(np_array, out=...)`` / ``srround.stochastic_add`` on the same data;
-one run)::
-
-                        1024 elements   2^20        2^22
-    stochastic_round (fp32 -> bf16)
-      NumPy path          10 us        0.32 ms     1.7 ms
-      jax native          80 us        1.1 ms      4.2 ms
-      jax callback       449 us        1.6 ms      8.3 ms
-    stochastic_add (bf16 w, fp32 u, alpha=0.1)
-      NumPy path          11 us        0.52 ms     2.5 ms
-      jax native          97 us        2.8 ms     11.0 ms
-      jax callback       585 us        2.6 ms      9.5 ms
-
-The callback pays ~0.5 ms per call (pure_callback hand-over, a thread hop, Numba's parallel
-launch) and a copy of the result; native runs as one fused XLA loop, the Threefry rounds in it
-(its stochastic_add does the exact integer fma, ~4x the NumPy path's time). At 1024 elements
-XLA already splits that loop over both threads and waking the second one dominates (~18 us on
-one core). Native also fuses with surrounding ops, keeps Python out of the compiled program and
-works under every transformation and on accelerators; pass ``impl="callback"`` to run the Numba
-kernels themselves.
-
-Seeds (``seed=``):
-
-* ``None``: a seed drawn from srround's library generator (``srround.manual_seed``) when the
-  function runs in Python. Under ``jax.jit`` that is at *trace* time: the seed is baked into the
-  compiled function and every call of it reuses the same random bits. Pass a key under ``jit``.
-* an ``int`` in [0, 2**64): key words ``(seed & 0xFFFFFFFF, seed >> 32)`` (``_rng.split_seed``).
-* a JAX PRNG key, new style (``jax.random.key(...)``, threefry implementation) or legacy
-  (``jax.random.PRNGKey(...)``: a ``uint32[2]`` array): its key data words ``(w0, w1)`` are the
-  Threefry key ``(k0, k1)``, so it equals the int seed ``w0 | (w1 << 32)``. Keys may be traced
-  (``jit`` arguments, ``vmap`` ped). Note ``jax.random.key(s)`` for a small int ``s`` has data
-  ``(0, s)``, i.e. it equals the int seed ``s << 32``, not ``s``.
-
-``offset`` is a Python int, as in the NumPy path (only ``offset % 4`` is static under ``jit``:
-calls at new offsets with the same ``offset % 4`` reuse the compiled program); ``alpha`` may be a
-Python float or a (traced) scalar.
-
-Known difference from the Numba CPU path: when an fma operand pair produces a NaN from two NaN
-inputs of different signs, which NaN's sign survives is up to the hardware/compiler on both
-paths (a single NaN input keeps its sign on both; ``inf * 0`` and ``inf - inf`` give the
-platform's default NaN on both).
+Known difference from the Numba CPU path: when an fma turns two NaN inputs of different signs
+into a NaN, which sign survives is up to the hardware/compiler on both paths.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 
 import jax
@@ -90,97 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from srround._formats import FORMATS, Format, get_format, saturate_flag
-from srround._rng import check_offset, check_seed, next_seed, split_seed
+from srround._formats import FORMATS, Format
 
-IMPLS = ("native", "callback")
 _JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _U32 = jnp.uint32
-
-
-# -- argument handling ------------------------------------------------------------------------
-
-
-def _impl(impl, x) -> str:
-    if impl is None:
-        return "native"  # see the module docstring for why, with the CPU numbers
-    if impl not in IMPLS:
-        options = ", ".join(map(repr, IMPLS))
-        raise ValueError(f"impl: expected one of {options} or None, got {impl!r}")
-    return impl
-
-
-def _no_out(out) -> None:
-    if out is not None:
-        raise TypeError(
-            "out: JAX arrays are immutable, so out= is not supported; use the returned array"
-        )
-
-
-def _as_jax(x, name: str):
-    if isinstance(x, jax.Array):  # includes tracers
-        return x
-    try:
-        return jnp.asarray(x)
-    except TypeError:
-        raise TypeError(f"{name}: expected a JAX array, got {type(x).__name__}") from None
-
-
-def _check_float32(x, name: str):
-    x = _as_jax(x, name)
-    if x.dtype != jnp.float32:
-        extra = ""
-        if x.dtype == jnp.float64:
-            extra = (
-                "; float64 is rejected rather than rounded through float32, which would round"
-                " twice - cast with .astype(jnp.float32) if that is what you want"
-            )
-        raise TypeError(f"{name}: expected a float32 array, got {x.dtype}{extra}")
-    return x
-
-
-def _narrow(y, name: str, fmt: Format | None):
-    """``(array, format)`` of a bf16/fp16 array (or uint16 patterns with ``dtype=`` given)."""
-    y = _as_jax(y, name)
-    for candidate_name, dtype in _JNP_DTYPES.items():
-        if y.dtype == dtype:
-            candidate = FORMATS[candidate_name]
-            if fmt is not None and fmt is not candidate:
-                raise TypeError(f"{name}: dtype {y.dtype} does not match dtype={fmt.name!r}")
-            return y, candidate
-    if y.dtype == jnp.uint16 and fmt is not None:
-        return y, fmt
-    raise TypeError(
-        f"{name}: expected a narrow float array (bfloat16, float16, or uint16 bit patterns with"
-        f" dtype= given), got {y.dtype}"
-    )
-
-
-def _key_words(seed):
-    """Threefry key ``(k0, k1)``: Python ints (static) or uint32 scalars (possibly traced)."""
-    if seed is None:
-        return split_seed(next_seed())
-    if isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_)):
-        return split_seed(check_seed(seed, "seed"))
-    if isinstance(seed, (jax.Array, np.ndarray)):
-        if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
-            impl = str(jax.random.key_impl(seed))
-            if seed.shape != () or "threefry" not in impl:
-                raise TypeError(
-                    f"seed: expected a single threefry PRNG key, got shape {seed.shape} of {impl}"
-                )
-            data = jax.random.key_data(seed)
-        else:
-            data = seed
-        if data.shape == (2,) and data.dtype == jnp.uint32:
-            return data[0], data[1]
-        raise TypeError(
-            f"seed: expected a PRNG key (jax.random.key / PRNGKey: uint32[2]), got"
-            f" {data.dtype}{list(data.shape)}"
-        )
-    raise TypeError(
-        f"seed: expected None, an int in [0, 2**64) or a JAX PRNG key, got {type(seed).__name__}"
-    )
 
 
 # -- 64-bit integers as (hi, lo) uint32 pairs -------------------------------------------------
@@ -509,196 +361,3 @@ def _native_stochastic_add(w, u, alpha, k0, k1, first_lo, first_hi, *, lane0, fm
     bits16 = _random16(k0, k1, first_lo, first_hi, lane0, n)
     out = _encode(total, fmt, saturate, bits16)
     return lax.bitcast_convert_type(out.astype(jnp.uint16), w.dtype).reshape(w.shape)
-
-
-# -- callback implementations ----------------------------------------------------------------
-
-
-def _seed_of(k0, k1) -> int:
-    return int(k0) | (int(k1) << 32)
-
-
-# XLA's CPU runtime runs computations, and the host callbacks inside them, with the thread's
-# flush-to-zero / denormals-are-zero flags set: a Numba fma there treats subnormal operands as
-# zero (alpha = 2**-130 times inf gave NaN instead of inf). So the host work runs on a thread of
-# its own, started here, at import, with the default floating-point environment (a new thread
-# inherits its creator's); Numba's worker pool, if first started from it, inherits it too.
-_HOST = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="srround-jax-host")
-_HOST.submit(int).result()  # start the thread now, outside any XLA computation
-
-
-def _callback(fn, result_shape, *args):
-    def on_host(*arrays):
-        return _HOST.submit(fn, *arrays).result()
-
-    return jax.pure_callback(on_host, result_shape, *args, vmap_method="sequential")
-
-
-def _host(name: str):
-    """srround's own API function ``name`` (the NumPy path, run on host arrays)."""
-    import srround._api as api
-
-    return getattr(api, name)
-
-
-# -- public functions ------------------------------------------------------------------------
-
-
-def stochastic_round(
-    x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf", impl=None, out=None
-):
-    """Stochastically round a float32 JAX array to bf16/fp16 (see ``srround.stochastic_round``).
-
-    Args:
-        x: float32 array (any shape; a tracer under ``jit``/``vmap``).
-        dtype: ``"bfloat16"`` (default) or ``"float16"``.
-        seed: ``None``, an int in [0, 2**64) or a JAX PRNG key (module docstring).
-        offset: Python int, position of ``x``'s first element in the random stream.
-        overflow: ``"inf"`` or ``"saturate"``.
-        impl: ``"native"``, ``"callback"`` or ``None`` (default: ``"native"``).
-
-    Returns:
-        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape.
-    """
-    _no_out(out)
-    fmt = get_format(dtype)
-    saturate = saturate_flag(overflow)
-    offset = check_offset(offset)
-    x = _check_float32(x, "x")
-    impl = _impl(impl, x)
-    k0, k1 = _key_words(seed)
-    if impl == "native":
-        if x.size == 0:
-            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
-        return _native_stochastic_round(
-            x,
-            _u(k0),
-            _u(k1),
-            *_first_block(offset),
-            lane0=offset & 3,
-            fmt_name=fmt.name,
-            saturate=saturate,
-        )
-
-    def host(xh, h0, h1):
-        y = _host("stochastic_round")(
-            np.asarray(xh, order="C"),
-            dtype=fmt.name,
-            seed=_seed_of(h0, h1),
-            offset=offset,
-            overflow=overflow,
-        )
-        return np.asarray(y).reshape(xh.shape)
-
-    shape = jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name])
-    return _callback(host, shape, x, _u(k0), _u(k1))
-
-
-def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
-    """Round a float32 JAX array to the nearest bf16/fp16 value, ties to even (see
-    ``srround.round_nearest``; every NaN becomes the format's quiet NaN with its sign)."""
-    _no_out(out)
-    fmt = get_format(dtype)
-    saturate = saturate_flag(overflow)
-    x = _check_float32(x, "x")
-    if _impl(impl, x) == "native":
-        if x.size == 0:
-            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
-        return _native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
-
-    def host(xh):
-        return np.asarray(
-            _host("round_nearest")(np.asarray(xh, order="C"), dtype=fmt.name, overflow=overflow)
-        ).reshape(xh.shape)
-
-    return _callback(host, jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name]), x)
-
-
-def to_float32(y, *, dtype=None, impl=None, out=None):
-    """Widen a bf16/fp16 JAX array (or uint16 patterns with ``dtype=``) to float32 exactly
-    (NaN payloads kept)."""
-    _no_out(out)
-    y, fmt = _narrow(y, "y", None if dtype is None else get_format(dtype))
-    if _impl(impl, y) == "native":
-        if y.size == 0:
-            return jnp.zeros(y.shape, jnp.float32)
-        return _native_to_float32(y, fmt_name=fmt.name)
-
-    def host(yh):
-        widened = _host("to_float32")(np.asarray(yh, order="C"), dtype=fmt.name)
-        return np.asarray(widened).reshape(yh.shape)
-
-    return _callback(host, jax.ShapeDtypeStruct(y.shape, jnp.float32), y)
-
-
-def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow="inf", impl=None):
-    """``SR(w + alpha * u)`` for a bf16/fp16 JAX array ``w`` and a float32 ``u`` of its shape:
-    the sum in float32 with one rounding (``fma(alpha, u, w)``), then stochastically rounded to
-    ``w``'s format. Returns the new ``w`` (same dtype); JAX arrays are immutable, so unlike the
-    NumPy path nothing is updated in place.
-
-    Args:
-        w: bf16/fp16 array (or uint16 patterns with ``dtype=``).
-        u: float32 array of ``w``'s shape.
-        alpha: float32 scale of ``u`` (a Python number or a scalar array, may be traced).
-        seed, offset, overflow, impl: as ``stochastic_round``.
-        dtype: the format of ``w`` when its dtype does not say it.
-    """
-    w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
-    u = _check_float32(u, "u")
-    if tuple(u.shape) != tuple(w.shape):
-        raise ValueError(f"u: shape {tuple(u.shape)} does not match w's shape {tuple(w.shape)}")
-    saturate = saturate_flag(overflow)
-    offset = check_offset(offset)
-    impl = _impl(impl, w)
-    k0, k1 = _key_words(seed)
-    if isinstance(alpha, (int, float, np.number)):
-        alpha = np.float32(alpha)
-    else:
-        alpha = _as_jax(alpha, "alpha")
-        if alpha.shape != ():
-            raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
-        alpha = alpha.astype(jnp.float32)
-    if impl == "native":
-        if w.size == 0:
-            return w
-        return _native_stochastic_add(
-            w,
-            u,
-            alpha,
-            _u(k0),
-            _u(k1),
-            *_first_block(offset),
-            lane0=offset & 3,
-            fmt_name=fmt.name,
-            saturate=saturate,
-        )
-
-    def host(wh, uh, ah, h0, h1):
-        target = np.array(wh)  # a writable copy: the callback's input is read-only
-        _host("stochastic_add")(
-            target,
-            np.asarray(uh, order="C"),
-            alpha=np.float32(ah),
-            seed=_seed_of(h0, h1),
-            offset=offset,
-            dtype=fmt.name,
-            overflow=overflow,
-        )
-        return target
-
-    shape = jax.ShapeDtypeStruct(w.shape, w.dtype)
-    return _callback(host, shape, w, u, jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1))
-
-
-# -- the View protocol of the other adapters: not for immutable arrays ------------------------
-
-
-def _unsupported(*args, **kwargs):
-    raise TypeError(
-        "JAX arrays are immutable: srround's in-place and out= operations do not take them; use"
-        " srround.adapters.jax (stochastic_round, round_nearest, to_float32, stochastic_add)"
-    )
-
-
-source = target = inplace = counter = buffer_table = _unsupported

@@ -85,17 +85,9 @@ from jax import lax
 from srround import _optim
 from srround._formats import FORMATS
 
-from ._lax import (
-    _callback,
-    _decode,
-    _encode,
-    _host,
-    _key_words,
-    _random16,
-    _seed_of,
-    _threefry2x32,
-    _u,
-)
+from ._api import _key_words
+from ._callback import _callback, _host, _seed_of
+from ._lax import _decode, _encode, _random16, _threefry2x32, _u
 
 __all__ = ["AdamWState", "adamw", "apply_updates"]
 

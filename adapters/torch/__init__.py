@@ -1,5 +1,8 @@
-"""PyTorch: tensor views for the functional API, ``AdamW``/``SGD`` and ``GradScaler``."""
+"""srround for PyTorch: ``AdamW`` and ``SGD`` (fused ``torch.optim.Optimizer`` s) and
+``GradScaler`` (a drop-in for ``torch.amp.GradScaler``). ``srround.stochastic_round(tensor)``
+etc. take tensors directly (``_views.py``)."""
 
-from ._views import _view, buffer_table, counter, inplace, source, target  # noqa: F401
-from .amp import GradScaler  # noqa: F401
-from .optim import SGD, AdamW  # noqa: F401
+from .amp import GradScaler
+from .optim import SGD, AdamW
+
+__all__ = ["AdamW", "GradScaler", "SGD"]

@@ -2,12 +2,12 @@
 
 Tensors are viewed as raw bit patterns before any kernel sees them: NumPy ``uint32`` (fp32)
 and ``uint16`` (bf16/fp16, through an ``int16`` torch view) arrays on the CPU, Numba device
-arrays of the ``int32``/``int16`` views through ``__cuda_array_interface__`` on CUDA. A bf16 tensor is never handed
-to Numba itself: numba-cuda would take it as ``__nv_bfloat16`` and convert stored values
-instead of copying bits. Results are ``torch.bfloat16`` / ``torch.float16`` / ``torch.float32``
-tensors on the input's device; ``out=`` and in-place targets are written in their own storage
-and returned as the same tensor objects. Raw bit patterns are ``torch.uint16`` tensors with
-``dtype=`` given, as with the NumPy adapter.
+arrays of the ``int32``/``int16`` views through ``__cuda_array_interface__`` on CUDA. A bf16
+tensor is never handed to Numba itself: numba-cuda would take it as ``__nv_bfloat16`` and
+convert stored values instead of copying bits. Results are ``torch.bfloat16`` /
+``torch.float16`` / ``torch.float32`` tensors on the input's device; ``out=`` and in-place
+targets are written in their own storage and returned as the same tensor objects. Raw bit
+patterns are ``torch.uint16`` tensors with ``dtype=`` given, as with the NumPy adapter.
 
 CUDA work is launched on the caller's current torch stream of the tensor's device
 (``numba.cuda.external_stream``), so it is ordered with the surrounding torch work without any
@@ -30,17 +30,28 @@ import operator
 import numpy as np
 import torch
 
+from srround._dispatch import View
 from srround._formats import FORMATS, Format
 
-from .._view import View, check_shape
+from .._common import Dtypes, check_contiguous, check_counter, check_source, check_target
 from ..numba import external_stream
 
+MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller's memory
 _FIX = ".contiguous()"
 
 # srround format name -> torch dtype
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _FORMAT_OF = {_TORCH_DTYPES[name]: FORMATS[name] for name in _TORCH_DTYPES}
-_RAW = torch.uint16  # raw bit patterns (torch >= 2.3; the extra needs >= 2.4)
+_DTYPES = Dtypes(
+    noun="tensor",
+    float32=torch.float32,
+    float64=torch.float64,
+    int32=torch.int32,
+    raw=torch.uint16,  # raw bit patterns (torch >= 2.3; the extra needs >= 2.4)
+    narrow=_FORMAT_OF,
+    cast=".float()",
+    contiguous="contiguous",
+)
 
 
 def _as_tensor(x, name: str):
@@ -53,36 +64,8 @@ def _as_tensor(x, name: str):
     return x
 
 
-def _narrow_format(dtype, name: str, fmt: Format | None) -> Format:
-    candidate = _FORMAT_OF.get(dtype)
-    if candidate is not None:
-        if fmt is not None and fmt is not candidate:
-            raise TypeError(f"{name}: dtype {dtype} does not match dtype={fmt.name!r}")
-        return candidate
-    if dtype == _RAW and fmt is not None:
-        return fmt
-    expected = ", ".join(str(d) for d in _TORCH_DTYPES.values())
-    hint = " (or torch.uint16 bit patterns with dtype= given)"
-    raise TypeError(f"{name}: expected a narrow float tensor ({expected}{hint}), got {dtype}")
-
-
-def _check_float32(dtype, name: str) -> None:
-    if dtype != torch.float32:
-        extra = ""
-        if dtype == torch.float64:
-            extra = (
-                "; float64 is rejected rather than rounded through float32, which would round"
-                " twice - cast with .float() if that is what you want"
-            )
-        raise TypeError(f"{name}: expected a torch.float32 tensor, got {dtype}{extra}")
-
-
 def _check_contiguous(t, name: str) -> None:
-    if not t.is_contiguous():
-        raise ValueError(
-            f"{name}: must be contiguous (srround works in place on the caller's memory and"
-            f" never copies silently); pass {name}{_FIX} to copy it explicitly"
-        )
+    check_contiguous(t.is_contiguous(), name, f"{name}{_FIX}", _DTYPES)
 
 
 def _external_stream(device):
@@ -147,11 +130,7 @@ def source(
     """A read view of ``x``: float32 data (``narrow=False``) or narrow data (``narrow=True``,
     format from the dtype or ``fmt``). Returns ``(view, format)``."""
     t = _as_tensor(x, name)
-    if narrow:
-        fmt = _narrow_format(t.dtype, name, fmt)
-    else:
-        _check_float32(t.dtype, name)
-    _check_contiguous(t, name)
+    fmt, _ = check_source(t.dtype, t.is_contiguous(), name, fmt, narrow, f"{name}{_FIX}", _DTYPES)
     return _view(t, narrow, name), fmt
 
 
@@ -165,12 +144,8 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
             return _view(torch.empty(like.shape, dtype=dtype), narrow, name)
         return _view(torch.empty(like.shape, dtype=dtype, device=like.result.device), narrow, name)
     t = _as_tensor(out, name)
-    if narrow:
-        _narrow_format(t.dtype, name, fmt)
-    else:
-        _check_float32(t.dtype, name)
-    check_shape(name, tuple(t.shape), like.shape, "the input's")
-    _check_contiguous(t, name)
+    fix = f"{name}{_FIX}"
+    check_target(t.dtype, tuple(t.shape), t.is_contiguous(), name, like.shape, fmt, fix, _DTYPES)
     view = _view(t, narrow, name)
     _mark_written(t)
     return view
@@ -190,10 +165,8 @@ def counter(c, name: str, like: View) -> View:
     if c is None:
         c = torch.zeros(like.shape, dtype=torch.int32, device=like.result.device)
     t = _as_tensor(c, name)
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name}: expected a torch.int32 tensor, got {t.dtype}")
-    check_shape(name, tuple(t.shape), like.shape, "the expected")
-    _check_contiguous(t, name)
+    fix = f"{name}{_FIX}"
+    check_counter(t.dtype, tuple(t.shape), t.is_contiguous(), name, like.shape, fix, _DTYPES)
     view = _view(t, False, name)
     _mark_written(t)
     return view

@@ -1,0 +1,241 @@
+"""The functional API on JAX arrays: ``srround.stochastic_round(jax_array)`` etc. delegate here.
+
+JAX arrays are immutable and may live on an accelerator, so this adapter hands no views to
+the kernels (``MUTABLE = False``, ``srround._dispatch``): it implements ``stochastic_round``,
+``round_nearest``, ``to_float32`` and ``stochastic_add`` itself, inside ``jit`` and ``vmap``,
+and returns new arrays (``jnp.bfloat16`` / ``jnp.float16`` / ``jnp.float32``), bit for bit those
+of srround's NumPy path for the same input bits, seed and offset, under either implementation
+(``impl=``):
+
+* ``"native"`` (default, ``None``): the ``jax.lax`` backend (``_lax.py``), any backend, fuses
+  with the surrounding ops.
+* ``"callback"``: ``jax.pure_callback`` into the Numba kernels on the host (``_callback.py``);
+  CPU only in practice.
+
+Seeds (``seed=``):
+
+* ``None``: a seed drawn from srround's library generator (``srround.manual_seed``) when the
+  function runs in Python. Under ``jax.jit`` that is at *trace* time: the seed is baked into the
+  compiled function and every call of it reuses the same random bits. Pass a key under ``jit``.
+* an ``int`` in [0, 2**64): key words ``(seed & 0xFFFFFFFF, seed >> 32)``.
+* a JAX PRNG key, new style (``jax.random.key(...)``, threefry implementation) or legacy
+  (``jax.random.PRNGKey(...)``: a ``uint32[2]`` array): its key data words ``(w0, w1)`` are the
+  Threefry key, so it equals the int seed ``w0 | (w1 << 32)``. Keys may be traced. Note
+  ``jax.random.key(s)`` for a small int ``s`` has data ``(0, s)``: the int seed ``s << 32``.
+
+``offset`` is a Python int, as in the NumPy path (calls at new offsets reuse the compiled
+program when ``offset % 4`` is the same); ``alpha`` may be a Python float or a (traced) scalar.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from srround._formats import FORMATS, Format, get_format, saturate_flag
+from srround._rng import check_offset, check_seed, next_seed, split_seed
+
+from . import _callback, _lax
+from ._lax import _JNP_DTYPES, _u
+
+MUTABLE = False  # the adapter protocol of srround._dispatch: the functional API is here
+IMPLS = ("native", "callback")
+
+
+# -- argument handling ------------------------------------------------------------------------
+
+
+def _impl(impl, x) -> str:
+    if impl is None:
+        return "native"
+    if impl not in IMPLS:
+        options = ", ".join(map(repr, IMPLS))
+        raise ValueError(f"impl: expected one of {options} or None, got {impl!r}")
+    return impl
+
+
+def _no_out(out) -> None:
+    if out is not None:
+        raise TypeError(
+            "out: JAX arrays are immutable, so out= is not supported; use the returned array"
+        )
+
+
+def _as_jax(x, name: str):
+    if isinstance(x, jax.Array):  # includes tracers
+        return x
+    try:
+        return jnp.asarray(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected a JAX array, got {type(x).__name__}") from None
+
+
+def _check_float32(x, name: str):
+    x = _as_jax(x, name)
+    if x.dtype != jnp.float32:
+        extra = ""
+        if x.dtype == jnp.float64:
+            extra = (
+                "; float64 is rejected rather than rounded through float32, which would round"
+                " twice - cast with .astype(jnp.float32) if that is what you want"
+            )
+        raise TypeError(f"{name}: expected a float32 array, got {x.dtype}{extra}")
+    return x
+
+
+def _narrow(y, name: str, fmt: Format | None):
+    """``(array, format)`` of a bf16/fp16 array (or uint16 patterns with ``dtype=`` given)."""
+    y = _as_jax(y, name)
+    for candidate_name, dtype in _JNP_DTYPES.items():
+        if y.dtype == dtype:
+            candidate = FORMATS[candidate_name]
+            if fmt is not None and fmt is not candidate:
+                raise TypeError(f"{name}: dtype {y.dtype} does not match dtype={fmt.name!r}")
+            return y, candidate
+    if y.dtype == jnp.uint16 and fmt is not None:
+        return y, fmt
+    raise TypeError(
+        f"{name}: expected a narrow float array (bfloat16, float16, or uint16 bit patterns with"
+        f" dtype= given), got {y.dtype}"
+    )
+
+
+def _key_words(seed):
+    """Threefry key ``(k0, k1)``: Python ints (static) or uint32 scalars (possibly traced)."""
+    if seed is None:
+        return split_seed(next_seed())
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_)):
+        return split_seed(check_seed(seed, "seed"))
+    if isinstance(seed, (jax.Array, np.ndarray)):
+        if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+            impl = str(jax.random.key_impl(seed))
+            if seed.shape != () or "threefry" not in impl:
+                raise TypeError(
+                    f"seed: expected a single threefry PRNG key, got shape {seed.shape} of {impl}"
+                )
+            data = jax.random.key_data(seed)
+        else:
+            data = seed
+        if data.shape == (2,) and data.dtype == jnp.uint32:
+            return data[0], data[1]
+        raise TypeError(
+            f"seed: expected a PRNG key (jax.random.key / PRNGKey: uint32[2]), got"
+            f" {data.dtype}{list(data.shape)}"
+        )
+    raise TypeError(
+        f"seed: expected None, an int in [0, 2**64) or a JAX PRNG key, got {type(seed).__name__}"
+    )
+
+
+# -- the functional API ----------------------------------------------------------------------
+
+
+def stochastic_round(
+    x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf", impl=None, out=None
+):
+    """Stochastically round a float32 JAX array to bf16/fp16 (see ``srround.stochastic_round``).
+
+    Args:
+        x: float32 array (any shape; a tracer under ``jit``/``vmap``).
+        dtype: ``"bfloat16"`` (default) or ``"float16"``.
+        seed: ``None``, an int in [0, 2**64) or a JAX PRNG key (module docstring).
+        offset: Python int, position of ``x``'s first element in the random stream.
+        overflow: ``"inf"`` or ``"saturate"``.
+        impl: ``"native"``, ``"callback"`` or ``None`` (default: ``"native"``).
+
+    Returns:
+        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape.
+    """
+    _no_out(out)
+    fmt = get_format(dtype)
+    saturate = saturate_flag(overflow)
+    offset = check_offset(offset)
+    x = _check_float32(x, "x")
+    impl = _impl(impl, x)
+    k0, k1 = _key_words(seed)
+    if impl == "native":
+        if x.size == 0:
+            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
+        return _lax._native_stochastic_round(
+            x,
+            _u(k0),
+            _u(k1),
+            *_lax._first_block(offset),
+            lane0=offset & 3,
+            fmt_name=fmt.name,
+            saturate=saturate,
+        )
+
+    return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow)
+
+
+def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
+    """Round a float32 JAX array to the nearest bf16/fp16 value, ties to even (see
+    ``srround.round_nearest``; every NaN becomes the format's quiet NaN with its sign)."""
+    _no_out(out)
+    fmt = get_format(dtype)
+    saturate = saturate_flag(overflow)
+    x = _check_float32(x, "x")
+    if _impl(impl, x) == "native":
+        if x.size == 0:
+            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
+        return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
+    return _callback.round_nearest(x, fmt, overflow)
+
+
+def to_float32(y, *, dtype=None, impl=None, out=None):
+    """Widen a bf16/fp16 JAX array (or uint16 patterns with ``dtype=``) to float32 exactly
+    (NaN payloads kept)."""
+    _no_out(out)
+    y, fmt = _narrow(y, "y", None if dtype is None else get_format(dtype))
+    if _impl(impl, y) == "native":
+        if y.size == 0:
+            return jnp.zeros(y.shape, jnp.float32)
+        return _lax._native_to_float32(y, fmt_name=fmt.name)
+    return _callback.to_float32(y, fmt)
+
+
+def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow="inf", impl=None):
+    """``SR(w + alpha * u)`` for a bf16/fp16 JAX array ``w`` and a float32 ``u`` of its shape:
+    the sum in float32 with one rounding (``fma(alpha, u, w)``), then stochastically rounded to
+    ``w``'s format. Returns the new ``w`` (same dtype); JAX arrays are immutable, so unlike the
+    NumPy path nothing is updated in place.
+
+    Args:
+        w: bf16/fp16 array (or uint16 patterns with ``dtype=``).
+        u: float32 array of ``w``'s shape.
+        alpha: float32 scale of ``u`` (a Python number or a scalar array, may be traced).
+        seed, offset, overflow, impl: as ``stochastic_round``.
+        dtype: the format of ``w`` when its dtype does not say it.
+    """
+    w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
+    u = _check_float32(u, "u")
+    if tuple(u.shape) != tuple(w.shape):
+        raise ValueError(f"u: shape {tuple(u.shape)} does not match w's shape {tuple(w.shape)}")
+    saturate = saturate_flag(overflow)
+    offset = check_offset(offset)
+    impl = _impl(impl, w)
+    k0, k1 = _key_words(seed)
+    if isinstance(alpha, (int, float, np.number)):
+        alpha = np.float32(alpha)
+    else:
+        alpha = _as_jax(alpha, "alpha")
+        if alpha.shape != ():
+            raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
+        alpha = alpha.astype(jnp.float32)
+    if impl == "native":
+        if w.size == 0:
+            return w
+        return _lax._native_stochastic_add(
+            w,
+            u,
+            alpha,
+            _u(k0),
+            _u(k1),
+            *_lax._first_block(offset),
+            lane0=offset & 3,
+            fmt_name=fmt.name,
+            saturate=saturate,
+        )
+    return _callback.stochastic_add(w, u, alpha, fmt, k0, k1, offset, overflow)
