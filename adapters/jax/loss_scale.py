@@ -5,7 +5,7 @@ gradients by its inverse, ``adjust(grads_finite)`` returns the next loss scale. 
 survives ``tree_flatten``/``tree_unflatten``: the arrays are children, the settings are the
 (static) auxiliary data - so a ``min_scale`` is never lost (jmp's flatten drops it).
 
-``DynamicLossScale.adjust`` is srround's ``update_scale`` rule (``srround/_loss_scale.py``), so
+``DynamicLossScale.adjust`` is ``srround.update_scale``'s rule, so
 its trajectory equals ``torch.amp.GradScaler``'s for ``hysteresis=1``::
 
     if not grads_finite:

@@ -5,7 +5,7 @@
 float32 with one rounding, then stochastically rounded), float32 leaves ``p + u`` as optax does.
 
 ``adamw(learning_rate, b1, b2, eps, weight_decay, *, seed, rounding, state_dtype, impl)`` - the
-fused AdamW of ``srround/_optim.py`` (torch.optim.AdamW's math, float32, explicit fma, the weight
+fused AdamW of ``srround.adamw_step`` (torch.optim.AdamW's math, float32, explicit fma, the weight
 modes ``stochastic``, ``nearest``, ``kahan``, ``master``, ``remainder``), bit for bit
 ``srround.adamw_step`` on NumPy copies of the same buffers:
 
@@ -23,7 +23,7 @@ modes ``stochastic``, ``nearest``, ``kahan``, ``master``, ``remainder``), bit fo
   always and does less work: prefer it (or ``optax.adamw`` plus ``apply_updates`` here).
   ``update`` needs ``params`` and must come last in an ``optax.chain``.
 
-Random stream (the one of the fused kernels, ``srround/_optim.py``): the leaves in
+Random stream (the one of the fused kernels, ``srround.adamw_step``): the leaves in
 ``jax.tree_util.tree_leaves`` order are one tensor list; leaf ``k`` starts at global element
 ``starts[k]`` (the sum of the sizes of the leaves before it). At step ``t`` (1-based) element
 ``j`` of leaf ``k`` rounds with counter ``t * 2**36 + stream * 2**34 + starts[k] + j`` (stream
@@ -33,37 +33,21 @@ stream of step ``step`` (``step * 2**36 + starts[k] + j``), or ``starts[k] + j``
 a key (or int seed) with ``step=None`` reuses the same noise. ``adamw``'s seed is fixed for the
 run: the step count in the state moves the stream.
 
-Seeds: an int in [0, 2**64) or a JAX PRNG key (``srround.adapters.jax`` module docstring: key
+Seeds: an int in [0, 2**64) or a JAX PRNG key (``srround.adapters.jax._api``: key
 data ``(w0, w1)`` equals the int seed ``w0 | w1 << 32``).
 
 Implementations (``impl``):
 
-* ``"native"`` (default): ``jax.lax`` only, jit-able on any backend. Random bits and rounding
-  reuse the adapter's Threefry / ``_encode`` / ``_decode`` helpers. Every fma of
-  ``_optim.adamw_math`` (and the sum of ``apply_updates``) is exact: ``_fma``, float64 ops on
-  the float32 operands with the sum rounded to odd, subnormal operands and results handled in
-  integer ops - the bits of the adapter's integer ``_fma_bits`` at a fraction of its ops
-  (``jax.lax`` has no fma, XLA may or may not contract, and its CPU backend flushes
-  subnormals). The other float32 ops (``p * decay``, ``g - m``, ``v * beta2``, ``(1 - beta2) *
-  g``, sqrt, the divisions, ``+ eps``) are single IEEE ops, correctly rounded on CPU and GPU -
-  except that XLA's CPU backend (and TPU) flushes float32 subnormal inputs and results to zero,
-  where the Numba kernel keeps them: bits can differ where a state, weight, gradient or
-  intermediate is subnormal (|x| < 2**-126), e.g. an ``exp_avg_sq`` decaying below 1e-38.
-  ``prepare_coefs``'s bias corrections are float64 repeated squaring, traced under
-  ``jax.enable_x64`` (a scalar ``while_loop`` per step) like ``_fma``: both need a backend with
-  IEEE float64 (CPU, GPU; TPU emulates float64 and may differ in the last bit). Each output of
-  each leaf is one elementwise loop over the leaf's buffers, its random bits computed in it
-  (``_native_leaves``, for ``adamw`` and ``apply_updates``), so the program and its compile
-  time grow with the number of leaves; leaves of at most 2**16 elements (biases, norm scales)
-  of the same dtypes are concatenated and updated together, and a leaf's update is traced
-  once per shape and dtypes (``jax.jit`` with the leaf's start traced), but XLA still
-  compiles every large leaf's loops separately (its CPU backend does not share the code of
-  identical loops). On a 2-core x86 VM (jax 0.10.2 CPU), for ``benchmarks/bench_optim.py``'s
-  24.6M bf16 parameters in 196 leaves: ~90 ms per step with float32 states, ~210 ms with bf16
-  states (three random streams), first call ~25 s / ~50 s (was ~40 s / ~90 s before the
-  grouping and the per-shape tracing, measured in the same runs); ``optax.adamw`` on the bf16
-  parameters, ~35-55 ms; ``optax.adamw`` + ``apply_updates``, ~130 ms per step, first call
-  ~22-24 s (was ~28-31 s; ~2 s of it ``optax.adamw``'s).
+* ``"native"`` (default): ``jax.lax`` only, jit-able on any backend, with the Threefry stream
+  and rounding of ``_lax.py``. Every fma of the AdamW math (and the sum of ``apply_updates``)
+  is exact (``_fma``: float64 ops rounded to odd, subnormals in integer ops); the other float32
+  ops are single IEEE ops. Bits can differ from the Numba kernels where a state, weight,
+  gradient or intermediate is subnormal (|x| < 2**-126): XLA's CPU backend (and TPU) flushes
+  float32 subnormals to zero. ``_fma`` and the bias corrections need IEEE float64 (traced under
+  ``jax.enable_x64``): CPU and GPU; TPU emulates float64 and may differ in the last bit. Leaves
+  of at most 2**16 elements with the same dtypes are updated together; XLA compiles each
+  larger leaf's loops on their own, so the first call's compile time grows with the number
+  of leaves.
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
