@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -47,8 +48,11 @@ def test_masked_array_is_rejected_naming_the_argument(name):
 
 
 def test_matrix_and_array_likes_are_rejected_naming_the_argument():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PendingDeprecationWarning)  # np.matrix itself
+        matrix = np.matrix(np.ones(4, np.float32))
     with pytest.raises(TypeError, match=r"^x: numpy.matrix is not supported"):
-        srround.stochastic_round(np.matrix(np.ones(4, np.float32)), seed=0)
+        srround.stochastic_round(matrix, seed=0)
     with pytest.raises(TypeError, match=r"^u: unsupported array type .*ArrayLike"):
         srround.stochastic_add(np.zeros(4, np.float16), ArrayLike(), dtype="float16", seed=0)
     with pytest.raises(TypeError, match=r"^grads: unsupported array type .*ArrayLike"):

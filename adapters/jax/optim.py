@@ -336,7 +336,10 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
     """
     impl = _impl(impl)
     _check_step(step)
-    is_none = lambda x: x is None
+
+    def is_none(x):
+        return x is None
+
     p_leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_none)
     u_leaves = treedef.flatten_up_to(updates)
     present = [p for p in p_leaves if p is not None]
@@ -664,7 +667,10 @@ def adamw(
                 raise TypeError(
                     f"params[{i}]: expected float32, bfloat16 or float16, got {p.dtype}"
                 )
-        zeros = lambda p: jnp.zeros(jnp.shape(p), state_dtype)
+
+        def zeros(p):
+            return jnp.zeros(jnp.shape(p), state_dtype)
+
         return AdamWState(
             count=jnp.zeros((), jnp.int32),
             exp_avg=jax.tree_util.tree_map(zeros, params),
@@ -711,7 +717,10 @@ def adamw(
             outs = _callback_step(
                 cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr, k0, k1, inv_scale
             )
-        unflat = lambda i: jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
+
+        def unflat(i):
+            return jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
+
         new_state = AdamWState(t, unflat(1), unflat(2), unflat(3))
         return unflat(0), new_state
 
@@ -785,7 +794,9 @@ def _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr,
     def sds(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
-    pick = lambda leaves: [leaves[i] for i in live]
+    def pick(leaves):
+        return [leaves[i] for i in live]
+
     ins = pick(p_leaves) + pick(g_leaves) + pick(m_leaves) + pick(v_leaves) + aux_in
     shapes = tuple(sds(x) for x in pick(p_leaves) + pick(m_leaves) + pick(v_leaves) + aux_in)
     scale = jnp.float32(1.0) if inv_scale is None else jnp.asarray(inv_scale, jnp.float32)

@@ -519,7 +519,10 @@ class GradScaler:
         if not torch.is_grad_enabled():
             return None
         factor = self._to_outer[index]
-        wrap = lambda t: _ScaleGrad.apply(t, factor) if t.requires_grad else t
+
+        def wrap(t):
+            return _ScaleGrad.apply(t, factor) if t.requires_grad else t
+
         return _map_tensors(wrap, args), _map_tensors(wrap, kwargs)
 
     def _hook_outputs(self, index, module, args, output):
