@@ -390,3 +390,153 @@ def audit_tensor(weights, update=None, *, lr=None, dtype=None) -> TensorAudit:
         lr = _DEFAULT_LR if lr is None else _check_lr(lr)
     counts, fmt, stored = _count(weights, update, lr, dtype)
     return TensorAudit(_stagnation(counts, fmt.name), _fp16(counts), stored, counts)
+
+
+def _row(name, shape, result: TensorAudit | None, fp16: Fp16Range, stored, dtype) -> dict:
+    return {
+        "name": name,
+        "shape": list(shape),
+        "stored": stored,
+        "dtype": dtype,
+        "stagnation": None if result is None else dataclasses.asdict(result.stagnation),
+        "fp16": dataclasses.asdict(fp16),
+    }
+
+
+def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=None) -> dict:
+    """Audit every weight of a checkpoint file, one tensor at a time.
+
+    Weights are the floating-point tensors that are not optimizer state or normalization
+    buffers (judged by name: ``exp_avg``, ``optimizer.*``, ``running_mean``, ...); those and
+    non-float tensors are listed under ``"not_audited"`` with the reason.
+
+    Args:
+        path: a ``.safetensors``, ``.pt``/``.pth``/``.bin`` (torch), ``.npz`` or ``.npy`` file.
+        lr: update magnitude of unknown sign (default 1e-5 when ``update`` is not given).
+        update: a checkpoint of per-weight signed updates with the same names and shapes.
+            Weights it lacks are audited for fp16 range only and listed under
+            ``"missing_updates"``; its names that are no weight are listed under
+            ``"unused_updates"``.
+        dtype: the training storage format, ``"bfloat16"`` or ``"float16"``; default: each
+            tensor's own 16-bit format, bfloat16 for fp32/fp64 tensors.
+
+    Returns:
+        A JSON-ready dict: ``"tensors"`` (one row per weight, most lost first, with
+        ``stagnation`` and ``fp16`` as the ``Stagnation`` / ``Fp16Range`` fields),
+        ``"overall"``, ``"nonfinite"`` (weights holding NaN or inf), ``"not_audited"``,
+        ``"missing_updates"``, ``"unused_updates"``, ``"weights"`` and ``"seconds"``.
+
+    Raises:
+        srround._checkpoint.CheckpointError: an unreadable file.
+        ValueError: ``lr`` with ``update``, a bad ``lr`` or ``dtype``, an update whose shape
+            differs from its weight's (the message names the tensor), no weights at all.
+    """
+    import time
+
+    from ._checkpoint import classify, open_checkpoint
+
+    start = time.perf_counter()
+    if update is not None and lr is not None:
+        raise ValueError("lr: give either an update checkpoint or lr, not both")
+    lr = None if update is not None else (_DEFAULT_LR if lr is None else _check_lr(lr))
+    if dtype not in (None, "auto"):
+        dtype = get_format(dtype).name
+    entries = open_checkpoint(path)
+    weights, not_audited = [], []
+    for e in entries:
+        reason = classify(e.name, e.dtype)
+        if reason is None:
+            weights.append(e)
+        else:
+            not_audited.append(
+                {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "reason": reason}
+            )
+    if not weights:
+        raise ValueError(f"{path}: no floating-point weights")
+    updates, missing, unused = {}, [], []
+    if update is not None:
+        updates = {e.name: e for e in open_checkpoint(update)}
+        names = {e.name for e in weights}
+        unused = [n for n in updates if n not in names]
+        for e in weights:
+            u = updates.get(e.name)
+            if u is None:
+                missing.append(e.name)
+            elif u.size != e.size or u.dtype not in ("float64", "float32", "bfloat16", "float16"):
+                raise ValueError(
+                    f"update: {e.name} has shape {list(u.shape)} ({u.dtype}) in {update}, the"
+                    f" weight has {list(e.shape)}"
+                )
+    rows, nonfinite = [], []
+    stag_total = all_total = None
+    for e in weights:
+        w = e.read()
+        u = updates[e.name].read() if e.name in updates else None
+        if update is not None and u is None:
+            result = audit_tensor(w, dtype=dtype)  # fp16 range only
+            stag = None
+        else:
+            result = audit_tensor(w, u, lr=lr if u is None else None, dtype=dtype)
+            stag = result
+            stag_total = result if stag_total is None else stag_total + result
+        all_total = result if all_total is None else all_total + result
+        del w, u  # unmaps a memory-mapped tensor
+        rows.append(
+            _row(e.name, e.shape, stag, result.fp16, result.stored, result.stagnation.dtype)
+        )
+        if result.fp16.nan or result.fp16.inf:
+            nonfinite.append({"name": e.name, "nan": result.fp16.nan, "inf": result.fp16.inf})
+    rows.sort(
+        key=lambda r: (
+            -(r["stagnation"]["lost_fraction"] if r["stagnation"] else -1.0),
+            -int(np.prod(r["shape"])),
+        )
+    )
+    overall_stag = stag_total.stagnation if stag_total is not None else None
+    count = sum(int(np.prod(r["shape"])) for r in rows)
+    seconds = time.perf_counter() - start
+    return {
+        "checkpoint": path,
+        "update": update,
+        "lr": lr,
+        "dtype": dtype or "auto",
+        "weights": count,
+        "seconds": seconds,
+        "overall": {
+            "stagnation": None if overall_stag is None else dataclasses.asdict(overall_stag),
+            "fp16": dataclasses.asdict(all_total.fp16),
+            "recommendation": (
+                overall_stag.recommendation()
+                if overall_stag is not None
+                else "no weight has an update in the update file: no stagnation audit"
+            ),
+            "fp16_verdict": fp16_verdict(all_total.fp16),
+        },
+        "nonfinite": nonfinite,
+        "tensors": rows,
+        "not_audited": not_audited,
+        "missing_updates": missing,
+        "unused_updates": unused,
+    }
+
+
+def fp16_verdict(r: Fp16Range) -> str:
+    """One line on fp16 safety, with the counts it rests on."""
+    if r.count == 0:
+        return "fp16: no finite weights"
+    parts = []
+    if r.overflow:
+        parts.append(f"{r.overflow:,} overflow to inf")
+    if r.flushed:
+        parts.append(f"{r.flushed:,} flush to zero")
+    sub = (
+        f"; {r.subnormal:,} land in fp16's subnormal range (less precision)" if r.subnormal else ""
+    )
+    if not parts:
+        return f"fp16: all {r.count:,} finite weights fit fp16 as they are{sub}"
+    fix = (
+        "no single power-of-two rescale fits every weight"
+        if r.rescale is None
+        else f"a rescale by {r.rescale:g} fits every weight"
+    )
+    return f"fp16: not safe as is: {' and '.join(parts)} of {r.count:,} weights{sub}; {fix}"
