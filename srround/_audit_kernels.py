@@ -105,16 +105,116 @@ def _lost(d, half, even):
     return (d < half) | ((d == half) & even)
 
 
+@njit(inline="always", cache=True)
+def _histogram_rows(bits, row, lo, hi):
+    for i in range(lo, hi):
+        row[bits[i]] += 1
+
+
 @njit(parallel=True, cache=True)
 def pattern_histogram(bits, hist):
     """Add the occurrences of each 16-bit pattern of ``bits`` (uint16) to ``hist``
-    (int64, shape ``(threads, 65536)``, one row per thread)."""
+    (int64, shape ``(rows, 65536)``): ``rows`` threads, one row each."""
     n = bits.size
     nt = hist.shape[0]
     for t in prange(nt):
-        row = hist[t]
-        for i in range(t * n // nt, (t + 1) * n // nt):
-            row[bits[i]] += 1
+        _histogram_rows(bits, hist[t], t * n // nt, (t + 1) * n // nt)
+
+
+@njit(cache=True)
+def pattern_histogram_serial(bits, hist):
+    """``pattern_histogram`` on the calling thread only (small tensors: no thread start)."""
+    _histogram_rows(bits, hist[0], 0, bits.size)
+
+
+@njit(inline="always", cache=True)
+def _stats_rows(
+    w, w_table, counts, u, u_table, lr, mantissa_bits, exponent_bits, s, eh, rh, lo, hi
+):
+    bias = (1 << (exponent_bits - 1)) - 1
+    emin = 1 - bias
+    emax = bias
+    top_k = np.int64(1) << (mantissa_bits + 1)
+    first_k = np.int64(1) << mantissa_bits
+    amax = 0.0
+    amin = np.inf
+    n_all = 0.0
+    n_nan = 0.0
+    n_inf = 0.0
+    n_zero = 0.0
+    n_over = 0.0
+    n_sub = 0.0
+    n_flush = 0.0
+    n_lost = 0.0
+    n_upd = 0.0
+    n_uzero = 0.0
+    n_ubad = 0.0
+    for i in range(lo, hi):
+        c = _weight(counts, i)
+        if c == 0.0:
+            continue
+        x = _value(w, i, w_table)
+        n_all += c
+        if x != x:
+            n_nan += c
+            continue
+        a = abs(x)
+        if a == np.inf:
+            n_inf += c
+            continue
+        # fp16 range of the value as stored (branch-free: the data decide nothing)
+        n_zero += c * (a == 0.0)
+        n_over += c * (a >= _F16_OVERFLOW)
+        n_flush += c * ((a > 0.0) & (a <= _F16_FLUSH))
+        n_sub += c * ((a > _F16_FLUSH) & (a < _F16_MIN_NORMAL))
+        amin = min(amin, a if a > 0.0 else np.inf)
+        amax = max(amax, a)
+        # the value stored in the target format: q = k * spacing, k an integer
+        e = min(max(_exponent(a), emin), emax)
+        sp = _pow2(e - mantissa_bits)
+        k = _round_half_even(a * _pow2(mantissa_bits - e))
+        if k >= top_k and e < emax:
+            e += 1
+            sp *= 2.0
+            k >>= 1
+        eh[e - emin] += c
+        even = (k & 1) == 0
+        half_up = 0.5 * sp
+        # toward zero from the first value of a binade the spacing below is half as wide
+        half_down = half_up * (0.5 if (k == first_k) & (e > emin) else 1.0)
+        if u is None:
+            n_upd += 2.0 * c
+            n_lost += c * (_lost(lr, half_up, even) + _lost(lr, half_down, even))
+        else:
+            v = _value(u, i, u_table)
+            d = abs(v)
+            if d != d or d == np.inf:
+                n_ubad += c
+                continue
+            if d == 0.0:
+                n_uzero += c
+                continue
+            n_upd += c
+            away = (k == 0) | ((v > 0.0) == (x > 0.0))
+            n_lost += c * _lost(d, half_up if away else half_down, even)
+            r = np.float64(half_up / d).view(np.int64)  # its binade and top fraction bits
+            b = ((r >> 52) - 1022 + RATIO_BINADES // 2) * RATIO_STEPS + (
+                (r >> (52 - RATIO_BITS)) & (RATIO_STEPS - 1)
+            )
+            rh[min(max(b, 0), RATIO_BINADES * RATIO_STEPS - 1)] += c
+    s[STAT_COUNT] += n_all
+    s[STAT_NAN] += n_nan
+    s[STAT_INF] += n_inf
+    s[STAT_ZERO] += n_zero
+    s[STAT_F16_OVERFLOW] += n_over
+    s[STAT_F16_SUBNORMAL] += n_sub
+    s[STAT_F16_FLUSH] += n_flush
+    s[STAT_LOST] += n_lost
+    s[STAT_UPDATES] += n_upd
+    s[STAT_U_ZERO] += n_uzero
+    s[STAT_U_NONFINITE] += n_ubad
+    s[STAT_AMAX] = max(s[STAT_AMAX], amax)
+    s[STAT_AMIN] = min(s[STAT_AMIN], amin)
 
 
 @njit(parallel=True, cache=True)
@@ -145,103 +245,57 @@ def value_stats(
     """
     n = w.size
     nt = stats.shape[0]
-    bias = (1 << (exponent_bits - 1)) - 1
-    emin = 1 - bias
-    emax = bias
-    top_k = np.int64(1) << (mantissa_bits + 1)
-    first_k = np.int64(1) << mantissa_bits
     for t in prange(nt):
-        s = stats[t]
-        eh = exp_hist[t]
-        rh = ratio_hist[t]
-        amax = 0.0
-        amin = np.inf
-        n_all = 0.0
-        n_nan = 0.0
-        n_inf = 0.0
-        n_zero = 0.0
-        n_over = 0.0
-        n_sub = 0.0
-        n_flush = 0.0
-        n_lost = 0.0
-        n_upd = 0.0
-        n_uzero = 0.0
-        n_ubad = 0.0
-        for i in range(t * n // nt, (t + 1) * n // nt):
-            c = _weight(counts, i)
-            if c == 0.0:
-                continue
-            x = _value(w, i, w_table)
-            n_all += c
-            if x != x:
-                n_nan += c
-                continue
-            a = abs(x)
-            if a == np.inf:
-                n_inf += c
-                continue
-            # fp16 range of the value as stored (branch-free: the data decide nothing)
-            n_zero += c * (a == 0.0)
-            n_over += c * (a >= _F16_OVERFLOW)
-            n_flush += c * ((a > 0.0) & (a <= _F16_FLUSH))
-            n_sub += c * ((a > _F16_FLUSH) & (a < _F16_MIN_NORMAL))
-            amin = min(amin, a if a > 0.0 else np.inf)
-            amax = max(amax, a)
-            # the value stored in the target format: q = k * spacing, k an integer
-            e = min(max(_exponent(a), emin), emax)
-            sp = _pow2(e - mantissa_bits)
-            k = _round_half_even(a * _pow2(mantissa_bits - e))
-            if k >= top_k and e < emax:
-                e += 1
-                sp *= 2.0
-                k >>= 1
-            eh[e - emin] += c
-            even = (k & 1) == 0
-            half_up = 0.5 * sp
-            # toward zero from the first value of a binade the spacing below is half as wide
-            half_down = half_up * (0.5 if (k == first_k) & (e > emin) else 1.0)
-            if u is None:
-                n_upd += 2.0 * c
-                n_lost += c * (_lost(lr, half_up, even) + _lost(lr, half_down, even))
-            else:
-                v = _value(u, i, u_table)
-                d = abs(v)
-                if d != d or d == np.inf:
-                    n_ubad += c
-                    continue
-                if d == 0.0:
-                    n_uzero += c
-                    continue
-                n_upd += c
-                away = (k == 0) | ((v > 0.0) == (x > 0.0))
-                n_lost += c * _lost(d, half_up if away else half_down, even)
-                r = np.float64(half_up / d).view(np.int64)  # its binade and top fraction bits
-                b = ((r >> 52) - 1022 + RATIO_BINADES // 2) * RATIO_STEPS + (
-                    (r >> (52 - RATIO_BITS)) & (RATIO_STEPS - 1)
-                )
-                rh[min(max(b, 0), RATIO_BINADES * RATIO_STEPS - 1)] += c
-        s[STAT_COUNT] += n_all
-        s[STAT_NAN] += n_nan
-        s[STAT_INF] += n_inf
-        s[STAT_ZERO] += n_zero
-        s[STAT_F16_OVERFLOW] += n_over
-        s[STAT_F16_SUBNORMAL] += n_sub
-        s[STAT_F16_FLUSH] += n_flush
-        s[STAT_LOST] += n_lost
-        s[STAT_UPDATES] += n_upd
-        s[STAT_U_ZERO] += n_uzero
-        s[STAT_U_NONFINITE] += n_ubad
-        s[STAT_AMAX] = max(s[STAT_AMAX], amax)
-        s[STAT_AMIN] = min(s[STAT_AMIN], amin)
+        _stats_rows(
+            w,
+            w_table,
+            counts,
+            u,
+            u_table,
+            lr,
+            mantissa_bits,
+            exponent_bits,
+            stats[t],
+            exp_hist[t],
+            ratio_hist[t],
+            t * n // nt,
+            (t + 1) * n // nt,
+        )
 
 
-def new_buffers(exponent_bits: int, with_ratio: bool):
-    """Zeroed ``(stats, exp_hist, ratio_hist)`` for ``value_stats`` (one row per thread)."""
-    nt = get_num_threads()
-    stats = np.zeros((nt, N_STATS))
+@njit(cache=True)
+def value_stats_serial(
+    w, w_table, counts, u, u_table, lr, mantissa_bits, exponent_bits, stats, exp_hist, ratio_hist
+):
+    """``value_stats`` on the calling thread only, into row 0 (small tensors)."""
+    _stats_rows(
+        w,
+        w_table,
+        counts,
+        u,
+        u_table,
+        lr,
+        mantissa_bits,
+        exponent_bits,
+        stats[0],
+        exp_hist[0],
+        ratio_hist[0],
+        0,
+        w.size,
+    )
+
+
+def threads() -> int:
+    """Rows for a parallel kernel: Numba's current thread count."""
+    return get_num_threads()
+
+
+def new_buffers(exponent_bits: int, with_ratio: bool, rows: int):
+    """Zeroed ``(stats, exp_hist, ratio_hist)`` for ``value_stats`` with ``rows`` rows."""
+    stats = np.zeros((rows, N_STATS))
     stats[:, STAT_AMIN] = np.inf
-    exp_hist = np.zeros((nt, (1 << exponent_bits) - 1))
-    ratio_hist = np.zeros((nt, RATIO_BINADES * RATIO_STEPS if with_ratio else 1))
+    exp_hist = np.zeros((rows, (1 << exponent_bits) - 1))
+    ratio_hist = np.zeros((rows, RATIO_BINADES * RATIO_STEPS if with_ratio else 1))
     return stats, exp_hist, ratio_hist
 
 

@@ -35,6 +35,7 @@ _FP16_MIN_NORMAL = 2.0**-14
 _SIXTEEN_BIT = {"bfloat16", "float16"}
 _HALF_OFFSET = 200  # log2(half spacing) + _HALF_OFFSET indexes ``_Counts.half_hist``
 _DEFAULT_LR = 1e-5
+_PARALLEL_FROM = 1 << 20  # smaller tensors are counted on the calling thread
 
 
 def to_float64(x) -> np.ndarray:
@@ -143,19 +144,28 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
                 f" {tuple(np.shape(weights))}"
             )
         u_table = _table(u_kind) if u_kind in _SIXTEEN_BIT else None
-    stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, update is not None)
-    args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
+    parallel = w.size >= _PARALLEL_FROM
+    with_ratio = update is not None
     kernel_lr = 1.0 if lr is None else lr
     with np.errstate(all="ignore"):
         if stored in _SIXTEEN_BIT and update is None:
-            hist = np.zeros((stats.shape[0], 1 << 16), np.int64)
-            _k.pattern_histogram(w, hist)
-            patterns = np.arange(1 << 16, dtype=np.uint16)
-            _k.value_stats(patterns, _table(stored), hist.sum(0), None, None, kernel_lr, *args)
-        elif stored in _SIXTEEN_BIT:
-            _k.value_stats(w, _table(stored), None, u, u_table, kernel_lr, *args)
+            # every statistic is a function of the pattern: count them, then audit the
+            # patterns that occur, each weighted by its count
+            hist = np.zeros((_k.threads() if parallel else 1, 1 << 16), np.int64)
+            (_k.pattern_histogram if parallel else _k.pattern_histogram_serial)(w, hist)
+            counts = hist.sum(0)
+            present = np.flatnonzero(counts).astype(np.uint16)
+            stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, 1)
+            args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
+            table = _table(stored)
+            _k.value_stats_serial(present, table, counts[present], None, None, kernel_lr, *args)
         else:
-            _k.value_stats(w, None, None, u, u_table, kernel_lr, *args)
+            rows = _k.threads() if parallel else 1
+            stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, rows)
+            args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
+            table = _table(stored) if stored in _SIXTEEN_BIT else None
+            kernel = _k.value_stats if parallel else _k.value_stats_serial
+            kernel(w, table, None, u, u_table, kernel_lr, *args)
     total = stats.sum(0)
     total[_k.STAT_AMAX] = stats[:, _k.STAT_AMAX].max()
     total[_k.STAT_AMIN] = stats[:, _k.STAT_AMIN].min()
@@ -467,7 +477,7 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
                     f"update: {e.name} has shape {list(u.shape)} ({u.dtype}) in {update}, the"
                     f" weight has {list(e.shape)}"
                 )
-    rows, nonfinite = [], []
+    rows, nonfinite, targets = [], [], set()
     stag_total = all_total = None
     for e in weights:
         w = e.read()
@@ -478,8 +488,9 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
         else:
             result = audit_tensor(w, u, lr=lr if u is None else None, dtype=dtype)
             stag = result
-            stag_total = result if stag_total is None else stag_total + result
-        all_total = result if all_total is None else all_total + result
+            stag_total = result._counts if stag_total is None else stag_total + result._counts
+            targets.add(result.stagnation.dtype)
+        all_total = result._counts if all_total is None else all_total + result._counts
         del w, u  # unmaps a memory-mapped tensor
         rows.append(
             _row(e.name, e.shape, stag, result.fp16, result.stored, result.stagnation.dtype)
@@ -492,7 +503,10 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
             -int(np.prod(r["shape"])),
         )
     )
-    overall_stag = stag_total.stagnation if stag_total is not None else None
+    overall_stag = None
+    if stag_total is not None:
+        overall_stag = _stagnation(stag_total, targets.pop() if len(targets) == 1 else "mixed")
+    overall_fp16 = _fp16(all_total)
     count = sum(int(np.prod(r["shape"])) for r in rows)
     seconds = time.perf_counter() - start
     return {
@@ -504,13 +518,13 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
         "seconds": seconds,
         "overall": {
             "stagnation": None if overall_stag is None else dataclasses.asdict(overall_stag),
-            "fp16": dataclasses.asdict(all_total.fp16),
+            "fp16": dataclasses.asdict(overall_fp16),
             "recommendation": (
                 overall_stag.recommendation()
                 if overall_stag is not None
                 else "no weight has an update in the update file: no stagnation audit"
             ),
-            "fp16_verdict": fp16_verdict(all_total.fp16),
+            "fp16_verdict": fp16_verdict(overall_fp16),
         },
         "nonfinite": nonfinite,
         "tensors": rows,
