@@ -89,6 +89,7 @@ class Entry:
     shape: tuple
     dtype: str
     _read: Callable = dataclasses.field(repr=False)
+    _release: Callable | None = dataclasses.field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -98,6 +99,12 @@ class Entry:
         """The tensor as a flat NumPy array of its stored dtype (bf16 as ``ml_dtypes``),
         memory-mapped where the format allows."""
         return self._read()
+
+    def release(self) -> None:
+        """Drop the pages of a memory-mapped tensor from this process (after its last use;
+        they stay in the page cache). A no-op for tensors read into memory."""
+        if self._release is not None:
+            self._release()
 
 
 def classify(name: str, dtype: str) -> str | None:
@@ -189,15 +196,34 @@ def _torch_numpy(tensor):
     return tensor.numpy()
 
 
+def _drop_pages(tensor) -> None:
+    """``madvise(MADV_DONTNEED)`` on the whole pages of a tensor of a file mapping (read-only
+    here): the process's resident memory stops growing with every tensor read."""
+    import ctypes
+    import mmap
+
+    start = tensor.data_ptr()
+    end = (
+        start + tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
+    )
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first and hasattr(mmap, "MADV_DONTNEED"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
 def _torch(path: str) -> list[Entry]:
     import torch
 
+    mapped = True
     try:
         tree = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError as error:  # a legacy (non-zip) file cannot be mapped
         if "mmap" not in str(error):
             raise
         tree = torch.load(path, map_location="cpu", weights_only=True)
+        mapped = False
     entries = []
 
     def walk(node, prefix):
@@ -209,8 +235,11 @@ def _torch(path: str) -> list[Entry]:
                 walk(value, f"{prefix}{i}.")
         elif isinstance(node, torch.Tensor):
             dtype = str(node.dtype).removeprefix("torch.")
+            release = (lambda t=node: _drop_pages(t)) if mapped else None
             entries.append(
-                Entry(prefix[:-1], tuple(node.shape), dtype, lambda t=node: _torch_numpy(t))
+                Entry(
+                    prefix[:-1], tuple(node.shape), dtype, lambda t=node: _torch_numpy(t), release
+                )
             )
 
     walk(tree, "")

@@ -492,6 +492,9 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
             targets.add(result.stagnation.dtype)
         all_total = result._counts if all_total is None else all_total + result._counts
         del w, u  # unmaps a memory-mapped tensor
+        e.release()
+        if e.name in updates:
+            updates[e.name].release()
         rows.append(
             _row(e.name, e.shape, stag, result.fp16, result.stored, result.stagnation.dtype)
         )

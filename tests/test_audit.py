@@ -326,3 +326,17 @@ def test_safetensors_entries_are_memory_mapped(minilm_like):
     a = entries["encoder.layer.0.attention.output.dense.weight"].read()
     assert isinstance(a, np.memmap)
     assert np.array_equal(a, w["encoder.layer.0.attention.output.dense.weight"].ravel())
+
+
+def test_torch_entries_read_again_after_their_pages_are_dropped(tmp_path):
+    torch = pytest.importorskip("torch")
+    from srround._checkpoint import open_checkpoint
+
+    w = (torch.arange(3 * 4096, dtype=torch.float32) * 0.5).bfloat16()
+    torch.save({"w": w, "b": torch.ones(3)}, tmp_path / "ck.pt")
+    (entry,) = [e for e in open_checkpoint(str(tmp_path / "ck.pt")) if e.name == "w"]
+    first = np.array(entry.read(), copy=True)
+    entry.release()  # drops the mapped pages; the file still backs them
+    again = entry.read()
+    assert np.array_equal(first.view(np.uint16), again.view(np.uint16))
+    assert np.array_equal(first.view(np.uint16), w.view(torch.int16).numpy().view(np.uint16))
