@@ -10,7 +10,7 @@ Writes a transformer-like safetensors checkpoint of ``--params`` weights (defaul
 ``--quick``: 1e8) per dtype into a temporary folder (2 bytes a weight; written in pieces, so
 the benchmark itself holds little), runs ``srround audit FILE --json`` in a fresh child process
 and deletes the file. Reported per checkpoint: the largest tensor, the child's peak resident
-memory (``wait4`` rusage of that child alone), the memory bound ``2 x largest tensor + 300 MB``,
+memory (``VmHWM`` of its address space, Linux), the memory bound ``2 x largest tensor + 300 MB``,
 the audit's own time (the tensor loop, as the JSON reports it) and the child's wall time
 (interpreter start, imports and kernel cache load included), as weights per second. A warm-up
 child on a tiny checkpoint of each dtype fills Numba's kernel cache first. The file was just
@@ -31,6 +31,16 @@ import time
 
 import numpy as np
 
+# the child's own high-water mark (VmHWM of its address space, not the rusage maximum,
+# which keeps the RSS of the parent's copy from before exec)
+_CHILD = """
+import sys
+from srround._cli import main
+code = main(["audit", sys.argv[1], "--json"])
+with open("/proc/self/status") as status:
+    print(next(line for line in status if line.startswith("VmHWM:")), file=sys.stderr)
+sys.exit(code)
+"""
 _SAFETENSORS = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
 
@@ -81,21 +91,14 @@ def write_checkpoint(path: str, params: int, dtype: str, seed: int = 0):
 
 def measure(path: str, label: str, largest: int):
     start = time.perf_counter()
-    child = subprocess.Popen(
-        [sys.executable, "-m", "srround", "audit", path, "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, path], capture_output=True, text=True, check=False
     )
-    # read stdout fully while the child runs, then reap it with wait4 for its own rusage
-    out = child.stdout.read()
-    err = child.stderr.read()
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
     if child.returncode != 0:
-        raise RuntimeError(f"srround audit {path} failed:\n{err.decode()}")
-    report = json.loads(out)
-    peak = usage.ru_maxrss * 1024  # kilobytes on Linux
+        raise RuntimeError(f"srround audit {path} failed:\n{child.stderr}")
+    report = json.loads(child.stdout)
+    peak = int(child.stderr.split("VmHWM:")[1].split()[0]) * 1024  # kB
     bound = 2 * largest + 300 * 2**20
     weights = report["weights"]
     return {

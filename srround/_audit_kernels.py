@@ -53,6 +53,10 @@ RATIO_BITS = 10
 RATIO_STEPS = 1 << RATIO_BITS  # bins per binade of ``ratio_hist``
 RATIO_BINADES = 256  # ratios 2**-128 .. 2**128 (beyond: counted in the first / last bin)
 
+_F32_INF = 0x7F800000
+_F32_F16_OVERFLOW = 0x477FF000  # float32 patterns of 65520, 2**-25 and 2**-14
+_F32_F16_FLUSH = 0x33000000
+_F32_F16_MIN_NORMAL = 0x38800000
 _F16_OVERFLOW = 65520.0  # 65504 + half a spacing: at or above it, round-to-nearest gives inf
 _F16_MIN_NORMAL = 2.0**-14
 _F16_FLUSH = 2.0**-25  # half the smallest subnormal: at or below it, round-to-nearest gives 0
@@ -125,6 +129,64 @@ def pattern_histogram(bits, hist):
 def pattern_histogram_serial(bits, hist):
     """``pattern_histogram`` on the calling thread only (small tensors: no thread start)."""
     _histogram_rows(bits, hist[0], 0, bits.size)
+
+
+@njit(inline="always", cache=True)
+def _fp32_rows(bits, row, s, lo, hi):
+    n_all = 0.0
+    n_nan = 0.0
+    n_inf = 0.0
+    n_zero = 0.0
+    n_over = 0.0
+    n_sub = 0.0
+    n_flush = 0.0
+    amax = np.uint32(0)
+    amin = np.uint32(_F32_INF)
+    for i in range(lo, hi):
+        b = bits[i]
+        a = b & np.uint32(0x7FFFFFFF)
+        n_all += 1.0
+        if a >= np.uint32(_F32_INF):
+            n_nan += a > np.uint32(_F32_INF)
+            n_inf += a == np.uint32(_F32_INF)
+            continue
+        # positive float32 patterns order like their values
+        n_zero += a == 0
+        n_over += a >= np.uint32(_F32_F16_OVERFLOW)
+        n_flush += (a > 0) & (a <= np.uint32(_F32_F16_FLUSH))
+        n_sub += (a > np.uint32(_F32_F16_FLUSH)) & (a < np.uint32(_F32_F16_MIN_NORMAL))
+        amax = max(amax, a)
+        amin = min(amin, a if a > 0 else np.uint32(_F32_INF))
+        # round to nearest even bfloat16 (exact for subnormals too)
+        row[(b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)] += 1
+    s[STAT_COUNT] += n_all
+    s[STAT_NAN] += n_nan
+    s[STAT_INF] += n_inf
+    s[STAT_ZERO] += n_zero
+    s[STAT_F16_OVERFLOW] += n_over
+    s[STAT_F16_SUBNORMAL] += n_sub
+    s[STAT_F16_FLUSH] += n_flush
+    s[STAT_AMAX] = max(s[STAT_AMAX], np.float64(np.uint32(amax).view(np.float32)))
+    if amin < np.uint32(_F32_INF):
+        s[STAT_AMIN] = min(s[STAT_AMIN], np.float64(np.uint32(amin).view(np.float32)))
+
+
+@njit(parallel=True, cache=True)
+def fp32_bf16_histogram(bits, hist, stats):
+    """The value statistics of a float32 tensor (``bits``: its uint32 view) into ``stats``
+    (``STAT_COUNT`` .. ``STAT_AMIN``) and the histogram of its bfloat16 round-to-nearest
+    patterns (NaN/inf left out) into ``hist`` (int64, ``(rows, 65536)``): with a scalar update
+    every stagnation statistic in bfloat16 is a function of that pattern."""
+    n = bits.size
+    nt = hist.shape[0]
+    for t in prange(nt):
+        _fp32_rows(bits, hist[t], stats[t], t * n // nt, (t + 1) * n // nt)
+
+
+@njit(cache=True)
+def fp32_bf16_histogram_serial(bits, hist, stats):
+    """``fp32_bf16_histogram`` on the calling thread only."""
+    _fp32_rows(bits, hist[0], stats[0], 0, bits.size)
 
 
 @njit(inline="always", cache=True)

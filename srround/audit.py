@@ -159,6 +159,23 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
             args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
             table = _table(stored)
             _k.value_stats_serial(present, table, counts[present], None, None, kernel_lr, *args)
+        elif stored == "float32" and update is None and fmt.name == "bfloat16":
+            # the same for float32 weights: the stagnation statistics are functions of the
+            # bfloat16 pattern each rounds to, the value statistics are counted on the way
+            rows = _k.threads() if parallel else 1
+            hist = np.zeros((rows, 1 << 16), np.int64)
+            values, _, _ = _k.new_buffers(fmt.exponent_bits, False, rows)
+            kernel = _k.fp32_bf16_histogram if parallel else _k.fp32_bf16_histogram_serial
+            kernel(w.view(np.uint32), hist, values)
+            counts = hist.sum(0)
+            present = np.flatnonzero(counts).astype(np.uint16)
+            stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, 1)
+            args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
+            table = _table("bfloat16")
+            _k.value_stats_serial(present, table, counts[present], None, None, kernel_lr, *args)
+            stats[0, : _k.STAT_AMAX] = values[:, : _k.STAT_AMAX].sum(0)
+            stats[0, _k.STAT_AMAX] = values[:, _k.STAT_AMAX].max()
+            stats[0, _k.STAT_AMIN] = values[:, _k.STAT_AMIN].min()
         else:
             rows = _k.threads() if parallel else 1
             stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, rows)

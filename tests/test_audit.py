@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -340,3 +341,16 @@ def test_torch_entries_read_again_after_their_pages_are_dropped(tmp_path):
     again = entry.read()
     assert np.array_equal(first.view(np.uint16), again.view(np.uint16))
     assert np.array_equal(first.view(np.uint16), w.view(torch.int16).numpy().view(np.uint16))
+
+
+def test_float32_pattern_path_matches_the_general_kernel():
+    # float32 weights with a scalar lr go through a bf16-pattern histogram; float64 weights
+    # through the per-value kernel: every count must agree (both large: parallel kernels)
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((1 << 20) + 3) * 0.05).astype(np.float32)
+    w[:6] = [np.nan, np.inf, -np.inf, 0.0, 7e4, 2.0**-130]
+    fast = audit.audit_tensor(w, lr=3e-4)
+    slow = audit.audit_tensor(w.astype(np.float64), lr=3e-4)
+    assert fast.stagnation == dataclasses.replace(slow.stagnation)
+    assert fast.fp16 == slow.fp16
+    assert (fast.fp16.nan, fast.fp16.inf, fast.fp16.overflow) == (1, 2, 1)
