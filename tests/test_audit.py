@@ -354,3 +354,19 @@ def test_float32_pattern_path_matches_the_general_kernel():
     assert fast.stagnation == dataclasses.replace(slow.stagnation)
     assert fast.fp16 == slow.fp16
     assert (fast.fp16.nan, fast.fp16.inf, fast.fp16.overflow) == (1, 2, 1)
+
+
+def test_bench_audit_smoke(tmp_path, minilm_like):
+    """benchmarks/bench_audit.py writes, audits and deletes a checkpoint, reports memory."""
+    path, _, _ = minilm_like
+    bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_audit.py")
+    out = tmp_path / "bench.json"
+    args = ["--params", "200000", "--dtypes", "bfloat16", "--minilm", str(path), "--json"]
+    result = subprocess.run(
+        [sys.executable, bench, *args, str(out)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["checkpoint"] for r in rows] == ["synthetic bfloat16", "model.safetensors"]
+    assert rows[0]["weights"] > 100_000 and rows[0]["peak_rss_bytes"] > 0
+    assert all(r["weights_per_s"] > 0 for r in rows)
