@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     audit = commands.add_parser(
         "audit", help="check a checkpoint for bf16/fp16 update stagnation and fp16 range"
     )
-    audit.add_argument("checkpoint", help=".safetensors, .pt/.pth/.bin (torch) or .npz")
+    audit.add_argument("checkpoint", help=".safetensors, .pt/.pth/.bin (torch), .npz or .npy")
     audit.add_argument(
         "--lr",
         type=float,

@@ -489,7 +489,7 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
             u = updates.get(e.name)
             if u is None:
                 missing.append(e.name)
-            elif u.size != e.size or u.dtype not in ("float64", "float32", "bfloat16", "float16"):
+            elif u.shape != e.shape or u.dtype not in ("float64", "float32", "bfloat16", "float16"):
                 raise ValueError(
                     f"update: {e.name} has shape {list(u.shape)} ({u.dtype}) in {update}, the"
                     f" weight has {list(e.shape)}"

@@ -290,6 +290,10 @@ def test_cli_update_files(checkpoints, tmp_path):
     np.savez(wrong, **{"layer.weight": np.ones(3, np.float32)})
     bad = _cli("audit", str(checkpoints["npz"]), "--update", str(wrong))
     assert bad.returncode == 2 and "layer.weight" in bad.stderr and bad.stdout == ""
+    transposed = tmp_path / "transposed.npz"
+    np.savez(transposed, **{"layer.weight": np.ones((4, 1), np.float32)})  # same size
+    bad = _cli("audit", str(checkpoints["npz"]), "--update", str(transposed))
+    assert bad.returncode == 2 and "[4, 1]" in bad.stderr
 
 
 def test_cli_fp16_checkpoint_is_audited_as_fp16(tmp_path):
