@@ -374,3 +374,15 @@ def test_bench_audit_smoke(tmp_path, minilm_like):
     assert [r["checkpoint"] for r in rows] == ["synthetic bfloat16", "model.safetensors"]
     assert rows[0]["weights"] > 100_000 and rows[0]["peak_rss_bytes"] > 0
     assert all(r["weights_per_s"] > 0 for r in rows)
+
+
+def test_cli_npy_and_corrupt_safetensors(tmp_path):
+    np.save(tmp_path / "emb.npy", np.full((3, 5), 0.5, np.float16))
+    report = json.loads(_cli("audit", str(tmp_path / "emb.npy"), "--json").stdout)
+    assert [(r["name"], r["shape"], r["stored"]) for r in report["tensors"]] == [
+        ("emb", [3, 5], "float16")
+    ]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 16)
+    result = _cli("audit", str(bad))
+    assert result.returncode == 2 and "not a readable safetensors file" in result.stderr
