@@ -460,7 +460,7 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
     """
     import time
 
-    from ._checkpoint import classify, open_checkpoint
+    from ._checkpoint import CheckpointError, classify, open_checkpoint
 
     start = time.perf_counter()
     if update is not None and lr is not None:
@@ -497,8 +497,11 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
     rows, nonfinite, targets = [], [], set()
     stag_total = all_total = None
     for e in weights:
-        w = e.read()
-        u = updates[e.name].read() if e.name in updates else None
+        try:
+            w = e.read()
+            u = updates[e.name].read() if e.name in updates else None
+        except Exception as error:  # a member or mapping the reader could not produce
+            raise CheckpointError(f"{path}: {e.name}: cannot be read ({error})") from error
         if update is not None and u is None:
             result = audit_tensor(w, dtype=dtype)  # fp16 range only
             stag = None
