@@ -62,7 +62,8 @@ def _table(kind: str) -> np.ndarray:
     """float64 values of the 65536 patterns of a 16-bit format."""
     if kind not in _TABLES:
         patterns = np.arange(1 << 16, dtype=np.uint16)
-        _TABLES[kind] = patterns.view(get_format(kind).numpy_dtype).astype(np.float64)
+        with np.errstate(invalid="ignore"):  # the NaN patterns
+            _TABLES[kind] = patterns.view(get_format(kind).numpy_dtype).astype(np.float64)
     return _TABLES[kind]
 
 

@@ -386,3 +386,16 @@ def test_cli_npy_and_corrupt_safetensors(tmp_path):
     bad.write_bytes(b"\xff" * 16)
     result = _cli("audit", str(bad))
     assert result.returncode == 2 and "not a readable safetensors file" in result.stderr
+
+
+def test_no_numpy_warnings(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(audit, "_TABLES", {})  # the decode tables are built again
+    w = np.float32([1.0, np.nan, np.inf, 0.0, 7e4]).astype(ml_dtypes.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        audit.audit_tensor(w, w)
+        audit.audit_tensor(w.astype(np.float16), lr=1e-3)
+        audit.fp16_range(np.zeros(3))
+        audit.stagnation(np.float32([np.nan]), lr=1e-3)
