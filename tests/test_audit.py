@@ -399,3 +399,14 @@ def test_no_numpy_warnings(monkeypatch):
         audit.audit_tensor(w.astype(np.float16), lr=1e-3)
         audit.fp16_range(np.zeros(3))
         audit.stagnation(np.float32([np.nan]), lr=1e-3)
+
+
+def test_cli_torch_update_lacking_tensors(checkpoints, tmp_path):
+    torch = pytest.importorskip("torch")
+    update = tmp_path / "update.pt"
+    torch.save({"model": {"layer.weight": torch.full((4,), 1e-4)}}, update)
+    result = _cli("audit", str(checkpoints["pt"]), "--update", str(update), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["missing_updates"] == ["model.layer.bias"]
+    assert report["overall"]["stagnation"]["updates"] == 4
