@@ -1,10 +1,28 @@
-"""Reading checkpoints for ``srround audit``: safetensors, torch state dicts, NumPy ``.npz``."""
+"""Reading checkpoints for ``srround audit``, tensor by tensor.
+
+``open_checkpoint(path)`` reads only the names, shapes and dtypes; ``Entry.read()`` then maps
+or reads one tensor at a time, so memory stays near the largest tensor whatever the file size:
+
+* ``.safetensors``: the JSON header is parsed here and each tensor is a read-only
+  ``np.memmap`` of its byte range (no copy; unmapped when dropped);
+* ``.npy``: one tensor, ``np.load(mmap_mode="r")``;
+* ``.npz``: member headers first, then one member at a time (decompressed if compressed);
+* torch ``.pt``/``.pth``/``.bin``: ``torch.load(weights_only=True, mmap=True)`` (a legacy,
+  non-zip file is loaded whole); nested dicts and lists are flattened to dotted names.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import struct
+import zipfile
+from collections.abc import Callable
 
 import numpy as np
+
+from ._formats import get_format
 
 FORMATS = {
     ".safetensors": "safetensors",
@@ -12,27 +30,229 @@ FORMATS = {
     ".pth": "torch",
     ".bin": "torch",
     ".npz": "npz",
+    ".npy": "npy",
 }
+FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+# names that are not trained weights: optimizer state and normalization statistics
+_OPTIMIZER_PARTS = {
+    "optimizer",
+    "optim",
+    "optimizer_state",
+    "optimizer_states",
+    "opt_state",
+    "scheduler",
+    "lr_scheduler",
+    "scaler",
+}
+_OPTIMIZER_LEAVES = {
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "momentum_buffer",
+    "square_avg",
+    "acc_delta",
+    "step",
+}
+_BUFFER_LEAVES = {"running_mean", "running_var", "num_batches_tracked"}
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be read; the message says which file and why."""
 
 
-def _flatten(tree, prefix=""):
-    """Float tensors of a (nested) state dict as ``{"a.b.c": tensor}``."""
-    out = {}
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-    elif hasattr(tree, "is_floating_point") and tree.is_floating_point():
-        out[prefix[:-1]] = tree
-    return out
+@dataclasses.dataclass
+class Entry:
+    """One tensor of a checkpoint, not yet read.
+
+    Attributes:
+        name: dotted name (``"model.layer.weight"``).
+        shape: the tensor's shape.
+        dtype: ``"float32"``, ``"bfloat16"``, ``"int64"``, ... (the stored type).
+    """
+
+    name: str
+    shape: tuple
+    dtype: str
+    _read: Callable = dataclasses.field(repr=False)
+    _release: Callable | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def read(self) -> np.ndarray:
+        """The tensor as a flat NumPy array of its stored dtype (bf16 as ``ml_dtypes``),
+        memory-mapped where the format allows."""
+        return self._read()
+
+    def release(self) -> None:
+        """Drop the pages of a memory-mapped tensor from this process (after its last use;
+        they stay in the page cache). A no-op for tensors read into memory."""
+        if self._release is not None:
+            self._release()
 
 
-def load(path: str) -> dict:
-    """``{name: array}`` of every floating-point tensor in the checkpoint at ``path`` (NumPy
-    arrays, or torch tensors for ``.pt``; bf16 stays bf16)."""
+def classify(name: str, dtype: str) -> str | None:
+    """Why a tensor is not a trained weight (``"optimizer state"``, ``"buffer"``,
+    ``"not floating point"``), or None for a weight; judged by name and dtype."""
+    parts = name.lower().split(".")
+    if dtype not in FLOAT_DTYPES:
+        return "not floating point"
+    if _OPTIMIZER_PARTS.intersection(parts) or parts[-1] in _OPTIMIZER_LEAVES:
+        return "optimizer state"
+    if parts[-1] in _BUFFER_LEAVES:
+        return "buffer"
+    return None
+
+
+def _numpy_dtype(dtype: str):
+    return get_format(dtype).numpy_dtype if dtype in ("bfloat16", "float16") else np.dtype(dtype)
+
+
+def _safetensors(path: str) -> list[Entry]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("file shorter than its 8-byte header length")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            raise ValueError(f"header length {length} beyond the end of the file")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    base = 8 + length
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"].lower())
+        shape = tuple(int(d) for d in info["shape"])
+        start, end = (int(o) for o in info["data_offsets"])
+        if not 0 <= start <= end <= size - base:
+            raise ValueError(f"{name}: data offsets {start}..{end} outside the file")
+
+        def read(start=start, end=end, dtype=dtype, name=name):
+            np_dtype = _numpy_dtype(dtype)
+            count = (end - start) // np_dtype.itemsize
+            if count == 0:
+                return np.empty(0, np_dtype)
+            return np.memmap(path, np_dtype, mode="r", offset=base + start, shape=(count,))
+
+        entries.append(Entry(name, shape, dtype, read))
+    return entries
+
+
+def _npz(path: str) -> list[Entry]:
+    entries = []
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with archive.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                read_header = (
+                    np.lib.format.read_array_header_1_0
+                    if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0
+                )
+                shape, _, dtype = read_header(f)
+
+            def read(member=info.filename):
+                with zipfile.ZipFile(path) as z, z.open(member) as f:
+                    return np.lib.format.read_array(f, allow_pickle=False).reshape(-1)
+
+            entries.append(Entry(info.filename[:-4], tuple(shape), dtype.name, read))
+    return entries
+
+
+def _npy(path: str) -> list[Entry]:
+    array = np.load(path, mmap_mode="r", allow_pickle=False)
+    name = os.path.splitext(os.path.basename(path))[0]
+    return [Entry(name, array.shape, array.dtype.name, lambda: array.reshape(-1))]
+
+
+def _torch_numpy(tensor):
+    import torch
+
+    tensor = tensor.detach().cpu().reshape(-1)
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(get_format("bfloat16").numpy_dtype)
+    return tensor.numpy()
+
+
+def _drop_pages(tensor) -> None:
+    """``madvise(MADV_DONTNEED)`` on the whole pages of a tensor of a file mapping (read-only
+    here): the process's resident memory stops growing with every tensor read."""
+    import ctypes
+    import mmap
+
+    start = tensor.data_ptr()
+    end = (
+        start + tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
+    )
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first and hasattr(mmap, "MADV_DONTNEED"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
+def _torch(path: str) -> list[Entry]:
+    import torch
+
+    mapped = True
+    try:
+        tree = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as error:  # a legacy (non-zip) file cannot be mapped
+        if "mmap" not in str(error):
+            raise
+        tree = torch.load(path, map_location="cpu", weights_only=True)
+        mapped = False
+    entries = []
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        elif isinstance(node, (list, tuple)):
+            for i, value in enumerate(node):
+                walk(value, f"{prefix}{i}.")
+        elif isinstance(node, torch.Tensor):
+            dtype = str(node.dtype).removeprefix("torch.")
+            release = (lambda t=node: _drop_pages(t)) if mapped else None
+            entries.append(
+                Entry(
+                    prefix[:-1], tuple(node.shape), dtype, lambda t=node: _torch_numpy(t), release
+                )
+            )
+
+    walk(tree, "")
+    return entries
+
+
+def open_checkpoint(path: str) -> list[Entry]:
+    """The tensors of the checkpoint at ``path`` (every dtype), in file order, unread.
+
+    Raises:
+        CheckpointError: no such file, an unknown extension, a missing reader library or a
+            file its library cannot read.
+    """
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
     kind = FORMATS.get(os.path.splitext(path)[1].lower())
@@ -40,26 +260,10 @@ def load(path: str) -> dict:
         raise CheckpointError(
             f"{path}: unknown checkpoint format; expected one of {', '.join(FORMATS)}"
         )
+    reader = {"safetensors": _safetensors, "npz": _npz, "npy": _npy, "torch": _torch}[kind]
     try:
-        if kind == "safetensors":
-            from safetensors.numpy import load_file
-
-            tensors = load_file(path)
-        elif kind == "npz":
-            with np.load(path, allow_pickle=False) as archive:
-                tensors = {name: archive[name] for name in archive.files}
-        else:
-            import torch
-
-            tensors = _flatten(torch.load(path, map_location="cpu", weights_only=True))
+        return reader(path)
     except ImportError as error:
         raise CheckpointError(f"{path}: reading {kind} files needs {error.name}") from error
     except Exception as error:  # each library raises its own types for a corrupt file
         raise CheckpointError(f"{path}: not a readable {kind} file ({error})") from error
-    return {
-        name: value
-        for name, value in tensors.items()
-        if kind == "torch"
-        or np.issubdtype(np.asarray(value).dtype, np.floating)
-        or str(np.asarray(value).dtype) == "bfloat16"
-    }

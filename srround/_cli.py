@@ -36,102 +36,170 @@ def _demo(args) -> int:
     return 0
 
 
-def _audit(args) -> int:
-    import json
+_CSV_COLUMNS = (
+    "name shape stored dtype status weights lost_fraction lost_updates updates zero_updates"
+    " nonfinite_updates min_update_p10 min_update_p50 min_update_p90 lr_scale_half lr_scale_90"
+    " max_abs min_nonzero fp16_overflow fp16_flushed fp16_subnormal fp16_rescale nan inf"
+).split()
 
-    import numpy as np
 
-    from . import audit
-    from ._checkpoint import CheckpointError, load
+def _csv_rows(report):
+    for r in report["tensors"]:
+        s, f = r["stagnation"] or {}, r["fp16"]
+        p = s.get("min_update_percentiles", {})
+        yield {
+            "name": r["name"],
+            "shape": "x".join(map(str, r["shape"])),
+            "stored": r["stored"],
+            "dtype": r["dtype"],
+            "status": "weight" if s else "weight (no update)",
+            "weights": f["count"] + f["nan"] + f["inf"],
+            "lost_fraction": s.get("lost_fraction"),
+            "lost_updates": s.get("lost_updates"),
+            "updates": s.get("updates"),
+            "zero_updates": s.get("zero_updates"),
+            "nonfinite_updates": s.get("nonfinite_updates"),
+            "min_update_p10": p.get(10),
+            "min_update_p50": p.get(50),
+            "min_update_p90": p.get(90),
+            "lr_scale_half": s.get("lr_scale_half"),
+            "lr_scale_90": s.get("lr_scale_90"),
+            "max_abs": f["max_abs"],
+            "min_nonzero": f["min_nonzero"],
+            "fp16_overflow": f["overflow"],
+            "fp16_flushed": f["flushed"],
+            "fp16_subnormal": f["subnormal"],
+            "fp16_rescale": "none" if f["rescale"] is None else f["rescale"],
+            "nan": f["nan"],
+            "inf": f["inf"],
+        }
+    for r in report["not_audited"]:
+        yield {
+            "name": r["name"],
+            "shape": "x".join(map(str, r["shape"])),
+            "stored": r["dtype"],
+            "status": f"not audited: {r['reason']}",
+        }
 
-    try:
-        tensors = load(args.checkpoint)
-        updates = load(args.update) if args.update else {}
-    except CheckpointError as error:
-        print(f"srround audit: error: {error}", file=sys.stderr)
-        return 2
-    if not tensors:
-        print(
-            f"srround audit: error: {args.checkpoint}: no floating-point tensors", file=sys.stderr
-        )
-        return 2
-    rows = []
-    for name, tensor in tensors.items():
-        update = updates.get(name)
-        stag = audit.stagnation(
-            tensor, update, lr=None if update is not None else args.lr, dtype=args.dtype
-        )
-        rows.append(
-            {
-                "name": name,
-                "shape": list(np.shape(tensor)),
-                "stagnation": stag.__dict__,
-                "fp16": audit.fp16_range(tensor).__dict__,
-            }
-        )
-    rows.sort(key=lambda r: (-r["stagnation"]["lost_fraction"], -r["stagnation"]["count"]))
-    flat = np.concatenate([audit.to_float64(t).ravel() for t in tensors.values()])
-    flat_update = None
-    if updates:
-        flat_update = np.concatenate(
-            [
-                audit.to_float64(updates[n]).ravel()
-                if n in updates
-                else np.full(np.size(tensors[n]), args.lr)
-                for n in tensors
-            ]
-        )
-    overall = audit.stagnation(flat, flat_update, lr=args.lr, dtype=args.dtype)
-    fp16_all = audit.fp16_range(flat)
-    summary = {
-        "checkpoint": args.checkpoint,
-        "dtype": args.dtype,
-        "lr": args.lr,
-        "overall": {
-            "stagnation": overall.__dict__,
-            "fp16": fp16_all.__dict__,
-            "recommendation": overall.recommendation(),
-        },
-        "tensors": rows,
-    }
-    if args.json:
-        print(json.dumps(summary, indent=2, default=float))
-        return 0
+
+def _size(shape):
+    import math
+
+    return math.prod(shape)
+
+
+def _short(dtype):
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(
+        dtype, dtype
+    )
+
+
+def _print_table(report, show_all):
+    rows, other = report["tensors"], report["not_audited"]
+    overall = report["overall"]
+    source = (
+        f"updates from {report['update']} (signed)"
+        if report["update"]
+        else f"updates of lr={report['lr']:g} in either direction"
+    )
+    stored = sorted({r["stored"] for r in rows})
+    target = sorted({r["dtype"] for r in rows})
     print(
-        f"{args.checkpoint}: {len(rows)} tensors, {overall.count:,} weights; updates of"
-        f" {'--update file' if updates else f'lr={args.lr:g}'} stored in {args.dtype}"
+        f"{report['checkpoint']}: {len(rows)} weight tensors, {report['weights']:,} weights"
+        f" (stored {'/'.join(stored)}, audited as {'/'.join(target)}); {source}"
     )
+    if report["nonfinite"]:
+        bad = report["nonfinite"]
+        print(f"WARNING: {len(bad)} tensors hold NaN/inf weights (left out of the statistics):")
+        for r in bad if show_all else bad[:10]:
+            print(f"  {r['name']}: {r['nan']:,} NaN, {r['inf']:,} inf")
+        if not show_all and len(bad) > 10:
+            print(f"  ... {len(bad) - 10} more (--all)")
+    shown = rows if show_all else rows[:20]
+    width = max([6, *(len(r["name"]) for r in shown)])
     header = (
-        f"{'tensor':<36} {'weights':>10} {'lost':>7} {'min upd p50':>12} {'lr x50%':>8}"
-        f" {'max|w|':>9} {'fp16 inf':>8} {'fp16 0':>7} {'rescale':>8}"
+        f"{'tensor':<{width}} {'dtype':>5} {'weights':>11} {'lost':>7} {'min upd p50':>11}"
+        f" {'lr x50%':>8} {'max|w|':>9} {'fp16 inf':>9} {'fp16 0':>8} {'fp16 sub':>9}"
+        f" {'rescale':>8}"
     )
-    print(header)
-    print("-" * len(header))
-    shown = rows if args.all else rows[:20]
-    for r in shown:
-        s, f = r["stagnation"], r["fp16"]
+
+    def line(name, dtype, count, s, f):
+        lost = "-" if s is None else f"{s['lost_fraction']:.1%}"
+        p50 = "-" if s is None else f"{s['min_update_percentiles'][50]:.3g}"
+        scale = "-" if s is None else f"{s['lr_scale_half']:.3g}"
         rescale = "none" if f["rescale"] is None else f"{f['rescale']:g}"
-        print(
-            f"{r['name'][:36]:<36} {s['count']:>10,} {s['lost_fraction']:>7.1%}"
-            f" {s['min_update_percentiles'][50]:>12.3g} {s['lr_scale_half']:>8.3g}"
-            f" {f['max_abs']:>9.3g} {f['overflow_fraction']:>8.2%} {f['zero_fraction']:>7.2%}"
+        return (
+            f"{name:<{width}} {_short(dtype):>5} {count:>11,} {lost:>7} {p50:>11} {scale:>8}"
+            f" {f['max_abs']:>9.3g} {f['overflow']:>9,} {f['flushed']:>8,} {f['subnormal']:>9,}"
             f" {rescale:>8}"
         )
-    if len(shown) < len(rows):
-        print(f"... {len(rows) - len(shown)} more (--all shows every tensor)")
+
+    print(header)
     print("-" * len(header))
-    print(
-        f"{'all':<36} {overall.count:>10,} {overall.lost_fraction:>7.1%}"
-        f" {overall.min_update_percentiles[50]:>12.3g} {overall.lr_scale_half:>8.3g}"
-        f" {fp16_all.max_abs:>9.3g} {fp16_all.overflow_fraction:>8.2%}"
-        f" {fp16_all.zero_fraction:>7.2%}"
-    )
-    print(f"90% of weights move at lr x{overall.lr_scale_90:.3g}.")
-    print(overall.recommendation())
-    if fp16_all.safe:
-        print("fp16: every weight fits fp16 (no overflow, none flushed to zero)")
+    for r in shown:
+        count = _size(r["shape"])
+        print(line(r["name"], r["dtype"], count, r["stagnation"], r["fp16"]))
+    if len(shown) < len(rows):
+        print(f"... {len(rows) - len(shown)} more (--all, or --format json|csv)")
+    print("-" * len(header))
+    dtype = target[0] if len(target) == 1 else "mixed"
+    print(line("all", dtype, report["weights"], overall["stagnation"], overall["fp16"]))
+    if report["missing_updates"]:
+        missing = report["missing_updates"]
+        print(
+            f"no update for {len(missing)} weight tensors (fp16 range only):"
+            f" {', '.join(missing if show_all else missing[:5])}"
+            + ("" if show_all or len(missing) <= 5 else f", ... {len(missing) - 5} more")
+        )
+    if report["unused_updates"]:
+        unused = report["unused_updates"]
+        print(f"{len(unused)} update tensors match no weight (ignored): {', '.join(unused[:5])}")
+    if other:
+        print(f"not audited ({len(other)} tensors that are not trained weights):")
+        for r in other if show_all else other[:10]:
+            print(f"  {r['name']} {r['dtype']} {list(r['shape'])}: {r['reason']}")
+        if not show_all and len(other) > 10:
+            print(f"  ... {len(other) - 10} more (--all)")
+    s = overall["stagnation"]
+    if s is not None and s["updates"]:
+        print(f"90% of weights move at lr x{s['lr_scale_90']:.3g}.")
+    print(overall["recommendation"])
+    print(overall["fp16_verdict"])
+
+
+def _audit(args) -> int:
+    import csv
+    import json
+
+    from . import audit
+    from ._checkpoint import CheckpointError
+
+    fmt = "json" if args.json else args.format
+    if args.lr is not None and args.update:
+        print(
+            "srround audit: error: --lr and --update exclude each other (--update holds the real"
+            " signed updates, --lr is one update magnitude for every weight)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        report = audit.audit_checkpoint(
+            args.checkpoint,
+            lr=args.lr,
+            update=args.update,
+            dtype=None if args.dtype == "auto" else args.dtype,
+        )
+    except (CheckpointError, ValueError, TypeError) as error:
+        print(f"srround audit: error: {error}", file=sys.stderr)
+        return 2
+    if fmt == "json":
+        print(json.dumps(report, indent=2))
+    elif fmt == "csv":
+        writer = csv.DictWriter(sys.stdout, _CSV_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(_csv_rows(report))
     else:
-        print("fp16: not safe as is - see the fp16 inf / fp16 0 / rescale columns")
+        _print_table(report, args.all)
     return 0
 
 
@@ -192,22 +260,33 @@ def main(argv=None) -> int:
     audit = commands.add_parser(
         "audit", help="check a checkpoint for bf16/fp16 update stagnation and fp16 range"
     )
-    audit.add_argument("checkpoint", help=".safetensors, .pt/.pth/.bin (torch) or .npz")
+    audit.add_argument("checkpoint", help=".safetensors, .pt/.pth/.bin (torch), .npz or .npy")
     audit.add_argument(
         "--lr",
         type=float,
-        default=1e-5,
-        help="update magnitude per weight, Adam-like (default 1e-5)",
+        default=None,
+        help="update magnitude per weight, sign unknown (Adam-like; default 1e-5)",
     )
-    audit.add_argument("--update", help="a checkpoint of real per-weight updates (same names)")
+    audit.add_argument(
+        "--update",
+        help="a checkpoint of real signed per-weight updates (same names; not with --lr)",
+    )
     audit.add_argument(
         "--dtype",
-        default="bfloat16",
-        choices=["bfloat16", "float16"],
-        help="storage format of the weights (default bfloat16)",
+        default="auto",
+        choices=["auto", "bfloat16", "float16"],
+        help="training storage format (default auto: the stored 16-bit format, bfloat16 for fp32)",
     )
-    audit.add_argument("--json", action="store_true", help="machine-readable output")
-    audit.add_argument("--all", action="store_true", help="list every tensor, not the top 20")
+    audit.add_argument(
+        "--format",
+        default="table",
+        choices=["table", "json", "csv"],
+        help="table (default), or every tensor as JSON or CSV",
+    )
+    audit.add_argument("--json", action="store_true", help="same as --format json")
+    audit.add_argument(
+        "--all", action="store_true", help="table: list every tensor, not the top 20"
+    )
     audit.set_defaults(run=_audit)
     bench = commands.add_parser(
         "bench", help="run the benchmarks (CPU; GPU when present), each with same-run baselines"

@@ -1,43 +1,49 @@
-"""Checkpoint audits: will low-precision updates stall, and do bf16 weights fit fp16?
+"""Checkpoint audits: will low-precision updates stall, and do the weights fit fp16?
 
 Two questions about a set of weights, answered with exact arithmetic on the format's spacing:
 
-* ``stagnation``: under round-to-nearest in bf16 (or fp16), an update ``u`` to a weight ``w``
-  is lost when ``|u|`` is below half the spacing of the format at ``w`` (at exactly half it is
-  lost when ``w``'s last bit is even: ties go to even). For each weight the smallest update it
-  registers is therefore half its spacing; the learning-rate scale at which it starts to move is
-  ``half_spacing / |u|``.
-* ``fp16_range``: bf16-trained weights cast to fp16 overflow above 65504, lose precision in
-  fp16's subnormal range (below 2**-14) and flush to zero below 2**-25; one rescale factor
-  fits a tensor when its max/min-nonzero ratio is at most 65504 / 2**-14.
+* ``stagnation``: each weight is stored in the target format (bf16 or fp16, round-to-nearest);
+  an update ``u`` to a stored weight ``q`` is lost when round-to-nearest of ``q + u`` gives
+  ``q`` back: when ``|u|`` is below half the spacing toward which it moves (at exactly half it
+  is lost when ``q``'s last bit is even: ties go to even). Toward zero from the first value of a
+  binade the spacing is half as wide, so a scalar ``lr`` (an update of unknown sign, as Adam's
+  is) is tried in both directions and each direction counts one half: a weight's verdict does
+  not depend on its sign. An update array carries its own signs; zero and non-finite updates
+  are counted apart, never as lost.
+* ``fp16_range``: values cast to fp16 overflow at or above 65520 (65504 plus half a spacing),
+  lose precision in fp16's subnormal range (below 2**-14) and flush to zero at or below
+  2**-25; one power-of-two rescale fits a tensor when its max/min-nonzero ratio is at most
+  65504 / 2**-14.
 
-Both take any array srround accepts (NumPy, torch, JAX, ...; a dict of them for whole models).
+Both take any array srround accepts (NumPy, torch, JAX, ...) in fp32, fp64, bf16 or fp16; the
+statistics are counted in one pass of a Numba kernel (no float64 copy), so
+``audit_checkpoint`` streams a checkpoint of any size tensor by tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
+from . import _audit_kernels as _k
 from ._formats import Format, get_format
 
 FP16 = get_format("float16")
 _FP16_MIN_NORMAL = 2.0**-14
-_FP16_FLUSH = 2.0**-25  # half the smallest subnormal: at or below it, RNE gives 0
-_FP16_OVERFLOW = 65520.0  # 65504 + half a spacing: at or above it, RNE gives inf
+_SIXTEEN_BIT = {"bfloat16", "float16"}
+_HALF_OFFSET = 200  # log2(half spacing) + _HALF_OFFSET indexes ``_Counts.half_hist``
+_DEFAULT_LR = 1e-5
+_PARALLEL_FROM = 1 << 20  # smaller tensors are counted on the calling thread
 
 
 def to_float64(x) -> np.ndarray:
     """Any supported array (any float dtype, any device) as a float64 NumPy array (a copy)."""
-    root = type(x).__module__.split(".", 1)[0]
-    if root == "torch":
-        x = x.detach().float().cpu().numpy()
-    elif root == "numba":
-        x = x.copy_to_host()
-    elif root == "cupy":
-        x = x.get()
-    return np.asarray(x).astype(np.float64)
+    a, kind = _flat(x, "x")
+    if kind in _SIXTEEN_BIT:
+        return _table(kind)[a]
+    return a.astype(np.float64)
 
 
 def spacing(w: np.ndarray, fmt: Format) -> np.ndarray:
@@ -49,17 +55,175 @@ def spacing(w: np.ndarray, fmt: Format) -> np.ndarray:
     return np.ldexp(1.0, np.maximum(exponent, 1 - fmt.bias) - fmt.mantissa_bits)
 
 
+_TABLES: dict = {}
+
+
+def _table(kind: str) -> np.ndarray:
+    """float64 values of the 65536 patterns of a 16-bit format."""
+    if kind not in _TABLES:
+        patterns = np.arange(1 << 16, dtype=np.uint16)
+        with np.errstate(invalid="ignore"):  # the NaN patterns
+            _TABLES[kind] = patterns.view(get_format(kind).numpy_dtype).astype(np.float64)
+    return _TABLES[kind]
+
+
+def _flat(x, argument: str):
+    """``(flat NumPy array, stored format name)``: 16-bit formats as their ``uint16`` patterns,
+    fp32/fp64 as they are; no copy for contiguous host arrays."""
+    root = type(x).__module__.split(".", 1)[0]
+    if root == "torch":
+        import torch
+
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            return x.reshape(-1).view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        x = x.numpy()
+    elif root == "numba":
+        x = x.copy_to_host()
+    elif root == "cupy":
+        x = x.get()
+    a = np.asarray(x)
+    for kind in _SIXTEEN_BIT:
+        if a.dtype == get_format(kind).numpy_dtype:
+            return a.reshape(-1).view(np.uint16), kind
+    if a.dtype in (np.float32, np.float64):
+        return a.reshape(-1), a.dtype.name
+    raise TypeError(
+        f"{argument}: expected a float32, float64, bfloat16 or float16 array, got {a.dtype}"
+    )
+
+
+def _check_lr(lr) -> float:
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer)):
+        raise TypeError(f"lr: expected a number, got {type(lr).__name__}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr: expected a finite update magnitude > 0, got {lr!r}")
+    return float(lr)
+
+
+def _target(dtype, stored: str) -> Format:
+    """The audited format: ``dtype``, or the stored one (bfloat16 for fp32/fp64 storage)."""
+    if dtype is None or dtype == "auto":
+        return get_format(stored if stored in _SIXTEEN_BIT else "bfloat16")
+    return get_format(dtype)
+
+
+@dataclasses.dataclass
+class _Counts:
+    """The reduced kernel statistics of one tensor or of several (``+``)."""
+
+    stats: np.ndarray
+    half_hist: np.ndarray  # finite weights per log2(half spacing) + _HALF_OFFSET
+    ratio_hist: np.ndarray | None  # per-weight updates: half spacing / |u|, kernel bins
+    lr: float | None
+
+    def __add__(self, other: _Counts) -> _Counts:
+        stats = self.stats + other.stats
+        stats[_k.STAT_AMAX] = max(self.stats[_k.STAT_AMAX], other.stats[_k.STAT_AMAX])
+        stats[_k.STAT_AMIN] = min(self.stats[_k.STAT_AMIN], other.stats[_k.STAT_AMIN])
+        if self.ratio_hist is None or other.ratio_hist is None:
+            ratio = self.ratio_hist if other.ratio_hist is None else other.ratio_hist
+        else:
+            ratio = self.ratio_hist + other.ratio_hist
+        lr = self.lr if self.lr == other.lr else None
+        return _Counts(stats, self.half_hist + other.half_hist, ratio, lr)
+
+    def __getitem__(self, stat: int) -> float:
+        return float(self.stats[stat])
+
+
+def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, str]:
+    """One kernel pass over ``weights`` (and ``update``): the statistics, target, stored."""
+    w, stored = _flat(weights, "weights")
+    fmt = _target(dtype, stored)
+    u = u_table = None
+    if update is not None:
+        u, u_kind = _flat(update, "update")
+        if u.size != w.size:
+            raise ValueError(
+                f"update: shape {tuple(np.shape(update))} does not match the weights'"
+                f" {tuple(np.shape(weights))}"
+            )
+        u_table = _table(u_kind) if u_kind in _SIXTEEN_BIT else None
+    parallel = w.size >= _PARALLEL_FROM
+    with_ratio = update is not None
+    kernel_lr = 1.0 if lr is None else lr
+    with np.errstate(all="ignore"):
+        if stored in _SIXTEEN_BIT and update is None:
+            # every statistic is a function of the pattern: count them, then audit the
+            # patterns that occur, each weighted by its count
+            hist = np.zeros((_k.threads() if parallel else 1, 1 << 16), np.int64)
+            (_k.pattern_histogram if parallel else _k.pattern_histogram_serial)(w, hist)
+            counts = hist.sum(0)
+            present = np.flatnonzero(counts).astype(np.uint16)
+            stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, 1)
+            args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
+            table = _table(stored)
+            _k.value_stats_serial(present, table, counts[present], None, None, kernel_lr, *args)
+        elif stored == "float32" and update is None and fmt.name == "bfloat16":
+            # the same for float32 weights: the stagnation statistics are functions of the
+            # bfloat16 pattern each rounds to, the value statistics are counted on the way
+            rows = _k.threads() if parallel else 1
+            hist = np.zeros((rows, 1 << 16), np.int64)
+            values, _, _ = _k.new_buffers(fmt.exponent_bits, False, rows)
+            kernel = _k.fp32_bf16_histogram if parallel else _k.fp32_bf16_histogram_serial
+            kernel(w.view(np.uint32), hist, values)
+            counts = hist.sum(0)
+            present = np.flatnonzero(counts).astype(np.uint16)
+            stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, 1)
+            args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
+            table = _table("bfloat16")
+            _k.value_stats_serial(present, table, counts[present], None, None, kernel_lr, *args)
+            stats[0, : _k.STAT_AMAX] = values[:, : _k.STAT_AMAX].sum(0)
+            stats[0, _k.STAT_AMAX] = values[:, _k.STAT_AMAX].max()
+            stats[0, _k.STAT_AMIN] = values[:, _k.STAT_AMIN].min()
+        else:
+            rows = _k.threads() if parallel else 1
+            stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, rows)
+            args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
+            table = _table(stored) if stored in _SIXTEEN_BIT else None
+            kernel = _k.value_stats if parallel else _k.value_stats_serial
+            kernel(w, table, None, u, u_table, kernel_lr, *args)
+    total = stats.sum(0)
+    total[_k.STAT_AMAX] = stats[:, _k.STAT_AMAX].max()
+    total[_k.STAT_AMIN] = stats[:, _k.STAT_AMIN].min()
+    half_hist = np.zeros(2 * _HALF_OFFSET)
+    first = (1 - fmt.bias) - fmt.mantissa_bits - 1 + _HALF_OFFSET  # log2 half spacing at emin
+    half_hist[first : first + exp_hist.shape[1]] = exp_hist.sum(0)
+    ratio = ratio_hist.sum(0) if update is not None else None
+    return _Counts(total, half_hist, ratio, None if update is not None else lr), fmt, stored
+
+
+def _percentile(hist: np.ndarray, q: float) -> int:
+    """The bin of the nearest-rank ``q``-th percentile of a histogram (0 when it is empty)."""
+    total = hist.sum()
+    if total == 0:
+        return 0
+    return int(np.searchsorted(np.cumsum(hist), max(1.0, math.ceil(q / 100 * total))))
+
+
 @dataclasses.dataclass
 class Stagnation:
     """Stagnation statistics for one tensor (or all of them).
 
     Attributes:
-        count: number of weights.
-        lost_fraction: fraction whose update is lost under round-to-nearest.
-        min_update_percentiles: smallest update magnitude each weight registers (half its
-            spacing), at the 10th/50th/90th percentiles, as ``{10: ..., 50: ..., 90: ...}``.
+        count: number of weights (NaN and inf included).
+        lost_fraction: fraction of the audited updates lost under round-to-nearest (0 when
+            there are none).
+        min_update_percentiles: smallest update magnitude each finite weight registers (half
+            its spacing away from zero), nearest-rank 10th/50th/90th percentiles, as
+            ``{10: ..., 50: ..., 90: ...}``.
         lr_scale_half, lr_scale_90: factor by which the updates must grow for half / 90 % of
-            the weights to move under round-to-nearest (1.0 when they already do).
+            the weights to move away from zero under round-to-nearest (1.0 when they already
+            do); with an update array, to within ``2**-11`` relative.
+        lost_updates: number of lost updates (with ``lr``: lost directions / 2, so weights
+            lost in both directions count 1 and in one direction 0.5).
+        updates: number of audited updates (finite weights; with an update array only those
+            with a nonzero, finite update).
+        zero_updates, nonfinite_updates: updates left out as zero / NaN or inf.
+        nonfinite_weights: NaN or inf weights (left out).
+        dtype: the audited storage format.
+        directions: ``"both"`` for a scalar ``lr`` (sign unknown), ``"signed"`` for an array.
     """
 
     count: int
@@ -67,78 +231,102 @@ class Stagnation:
     min_update_percentiles: dict
     lr_scale_half: float
     lr_scale_90: float
+    lost_updates: float = 0.0
+    updates: int = 0
+    zero_updates: int = 0
+    nonfinite_updates: int = 0
+    nonfinite_weights: int = 0
+    dtype: str = "bfloat16"
+    directions: str = "both"
 
     def recommendation(self) -> str:
+        if self.updates == 0:
+            return "no nonzero, finite updates to audit: nothing can be said about stagnation"
         if self.lost_fraction < 0.01:
             return "ok: round-to-nearest keeps (almost) every update"
         return (
-            f"{self.lost_fraction:.0%} of updates are lost under round-to-nearest: use stochastic"
-            " rounding (srround), Kahan-compensated or fp32 master weights, or raise the"
-            f" learning rate and batch size together (x{self.lr_scale_half:.3g} moves half the"
-            " weights)"
+            f"{self.lost_fraction:.0%} of updates are lost under round-to-nearest in"
+            f" {self.dtype}: use stochastic rounding (srround), Kahan-compensated or fp32 master"
+            " weights, or raise the learning rate and batch size together"
+            f" (x{self.lr_scale_half:.3g} moves half the weights)"
         )
 
 
-def _lost(w, u, fmt):
-    """Whether round-to-nearest of ``w + u`` gives ``w`` back (``u`` signed; a magnitude-only
-    update is taken as moving away from zero)."""
-    step = spacing(w, fmt)
-    pattern_even = np.round(np.abs(w) / step) % 2 == 0
-    # toward zero from a power of two (a binade's first value) the spacing below is half
-    mantissa, _ = np.frexp(np.abs(w))
-    first_of_binade = (mantissa == 0.5) & (np.abs(w) >= 2.0 ** (2 - fmt.bias))
-    toward_zero = (np.sign(u) * np.sign(w)) < 0
-    half = np.where(toward_zero & first_of_binade, step / 4, step / 2)
-    mag = np.abs(u)
-    return (mag < half) | ((mag == half) & pattern_even)  # exact ties go to the even pattern
+def _stagnation(c: _Counts, dtype: str) -> Stagnation:
+    halves = {
+        p: math.ldexp(1.0, _percentile(c.half_hist, p) - _HALF_OFFSET) if c.half_hist.any() else 0.0
+        for p in (10, 50, 90)
+    }
+    if c.ratio_hist is not None:
+        if c.ratio_hist.any():
+            scale = {p: _k.ratio_value(_percentile(c.ratio_hist, p)) for p in (50, 90)}
+        else:
+            scale = {50: 1.0, 90: 1.0}
+        updates = c[_k.STAT_UPDATES]
+        directions = "signed"
+    else:
+        lr = c.lr if c.lr is not None else _DEFAULT_LR
+        scale = {p: halves[p] / lr for p in (50, 90)}
+        updates = c[_k.STAT_UPDATES] / 2
+        directions = "both"
+    lost = c[_k.STAT_LOST] / (2 if directions == "both" else 1)
+    return Stagnation(
+        count=int(c[_k.STAT_COUNT]),
+        lost_fraction=lost / updates if updates else 0.0,
+        min_update_percentiles=halves,
+        lr_scale_half=max(1.0, scale[50]),
+        lr_scale_90=max(1.0, scale[90]),
+        lost_updates=lost,
+        updates=int(updates),
+        zero_updates=int(c[_k.STAT_U_ZERO]),
+        nonfinite_updates=int(c[_k.STAT_U_NONFINITE]),
+        nonfinite_weights=int(c[_k.STAT_NAN] + c[_k.STAT_INF]),
+        dtype=dtype,
+        directions=directions,
+    )
 
 
-def stagnation(weights, update=None, *, lr=None, dtype="bfloat16") -> Stagnation:
-    """How many weights would not move under round-to-nearest in ``dtype``.
+def stagnation(weights, update=None, *, lr=None, dtype=None) -> Stagnation:
+    """How many updates to ``weights`` would be lost under round-to-nearest in ``dtype``.
 
     Args:
-        weights: array of weights (any supported type and float dtype).
-        update: per-weight update magnitudes of the same shape (e.g. a real optimizer step);
-            or give ``lr`` for Adam-like updates of magnitude ``lr`` on every weight.
-        lr: update magnitude when ``update`` is None.
-        dtype: the weights' storage format, ``"bfloat16"`` or ``"float16"``.
+        weights: array of weights (any supported type; fp32, fp64, bf16 or fp16).
+        update: per-weight signed updates of the same size (e.g. a real optimizer step).
+        lr: update magnitude of unknown sign on every weight (Adam-like), tried in both
+            directions; give either ``update`` or ``lr``.
+        dtype: the format the weights are stored in during training, ``"bfloat16"`` or
+            ``"float16"``; default: the weights' own 16-bit format, else bfloat16.
+
+    Raises:
+        ValueError: both or neither of ``update`` and ``lr``; ``lr`` not finite and > 0;
+            ``update`` of another size; an unknown ``dtype``.
+        TypeError: an integer array, or a non-numeric ``lr``.
     """
-    fmt = get_format(dtype)
-    w = to_float64(weights).ravel()
-    if update is None:
-        if lr is None:
-            raise ValueError("update: give an update array or lr=")
-        u = np.full_like(w, float(lr))
-    else:
-        u = to_float64(update).ravel()
-        if u.shape != w.shape:
-            raise ValueError(f"update: {u.size} values for {w.size} weights")
-    if w.size == 0:
-        return Stagnation(0, 0.0, {10: 0.0, 50: 0.0, 90: 0.0}, 1.0, 1.0)
-    half = spacing(w, fmt) / 2
-    with np.errstate(divide="ignore"):
-        scale = np.where(np.abs(u) > 0, half / np.abs(u), np.inf)
-    return Stagnation(
-        count=int(w.size),
-        lost_fraction=float(np.mean(_lost(w, u, fmt))),
-        min_update_percentiles={p: float(np.percentile(half, p)) for p in (10, 50, 90)},
-        lr_scale_half=float(max(1.0, np.percentile(scale, 50))),
-        lr_scale_90=float(max(1.0, np.percentile(scale, 90))),
-    )
+    if update is None and lr is None:
+        raise ValueError("update: give an update array or lr=")
+    if update is not None and lr is not None:
+        raise ValueError("lr: give either an update array or lr=, not both")
+    lr = None if lr is None else _check_lr(lr)
+    counts, fmt, _ = _count(weights, update, lr, dtype)
+    counts.lr = lr
+    return _stagnation(counts, fmt.name)
 
 
 @dataclasses.dataclass
 class Fp16Range:
-    """fp16 safety of one tensor's values.
+    """fp16 safety of one tensor's values (fractions are of the finite values).
 
     Attributes:
-        count: number of values; max_abs: largest magnitude.
+        count: number of finite values; max_abs: largest finite magnitude.
         overflow_fraction: fraction that becomes inf in fp16: above the largest finite value
             65504 by half a spacing or more (>= 65520; between, the cast gives 65504).
         subnormal_fraction: fraction of nonzero values that land in fp16's subnormal range.
         zero_fraction: fraction of nonzero values that round to zero in fp16.
         rescale: a power-of-two factor that maps the tensor into fp16's normal range, or None
             if no single factor can (max/min-nonzero ratio above 65504 / 2**-14).
+        overflow, subnormal, flushed: the same as counts.
+        min_nonzero: smallest nonzero finite magnitude (0 when there is none).
+        nan, inf: non-finite values (left out of everything else).
     """
 
     count: int
@@ -147,35 +335,246 @@ class Fp16Range:
     subnormal_fraction: float
     zero_fraction: float
     rescale: float | None
+    overflow: int = 0
+    subnormal: int = 0
+    flushed: int = 0
+    min_nonzero: float = 0.0
+    nan: int = 0
+    inf: int = 0
 
     @property
     def safe(self) -> bool:
-        return self.overflow_fraction == 0 and self.zero_fraction == 0
+        """No value overflows or flushes to zero (NaN/inf aside)."""
+        return self.overflow == 0 and self.flushed == 0
 
 
-def fp16_range(tensor) -> Fp16Range:
-    """fp16 safety of a tensor's values (see ``Fp16Range``)."""
-    a = np.abs(to_float64(tensor).ravel())
-    a = a[np.isfinite(a)]
-    if a.size == 0:
-        return Fp16Range(0, 0.0, 0.0, 0.0, 0.0, 1.0)
-    nonzero = a[a > 0]
-    top = float(a.max())
+def _fp16(c: _Counts) -> Fp16Range:
+    finite = int(c[_k.STAT_COUNT] - c[_k.STAT_NAN] - c[_k.STAT_INF])
+    top = c[_k.STAT_AMAX]
+    low = c[_k.STAT_AMIN] if math.isfinite(c[_k.STAT_AMIN]) else 0.0
     rescale = 1.0
-    if nonzero.size:
-        low = float(nonzero.min())
+    if low > 0:
         if top / low > FP16.max_finite / _FP16_MIN_NORMAL:
             rescale = None
         elif top > FP16.max_finite or low < _FP16_MIN_NORMAL:
             # the largest power of two that keeps the maximum finite
-            rescale = 2.0 ** np.floor(np.log2(FP16.max_finite / top))
+            rescale = 2.0 ** math.floor(math.log2(FP16.max_finite / top))
             if low * rescale < _FP16_MIN_NORMAL:
-                rescale = 2.0 ** np.ceil(np.log2(_FP16_MIN_NORMAL / low))
-    return Fp16Range(
-        count=int(a.size),
-        max_abs=top,
-        overflow_fraction=float(np.mean(a >= _FP16_OVERFLOW)),
-        subnormal_fraction=float(np.mean((a > _FP16_FLUSH) & (a < _FP16_MIN_NORMAL))),
-        zero_fraction=float(np.mean((a > 0) & (a <= _FP16_FLUSH))),
-        rescale=rescale,
+                rescale = 2.0 ** math.ceil(math.log2(_FP16_MIN_NORMAL / low))
+    over, sub, flushed = (
+        int(c[s]) for s in (_k.STAT_F16_OVERFLOW, _k.STAT_F16_SUBNORMAL, _k.STAT_F16_FLUSH)
     )
+    return Fp16Range(
+        count=finite,
+        max_abs=top,
+        overflow_fraction=over / finite if finite else 0.0,
+        subnormal_fraction=sub / finite if finite else 0.0,
+        zero_fraction=flushed / finite if finite else 0.0,
+        rescale=rescale,
+        overflow=over,
+        subnormal=sub,
+        flushed=flushed,
+        min_nonzero=low,
+        nan=int(c[_k.STAT_NAN]),
+        inf=int(c[_k.STAT_INF]),
+    )
+
+
+def fp16_range(tensor) -> Fp16Range:
+    """fp16 safety of a tensor's values (see ``Fp16Range``)."""
+    counts, _, _ = _count(tensor, None, _DEFAULT_LR, None)
+    return _fp16(counts)
+
+
+@dataclasses.dataclass
+class TensorAudit:
+    """Both audits of one tensor (or of several, by ``+``) from one kernel pass.
+
+    Attributes:
+        stagnation, fp16: the results as ``stagnation`` and ``fp16_range`` return them.
+        stored: the tensor's storage format (``"mixed"`` for a sum of tensors).
+    """
+
+    stagnation: Stagnation
+    fp16: Fp16Range
+    stored: str
+    _counts: _Counts = dataclasses.field(repr=False)
+
+    def __add__(self, other: TensorAudit) -> TensorAudit:
+        counts = self._counts + other._counts
+        dtype = self.stagnation.dtype
+        if other.stagnation.dtype != dtype:
+            dtype = "mixed"
+        stored = self.stored if self.stored == other.stored else "mixed"
+        return TensorAudit(_stagnation(counts, dtype), _fp16(counts), stored, counts)
+
+
+def audit_tensor(weights, update=None, *, lr=None, dtype=None) -> TensorAudit:
+    """``stagnation`` and ``fp16_range`` of one tensor in one pass (arguments as for
+    ``stagnation``; without ``update`` and ``lr``, ``lr`` is 1e-5)."""
+    if update is not None and lr is not None:
+        raise ValueError("lr: give either an update array or lr=, not both")
+    if update is None:
+        lr = _DEFAULT_LR if lr is None else _check_lr(lr)
+    counts, fmt, stored = _count(weights, update, lr, dtype)
+    return TensorAudit(_stagnation(counts, fmt.name), _fp16(counts), stored, counts)
+
+
+def _row(name, shape, result: TensorAudit | None, fp16: Fp16Range, stored, dtype) -> dict:
+    return {
+        "name": name,
+        "shape": list(shape),
+        "stored": stored,
+        "dtype": dtype,
+        "stagnation": None if result is None else dataclasses.asdict(result.stagnation),
+        "fp16": dataclasses.asdict(fp16),
+    }
+
+
+def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=None) -> dict:
+    """Audit every weight of a checkpoint file, one tensor at a time.
+
+    Weights are the floating-point tensors that are not optimizer state or normalization
+    buffers (judged by name: ``exp_avg``, ``optimizer.*``, ``running_mean``, ...); those and
+    non-float tensors are listed under ``"not_audited"`` with the reason.
+
+    Args:
+        path: a ``.safetensors``, ``.pt``/``.pth``/``.bin`` (torch), ``.npz`` or ``.npy`` file.
+        lr: update magnitude of unknown sign (default 1e-5 when ``update`` is not given).
+        update: a checkpoint of per-weight signed updates with the same names and shapes.
+            Weights it lacks are audited for fp16 range only and listed under
+            ``"missing_updates"``; its names that are no weight are listed under
+            ``"unused_updates"``.
+        dtype: the training storage format, ``"bfloat16"`` or ``"float16"``; default: each
+            tensor's own 16-bit format, bfloat16 for fp32/fp64 tensors.
+
+    Returns:
+        A JSON-ready dict: ``"tensors"`` (one row per weight, most lost first, with
+        ``stagnation`` and ``fp16`` as the ``Stagnation`` / ``Fp16Range`` fields),
+        ``"overall"``, ``"nonfinite"`` (weights holding NaN or inf), ``"not_audited"``,
+        ``"missing_updates"``, ``"unused_updates"``, ``"weights"`` and ``"seconds"``.
+
+    Raises:
+        srround._checkpoint.CheckpointError: an unreadable file.
+        ValueError: ``lr`` with ``update``, a bad ``lr`` or ``dtype``, an update whose shape
+            differs from its weight's (the message names the tensor), no weights at all.
+    """
+    import time
+
+    from ._checkpoint import CheckpointError, classify, open_checkpoint
+
+    start = time.perf_counter()
+    if update is not None and lr is not None:
+        raise ValueError("lr: give either an update checkpoint or lr, not both")
+    lr = None if update is not None else (_DEFAULT_LR if lr is None else _check_lr(lr))
+    if dtype not in (None, "auto"):
+        dtype = get_format(dtype).name
+    entries = open_checkpoint(path)
+    weights, not_audited = [], []
+    for e in entries:
+        reason = classify(e.name, e.dtype)
+        if reason is None:
+            weights.append(e)
+        else:
+            not_audited.append(
+                {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "reason": reason}
+            )
+    if not weights:
+        raise ValueError(f"{path}: no floating-point weights")
+    updates, missing, unused = {}, [], []
+    if update is not None:
+        updates = {e.name: e for e in open_checkpoint(update)}
+        names = {e.name for e in weights}
+        unused = [n for n in updates if n not in names]
+        for e in weights:
+            u = updates.get(e.name)
+            if u is None:
+                missing.append(e.name)
+            elif u.shape != e.shape or u.dtype not in ("float64", "float32", "bfloat16", "float16"):
+                raise ValueError(
+                    f"update: {e.name} has shape {list(u.shape)} ({u.dtype}) in {update}, the"
+                    f" weight has {list(e.shape)}"
+                )
+    rows, nonfinite, targets = [], [], set()
+    stag_total = all_total = None
+    for e in weights:
+        try:
+            w = e.read()
+            u = updates[e.name].read() if e.name in updates else None
+        except Exception as error:  # a member or mapping the reader could not produce
+            raise CheckpointError(f"{path}: {e.name}: cannot be read ({error})") from error
+        if update is not None and u is None:
+            result = audit_tensor(w, dtype=dtype)  # fp16 range only
+            stag = None
+        else:
+            result = audit_tensor(w, u, lr=lr if u is None else None, dtype=dtype)
+            stag = result
+            stag_total = result._counts if stag_total is None else stag_total + result._counts
+            targets.add(result.stagnation.dtype)
+        all_total = result._counts if all_total is None else all_total + result._counts
+        del w, u  # unmaps a memory-mapped tensor
+        e.release()
+        if e.name in updates:
+            updates[e.name].release()
+        rows.append(
+            _row(e.name, e.shape, stag, result.fp16, result.stored, result.stagnation.dtype)
+        )
+        if result.fp16.nan or result.fp16.inf:
+            nonfinite.append({"name": e.name, "nan": result.fp16.nan, "inf": result.fp16.inf})
+    rows.sort(
+        key=lambda r: (
+            -(r["stagnation"]["lost_fraction"] if r["stagnation"] else -1.0),
+            -int(np.prod(r["shape"])),
+        )
+    )
+    overall_stag = None
+    if stag_total is not None:
+        overall_stag = _stagnation(stag_total, targets.pop() if len(targets) == 1 else "mixed")
+    overall_fp16 = _fp16(all_total)
+    count = sum(int(np.prod(r["shape"])) for r in rows)
+    seconds = time.perf_counter() - start
+    return {
+        "checkpoint": path,
+        "update": update,
+        "lr": lr,
+        "dtype": dtype or "auto",
+        "weights": count,
+        "seconds": seconds,
+        "overall": {
+            "stagnation": None if overall_stag is None else dataclasses.asdict(overall_stag),
+            "fp16": dataclasses.asdict(overall_fp16),
+            "recommendation": (
+                overall_stag.recommendation()
+                if overall_stag is not None
+                else "no weight has an update in the update file: no stagnation audit"
+            ),
+            "fp16_verdict": fp16_verdict(overall_fp16),
+        },
+        "nonfinite": nonfinite,
+        "tensors": rows,
+        "not_audited": not_audited,
+        "missing_updates": missing,
+        "unused_updates": unused,
+    }
+
+
+def fp16_verdict(r: Fp16Range) -> str:
+    """One line on fp16 safety, with the counts it rests on."""
+    if r.count == 0:
+        return "fp16: no finite weights"
+    parts = []
+    if r.overflow:
+        parts.append(f"{r.overflow:,} overflow to inf")
+    if r.flushed:
+        parts.append(f"{r.flushed:,} flush to zero")
+    sub = (
+        f"; {r.subnormal:,} land in fp16's subnormal range (less precision)" if r.subnormal else ""
+    )
+    if not parts:
+        return f"fp16: all {r.count:,} finite weights fit fp16 as they are{sub}"
+    fix = (
+        "no single power-of-two rescale fits every weight"
+        if r.rescale is None
+        else f"a rescale by {r.rescale:g} fits every weight"
+    )
+    return f"fp16: not safe as is: {' and '.join(parts)} of {r.count:,} weights{sub}; {fix}"

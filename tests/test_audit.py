@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -125,3 +126,287 @@ def test_audit_cli_table_and_errors(checkpoints, tmp_path):
     corrupt.write_bytes(b"not a zip")
     bad = _cli("audit", str(corrupt))
     assert bad.returncode == 2 and "not a readable npz file" in bad.stderr
+
+
+def _oracle_lost(w, lr, fmt_dtype):
+    """Lost fraction of an update of size ``lr`` in both directions, by casting in float64."""
+    q = np.asarray(w, np.float64).astype(fmt_dtype).astype(np.float64)
+    up = (q + np.sign(q + (q == 0)) * lr).astype(fmt_dtype).astype(np.float64) == q
+    down = (q - np.sign(q + (q == 0)) * lr).astype(fmt_dtype).astype(np.float64) == q
+    return (up.sum() + down.sum()) / (2 * q.size)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_lr_counts_both_directions_exactly(dtype):
+    np_dtype = srround.FORMATS[dtype].numpy_dtype
+    rng = np.random.default_rng(1)
+    w = np.concatenate(
+        [
+            rng.standard_normal(20_000) * 0.05,
+            [1.0, -1.0, 2.0, -0.5, 0.0, 2.0**-20],  # binade starts, zero, fp16 subnormal
+            rng.standard_normal(1000).astype(np_dtype).astype(np.float64),  # exact patterns
+        ]
+    ).astype(np.float32)
+    for lr in (1e-4, 3e-3, 2.0**-9):  # 2**-9: exact ties at 1.0 / 2.0
+        s = audit.stagnation(w, lr=lr, dtype=dtype)
+        assert s.directions == "both" and s.updates == w.size
+        assert s.lost_fraction == pytest.approx(_oracle_lost(w, lr, np_dtype), abs=1e-12)
+
+
+def test_lr_verdict_does_not_depend_on_the_weights_sign():
+    up = audit.stagnation(np.full(10, 1.0), lr=0.003)
+    down = audit.stagnation(np.full(10, -1.0), lr=0.003)
+    # at 1.0 (bf16) 0.003 is below half the spacing above (2**-8), above half the one below
+    assert up.lost_fraction == down.lost_fraction == 0.5
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), 0.0, -1e-3])
+def test_bad_lr_is_an_error(lr):
+    with pytest.raises(ValueError, match="lr"):
+        audit.stagnation(np.ones(4, np.float32), lr=lr)
+
+
+def test_lr_with_update_is_an_error():
+    with pytest.raises(ValueError, match="not both"):
+        audit.stagnation(np.ones(4), np.ones(4), lr=1e-3)
+
+
+def test_zero_and_nonfinite_updates_are_not_lost():
+    w = np.ones(6, np.float32)
+    s = audit.stagnation(w, np.zeros(6, np.float32))
+    assert s.updates == 0 and s.zero_updates == 6 and s.lost_fraction == 0.0
+    assert s.lr_scale_half == 1.0 and "no nonzero" in s.recommendation()
+    s = audit.stagnation(w, np.float32([0, np.nan, np.inf, 1e-5, 1.0, 0]))
+    assert (s.updates, s.zero_updates, s.nonfinite_updates, s.lost_updates) == (2, 2, 2, 1)
+
+
+def test_update_size_mismatch_names_both_shapes():
+    with pytest.raises(ValueError, match=r"update: shape \(3,\).*\(4,\)"):
+        audit.stagnation(np.ones(4), np.ones(3))
+
+
+def test_stored_16bit_format_is_the_default():
+    w = np.float16([1.0, 0.5, 0.25])
+    s = audit.stagnation(w, lr=2e-4)  # fp16 at 1.0: half spacing 2**-11 ~ 4.9e-4
+    assert s.dtype == "float16"
+    assert s.lost_fraction == audit.stagnation(w, lr=2e-4, dtype="float16").lost_fraction
+    assert audit.stagnation(w, lr=2e-4, dtype="bfloat16").lost_fraction == 1.0
+    assert audit.stagnation(np.float32([1.0]), lr=1e-3).dtype == "bfloat16"
+
+
+def test_fp16_range_counts_and_nonfinite():
+    w = np.full(1000, 0.5, np.float32)
+    w[:3] = [2.0**-26, np.nan, np.inf]
+    r = audit.fp16_range(w)
+    assert (r.flushed, r.overflow, r.nan, r.inf, r.count) == (1, 0, 1, 1, 998)
+    assert not r.safe and "1 flush to zero" in audit.fp16_verdict(r)
+    s = audit.stagnation(w, lr=1e-3)
+    assert s.nonfinite_weights == 2 and s.updates == 998
+
+
+def test_percentiles_are_nearest_rank_of_the_spacings():
+    w = np.float32([1.0] * 9 + [2.0**-10])
+    s = audit.stagnation(w, lr=1.0)
+    assert s.min_update_percentiles == {10: 2.0**-18, 50: 2.0**-8, 90: 2.0**-8}
+    u = np.full(10, 2.0**-12, np.float32)
+    s = audit.stagnation(w, u)  # half spacing / |u| = 16 at 1.0
+    assert s.lr_scale_half == pytest.approx(16, rel=2**-10)
+
+
+@pytest.fixture
+def minilm_like(tmp_path):
+    """A safetensors checkpoint with long names, an int buffer, NaN and fp16 flushes."""
+    save_file = pytest.importorskip("safetensors.numpy").save_file
+    rng = np.random.default_rng(0)
+    long = "encoder.layer.0.attention.output.LayerNorm.weight.with.a.very.long.name"
+    w = {
+        long: np.ones(64, np.float32),
+        "encoder.layer.0.attention.output.dense.weight": (
+            rng.standard_normal((64, 64)) * 0.02
+        ).astype(np.float32),
+        "embeddings.position_ids": np.arange(16, dtype=np.int64)[None],
+        "bad.weight": np.float32([1.0, np.nan, np.inf, 0.0]),
+    }
+    w["encoder.layer.0.attention.output.dense.weight"][0, 0] = 2.0**-27  # flushes in fp16
+    path = tmp_path / "model.safetensors"
+    save_file(w, str(path))
+    return path, w, long
+
+
+def test_cli_table_real_model_output(minilm_like):
+    path, w, long = minilm_like
+    result = _cli("audit", str(path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert long in out  # full names
+    lines = out.splitlines()
+    warn = next(i for i, line in enumerate(lines) if line.startswith("WARNING"))
+    header = next(i for i, line in enumerate(lines) if line.startswith("tensor"))
+    assert warn < header and "bad.weight: 1 NaN, 1 inf" in out  # NaN/inf flagged first
+    assert "embeddings.position_ids int64 [1, 16]: not floating point" in out
+    assert "1 flush to zero" in out  # the verdict carries its count
+    assert "Warning" not in result.stderr
+
+
+def test_cli_csv_and_json_list_every_tensor(minilm_like):
+    import csv
+    import io
+
+    path, w, long = minilm_like
+    result = _cli("audit", str(path), "--format", "csv")
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert {r["name"] for r in rows} == set(w)
+    by = {r["name"]: r for r in rows}
+    assert by["embeddings.position_ids"]["status"] == "not audited: not floating point"
+    assert by["encoder.layer.0.attention.output.dense.weight"]["fp16_flushed"] == "1"
+    report = json.loads(_cli("audit", str(path), "--format", "json").stdout)
+    assert len(report["tensors"]) == 3 and report["nonfinite"][0]["name"] == "bad.weight"
+
+
+def test_cli_rejects_bad_lr_and_lr_with_update(checkpoints):
+    for lr in ("nan", "0", "-1e-5"):
+        bad = _cli("audit", str(checkpoints["npz"]), "--lr", lr)
+        assert bad.returncode == 2 and "lr" in bad.stderr and "Traceback" not in bad.stderr
+    both = _cli("audit", str(checkpoints["npz"]), "--lr", "1e-4", "--update", "x.npz")
+    assert both.returncode == 2 and "--lr and --update" in both.stderr
+
+
+def test_cli_update_files(checkpoints, tmp_path):
+    zero = tmp_path / "zero.npz"
+    np.savez(zero, **{"layer.weight": np.zeros(4, np.float32), "layer.bias": np.zeros(2)})
+    result = _cli("audit", str(checkpoints["npz"]), "--update", str(zero))
+    assert result.returncode == 0, result.stderr
+    assert "no nonzero, finite updates" in result.stdout and "100" not in result.stdout
+    partial = tmp_path / "partial.npz"
+    np.savez(partial, **{"layer.weight": np.full(4, 1e-4, np.float32)})
+    result = _cli("audit", str(checkpoints["npz"]), "--update", str(partial), "--json")
+    report = json.loads(result.stdout)
+    assert report["missing_updates"] == ["layer.bias"]
+    assert report["overall"]["stagnation"]["updates"] == 4
+    text = _cli("audit", str(checkpoints["npz"]), "--update", str(partial)).stdout
+    assert "no update for 1 weight tensors (fp16 range only): layer.bias" in text
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, **{"layer.weight": np.ones(3, np.float32)})
+    bad = _cli("audit", str(checkpoints["npz"]), "--update", str(wrong))
+    assert bad.returncode == 2 and "layer.weight" in bad.stderr and bad.stdout == ""
+    transposed = tmp_path / "transposed.npz"
+    np.savez(transposed, **{"layer.weight": np.ones((4, 1), np.float32)})  # same size
+    bad = _cli("audit", str(checkpoints["npz"]), "--update", str(transposed))
+    assert bad.returncode == 2 and "[4, 1]" in bad.stderr
+
+
+def test_cli_fp16_checkpoint_is_audited_as_fp16(tmp_path):
+    path = tmp_path / "half.npz"
+    np.savez(path, w=np.float16([1.0, 0.5, 0.25]))
+    report = json.loads(_cli("audit", str(path), "--lr", "2e-4", "--json").stdout)
+    assert report["tensors"][0]["dtype"] == "float16"
+    forced = _cli("audit", str(path), "--lr", "2e-4", "--json", "--dtype", "bfloat16").stdout
+    assert json.loads(forced)["tensors"][0]["dtype"] == "bfloat16"
+
+
+def test_cli_torch_state_reports_buffers_and_optimizer_state_apart(tmp_path):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    path = tmp_path / "ck.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    report = json.loads(_cli("audit", str(path), "--json").stdout)
+    weights = {r["name"] for r in report["tensors"]}
+    assert weights == {"model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias"}
+    reasons = {r["name"]: r["reason"] for r in report["not_audited"]}
+    assert reasons["model.1.running_mean"] == "buffer"
+    assert reasons["model.1.num_batches_tracked"] == "not floating point"
+    assert reasons["optimizer.state.0.exp_avg"] == "optimizer state"
+    assert report["weights"] == 4 * 4 + 4 + 4 + 4
+
+
+def test_safetensors_entries_are_memory_mapped(minilm_like):
+    from srround._checkpoint import open_checkpoint
+
+    path, w, _ = minilm_like
+    entries = {e.name: e for e in open_checkpoint(str(path))}
+    a = entries["encoder.layer.0.attention.output.dense.weight"].read()
+    assert isinstance(a, np.memmap)
+    assert np.array_equal(a, w["encoder.layer.0.attention.output.dense.weight"].ravel())
+
+
+def test_torch_entries_read_again_after_their_pages_are_dropped(tmp_path):
+    torch = pytest.importorskip("torch")
+    from srround._checkpoint import open_checkpoint
+
+    w = (torch.arange(3 * 4096, dtype=torch.float32) * 0.5).bfloat16()
+    torch.save({"w": w, "b": torch.ones(3)}, tmp_path / "ck.pt")
+    (entry,) = [e for e in open_checkpoint(str(tmp_path / "ck.pt")) if e.name == "w"]
+    first = np.array(entry.read(), copy=True)
+    entry.release()  # drops the mapped pages; the file still backs them
+    again = entry.read()
+    assert np.array_equal(first.view(np.uint16), again.view(np.uint16))
+    assert np.array_equal(first.view(np.uint16), w.view(torch.int16).numpy().view(np.uint16))
+
+
+def test_float32_pattern_path_matches_the_general_kernel():
+    # float32 weights with a scalar lr go through a bf16-pattern histogram; float64 weights
+    # through the per-value kernel: every count must agree (both large: parallel kernels)
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((1 << 20) + 3) * 0.05).astype(np.float32)
+    w[:6] = [np.nan, np.inf, -np.inf, 0.0, 7e4, 2.0**-130]
+    fast = audit.audit_tensor(w, lr=3e-4)
+    slow = audit.audit_tensor(w.astype(np.float64), lr=3e-4)
+    assert fast.stagnation == dataclasses.replace(slow.stagnation)
+    assert fast.fp16 == slow.fp16
+    assert (fast.fp16.nan, fast.fp16.inf, fast.fp16.overflow) == (1, 2, 1)
+
+
+def test_bench_audit_smoke(tmp_path, minilm_like):
+    """benchmarks/bench_audit.py writes, audits and deletes a checkpoint, reports memory."""
+    path, _, _ = minilm_like
+    bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_audit.py")
+    out = tmp_path / "bench.json"
+    args = ["--params", "200000", "--dtypes", "bfloat16", "--minilm", str(path), "--json"]
+    result = subprocess.run(
+        [sys.executable, bench, *args, str(out)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["checkpoint"] for r in rows] == ["synthetic bfloat16", "model.safetensors"]
+    assert rows[0]["weights"] > 100_000 and rows[0]["peak_rss_bytes"] > 0
+    assert all(r["weights_per_s"] > 0 for r in rows)
+
+
+def test_cli_npy_and_corrupt_safetensors(tmp_path):
+    np.save(tmp_path / "emb.npy", np.full((3, 5), 0.5, np.float16))
+    report = json.loads(_cli("audit", str(tmp_path / "emb.npy"), "--json").stdout)
+    assert [(r["name"], r["shape"], r["stored"]) for r in report["tensors"]] == [
+        ("emb", [3, 5], "float16")
+    ]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 16)
+    result = _cli("audit", str(bad))
+    assert result.returncode == 2 and "not a readable safetensors file" in result.stderr
+
+
+def test_no_numpy_warnings(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(audit, "_TABLES", {})  # the decode tables are built again
+    w = np.float32([1.0, np.nan, np.inf, 0.0, 7e4]).astype(ml_dtypes.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        audit.audit_tensor(w, w)
+        audit.audit_tensor(w.astype(np.float16), lr=1e-3)
+        audit.fp16_range(np.zeros(3))
+        audit.stagnation(np.float32([np.nan]), lr=1e-3)
+
+
+def test_cli_torch_update_lacking_tensors(checkpoints, tmp_path):
+    torch = pytest.importorskip("torch")
+    update = tmp_path / "update.pt"
+    torch.save({"model": {"layer.weight": torch.full((4,), 1e-4)}}, update)
+    result = _cli("audit", str(checkpoints["pt"]), "--update", str(update), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["missing_updates"] == ["model.layer.bias"]
+    assert report["overall"]["stagnation"]["updates"] == 4
