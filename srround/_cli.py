@@ -3,36 +3,138 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 
-def _demo(args) -> int:
-    from ._demo import METHODS, format_table, plot, run_demo
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}")
+    return value
+
+
+def _check_demo_args(args) -> str | None:
+    """What is wrong with the demo's arguments beyond their syntax (one line), or None."""
+    framework = args.framework or ("torch" if args.model == "lm" else "numpy")
+    if args.model == "lm" and framework != "torch":
+        return f"--framework: the lm demo runs on torch, got {framework!r}"
+    try:
+        __import__(framework)
+    except ImportError:
+        extra = "demo" if args.model == "lm" else framework
+        return f"--framework: {framework} is not installed (pip install 'srround[{extra}]')" + (
+            "; or run --model linear, which needs NumPy only" if args.model == "lm" else ""
+        )
+    if args.device == "cuda":
+        if framework == "numpy":
+            return (
+                "--device: the numpy framework runs on the cpu only; use --framework torch or jax"
+            )
+        if framework == "torch":
+            import torch
+
+            if not torch.cuda.is_available():
+                return "--device: cuda requested, but torch sees no CUDA GPU here"
+        else:
+            import jax
+
+            try:
+                jax.devices("gpu")
+            except RuntimeError:
+                return "--device: cuda requested, but jax sees no GPU here"
+    args.framework = framework
+    return None
+
+
+def _demo(args) -> int:
+    import json
+
+    problem = _check_demo_args(args)
+    if problem:
+        args.parser.error(problem)  # usage and the one-line message on stderr, exit status 2
     try:
         from tqdm import tqdm
     except ImportError:  # the progress bar is optional (pip install "srround[demo]")
         tqdm = None
-    label = f"training {len(METHODS)} variants"
-    bar = tqdm(total=args.steps, desc=label, unit="step") if tqdm else None
-    result = run_demo(
-        steps=args.steps,
-        lr=args.lr,
-        seed=args.seed,
-        framework=args.framework,
-        device=args.device,
-        progress=(lambda _step: bar.update()) if bar else None,
-    )
+    if args.model == "lm":
+        import dataclasses
+
+        from . import _demo_lm as demo
+
+        base = demo.CUDA_CONFIG if args.device == "cuda" else demo.CPU_CONFIG
+        changes = {k: getattr(args, k) for k in ("steps", "lr") if getattr(args, k) is not None}
+        config = dataclasses.replace(base, **changes)
+        steps, label = config.steps, f"training {len(demo.VARIANTS)} transformer variants"
+        png = "demo_lm_loss.png"
+    else:
+        from . import _demo as demo
+
+        steps = args.steps or 1500
+        label = f"training {len(demo.METHODS)} variants"
+        png = "demo_loss.png"
+    bar = tqdm(total=steps, desc=label, unit="step") if tqdm else None
+    progress = (lambda _step: bar.update()) if bar else None
+    if args.model == "lm":
+        result = demo.run_lm_demo(config, seed=args.seed, device=args.device, progress=progress)
+        rows = result.rows()
+    else:
+        result = demo.run_demo(
+            steps=steps,
+            lr=args.lr or 3e-5,
+            seed=args.seed,
+            framework=args.framework,
+            device=args.device,
+            progress=progress,
+        )
+        rows = [
+            {
+                "name": m,
+                "train_loss": float(result.losses[m][-1]),
+                "validation_loss": None,
+                "progress": result.progress(m),
+            }
+            for m in demo.METHODS
+        ]
     if bar:
         bar.close()
-    print(format_table(result))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "demo_loss.png")
-    if plot(result, path):
-        print(f"loss curves: {path}")
+    if args.json:
+        print(json.dumps(rows, indent=2))
     else:
-        print("(install matplotlib for the loss-curve plot: pip install 'srround[demo]')")
+        print(demo.format_table(result))
+    notes = sys.stderr if args.json else sys.stdout
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, png)
+    if demo.plot(result, path):
+        print(f"loss curves: {path}", file=notes)
+    else:
+        print(
+            "(install matplotlib for the loss-curve plot: pip install 'srround[demo]')", file=notes
+        )
     return 0
 
 
@@ -235,28 +337,59 @@ def _bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    from . import _demo_lm as lm  # NumPy only at import: its torch import is inside functions
+
     parser = argparse.ArgumentParser(prog="srround", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
-        "demo", help="train a small model with bf16 weights: nearest stalls, stochastic tracks fp32"
+        "demo",
+        help="train with bf16 weights: round-to-nearest stalls, stochastic rounding tracks fp32",
+        description="Train the same model from the same start with fp32 weights, bf16 weights"
+        " rounded to nearest, bf16 with srround's stochastic rounding and bf16 with Kahan"
+        " compensation or fp32 master weights; print a table and write a PNG of the loss curves.",
     )
-    demo.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
-    demo.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
-    demo.add_argument("--seed", type=int, default=0, help="data and rounding seed (default 0)")
+    demo.add_argument(
+        "--model",
+        default="lm",
+        choices=["lm", "linear"],
+        help="lm (default): a byte-level transformer language model on the Python standard"
+        " library's source, a few minutes on 2 CPU cores, needs torch; linear: a 512-weight"
+        " linear model on generated data, seconds, NumPy only",
+    )
+    demo.add_argument(
+        "--steps",
+        type=_positive_int,
+        help=f"optimizer steps (default: lm {lm.CPU_CONFIG.steps}, {lm.CUDA_CONFIG.steps} with"
+        " --device cuda; linear 1500)",
+    )
+    demo.add_argument(
+        "--lr",
+        type=_positive_float,
+        help=f"AdamW learning rate (default: lm {lm.CPU_CONFIG.lr:g}, {lm.CUDA_CONFIG.lr:g} with"
+        " --device cuda; linear 3e-5)",
+    )
+    demo.add_argument(
+        "--seed", type=_seed, default=0, help="initialisation, data and rounding seed (default 0)"
+    )
     demo.add_argument("--out", default="srround-demo", help="folder for the plot")
     demo.add_argument(
         "--framework",
-        default="numpy",
         choices=["numpy", "torch", "jax"],
-        help="where the weights live (default numpy)",
+        help="where the linear model's weights live (default numpy; the lm demo is torch)",
     )
     demo.add_argument(
         "--device",
         default="cpu",
         choices=["cpu", "cuda"],
-        help="cpu (default) or cuda (torch/jax on a GPU)",
+        help="cpu (default) or cuda (a GPU through torch or jax; lm: a larger model)",
     )
-    demo.set_defaults(run=_demo)
+    demo.add_argument(
+        "--json",
+        action="store_true",
+        help="print the table as JSON: one object per variant (name, train_loss,"
+        " validation_loss, progress)",
+    )
+    demo.set_defaults(run=_demo, parser=demo)
     audit = commands.add_parser(
         "audit", help="check a checkpoint for bf16/fp16 update stagnation and fp16 range"
     )

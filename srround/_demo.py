@@ -190,8 +190,8 @@ def run_demo(
 
 def format_table(result: DemoResult) -> str:
     lines = [
-        f"{result.where}: AdamW, lr={result.lr:g}, {result.steps} steps; progress = (L - L_fp32) / (L_0 - L_fp32):"
-        " 0 is as far as fp32 got, 1 is no progress",
+        f"{result.where}: AdamW, lr={result.lr:g}, {result.steps} steps;"
+        " progress = (L - L_fp32) / (L_0 - L_fp32): 0 is as far as fp32 got, 1 is no progress",
         f"{'method':<20} {'final loss':>12} {'progress':>10}",
     ]
     for method in METHODS:

@@ -41,3 +41,87 @@ def test_demo_on_other_frameworks_matches_numpy(framework):
     theirs = run_demo(framework=framework, **kwargs)
     for method, curve in ours.losses.items():
         assert curve == pytest.approx(theirs.losses[method], rel=1e-4), method
+
+
+# -- argument validation: one argparse line naming the option, no traceback, nothing run --------
+
+
+def _cli_error(capsys, argv):
+    from srround._cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--steps", "-5"], "--steps"),
+        (["--steps", "0"], "--steps"),
+        (["--steps", "2.5"], "--steps"),
+        (["--lr", "nan"], "--lr"),
+        (["--lr", "inf"], "--lr"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "-0.001"], "--lr"),
+        (["--lr=-1e-3"], "--lr"),
+        (["--seed", "-1"], "--seed"),
+    ],
+)
+def test_demo_rejects_bad_numbers(capsys, tmp_path, argv, option):
+    line = _cli_error(capsys, ["demo", "--model", "linear", *argv, "--out", str(tmp_path)])
+    assert line.startswith("srround demo: error: argument " + option), line
+    assert not any(tmp_path.iterdir())
+
+
+def _has_cuda():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_has_cuda(), reason="a CUDA GPU is present")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # the default model (lm, torch)
+        ["--model", "linear"],  # numpy: cpu only
+        ["--model", "linear", "--framework", "torch"],
+    ],
+)
+def test_demo_device_cuda_without_gpu_is_a_clear_error(capsys, tmp_path, argv):
+    pytest.importorskip("torch")
+    line = _cli_error(capsys, ["demo", *argv, "--device", "cuda", "--out", str(tmp_path)])
+    assert line.startswith("srround demo: error: --device: "), line
+    assert not any(tmp_path.iterdir())
+
+
+def test_demo_lm_runs_on_torch_only(capsys, tmp_path):
+    line = _cli_error(
+        capsys, ["demo", "--model", "lm", "--framework", "jax", "--out", str(tmp_path)]
+    )
+    assert line.startswith("srround demo: error: --framework: the lm demo runs on torch"), line
+
+
+# -- the language-model demo ---------------------------------------------------------------------
+
+
+def test_demo_modules_do_not_import_torch():
+    code = "import sys, srround._cli, srround._demo_lm; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_stdlib_text_is_fixed_and_split():
+    from srround._demo_lm import stdlib_text
+
+    train, validation = stdlib_text(300_000)
+    assert 300_000 <= len(train) and 10_000 <= len(validation)
+    assert stdlib_text(300_000) == (train, validation)
+    assert validation[:200] not in train
