@@ -4,7 +4,8 @@
 #     bash benchmarks/gpu_session.sh            # logs and JSON under ${OUT:-gpu-out}/
 # 1. installs srround in place without dependencies, 2. runs the whole test suite on the real
 # GPU (tests/conftest.py uses the GPU when /dev/nvidiactl exists, so CUDA tests are not
-# simulated), 3. runs every benchmark for the GPU, each against its same-run baselines.
+# simulated), 3. runs every benchmark for the GPU, each against its same-run baselines, 4. runs
+# the language-model demo's GPU configuration (srround demo --device cuda).
 set -uo pipefail
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
@@ -17,3 +18,5 @@ for script in benchmarks/bench_*.py; do
     name=$(basename "$script" .py)
     python "$script" --device cuda --json "$out/$name.json" 2>&1 | tee "$out/$name.log" | tail -40
 done
+# the lm demo's GPU configuration (a larger transformer, bf16 activations): table and PNG
+python -m srround demo --device cuda --out "$out" 2>&1 | tee "$out/demo_lm.log" | tail -12

@@ -72,8 +72,8 @@ class LMConfig:
             (the fp32 variant always computes in float32).
     """
 
-    steps: int = 600
-    lr: float = 3e-5
+    steps: int = 400
+    lr: float = 1e-5
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
@@ -135,7 +135,8 @@ def stdlib_text(max_bytes: int = 4_000_000) -> tuple[bytes, bytes]:
     """The Python standard library's top-level ``.py`` files as ``(train, validation)`` bytes.
 
     Files are taken in sorted name order; every tenth (the 10th, 20th, ...) goes to validation.
-    Reading stops once ``max_bytes`` of training text is collected.
+    Reading stops once ``max_bytes`` of training text and ``max_bytes // 10`` of validation
+    text are collected.
 
     Raises:
         RuntimeError: the standard library's sources are not on disk (a frozen or
@@ -148,14 +149,16 @@ def stdlib_text(max_bytes: int = 4_000_000) -> tuple[bytes, bytes]:
         names = []
     train, validation = bytearray(), bytearray()
     for i, name in enumerate(names):
-        if len(train) >= max_bytes:
-            break
+        part, cap = (validation, max_bytes // 10) if i % 10 == 9 else (train, max_bytes)
+        if len(part) >= cap:
+            if len(train) >= max_bytes and len(validation) >= max_bytes // 10:
+                break
+            continue
         try:
             with open(os.path.join(root, name), "rb") as f:
-                data = f.read()
+                part.extend(f.read())
         except OSError:
             continue
-        (validation if i % 10 == 9 else train).extend(data)
     if len(train) < 100_000 or len(validation) < 10_000:
         raise RuntimeError(
             f"the lm demo trains on the Python standard library's .py files, but {root} holds"
@@ -255,7 +258,9 @@ def _check_config(config: LMConfig) -> None:
         )
 
 
-def run_lm_demo(config: LMConfig = CPU_CONFIG, seed: int = 0, device: str = "cpu", progress=None):
+def run_lm_demo(
+    config: LMConfig = CPU_CONFIG, seed: int = 0, device: str = "cpu", progress=None, cpu_threads=1
+):
     """Train every variant of ``VARIANTS`` on the standard-library text; returns an ``LMResult``.
 
     Args:
@@ -263,20 +268,39 @@ def run_lm_demo(config: LMConfig = CPU_CONFIG, seed: int = 0, device: str = "cpu
         seed: initialisation, batch order and stochastic-rounding seed (int >= 0).
         device: ``"cpu"`` or ``"cuda"`` (a torch device string).
         progress: called with the step number after each step of all variants, or None.
+        cpu_threads: threads of torch's operations and of srround's (Numba's) optimizer step
+            during a CPU run (both restored afterwards), or None to leave both settings. 1 by
+            default: the CPU model's tensors are too small for threads to pay, and on a busy
+            machine threads that spin-wait between operations make a run many times slower.
 
     Raises:
         ValueError: a config field out of range, or ``device="cuda"`` without a GPU.
         RuntimeError: no standard-library text on disk (see ``stdlib_text``).
     """
+    import numba
     import torch
-    from torch.nn import functional as F
-
-    from srround.adapters.torch import AdamW
 
     _check_config(config)
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but torch sees no CUDA GPU")
+    previous = torch.get_num_threads(), numba.get_num_threads()
+    if target.type == "cpu" and cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
+        numba.set_num_threads(min(cpu_threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        return _train(config, seed, target, progress)
+    finally:
+        torch.set_num_threads(previous[0])
+        numba.set_num_threads(previous[1])
+
+
+def _train(config, seed, target, progress):
+    import torch
+    from torch.nn import functional as F
+
+    from srround.adapters.torch import AdamW
+
     started = time.perf_counter()
     train_text, val_text = stdlib_text(config.max_bytes)
     train_data = torch.from_numpy(np.frombuffer(train_text, np.uint8).astype(np.int64))
@@ -352,7 +376,7 @@ def run_lm_demo(config: LMConfig = CPU_CONFIG, seed: int = 0, device: str = "cpu
         evaluated_at=np.array(evaluated_at),
         config=config,
         seconds=time.perf_counter() - started,
-        where=f"torch {torch.__version__} on {device}",
+        where=f"torch {torch.__version__} on {target}",
     )
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from srround._demo import run_demo
@@ -23,7 +26,8 @@ def test_demo_command_writes_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     result = subprocess.run(
-        [sys.executable, "-m", "srround", "demo", "--steps", "40", "--out", str(tmp_path)],
+        [sys.executable, "-m", "srround", "demo", "--model", "linear", "--steps", "40"]
+        + ["--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -72,7 +76,7 @@ def _cli_error(capsys, argv):
     ],
 )
 def test_demo_rejects_bad_numbers(capsys, tmp_path, argv, option):
-    line = _cli_error(capsys, ["demo", "--model", "linear", *argv, "--out", str(tmp_path)])
+    line = _cli_error(capsys, ["demo", *argv, "--out", str(tmp_path)])
     assert line.startswith("srround demo: error: argument " + option), line
     assert not any(tmp_path.iterdir())
 
@@ -125,3 +129,66 @@ def test_stdlib_text_is_fixed_and_split():
     assert 300_000 <= len(train) and 10_000 <= len(validation)
     assert stdlib_text(300_000) == (train, validation)
     assert validation[:200] not in train
+
+
+def _tiny(**changes):
+    import dataclasses
+
+    from srround._demo_lm import LMConfig
+
+    tiny = LMConfig(
+        steps=40,
+        lr=1e-4,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        seq_len=32,
+        batch=8,
+        init_std=0.1,
+        evals=2,
+        eval_sequences=16,
+        max_bytes=300_000,
+    )
+    return dataclasses.replace(tiny, **changes)
+
+
+def test_lm_demo_nearest_stalls_stochastic_tracks_fp32():
+    pytest.importorskip("torch")
+    from srround._demo_lm import VARIANTS, run_lm_demo
+
+    result = run_lm_demo(_tiny())
+    progress = {row["name"]: row["progress"] for row in result.rows()}
+    assert list(progress) == list(VARIANTS)
+    assert result.validation["fp32"][-1] < result.validation["fp32"][0] - 0.1  # it learns
+    assert progress["bf16 nearest"] >= 0.5, progress
+    for variant in ("bf16 stochastic", "bf16 kahan", "bf16 + fp32 master"):
+        assert abs(progress[variant]) < 0.05, (variant, progress)
+
+
+def test_lm_demo_bf16_activations_run():
+    """The CUDA configuration's bf16 compute path, on the CPU, two steps."""
+    pytest.importorskip("torch")
+    from srround._demo_lm import run_lm_demo
+
+    result = run_lm_demo(_tiny(steps=2, compute_dtype="bfloat16"))
+    assert all(np.isfinite(row["validation_loss"]) for row in result.rows())
+
+
+def test_lm_demo_command_json(capsys, tmp_path):
+    pytest.importorskip("torch")
+    from srround._cli import main
+
+    assert main(["demo", "--steps", "2", "--json", "--out", str(tmp_path)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["name"] for row in rows] == [
+        "fp32",
+        "bf16 + fp32 master",
+        "bf16 nearest",
+        "bf16 stochastic",
+        "bf16 kahan",
+    ]
+    for row in rows:
+        assert set(row) == {"name", "train_loss", "validation_loss", "progress"}
+        assert all(isinstance(row[k], float) for k in ("train_loss", "validation_loss"))
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "demo_lm_loss.png").stat().st_size > 10_000
