@@ -192,3 +192,14 @@ def test_lm_demo_command_json(capsys, tmp_path):
         assert all(isinstance(row[k], float) for k in ("train_loss", "validation_loss"))
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "demo_lm_loss.png").stat().st_size > 10_000
+
+
+def test_linear_demo_command_json(capsys, tmp_path):
+    from srround._cli import main
+
+    argv = ["demo", "--model", "linear", "--steps", "5", "--json", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["name"] for row in rows][:3] == ["fp32", "bf16 nearest", "bf16 stochastic"]
+    assert all(row["validation_loss"] is None for row in rows)
+    assert all(isinstance(row["train_loss"], float) for row in rows)
