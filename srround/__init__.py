@@ -1,8 +1,12 @@
 """srround: stochastic rounding, fused low-precision optimizer updates and loss scaling, as
 Numba kernels for CPU and CUDA, usable from NumPy, CuPy, PyTorch and JAX."""
 
-from srround import audit
-from srround._api import (
+from srround import _threads
+
+_threads.select_threading_layer()  # before any kernel runs: safe with threads and fork
+
+from srround import audit  # noqa: E402
+from srround._api import (  # noqa: E402
     adamw_step,
     round_nearest,
     sgd_step,
@@ -12,8 +16,8 @@ from srround._api import (
     unscale_and_check,
     update_scale,
 )
-from srround._formats import FORMATS, Format
-from srround._rng import manual_seed
+from srround._formats import FORMATS, Format  # noqa: E402
+from srround._rng import manual_seed  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba import get_num_threads, njit, prange, set_num_threads, types
 from numba.extending import intrinsic
 
-from . import _config
+from . import _config, _threads
 from ._rng import _KS_PARITY, MASK32
 from ._scalar import add_exact_f32, decode, encode_nearest, encode_stochastic
 
@@ -42,14 +42,15 @@ def run(kernel, elements: int, *args):
     worker thread: 5-10 us on an idle machine, but when other processes keep the cores busy
     (data-loader workers) a scheduler time slice - measured on a 2-core VM under load, one
     unscale pass over 200 small gradients: 7.4 ms median on 2 threads, 34 us on one."""
-    if elements >= _config.CPU_SERIAL_BELOW:
-        return kernel(*args)
-    threads = get_num_threads()
-    set_num_threads(1)
-    try:
-        return kernel(*args)
-    finally:
-        set_num_threads(threads)
+    with _threads.launch_lock:  # a no-op unless the threading layer needs it (``_threads``)
+        if elements >= _config.CPU_SERIAL_BELOW:
+            return kernel(*args)
+        threads = get_num_threads()
+        set_num_threads(1)
+        try:
+            return kernel(*args)
+        finally:
+            set_num_threads(threads)
 
 
 @njit(inline="always", cache=True)
