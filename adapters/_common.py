@@ -153,8 +153,15 @@ def buffer_code(dtype, name: str) -> int:
     try:
         return BUFFER_CODES[dtype]
     except KeyError:
-        expected = ", ".join(str(d) for d in BUFFER_CODES)
-        raise TypeError(f"{name}: expected a {expected} array, got {dtype}") from None
+        raise TypeError(f"{name}: expected {buffer_dtypes(name)} array, got {dtype}") from None
+
+
+def buffer_dtypes(name: str, words=("float32", "bfloat16", "float16", "int16")) -> str:
+    """The dtypes a tensor-list argument may have, in words: int16 only for ``aux`` (the
+    remainders of ``rounding="remainder"``)."""
+    if name.startswith("aux"):
+        return f"a {words[0]}, {words[1]}, {words[2]} or {words[3]} (remainder mode)"
+    return f"a {words[0]}, {words[1]} or {words[2]}"
 
 
 def buffer_table(arrays, name: str, buffer_info):

@@ -44,22 +44,39 @@ def unscale_bits(bits, fmt, inv_scale):
     """``(new_bits, finite)`` for one gradient element: ``bits`` in format code ``fmt``
     (FORMAT_F32 / FORMAT_BF16 / FORMAT_F16) times float32 ``inv_scale``, rounded back to the
     gradient's format to nearest (as ``grad.mul_(inv_scale)`` in torch); ``finite`` is whether
-    the *input* was finite (torch checks before multiplying). ``inv_scale == 1`` leaves bits."""
+    the *result* - the unscaled gradient the optimizer will read - is finite, so a NaN or inf
+    ``inv_scale``, or an fp16 product past 65504, is flagged too. ``inv_scale == 1`` leaves
+    bits."""
     if fmt == FORMAT_F32:
         wide = bits
     elif fmt == 1:
         wide = bits << 16  # = decode(bits, 7, 8): bf16 is the top half of fp32
     else:
         wide = decode(bits, 10, 5)
-    finite = (wide & 0x7F800000) != 0x7F800000
     product = f32_to_bits(bits_to_f32(wide) * inv_scale)
-    if fmt == FORMAT_F32:
-        scaled = product
+    if inv_scale == 1.0:
+        new = bits
+    elif fmt == FORMAT_F32:
+        new = product
     elif fmt == 1:
-        scaled = encode_nearest(product, 7, 8, False)
+        new = encode_nearest(product, 7, 8, False)
     else:
-        scaled = encode_nearest(product, 10, 5, False)
-    return (bits if inv_scale == 1.0 else scaled), finite
+        new = encode_nearest(product, 10, 5, False)
+    if fmt == FORMAT_F32:
+        finite = (new & 0x7F800000) != 0x7F800000
+    elif fmt == 1:
+        finite = (new & 0x7F80) != 0x7F80
+    else:
+        finite = (new & 0x7C00) != 0x7C00
+    return new, finite
+
+
+@njit(inline="always", cache=True)
+def scale_usable(inv_scale_bits):
+    """Whether float32 bits are a positive, finite scale: exactly the patterns in
+    ``(0, 0x7F800000)`` (sign bit clear, not zero, exponent not all ones). A zero, negative,
+    NaN or inf ``inv_scale`` sets ``found_inf`` (it would zero or poison every gradient)."""
+    return 0 < inv_scale_bits < 0x7F800000
 
 
 @njit(inline="always", cache=True)
@@ -77,7 +94,7 @@ def unscale_in_place(address, fmt, j, inv_scale_bits):
         new, finite = unscale_bits(load_bits(address, j, 16), fmt, inv_scale)
         if write:
             store_bits(address, j, new, 16)
-    return finite
+    return finite and scale_usable(inv_scale_bits)
 
 
 @njit(inline="always", cache=True)
@@ -103,8 +120,17 @@ def _all_finite(a, fmt):
 @njit(inline="always", cache=True)
 def _unscale_run(address, fmt, j0, j1, inv_scale_bits):
     """Elements [j0, j1) of one buffer, as a typed array, one loop per format with literal
-    constants (LLVM vectorizes each); True if all were finite. ``inv_scale == 1``: the check
-    alone, no stores."""
+    constants (LLVM vectorizes each); True if all results were finite and the scale usable.
+    ``inv_scale == 1``: the check alone, no stores."""
+    if not scale_usable(inv_scale_bits):
+        inv_scale = bits_to_f32(inv_scale_bits)
+        if fmt == FORMAT_F32:
+            _unscale_array(carray(typed_pointer(address, 32), j1)[j0:], FORMAT_F32, inv_scale)
+        elif fmt == 1:
+            _unscale_array(carray(typed_pointer(address, 16), j1)[j0:], 1, inv_scale)
+        else:
+            _unscale_array(carray(typed_pointer(address, 16), j1)[j0:], 2, inv_scale)
+        return False
     if inv_scale_bits == _ONE_F32:
         if fmt == FORMAT_F32:
             return _all_finite(carray(typed_pointer(address, 32), j1)[j0:], FORMAT_F32)

@@ -8,12 +8,16 @@ killed by a runtime abort must not take the test run with it.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
+
+import srround
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -296,3 +300,197 @@ def test_threading_layer_is_chosen_for_threads_and_fork():
         env={"NUMBA_THREADING_LAYER": "workqueue"},
     )
     assert chosen.stdout.split()[-1] == "workqueue", chosen.stderr
+
+
+# -- loss scaling flags what it produces (finding 4) ---------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, -math.inf, 1e-50, "0.5", True])
+def test_unusable_host_inv_scale_is_an_error_before_any_write(bad):
+    g = np.ones(8, np.float32)
+    with pytest.raises((TypeError, ValueError), match="inv_scale"):
+        srround.unscale_and_check(g, bad)
+    np.testing.assert_array_equal(g, np.ones(8, np.float32))
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, math.nan, math.inf])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_unusable_device_inv_scale_sets_found_inf(writable_backend, dtype, bad):
+    """An inv_scale held in an array cannot be checked on the host without a sync: the
+    kernel flags it (it used to zero or poison every gradient and leave the flag at 0)."""
+    from srround._formats import FORMATS
+
+    put, get = writable_backend.put, writable_backend.get
+    numpy_dtype = np.float32 if dtype == "float32" else FORMATS[dtype].numpy_dtype
+    host = np.linspace(-2, 2, 40, dtype=np.float32).astype(numpy_dtype)
+    grads = [put(host.copy()), put(host[:7].copy())]
+    found = srround.unscale_and_check(grads, put(np.float32([bad])))
+    assert get(found).tolist() == [1.0]
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf])
+def test_nan_or_inf_device_scale_per_tensor_flags_that_tensor(writable_backend, scale):
+    put, get = writable_backend.put, writable_backend.get
+    grads = [put(np.ones(5, np.float32)), put(np.ones(3, np.float32))]
+    found = srround.unscale_and_check(grads, put(np.float32([0.5, scale])), per_tensor=True)
+    assert get(found).tolist() == [0.0, 1.0]
+    assert get(grads[0]).tolist() == [0.5] * 5
+
+
+def test_found_inf_is_about_the_unscaled_gradient(writable_backend):
+    """fp16 gradients times an inv_scale > 1 that overflow become inf: flagged, since the
+    optimizer would read inf (the flag was computed from the inputs)."""
+    put, get = writable_backend.put, writable_backend.get
+    g = put(np.float16([60000.0, 1.0]))
+    assert get(srround.unscale_and_check(g, 2.0)).tolist() == [1.0]
+    assert np.isinf(get(g)[0])
+    fine = put(np.float16([30000.0, 1.0]))
+    assert get(srround.unscale_and_check(fine, 2.0)).tolist() == [0.0]
+    assert get(fine).tolist() == [60000.0, 2.0]
+
+
+def test_adamw_step_host_inv_scale_is_checked():
+    p, g = np.ones(4, np.float32), np.ones(4, np.float32)
+    m, v = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    for bad in (0.0, math.nan, -1.0, math.inf):
+        with pytest.raises(ValueError, match="inv_scale"):
+            srround.adamw_step(p, g, m, v, lr=1e-3, step=1, inv_scale=bad)
+    assert p.tolist() == [1.0] * 4 and m.tolist() == [0.0] * 4
+
+
+# -- hostile scalar arguments (finding 5) ---------------------------------------------------------
+
+
+def _adamw_buffers():
+    p = np.ones(6, np.float32)
+    return [p], [np.full(6, 0.5, np.float32)], [np.zeros(6, np.float32)], [np.zeros(6, np.float32)]
+
+
+_ADAMW_BAD = [
+    ({"lr": math.nan}, ValueError, "lr: expected a finite number"),
+    ({"lr": math.inf}, ValueError, "lr: expected a finite number"),
+    ({"lr": -1.0}, ValueError, r"lr: expected a value in \[0.0, inf\]"),
+    ({"lr": "1e-3"}, TypeError, "lr: expected a real number, got '1e-3'"),
+    ({"lr": np.float32([1e-3, 2e-3])}, TypeError, r"lr: expected a real number, got an array of"),
+    ({"lr": 1e39}, ValueError, "lr: .* overflows float32"),
+    ({"weight_decay": math.nan}, ValueError, "weight_decay: expected a finite"),
+    ({"weight_decay": -0.1}, ValueError, "weight_decay: expected a value"),
+    ({"eps": -1e-8}, ValueError, "eps: expected a value"),
+    ({"betas": (1.0, 1.0)}, ValueError, r"betas\[0\]: expected a value in \[0.0, 1.0\)"),
+    ({"betas": (0.9, 1.0)}, ValueError, r"betas\[1\]: expected a value in \[0.0, 1.0\)"),
+    ({"betas": (0.9, math.nan)}, ValueError, r"betas\[1\]: expected a finite"),
+    ({"betas": 0.9}, TypeError, "betas: expected a pair"),
+    ({"betas": (0.9, 0.99, 0.5)}, TypeError, "betas: expected a pair"),
+    ({"step": 2.5}, TypeError, "step: expected an int, got 2.5"),
+    ({"step": 0}, ValueError, "step: expected an int in"),
+    ({"step": True}, TypeError, "step: expected an int"),
+    ({"rounding": ["stochastic"]}, ValueError, "rounding: expected one of"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", _ADAMW_BAD, ids=lambda v: repr(v)[:40])
+def test_adamw_step_rejects_bad_hyperparameters_before_writing(bad, error, message):
+    p, g, m, v = _adamw_buffers()
+    kwargs = {"lr": 1e-3, "step": 1, **bad}
+    with pytest.raises(error, match=message):
+        srround.adamw_step(p, g, m, v, **kwargs)
+    assert p[0].tolist() == [1.0] * 6 and m[0].tolist() == [0.0] * 6 and v[0].tolist() == [0.0] * 6
+
+
+_SGD_BAD = [
+    ({"lr": math.nan}, ValueError, "lr: expected a finite"),
+    ({"lr": -0.1}, ValueError, "lr: expected a value"),
+    ({"momentum": -0.5}, ValueError, "momentum: expected a value"),
+    ({"momentum": math.inf}, ValueError, "momentum: expected a finite"),
+    ({"dampening": math.nan}, ValueError, "dampening: expected a finite"),
+    ({"weight_decay": -1.0}, ValueError, "weight_decay: expected a value"),
+    ({"nesterov": "yes"}, TypeError, "nesterov: expected a bool"),
+    ({"nesterov": True}, ValueError, "nesterov: needs momentum > 0"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", _SGD_BAD, ids=lambda v: repr(v)[:40])
+def test_sgd_step_rejects_bad_hyperparameters_before_writing(bad, error, message):
+    p, g = [np.ones(6, np.float32)], [np.ones(6, np.float32)]
+    with pytest.raises(error, match=message):
+        srround.sgd_step(p, g, [np.zeros(6, np.float32)], **{"lr": 0.1, "step": 1, **bad})
+    assert p[0].tolist() == [1.0] * 6
+
+
+_ALPHA_BAD = [
+    (np.float32([2, 3]), TypeError, "alpha: expected a real number, got an array"),
+    ([], TypeError, r"alpha: expected a real number, got \[\]"),
+    (math.nan, ValueError, "alpha: expected a finite"),
+    (-math.inf, ValueError, "alpha: expected a finite"),
+    (1e40, ValueError, "alpha: .* overflows float32"),
+    ("2", TypeError, "alpha: expected a real number"),
+    (1 + 2j, TypeError, "alpha: expected a real number"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", _ALPHA_BAD, ids=lambda v: repr(v)[:30])
+def test_stochastic_add_rejects_bad_alpha(bad, error, message):
+    w = np.ones(4, np.float16)
+    with pytest.raises(error, match=message):
+        srround.stochastic_add(w, np.ones(4, np.float32), alpha=bad, seed=0)
+    assert w.tolist() == [1.0] * 4
+
+
+_UPDATE_BAD = [
+    ({"backoff_factor": math.nan}, ValueError, "backoff_factor: expected a finite"),
+    ({"backoff_factor": 0.0}, ValueError, r"backoff_factor: expected a value in \(0.0, 1.0\]"),
+    ({"backoff_factor": 1.5}, ValueError, "backoff_factor: expected a value"),
+    ({"growth_factor": 0.0}, ValueError, r"growth_factor: expected a value in \[1.0, inf\]"),
+    ({"growth_factor": math.inf}, ValueError, "growth_factor: expected a finite"),
+    ({"growth_interval": 2.5}, TypeError, "growth_interval: expected an int, got 2.5"),
+    ({"growth_interval": 0}, ValueError, "growth_interval: expected an int in"),
+    ({"growth_interval": 2**31}, ValueError, "growth_interval: expected an int in"),
+    ({"hysteresis": 1.0}, TypeError, "hysteresis: expected an int"),
+    ({"min_scale": -1.0}, ValueError, "min_scale: expected a value"),
+    ({"max_scale": 0.0}, ValueError, "max_scale: expected a value"),
+    ({"max_scale": math.nan}, ValueError, "max_scale: expected a number, got nan"),
+    ({"min_scale": 4.0, "max_scale": 2.0}, ValueError, "min_scale: 4.0 is above max_scale"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", _UPDATE_BAD, ids=lambda v: repr(v)[:40])
+def test_update_scale_rejects_bad_factors_before_writing(bad, error, message):
+    scale, tracker = np.float32([8.0]), np.zeros(1, np.int32)
+    with pytest.raises(error, match=message):
+        srround.update_scale(scale, tracker, np.float32([1.0]), **bad)
+    assert scale.tolist() == [8.0] and tracker.tolist() == [0]
+
+
+def test_static_scale_and_unbounded_max_are_accepted():
+    scale, tracker = np.float32([8.0]), np.zeros(1, np.int32)
+    srround.update_scale(
+        scale,
+        tracker,
+        np.float32([0.0]),
+        growth_factor=1,
+        backoff_factor=1,
+        growth_interval=1,
+        max_scale=math.inf,
+    )
+    assert scale.tolist() == [8.0]
+
+
+def test_messages():
+    """Finding 9's messages: no "expected 1 or 1 values", manual_seed(None) does not offer None,
+    grads errors do not list int16."""
+    with pytest.raises(ValueError) as info:
+        srround.unscale_and_check(np.ones(2, np.float32), np.float32([1.0, 1.0]))
+    assert str(info.value) == "inv_scale: expected 1 value, got 2"
+    with pytest.raises(TypeError) as info:
+        srround.manual_seed(None)
+    assert "or None" not in str(info.value) and "got None" in str(info.value)
+    with pytest.raises(TypeError) as info:
+        srround.adamw_step(
+            np.ones(2, np.float32),
+            np.ones(2, np.float64),
+            np.zeros(2, np.float32),
+            np.zeros(2, np.float32),
+            lr=0.1,
+            step=1,
+        )
+    assert "int16" not in str(info.value) and str(info.value).startswith("grads[0]:")
