@@ -16,11 +16,30 @@ from . import _cpu, _loss_scale, _optim, _validate
 from ._dispatch import View, adapter_for, check_same_place, check_shape, mutable_adapter_for
 from ._formats import get_format, saturate_flag
 from ._rng import check_offset, check_seed, next_seed, split_seed
-from ._tensor_list import FORMAT_CODES, TensorList
+from ._tensor_list import FORMAT_CODES, TensorList, address
 
 
 def _key(seed) -> tuple[int, int]:
     return split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
+
+
+_WIDTHS = {0: 4, 1: 2, 2: 2, 3: 2}  # bytes per element of each buffer_table format code
+
+
+def _span(name: str, view: View | None, writes: bool):
+    """``(name, address, nbytes, writes)`` of a view, for ``_validate.no_overlap``."""
+    if view is None:
+        return (name, 0, 0, writes)
+    return (name, address(view.bits), view.bits.size * view.bits.dtype.itemsize, writes)
+
+
+def _table_spans(name: str, arrays, addresses, sizes, codes, writes: bool):
+    """``_span`` of each present buffer of a tensor-list argument."""
+    return [
+        (f"{name}[{i}]", a, n * _WIDTHS[c], writes)
+        for i, (array, a, n, c) in enumerate(zip(arrays, addresses, sizes, codes))
+        if array is not None
+    ]
 
 
 def _own(adapter, name: str):
@@ -77,6 +96,8 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     src, _ = adapter.source(x, "x")
     dst = adapter.target(out, "out", src, fmt)
     check_same_place(x=src, out=dst)
+    if out is not None:
+        _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
     _launch(
         "stochastic_round",
         src,
@@ -107,6 +128,8 @@ def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
     src, _ = adapter.source(x, "x")
     dst = adapter.target(out, "out", src, fmt)
     check_same_place(x=src, out=dst)
+    if out is not None:
+        _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
     _launch(
         "round_nearest", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits, saturate
     )
@@ -128,6 +151,8 @@ def to_float32(y, *, dtype=None, out=None):
     src, fmt = adapter.source(y, "y", fmt, narrow=True)
     dst = adapter.target(out, "out", src, None)
     check_same_place(y=src, out=dst)
+    if out is not None:
+        _validate.no_overlap([_span("y", src, False), _span("out", dst, True)])
     _launch("to_float32", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits)
     return dst.result
 
@@ -160,6 +185,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     src, _ = adapter.source(u, "u")
     check_shape("u", src.shape, dst.shape, "w's")
     check_same_place(w=dst, u=src)
+    _validate.no_overlap([_span("w", dst, True), _span("u", src, False)])
     _launch(
         "stochastic_add",
         dst,
@@ -210,7 +236,7 @@ def _scalar_buffer(adapter, value, name, like: View, count: int, *, writable=Fal
         return View(device, like.device, (count,), None, like.stream, like.device_id)
     view, _ = adapter.source(value, name)
     if view.bits.size not in (1, count):
-        expected = "1 value" if count == 1 else f"1 or {count} values (one per tensor)"
+        expected = "1 value" if count == 1 else f"1 or {count} values"
         raise ValueError(f"{name}: expected {expected}, got {view.bits.size}")
     if writable:
         view = adapter.target(value, name, view, None)
@@ -269,6 +295,10 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         if flags.bits.size != count:
             raise ValueError(f"found_inf: expected {count} values, got {flags.bits.size}")
     check_same_place(**{"grads[0]": first, "inv_scale": scales, "found_inf": flags})
+    _validate.no_overlap(
+        _table_spans("grads", grads, addresses, sizes, codes, True)
+        + [_span("inv_scale", scales, False), _span("found_inf", flags, True)]
+    )
     table = TensorList(addresses, codes, sizes, grads)
     if table.total:
         args = (table.addresses, table.formats, table.starts, scales.bits, flags.bits, per_tensor)
@@ -447,14 +477,17 @@ def _fused_step(
     g_addr, g_codes = _table_columns(
         adapter, grads, "grads", sizes, place, (0, 1, 2), "float32, bfloat16 or float16"
     )
+    spans = _table_spans("params", params, p_addr, sizes, p_codes, True)
+    spans += _table_spans("grads", grads, g_addr, sizes, g_codes, False)
     columns, state_fmt = [], None
     for label, arrays in states:
         if arrays is None:
             columns.append([0] * count)
             continue
+        arrays = _as_list(arrays, label, count)
         addrs, codes = _table_columns(
             adapter,
-            _as_list(arrays, label, count),
+            arrays,
             label,
             sizes,
             place,
@@ -468,6 +501,7 @@ def _fused_step(
                 )
             state_fmt = c
         columns.append(addrs)
+        spans += _table_spans(label, arrays, addrs, sizes, codes, True)
     aux_addr = [0] * count
     if rounding in _AUX:
         code_of, expected = _AUX[rounding]
@@ -486,6 +520,7 @@ def _fused_step(
                 raise ValueError(f"aux[{i}]: missing ({expected} buffer for rounding={rounding!r})")
             if a is not None and a_codes[i] != code_of(c):
                 raise TypeError(f"aux[{i}]: expected {expected} for rounding={rounding!r}")
+        spans += _table_spans("aux", aux, aux_addr, sizes, a_codes, True)
     first, _ = _writable_view(adapter, params[0], "params[0]")
     table = np.zeros((count, _optim.TABLE_COLUMNS), np.int64)
     table[:, _optim.P_ADDR], table[:, _optim.P_FMT] = p_addr, p_codes
@@ -496,6 +531,8 @@ def _fused_step(
     scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)
     flags = _scalar_buffer(adapter, found_inf, "found_inf", first, 1)
     check_same_place(**{"params[0]": first, "inv_scale": scales, "found_inf": flags, "step": steps})
+    spans += [_span("inv_scale", scales, False), _span("found_inf", flags, False)]
+    _validate.no_overlap([*spans, _span("step", steps, True)])
     k0, k1 = _key(seed)
     fused = _optim.FusedStep(
         kind,

@@ -137,3 +137,43 @@ def scale_update(growth_factor, backoff_factor, growth_interval, hysteresis, min
     if low > high:
         raise ValueError(f"min_scale: {low!r} is above max_scale {high!r}")
     return growth_factor, backoff_factor, growth_interval, hysteresis, low, high
+
+
+def no_overlap(buffers) -> None:
+    """Raise ``ValueError`` naming both arguments if two buffers share memory and at least one
+    of them is written (two read-only inputs may share memory).
+
+    ``buffers``: ``(name, address, nbytes, writes)`` per buffer (empty ones are skipped). The
+    ranges are sorted by start once; without any overlap (the usual case) the check is one
+    vectorised pass, a sweep finds the pair only when there is one.
+    """
+    items = [b for b in buffers if b[2] > 0]
+    if len(items) < 2:
+        return
+    starts = np.fromiter((b[1] for b in items), np.int64, len(items))
+    ends = starts + np.fromiter((b[2] for b in items), np.int64, len(items))
+    order = np.argsort(starts, kind="stable")
+    reach = np.maximum.accumulate(ends[order])
+    if np.all(starts[order][1:] >= reach[:-1]):
+        return
+    furthest_any = furthest_written = None  # (end, item) reaching furthest so far
+    for k in order:
+        name, start, _, writes = items[k]
+        for other in (furthest_any if writes else furthest_written,):
+            if other is not None and start < other[0]:
+                first, second = sorted((other[1][0], name), key=_argument_order(items))
+                raise ValueError(
+                    f"{second}: shares memory with {first}; srround reads and writes buffers in"
+                    " one pass, so overlapping arguments give wrong results - pass separate"
+                    " buffers (e.g. a copy)"
+                )
+        end = int(ends[k])
+        if furthest_any is None or end > furthest_any[0]:
+            furthest_any = (end, items[k])
+        if writes and (furthest_written is None or end > furthest_written[0]):
+            furthest_written = (end, items[k])
+
+
+def _argument_order(items):
+    rank = {item[0]: i for i, item in enumerate(items)}
+    return rank.__getitem__

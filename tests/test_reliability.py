@@ -494,3 +494,122 @@ def test_messages():
             step=1,
         )
     assert "int16" not in str(info.value) and str(info.value).startswith("grads[0]:")
+
+
+# -- aliased memory (finding 3) ----------------------------------------------------------------
+
+
+def test_out_overlapping_x_is_an_error():
+    """An ``out`` that shares bytes with ``x`` gave wrong bits silently (the kernel reads x
+    after writing out); any overlap is an error naming both, and nothing is written."""
+    buf = np.linspace(-1, 1, 1 << 12, dtype=np.float32)
+    keep = buf.copy()
+    out = buf.view(np.float16)[: buf.size]  # the first half of x's bytes
+    with pytest.raises(ValueError, match="out: shares memory with x"):
+        srround.stochastic_round(buf, dtype="float16", seed=0, out=out)
+    with pytest.raises(ValueError, match="out: shares memory with x"):
+        srround.round_nearest(buf, dtype="float16", out=out)
+    np.testing.assert_array_equal(buf, keep)
+    wide = np.zeros(1 << 12, np.float32)
+    narrow = wide.view(np.float16)[: 1 << 12]
+    with pytest.raises(ValueError, match="out: shares memory with y"):
+        srround.to_float32(narrow, out=wide)
+
+
+def test_stochastic_add_u_overlapping_w_is_an_error():
+    u = np.ones(64, np.float32)
+    w = u.view(np.float16)[32:96]
+    with pytest.raises(ValueError, match="u: shares memory with w"):
+        srround.stochastic_add(w, u, seed=0)
+    assert u.tolist() == [1.0] * 64
+
+
+def test_same_gradient_twice_is_an_error():
+    """The same tensor twice (or overlapping views) was unscaled twice."""
+    g = np.full(16, 4.0, np.float32)
+    with pytest.raises(ValueError, match=r"grads\[1\]: shares memory with grads\[0\]"):
+        srround.unscale_and_check([g, g], 0.5)
+    with pytest.raises(ValueError, match=r"grads\[2\]: shares memory with grads\[0\]"):
+        srround.unscale_and_check([g[:8], np.ones(3, np.float32), g[4:]], 0.5)
+    assert g.tolist() == [4.0] * 16
+    found = np.zeros(1, np.float32)
+    with pytest.raises(ValueError, match=r"found_inf: shares memory with grads\[0\]"):
+        srround.unscale_and_check([g], 0.5, found_inf=g[3:4])
+    # adjacent views do not overlap
+    srround.unscale_and_check([g[:8], g[8:]], 0.5, found_inf=found)
+    assert g.tolist() == [2.0] * 16 and found.tolist() == [0.0]
+
+
+def test_torch_views_of_one_storage():
+    torch = pytest.importorskip("torch")
+    flat = torch.ones(32)
+    with pytest.raises(ValueError, match=r"grads\[1\]: shares memory with grads\[0\]"):
+        srround.unscale_and_check([flat[:20], flat[10:]], 0.5)
+    assert flat.tolist() == [1.0] * 32
+    srround.unscale_and_check([flat[:16], flat[16:]], 0.5)
+    assert flat.tolist() == [0.5] * 32
+
+
+def test_adamw_step_overlapping_buffers_are_an_error():
+    flat = np.zeros(40, np.float32)
+    p, g = [np.ones(8, np.float32), np.ones(8, np.float32)], [np.ones(8, np.float32)] * 2
+    cases = [
+        (
+            [p[0], p[0]],
+            g,
+            [flat[:8], flat[8:16]],
+            [flat[16:24], flat[24:32]],
+            "params[1]",
+            "params[0]",
+        ),
+        (p, g, [flat[:8], flat[4:12]], [flat[16:24], flat[24:32]], "exp_avgs[1]", "exp_avgs[0]"),
+        (p, g, [flat[:8], flat[8:16]], [flat[8:16], flat[24:32]], "exp_avg_sqs[0]", "exp_avgs[1]"),
+        (
+            p,
+            [flat[:8], g[1]],
+            [flat[:8], flat[8:16]],
+            [flat[16:24], flat[24:32]],
+            "exp_avgs[0]",
+            "grads[0]",
+        ),
+    ]
+    for params, grads, m, v, second, first in cases:
+        with pytest.raises(
+            ValueError,
+            match=rf"{second}: shares memory with {first}".replace("[", r"\[").replace("]", r"\]"),
+        ):
+            srround.adamw_step(params, grads, m, v, lr=0.1, step=1)
+    assert flat.tolist() == [0.0] * 40 and p[0].tolist() == [1.0] * 8
+    # one gradient buffer read for two parameters is fine (reads only)
+    shared = np.ones(8, np.float32)
+    srround.adamw_step(
+        p, [shared, shared], [flat[:8], flat[8:16]], [flat[16:24], flat[24:32]], lr=0.1, step=1
+    )
+    assert shared.tolist() == [1.0] * 8 and p[0][0] < 1.0
+
+
+def test_no_overlap_sweep_matches_brute_force():
+    """The sorted sweep finds an offending pair exactly when a brute-force pairwise check
+    does."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from srround import _validate
+
+    span = st.tuples(st.integers(0, 60), st.integers(0, 12), st.booleans())
+
+    @given(st.lists(span, min_size=0, max_size=8))
+    def check(spans):
+        items = [(f"a[{i}]", s, n, w) for i, (s, n, w) in enumerate(spans)]
+        clash = any(
+            a[2] and b[2] and (a[3] or b[3]) and a[1] < b[1] + b[2] and b[1] < a[1] + a[2]
+            for i, a in enumerate(items)
+            for b in items[i + 1 :]
+        )
+        if clash:
+            with pytest.raises(ValueError, match="shares memory"):
+                _validate.no_overlap(items)
+        else:
+            _validate.no_overlap(items)
+
+    check()
