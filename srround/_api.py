@@ -2,7 +2,7 @@
 backend kernel where the data lives, and return the caller's own type.
 
 Every rounding call is a pure function of (input bits, seed, offset, index): see ``_rng.py``
-for the stream and ``_scalar.py`` for the rounding rules.
+for the stream and ``_scalar.py`` for the rounding rules (contracts: ``docs/contracts.md``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ Kernels run on the stream the caller passes (the adapters pass the framework's c
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 from . import _config
@@ -120,7 +121,7 @@ def _make_kernels(op):
             x0 = x1 = 0
             if random:
                 x0, x1 = random_block(k0, k1, first + b)
-            old = dst[b]  # read by _ADD only (an unused load is dropped)
+            old = dst[b] if op == _ADD else np.uint64(0)  # only _ADD reads dst
             lo = src[2 * b]
             hi = src[2 * b + 1]
             dst[b] = pack4(
@@ -142,6 +143,13 @@ def _make_kernels(op):
 
 
 _KERNELS = {op: _make_kernels(op) for op in (_ROUND, _ADD, _NEAREST, _WIDEN)}
+_stochastic_round_general, _stochastic_round_vec4 = _KERNELS[_ROUND]
+_stochastic_add_general, _stochastic_add_vec4 = _KERNELS[_ADD]
+_round_nearest_general, _round_nearest_vec4 = _KERNELS[_NEAREST]
+_to_float32_general, _to_float32_vec4 = _KERNELS[_WIDEN]
+
+
+_NO_ALPHA = np.float32(0.0)  # the alpha argument of operations without one
 
 
 def _grid(work_items: int) -> tuple[int, int]:
@@ -196,12 +204,12 @@ def stochastic_add(u, w, alpha, k0, k1, offset, mantissa_bits, exponent_bits, sa
 
 def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, stream):
     """``out = RNE(x)`` (fp32 patterns to narrow ones)."""
-    _run(_NEAREST, x, out, out, 0.0, 0, 0, 0, mantissa_bits, exponent_bits, saturate, stream)
+    _run(_NEAREST, x, out, out, _NO_ALPHA, 0, 0, 0, mantissa_bits, exponent_bits, saturate, stream)
 
 
 def to_float32(h, out, mantissa_bits, exponent_bits, stream):
     """``out = fp32(h)`` (narrow patterns to fp32 ones, exact)."""
-    _run(_WIDEN, h, out, h, 0.0, 0, 0, 0, mantissa_bits, exponent_bits, False, stream)
+    _run(_WIDEN, h, out, h, _NO_ALPHA, 0, 0, 0, mantissa_bits, exponent_bits, False, stream)
 
 
 # -- loss scaling (tensor lists through a pointer table, see _tensor_list.py) -----------------

@@ -183,17 +183,17 @@ class Column(enum.IntEnum):
 
 
 class Hyper(enum.IntEnum):
-    """Columns of the float64[G, 5] hyperparameter array (one row per param group)."""
+    """Columns of the float64[G, len(Hyper)] hyperparameter array (one row per param group).
+
+    AdamW uses the names; SGD stores ``(lr, momentum, dampening, weight_decay, nesterov)`` in
+    the same five columns.
+    """
 
     LR = 0
-    BETA1 = 1  # AdamW; SGD: MOMENTUM
-    BETA2 = 2  # AdamW; SGD: DAMPENING
-    EPS = 3  # AdamW; SGD: WEIGHT_DECAY
-    WEIGHT_DECAY = 4  # AdamW; SGD: NESTEROV (0 or 1)
-    MOMENTUM = 1
-    DAMPENING = 2
-    SGD_WEIGHT_DECAY = 3
-    NESTEROV = 4
+    BETA1 = 1
+    BETA2 = 2
+    EPS = 3
+    WEIGHT_DECAY = 4
 
 
 ADAMW, SGD = int(Kind.ADAMW), int(Kind.SGD)
@@ -201,7 +201,7 @@ STOCHASTIC, NEAREST, KAHAN, MASTER, REMAINDER = (int(m) for m in Mode)
 MODES = {mode.name.lower(): int(mode) for mode in Mode}
 P_ADDR, P_FMT, G_ADDR, G_FMT, S1_ADDR, S2_ADDR, AUX_ADDR, GROUP = (int(c) for c in Column)
 TABLE_COLUMNS = len(Column)
-HYPER_COLUMNS = 5
+HYPER_COLUMNS = len(Hyper)
 COEF_COLUMNS = 4  # float32 per-tensor coefficients of a step (``prepare_coefs``)
 STEP_SHIFT, STREAM_SHIFT = 36, 34  # noise offset = step << 36 + stream << 34 + element
 MAX_STEPS = 1 << 26

@@ -71,7 +71,7 @@ class FusedStep:
     """
 
     def __init__(self, kind, mode, state_fmt, table, sizes, steps, device, stream=None):
-        self.kind, self.mode, self.state_fmt = kind, mode, state_fmt
+        self.kind, self.mode, self.state_fmt = int(kind), int(mode), int(state_fmt)
         starts = np.concatenate([[0], np.cumsum(np.asarray(sizes, np.int64))]).astype(np.int64)
         self.total = int(starts[-1])
         if self.total >= MAX_ELEMENTS:

@@ -59,7 +59,7 @@ def check_rounding(rounding) -> Mode:
     return mode
 
 
-def _first_bad(name, codes, allowed):
+def _first_bad(codes, allowed):
     """Index of the first code of ``codes`` not in ``allowed``, else None (a set test first:
     lists of hundreds of tensors)."""
     if set(codes) <= set(allowed):
@@ -68,7 +68,7 @@ def _first_bad(name, codes, allowed):
 
 
 def _check_codes(name, codes, allowed, expected=None):
-    i = _first_bad(name, codes, allowed)
+    i = _first_bad(codes, allowed)
     if i is not None:
         expected = expected or _names(allowed)
         raise TypeError(f"{name}[{i}]: expected {expected}, got {code_name(codes[i])}")
@@ -88,7 +88,7 @@ def check_param_codes(codes, mode: Mode, name: str = "params") -> None:
     """
     _check_codes(name, codes, FLOAT_CODES)
     if mode == Mode.REMAINDER:
-        i = _first_bad(name, codes, REMAINDER_CODES)
+        i = _first_bad(codes, REMAINDER_CODES)
         if i is not None:
             raise RoundingError(
                 f"{name}[{i}]: rounding='remainder' needs {_names(REMAINDER_CODES)} parameters,"
@@ -135,7 +135,7 @@ def _columns(adapter, arrays, name, sizes, place, allowed, expected=None):
         adds, got, cods, where = adapter.buffer_table([arrays[i] for i in present], name)
         if where != place:
             raise ValueError(f"{name}: on {where}, but params are on {place}")
-        bad = _first_bad(name, cods, allowed)
+        bad = _first_bad(cods, allowed)
         if bad is not None:
             expected = expected or _names(allowed)
             i = present[bad]

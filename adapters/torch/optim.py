@@ -1,5 +1,5 @@
 """``srround.adapters.torch.AdamW`` and ``.SGD``: ``torch.optim.Optimizer`` subclasses running
-srround's fused low-precision step (``srround/_optim.py``).
+srround's fused low-precision step (contract: ``docs/contracts.md``).
 
 One step is one fused pass (one CPU call, two CUDA launches) over every parameter, gradient and
 state element, whatever the number of tensors: bf16/fp16/fp32 parameters (mixed), fp32 math in
