@@ -65,8 +65,9 @@ def unscale_bits(bits, fmt, inv_scale):
 @njit(inline="always", cache=True)
 def unscale_in_place(address, fmt, j, inv_scale_bits):
     """Unscale element ``j`` of the buffer at ``address`` (format code ``fmt``) in place by the
-    float32 whose bits are ``inv_scale_bits``; returns whether it was finite. Scalars only, so CUDA kernels call
-    it directly (also in the simulator, where device functions cannot take arrays)."""
+    float32 whose bits are ``inv_scale_bits``; returns whether it was finite. Scalars only, so
+    CUDA kernels call it directly (also in the simulator, where device functions cannot take
+    arrays)."""
     inv_scale = bits_to_f32(inv_scale_bits)
     write = inv_scale_bits != _ONE_F32  # the overflow check alone reads and never writes
     if fmt == FORMAT_F32:
