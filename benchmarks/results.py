@@ -120,7 +120,7 @@ def render(docs: list[dict]) -> str:
     body = [
         section(d) for d in sorted(docs, key=lambda d: (d["date"], d["benchmark"]), reverse=True)
     ]
-    return "\n".join(head) + "\n".join(body)
+    return "\n".join(head) + "\n" + "\n".join(body)
 
 
 def main(argv=None) -> int:
