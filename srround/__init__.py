@@ -1,8 +1,10 @@
 """srround: stochastic rounding, fused low-precision optimizer updates and loss scaling, as
 Numba kernels for CPU and CUDA, usable from NumPy, CuPy, PyTorch and JAX."""
 
-from srround import _threads
+from srround import _cache, _threads
 
+# before any kernel module is decorated: Numba's cache keyed on srround's sources (_cache.py)
+_cache.install()
 _threads.select_threading_layer()  # before any kernel runs: safe with threads and fork
 
 from srround import audit  # noqa: E402

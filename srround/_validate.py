@@ -177,3 +177,14 @@ def no_overlap(buffers) -> None:
 def _argument_order(items):
     rank = {item[0]: i for i, item in enumerate(items)}
     return rank.__getitem__
+
+
+def list_spans(name: str, addresses, sizes, codes, widths, writes: bool, present=None):
+    """``no_overlap`` entries ``name[i]`` of a tensor list given by its table columns;
+    ``widths[code]``: bytes per element of a buffer code; ``present``: the indices that hold
+    a buffer (default: every one)."""
+    indices = range(len(addresses)) if present is None else present
+    return [
+        (f"{name}[{i}]", int(addresses[i]), int(sizes[i]) * int(widths[codes[i]]), writes)
+        for i in indices
+    ]
