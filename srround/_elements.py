@@ -38,12 +38,15 @@ _ONE_F32 = 0x3F800000
 
 @njit(cache=True)
 def widen(bits, code):
-    """fp32 pattern of a pattern of float buffer code ``code`` (exact)."""
+    """fp32 pattern of a pattern of float buffer code ``code`` (exact), as an int64 (one type
+    on every branch: a uint32 pattern and an int64 shift would unify to float64 when ``code``
+    is not a compile-time constant)."""
+    b = np.int64(bits)
     if code == F32:
-        return bits
+        return b
     if _EXPONENT[code] == 8:  # fp32's exponent range: the fp32 pattern's high bits
-        return bits << (23 - _MANTISSA[code])
-    return decode(bits, _MANTISSA[code], _EXPONENT[code])
+        return b << (23 - _MANTISSA[code])
+    return np.int64(decode(b, _MANTISSA[code], _EXPONENT[code]))
 
 
 @njit(cache=True)
@@ -102,11 +105,11 @@ def unscale_bits(bits, code, inv_scale):
     torch); ``finite``: whether the *result* - the unscaled gradient the optimizer reads - is
     finite, so a NaN or inf ``inv_scale``, or an fp16 product past 65504, is flagged too.
     ``inv_scale == 1`` keeps the bits."""
-    if inv_scale == 1.0:
-        new = bits
-    else:
-        new = narrow_nearest(f32_to_bits(bits_to_f32(widen(bits, code)) * inv_scale), code)
-    return new, (widen(new, code) & 0x7F800000) != 0x7F800000
+    wide = widen(bits, code)
+    scaled = narrow_nearest(f32_to_bits(bits_to_f32(wide) * inv_scale), code)
+    # x * 1 is x: with a scale of 1, ``scaled`` is ``bits`` up to a NaN's payload
+    finite = (widen(scaled, code) & 0x7F800000) != 0x7F800000
+    return (bits if inv_scale == 1.0 else scaled), finite
 
 
 @njit(inline="always", cache=True)
