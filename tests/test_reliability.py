@@ -613,3 +613,44 @@ def test_no_overlap_sweep_matches_brute_force():
             _validate.no_overlap(items)
 
     check()
+
+
+# -- jax.grad through a rounding (finding 9) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+def test_jax_grad_is_straight_through(impl):
+    """``jax.grad`` through a stochastic round returned zeros silently; the derivative is now
+    1 (the derivative of ``E[SR(x)] = x``), also under ``jit``, and for ``stochastic_add``
+    ``dw + alpha du + u dalpha``."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from srround.adapters import jax as sj
+
+    x = jnp.linspace(-2, 2, 16, dtype=jnp.float32)
+
+    def loss(x):
+        y = sj.stochastic_round(x, seed=1, impl=impl).astype(jnp.float32)
+        return (y * jnp.arange(16, dtype=jnp.float32)).sum()
+
+    expected = np.arange(16, dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss)(x)), expected)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(loss))(x)), expected)
+    nearest = jax.grad(lambda x: sj.round_nearest(x, impl=impl).astype(jnp.float32).sum())(x)
+    np.testing.assert_array_equal(np.asarray(nearest), np.ones(16, np.float32))
+    w = x.astype(jnp.bfloat16)
+
+    def add(w, u, alpha):
+        return sj.stochastic_add(w, u, alpha=alpha, seed=2, impl=impl).astype(jnp.float32).sum()
+
+    dw, du, dalpha = jax.grad(add, argnums=(0, 1, 2))(w, x, jnp.float32(0.5))
+    assert np.asarray(dw.astype(jnp.float32)).tolist() == [1.0] * 16
+    assert np.asarray(du).tolist() == [0.5] * 16
+    assert float(dalpha) == pytest.approx(float(x.sum()), abs=1e-5)
+    # the values are those of the call without a gradient
+    plain = sj.stochastic_round(x, seed=1, impl=impl)
+    _, vjp = jax.vjp(lambda x: sj.stochastic_round(x, seed=1, impl=impl), x)
+    assert np.array_equal(
+        np.asarray(jax.jit(lambda x: sj.stochastic_round(x, seed=1))(x)), np.asarray(plain)
+    )

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from srround import _validate
 from srround._formats import FORMATS, Format, get_format, saturate_flag
 from srround._rng import check_offset, check_seed, next_seed, split_seed
 
@@ -128,6 +129,33 @@ def _key_words(seed):
     )
 
 
+# -- gradients ------------------------------------------------------------------------------
+
+
+def _straight_through(fn, *args):
+    """``fn(*args)`` with the straight-through gradient: the derivative of a rounding is taken
+    as 1 (``E[SR(x)] = x``, so for stochastic rounding it is exactly the derivative of the
+    expected value), the tangent cast to the result's dtype. ``fn``'s bit operations would
+    otherwise give a gradient of 0, silently. For ``stochastic_add``, ``fn(w, u, alpha)``
+    gets the tangent ``dw + alpha * du + u * dalpha`` of ``w + alpha * u``."""
+
+    @jax.custom_jvp
+    def rounded(*primals):
+        return fn(*primals)
+
+    @rounded.defjvp
+    def rounded_jvp(primals, tangents):
+        y = rounded(*primals)
+        if len(primals) == 1:
+            return y, tangents[0].astype(y.dtype)
+        w, u, alpha = primals
+        dw, du, dalpha = tangents
+        t = dw.astype(jnp.float32) + alpha * du + u * dalpha
+        return y, t.astype(y.dtype)
+
+    return rounded(*args)
+
+
 # -- the functional API ----------------------------------------------------------------------
 
 
@@ -145,7 +173,8 @@ def stochastic_round(
         impl: ``"native"``, ``"callback"`` or ``None`` (default: ``"native"``).
 
     Returns:
-        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape.
+        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape. Under ``jax.grad``
+        its derivative is 1 (straight-through, ``_straight_through``).
     """
     _no_out(out)
     fmt = get_format(dtype)
@@ -154,20 +183,23 @@ def stochastic_round(
     x = _check_float32(x, "x")
     impl = _impl(impl, x)
     k0, k1 = _key_words(seed)
-    if impl == "native":
-        if x.size == 0:
-            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
-        return _lax._native_stochastic_round(
-            x,
-            _u(k0),
-            _u(k1),
-            *_lax._first_block(offset),
-            lane0=offset & 3,
-            fmt_name=fmt.name,
-            saturate=saturate,
-        )
+    if x.size == 0:
+        return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
 
-    return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow)
+    def rounded(x):
+        if impl == "native":
+            return _lax._native_stochastic_round(
+                x,
+                _u(k0),
+                _u(k1),
+                *_lax._first_block(offset),
+                lane0=offset & 3,
+                fmt_name=fmt.name,
+                saturate=saturate,
+            )
+        return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow)
+
+    return _straight_through(rounded, x)
 
 
 def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
@@ -177,11 +209,16 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
     fmt = get_format(dtype)
     saturate = saturate_flag(overflow)
     x = _check_float32(x, "x")
-    if _impl(impl, x) == "native":
-        if x.size == 0:
-            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
-        return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
-    return _callback.round_nearest(x, fmt, overflow)
+    impl = _impl(impl, x)
+    if x.size == 0:
+        return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
+
+    def rounded(x):
+        if impl == "native":
+            return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
+        return _callback.round_nearest(x, fmt, overflow)
+
+    return _straight_through(rounded, x)
 
 
 def to_float32(y, *, dtype=None, impl=None, out=None):
@@ -189,11 +226,18 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
     (NaN payloads kept)."""
     _no_out(out)
     y, fmt = _narrow(y, "y", None if dtype is None else get_format(dtype))
-    if _impl(impl, y) == "native":
-        if y.size == 0:
-            return jnp.zeros(y.shape, jnp.float32)
-        return _lax._native_to_float32(y, fmt_name=fmt.name)
-    return _callback.to_float32(y, fmt)
+    impl = _impl(impl, y)
+    if y.size == 0:
+        return jnp.zeros(y.shape, jnp.float32)
+
+    def widened(y):
+        if impl == "native":
+            return _lax._native_to_float32(y, fmt_name=fmt.name)
+        return _callback.to_float32(y, fmt)
+
+    if not jnp.issubdtype(y.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
+        return widened(y)
+    return _straight_through(widened, y)  # exact: the derivative is 1
 
 
 def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow="inf", impl=None):
@@ -218,24 +262,30 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     impl = _impl(impl, w)
     k0, k1 = _key_words(seed)
     if isinstance(alpha, (int, float, np.number)):
-        alpha = np.float32(alpha)
+        alpha = np.float32(_validate.real(alpha, "alpha"))
     else:
         alpha = _as_jax(alpha, "alpha")
         if alpha.shape != ():
             raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
         alpha = alpha.astype(jnp.float32)
-    if impl == "native":
-        if w.size == 0:
-            return w
-        return _lax._native_stochastic_add(
-            w,
-            u,
-            alpha,
-            _u(k0),
-            _u(k1),
-            *_lax._first_block(offset),
-            lane0=offset & 3,
-            fmt_name=fmt.name,
-            saturate=saturate,
-        )
-    return _callback.stochastic_add(w, u, alpha, fmt, k0, k1, offset, overflow)
+    if w.size == 0:
+        return w
+
+    def added(w, u, alpha):
+        if impl == "native":
+            return _lax._native_stochastic_add(
+                w,
+                u,
+                alpha,
+                _u(k0),
+                _u(k1),
+                *_lax._first_block(offset),
+                lane0=offset & 3,
+                fmt_name=fmt.name,
+                saturate=saturate,
+            )
+        return _callback.stochastic_add(w, u, alpha, fmt, k0, k1, offset, overflow)
+
+    if not jnp.issubdtype(w.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
+        return added(w, u, alpha)
+    return _straight_through(added, w, u, jnp.asarray(alpha, jnp.float32))
