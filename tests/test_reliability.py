@@ -654,3 +654,82 @@ def test_jax_grad_is_straight_through(impl):
     assert np.array_equal(
         np.asarray(jax.jit(lambda x: sj.stochastic_round(x, seed=1))(x)), np.asarray(plain)
     )
+
+
+# -- property: any arguments either raise before writing or give finite results -----------------
+
+
+def test_adamw_step_arguments_property():
+    """Over arbitrary hyperparameters (numbers of every size and sign, NaN, inf, strings,
+    arrays, bools) and finite arrays: a call either raises TypeError/ValueError naming an
+    argument with every buffer untouched, or succeeds with finite weights and states."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    anything = st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(-(2**70), 2**70),
+        st.booleans(),
+        st.text(max_size=3),
+        st.just(np.float32([0.1, 0.2])),
+        st.none(),
+    )
+    plausible = st.floats(-0.5, 1.5, allow_nan=False)
+    value = st.one_of(plausible, anything)
+    arrays = st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=9)
+
+    @settings(max_examples=150, deadline=None)
+    @given(value, value, value, value, value, arrays)
+    def check(lr, beta1, beta2, eps, weight_decay, values):
+        p = np.asarray(values, np.float32)
+        g = (p * 0.5).astype(np.float32)
+        m, v = np.zeros_like(p), np.zeros_like(p)
+        before = [a.copy() for a in (p, g, m, v)]
+        try:
+            srround.adamw_step(
+                p,
+                g,
+                m,
+                v,
+                lr=lr,
+                betas=(beta1, beta2),
+                eps=eps,
+                weight_decay=weight_decay,
+                step=1,
+                seed=0,
+            )
+        except (TypeError, ValueError) as e:
+            assert str(e).split(":")[0] in ("lr", "betas[0]", "betas[1]", "eps", "weight_decay")
+            for a, b in zip((p, g, m, v), before):
+                np.testing.assert_array_equal(a, b)
+            return
+        if eps == 0:  # torch's rule allows eps=0: 0/0 where a gradient is 0
+            return
+        assert np.isfinite(p).all() and np.isfinite(m).all() and np.isfinite(v).all()
+
+    check()
+
+
+def test_unscale_and_check_property():
+    """Over arbitrary float32 gradients (NaN and inf included) and scales: ``found_inf`` is
+    set exactly when an unscaled gradient is non-finite or the scale is not positive and
+    finite, and the gradients equal NumPy's float32 product."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.lists(floats, min_size=1, max_size=12), floats)
+    def check(values, scale):
+        g = np.asarray(values, np.float32)
+        with np.errstate(all="ignore"):
+            expected = g * np.float32(scale)
+        found = srround.unscale_and_check(g, np.float32([scale]))
+        usable = np.isfinite(scale) and scale > 0
+        flagged = not usable or not np.isfinite(expected).all()
+        assert found.tolist() == [float(flagged)]
+        if not flagged:
+            np.testing.assert_array_equal(g, expected)
+
+    check()
