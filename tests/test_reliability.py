@@ -227,17 +227,27 @@ def test_fork_while_other_threads_run_kernels():
 def test_nested_use_neither_deadlocks_nor_oversubscribes():
     """srround from a thread pool while torch runs intra-op work and a user's own Numba
     ``prange`` function runs in another thread, and from inside a JAX callback under ``jit``:
-    everything finishes, and the process holds no more threads than the pools it started
-    (Numba's one shared pool: threads do not multiply with the callers)."""
+    everything finishes with the expected bits, and the thread count grows by less than the
+    number of callers and not again on a second round (Numba's one shared pool: workers do
+    not multiply with the callers)."""
     pytest.importorskip("torch")
     pytest.importorskip("jax")
     code = """
-    import os, threading
+    import os, threading, time
     from concurrent.futures import ThreadPoolExecutor
     import numba, numpy as np, torch, jax, jax.numpy as jnp, srround, srround.adapters.jax
 
     def os_threads():
         return len(os.listdir("/proc/self/task"))
+
+    def settled_threads():  # exiting threads (pool shutdowns) leave /proc a moment later
+        count = os_threads()
+        for _ in range(20):
+            time.sleep(0.1)
+            count, previous = os_threads(), count
+            if count == previous:
+                break
+        return count
 
     @numba.njit(parallel=True)
     def user_kernel(a):
@@ -252,7 +262,7 @@ def test_nested_use_neither_deadlocks_nor_oversubscribes():
     torch.ones(1 << 16) @ torch.ones(1 << 16)
     f = jax.jit(lambda v: srround.adapters.jax.stochastic_round(v, seed=2, impl="callback"))
     np.asarray(f(jnp.asarray(x)))
-    baseline = os_threads()
+    baseline = settled_threads()
 
     def task(i):
         if i % 2 == 0:
@@ -273,13 +283,13 @@ def test_nested_use_neither_deadlocks_nor_oversubscribes():
             assert all(pool.map(task, range(32)))
         jax_thread.join()
         assert jax_results == [True] * 6
-        return os_threads()
+        return settled_threads()
 
     first = round_of_work()
     second = round_of_work()
-    # worker pools may grow once to their size, not with the number of calling threads
-    assert first - baseline <= numba.get_num_threads() + torch.get_num_threads(), (baseline, first)
-    assert second <= first, (first, second)
+    # pools may grow once to their size; eight callers must not each bring their own workers
+    assert first - baseline < 8, (baseline, first)
+    assert second <= first + 1, (first, second)
     print("ok")
     """
     _ok(_python(code, timeout=300))
