@@ -473,10 +473,10 @@ def test_fused_scaler_equals_torch_scaler(dtype):
 
 
 def test_fused_scaler_reads_grads_once_without_writing_them():
-    """The fused path never writes the gradients: they stay scaled after scaler.step."""
+    """unscale_grads=False: the fused path never writes the gradients, they stay scaled."""
     model = _model(torch.bfloat16)
     opt = AdamW(model.parameters(), lr=1e-2, seed=0)
-    scaler = GradScaler("cpu", init_scale=2.0**4)
+    scaler = GradScaler("cpu", init_scale=2.0**4, unscale_grads=False)
     scaler.scale(model(torch.randn(3, 4).bfloat16()).sum()).backward()
     before = [p.grad.clone() for p in model.parameters()]
     scaler.step(opt)
