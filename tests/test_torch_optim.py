@@ -679,3 +679,172 @@ def test_host_overhead_200_tensors(capsys):
     per_step = (time.perf_counter() - t0) / n * 1e6
     with capsys.disabled():
         print(f"\nsrround AdamW, 200 tensors x 4 bf16: {per_step:.0f} us/step (CPU, cached table)")
+
+
+# -- torch.optim parity: flags, maximize, state dicts both ways, layouts ---------------------
+
+
+def _run(opt, params, steps, dtype=torch.float32, start=0):
+    for step in range(start, start + steps):
+        _set_grads(params, _grads(step, dtype=dtype))
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "make, ref",
+    [
+        (
+            lambda ps, **kw: AdamW(ps, lr=1e-2, weight_decay=0.1, seed=1, **kw),
+            lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
+        ),
+        (
+            lambda ps, **kw: SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, seed=1, **kw),
+            lambda ps, **kw: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, **kw),
+        ),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_maximize_and_implementation_flags_match_torch(make, ref):
+    """Finding: maximize unsupported, foreach/fused/differentiable/capturable=False
+    rejected. fp32 parameters: torch.optim's result within a few ulp."""
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    flags = {"maximize": True, "foreach": False, "differentiable": False}
+    opt = make(ours, fused=False, **flags)
+    ref_opt = ref(theirs, **flags)
+    _run(opt, ours, 20)
+    _run(ref_opt, theirs, 20)
+    for p, r in zip(ours, theirs):
+        _ulp_close(p, r, 4, "param")
+    for flag in ({"foreach": True}, {"fused": True}, {"fused": None}):
+        make(_params(), **flag)
+    AdamW(_params(), capturable=True)
+    with pytest.raises(ValueError, match="differentiable"):
+        make(_params(), differentiable=True)
+    with pytest.raises(ValueError, match="maximize: one value per optimizer"):
+        ps = _params()
+        AdamW([{"params": ps[:1]}, {"params": ps[1:], "maximize": True}])
+
+
+def _torch_trained(kind, steps=3):
+    params = _params(torch.float32)
+    opt = (
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        if kind == "adamw"
+        else torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True)
+    )
+    _run(opt, params, steps)
+    return params, opt
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_loads_a_torch_optim_state_dict_and_continues(kind):
+    """Finding: a torch.optim state_dict loaded, then step() raised KeyError: 'rounding'. The
+    srround keys now come from the defaults; continuing matches torch continuing."""
+    params, torch_opt = _torch_trained(kind)
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    make = AdamW if kind == "adamw" else SGD
+    opt = make(ours, lr=1.0, seed=5)
+    opt.load_state_dict(torch_opt.state_dict())
+    group = opt.param_groups[0]
+    assert group["rounding"] == "stochastic" and group["seed"] == 5 and group["lr"] != 1.0
+    _run(opt, ours, 3, start=3)
+    _run(torch_opt, params, 3, start=3)
+    for p, r in zip(ours, params):
+        _ulp_close(p, r, 4, "param")
+        if kind == "adamw":
+            assert int(opt.state[p]["step"]) == 6
+
+
+def test_unusable_torch_state_dict_fails_at_load_with_nothing_loaded():
+    params = _params(torch.float32)
+    torch_opt = torch.optim.AdamW(params, lr=1e-2, amsgrad=True)
+    _run(torch_opt, params, 1)
+    opt = AdamW(_params(torch.float32), lr=1e-3, seed=1)
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.load_state_dict(torch_opt.state_dict())
+    assert opt.param_groups[0]["lr"] == 1e-3 and len(opt.state) == 0
+    sd = AdamW(_params(), seed=1).state_dict()
+    sd["param_groups"][0]["rounding"] = "up"
+    with pytest.raises(ValueError, match="rounding"):
+        opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_torch_optim_loads_srround_state_dict(kind):
+    ours = _params(torch.float32)
+    opt = (
+        AdamW(ours, lr=1e-2, weight_decay=0.1, seed=1)
+        if kind == "adamw"
+        else SGD(ours, lr=0.05, momentum=0.9, seed=1)
+    )
+    _run(opt, ours, 3)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    torch_opt = (torch.optim.AdamW if kind == "adamw" else torch.optim.SGD)(theirs)
+    torch_opt.load_state_dict(opt.state_dict())
+    _run(torch_opt, theirs, 3, start=3)
+    _run(opt, ours, 3, start=3)
+    for p, r in zip(ours, theirs):
+        _ulp_close(p, r, 4, "param")
+
+
+def test_channels_last_parameters_update_in_place_noise_in_memory_order():
+    """Finding: channels_last weights were rejected. A channels_last bf16 weight is updated
+    in place, its states are channels_last, and its bits equal those of a contiguous
+    parameter holding its memory order (NHWC): the noise follows memory order."""
+    gen = torch.Generator().manual_seed(0)
+    nchw = torch.randn(4, 3, 5, 5, generator=gen).bfloat16()
+    weight = torch.nn.Parameter(nchw.to(memory_format=torch.channels_last))
+    nhwc = torch.nn.Parameter(nchw.permute(0, 2, 3, 1).contiguous())
+    address = weight.data_ptr()
+    opt_cl = AdamW([weight], lr=1e-2, state_dtype=torch.bfloat16, seed=9)
+    opt_ref = AdamW([nhwc], lr=1e-2, state_dtype=torch.bfloat16, seed=9)
+    for step in range(3):
+        g = torch.randn(4, 3, 5, 5, generator=gen).bfloat16()
+        weight.grad = g.to(memory_format=torch.channels_last)
+        nhwc.grad = g.permute(0, 2, 3, 1).contiguous()
+        opt_cl.step()
+        opt_ref.step()
+    assert weight.data_ptr() == address
+    assert weight.is_contiguous(memory_format=torch.channels_last)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert opt_cl.state[weight][name].is_contiguous(memory_format=torch.channels_last)
+    _assert_bits_equal(weight.permute(0, 2, 3, 1).contiguous(), nhwc)
+    # a gradient of another layout than its parameter: copied into the parameter's layout
+    weight.grad = weight.grad.contiguous()
+    nhwc.grad = nhwc.grad.clone()
+    opt_cl.step()
+    opt_ref.step()
+    _assert_bits_equal(weight.permute(0, 2, 3, 1).contiguous(), nhwc)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_strided_parameters_get_the_bits_of_a_contiguous_copy(rounding):
+    """A Parameter made from a non-dense view (as torch's optimizer tests do): the slower path
+    gives exactly the bits of a contiguous parameter, and the rest of the base is untouched."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=gen).bfloat16()
+    untouched = base[:, 1::2].clone()
+    view = torch.nn.Parameter(base[:, ::2])
+    assert not view.is_contiguous()
+    copy = torch.nn.Parameter(view.detach().contiguous())
+    opt_view = SGD([view], lr=0.1, momentum=0.9, rounding=rounding, seed=4)
+    opt_copy = SGD([copy], lr=0.1, momentum=0.9, rounding=rounding, seed=4)
+    for step in range(3):
+        g = torch.randn(6, 4, generator=gen).bfloat16()
+        view.grad, copy.grad = g.clone(), g.clone()
+        opt_view.step()
+        opt_copy.step()
+    _assert_bits_equal(view.contiguous(), copy)
+    _assert_bits_equal(base[:, 1::2], untouched)
+    _assert_bits_equal(base[:, ::2].contiguous(), copy)
+
+
+def test_unsupported_parameters_and_gradients_fail_clearly():
+    with pytest.raises(TypeError, match=r"params\[0\].*float64 parameters are not supported"):
+        AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = AdamW([p], seed=0)
+    p.grad = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"grads\[0\]"):
+        opt.step()
+    assert len(opt.state[p]) == 0  # nothing created before the error
