@@ -4,6 +4,7 @@ optimizer (Lion) built from the public primitives."""
 
 from __future__ import annotations
 
+import copy
 import io
 import time
 
@@ -780,7 +781,7 @@ def test_torch_optim_loads_srround_state_dict(kind):
     _run(opt, ours, 3)
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     torch_opt = (torch.optim.AdamW if kind == "adamw" else torch.optim.SGD)(theirs)
-    torch_opt.load_state_dict(opt.state_dict())
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as saved: no shared tensors
     _run(torch_opt, theirs, 3, start=3)
     _run(opt, ours, 3, start=3)
     for p, r in zip(ours, theirs):
@@ -844,7 +845,13 @@ def test_unsupported_parameters_and_gradients_fail_clearly():
         AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
     p = torch.nn.Parameter(torch.zeros(3))
     opt = AdamW([p], seed=0)
-    p.grad = torch.zeros(3, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"grads\[0\]"):
+    with pytest.raises(TypeError, match="float64"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2).double())]})
+    assert len(opt.param_groups) == 1  # the bad group was not added
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    opt = SGD([p, *emb.parameters()], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(3)
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(TypeError, match=r"grads\[1\]: torch.sparse_coo gradients"):
         opt.step()
-    assert len(opt.state[p]) == 0  # nothing created before the error
+    assert len(opt.state) == 0  # nothing created before the error

@@ -652,6 +652,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         restored[name] = value.detach().to(device=p.device, copy=True)
                     else:
                         restored[name] = value
+                if "step" not in restored and restored:  # torch SGD: no count; not a first step
+                    restored["step"] = torch.ones((), dtype=torch.int32, device=p.device)
                 self.state[p] = restored
         self._entry = None  # new state tensors: rebuild the table at the next step
 
