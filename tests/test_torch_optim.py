@@ -855,3 +855,148 @@ def test_unsupported_parameters_and_gradients_fail_clearly():
     with pytest.raises(TypeError, match=r"grads\[1\]: torch.sparse_coo gradients"):
         opt.step()
     assert len(opt.state) == 0  # nothing created before the error
+
+
+# -- torch's optimizer tests (pytorch test/test_optim.py, OptimizerInfo for AdamW / SGD),
+#    adapted: the generic behaviour every torch.optim optimizer has ------------------------
+
+TORCH_SUITE = [
+    pytest.param(lambda ps: AdamW(ps, lr=1e-2, seed=0), id="adamw"),
+    pytest.param(lambda ps: AdamW(ps, lr=1e-2, maximize=True, seed=0), id="adamw-maximize"),
+    pytest.param(
+        lambda ps: AdamW(ps, lr=1e-2, state_dtype=torch.bfloat16, seed=0), id="adamw-bf16states"
+    ),
+    pytest.param(lambda ps: SGD(ps, lr=1e-2, seed=0), id="sgd"),
+    pytest.param(
+        lambda ps: SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, seed=0),
+        id="sgd-nesterov",
+    ),
+]
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_forloop_goes_right_direction(make):
+    """test_forloop_goes_right_direction: a few steps on a small problem lower the loss (or
+    raise it with maximize), for fp32 and bf16 weights."""
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(10, 5, dtype=dtype))
+        bias = torch.nn.Parameter(torch.randn(10, dtype=dtype))
+        x = torch.randn(5, dtype=dtype)
+        opt = make([weight, bias])
+        maximize = opt.param_groups[0].get("maximize", False)
+
+        def closure():
+            opt.zero_grad()
+            loss = (weight.mv(x) + bias).float().pow(2).sum()
+            loss.backward()
+            return loss
+
+        initial = closure().item()
+        for _ in range(5):
+            closure()
+            opt.step()
+        final = closure().item()
+        assert (final > initial) if maximize else (final < initial), (dtype, initial, final)
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_step_is_noop_when_params_have_no_grad(make):
+    params = [torch.nn.Parameter(torch.randn(2, 3)) for _ in range(2)]
+    before = [p.detach().clone() for p in params]
+    opt = make(params)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_state_dict_deterministic_and_weights_only(make, tmp_path):
+    """test_state_dict_deterministic + test_save_load_equality_with_weights_only: a state dict
+    saved and loaded (``torch.load(weights_only=True)``) into a fresh optimizer steps exactly
+    as the original."""
+    params = _params()
+    opt = make(params)
+    _run(opt, params, 2, dtype=torch.bfloat16)
+    path = tmp_path / "opt.pt"
+    torch.save(opt.state_dict(), path)
+    clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = make(clone)
+    opt2.load_state_dict(torch.load(path, weights_only=True))
+    _run(opt, params, 2, dtype=torch.bfloat16, start=2)
+    _run(opt2, clone, 2, dtype=torch.bfloat16, start=2)
+    for p, q in zip(params, clone):
+        _assert_bits_equal(p, q)
+    assert opt.state_dict()["param_groups"] == opt2.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_can_load_older_state_dict_and_nontensor_step(make):
+    """test_can_load_older_state_dict (group keys of older releases missing) and
+    test_load_nontensor_step (``step`` saved as a Python number)."""
+    params = _params()
+    opt = make(params)
+    _run(opt, params, 1, dtype=torch.bfloat16)
+    sd = copy.deepcopy(opt.state_dict())
+    for group in sd["param_groups"]:
+        for key in ("foreach", "maximize", "fused", "differentiable", "capturable"):
+            group.pop(key, None)
+    for state in sd["state"].values():
+        state["step"] = int(state["step"])
+    opt2 = make([torch.nn.Parameter(p.detach().clone()) for p in params])
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["maximize"] == opt.param_groups[0]["maximize"] or not sd
+    _run(opt2, opt2.param_groups[0]["params"], 1, dtype=torch.bfloat16, start=1)
+    assert all(int(s["step"]) == 2 for s in opt2.state.values())
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_hooks_printing_deepcopy(make):
+    """test_step_pre_hook / test_step_post_hook, test_optimizer_can_be_printed,
+    test_deepcopy_copies_all_public_attrs, state_dict hooks: inherited from
+    torch.optim.Optimizer and working."""
+    params = _params()
+    opt = make(params)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    opt.register_state_dict_post_hook(lambda o, sd: sd.setdefault("extra", 1) and sd)
+    _run(opt, params, 1, dtype=torch.bfloat16)
+    assert calls == ["pre", "post"]
+    assert type(opt).__name__ in repr(opt) and "rounding" in repr(opt)
+    assert opt.state_dict()["extra"] == 1
+    twin = copy.deepcopy(opt)
+    public = {k for k in vars(opt) if not k.startswith("_")}
+    assert public == {k for k in vars(twin) if not k.startswith("_")}
+    _run(twin, twin.param_groups[0]["params"], 1, dtype=torch.bfloat16, start=1)
+    _run(opt, params, 1, dtype=torch.bfloat16, start=1)
+    for p, q in zip(params, twin.param_groups[0]["params"]):
+        _assert_bits_equal(p, q)
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_lr_scheduler_and_param_groups(make):
+    """test_param_groups_lr / an lr scheduler driving the fused step: a group with lr 0 does
+    not move, the others follow the schedule."""
+    params = _params(torch.float32)
+    opt = make([{"params": params[:1], "lr": 0.0}, {"params": params[1:]}])
+    frozen = params[0].detach().clone()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        _run(opt, params, 1, start=step)
+        sched.step()
+    assert torch.equal(params[0], frozen)
+    assert opt.param_groups[1]["lr"] == pytest.approx(1e-2 * 0.5**3)
+
+
+def test_suite_documented_differences():
+    """The deliberate differences from torch.optim listed in the README raise clear errors."""
+    ps = _params(torch.float32)
+    with pytest.raises(ValueError, match="amsgrad"):
+        AdamW(ps, amsgrad=True)
+    with pytest.raises(ValueError, match="differentiable"):
+        SGD(ps, differentiable=True)
+    with pytest.raises(ValueError, match="lr"):
+        AdamW(ps, lr=torch.tensor(0.01))
+    with pytest.raises(TypeError, match="complex64"):
+        AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))])

@@ -297,6 +297,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._entry = None
         super().__init__(params, defaults)
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickle / deepcopy (torch pickles defaults, state and groups only): the table is
+        rebuilt at the next step."""
+        super().__setstate__(state)
+        self._entry = None
+
     # -- groups -----------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
