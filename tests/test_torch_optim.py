@@ -571,7 +571,7 @@ def test_errors():
     with pytest.raises(ValueError, match="nesterov"):
         SGD(ps, lr=0.1, nesterov=True)
     with pytest.raises(ValueError, match="amsgrad"):
-        AdamW(ps, amsgrad=True)
+        AdamW(ps, amsgrad=True, rounding="kahan")
     with pytest.raises(ValueError, match="rounding"):
         AdamW([{"params": ps[:1]}, {"params": ps[1:], "rounding": "nearest"}])
     emb = torch.nn.Embedding(10, 3, sparse=True)
@@ -758,10 +758,9 @@ def test_loads_a_torch_optim_state_dict_and_continues(kind):
 
 def test_unusable_torch_state_dict_fails_at_load_with_nothing_loaded():
     params = _params(torch.float32)
-    torch_opt = torch.optim.AdamW(params, lr=1e-2, amsgrad=True)
-    _run(torch_opt, params, 1)
+    torch_opt = torch.optim.AdamW(params, lr=1e-2, differentiable=True)
     opt = AdamW(_params(torch.float32), lr=1e-3, seed=1)
-    with pytest.raises(ValueError, match="amsgrad"):
+    with pytest.raises(ValueError, match="differentiable"):
         opt.load_state_dict(torch_opt.state_dict())
     assert opt.param_groups[0]["lr"] == 1e-3 and len(opt.state) == 0
     sd = AdamW(_params(), seed=1).state_dict()
@@ -993,10 +992,53 @@ def test_suite_documented_differences():
     """The deliberate differences from torch.optim listed in the README raise clear errors."""
     ps = _params(torch.float32)
     with pytest.raises(ValueError, match="amsgrad"):
-        AdamW(ps, amsgrad=True)
+        AdamW(ps, amsgrad=True, rounding="remainder")
     with pytest.raises(ValueError, match="differentiable"):
         SGD(ps, differentiable=True)
     with pytest.raises(ValueError, match="lr"):
         AdamW(ps, lr=torch.tensor(0.01))
     with pytest.raises(TypeError, match="complex64"):
         AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))])
+
+
+# -- AMSGrad: the per-tensor path -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+def test_amsgrad_fp32_is_torch_bits(maximize):
+    """Finding: amsgrad unsupported. fp32 parameters: torch.optim.AdamW(amsgrad=True)'s bits
+    (same torch ops), and a torch amsgrad state dict loads and continues."""
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True, "maximize": maximize}
+    opt, ref = AdamW(ours, seed=1, **kw), torch.optim.AdamW(theirs, **kw)
+    _run(opt, ours, 6)
+    _run(ref, theirs, 6)
+    for p, r in zip(ours, theirs):
+        _assert_bits_equal(p, r)
+        _assert_bits_equal(opt.state[p]["max_exp_avg_sq"], ref.state[r]["max_exp_avg_sq"])
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    opt2 = AdamW(resumed, amsgrad=True, seed=1)
+    opt2.load_state_dict(copy.deepcopy(ref.state_dict()))
+    _run(opt2, resumed, 2, start=6)
+    _run(ref, theirs, 2, start=6)
+    for p, r in zip(resumed, theirs):
+        _assert_bits_equal(p, r)
+
+
+def test_amsgrad_bf16_stochastic_write_back_is_the_documented_stream():
+    """bf16 parameters: the fp32 result of torch's math, stochastically rounded at offset
+    t * 2**36 + the tensor's start (the fused step's stream)."""
+    ours = _params(torch.bfloat16)
+    shadow = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = AdamW(ours, lr=1e-2, amsgrad=True, seed=8)
+    ref = torch.optim.AdamW(shadow, lr=1e-2, amsgrad=True)
+    grads = _grads(0, dtype=torch.bfloat16)
+    _set_grads(ours, grads)
+    _set_grads(shadow, grads)
+    opt.step()
+    ref.step()
+    start = 0
+    for p, r in zip(ours, shadow):
+        expected = srround.stochastic_round(r.detach(), seed=8, offset=(1 << STEP_SHIFT) + start)
+        _assert_bits_equal(p, expected)
+        start += p.numel()

@@ -287,6 +287,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # torch's GradScaler sets grad_scale / found_inf
     _KIND = None
     _STATE_NAMES: tuple = ()
+    _ONE_PER_OPTIMIZER = ("rounding", "state_dtype", "seed", "maximize")
 
     def __init__(self, params, defaults, rounding, state_dtype, seed):
         _check_rounding(rounding)
@@ -312,7 +313,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         try:
             _check_flags(group, where)
             self._check_group(group, len(self.param_groups) - 1)
-            for name in ("rounding", "state_dtype", "seed", "maximize"):
+            for name in self._ONE_PER_OPTIMIZER:
                 if group[name] != self.defaults[name]:
                     raise ValueError(
                         f"{name}: one value per optimizer; param group"
@@ -348,11 +349,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Per-optimizer settings, from param_groups (what load_state_dict restores)."""
         first = self.param_groups[0]
         config = (first["rounding"], first["state_dtype"], first["seed"], first["maximize"])
+        names = self._ONE_PER_OPTIMIZER
         for i, g in enumerate(self.param_groups):
-            if (g["rounding"], g["state_dtype"], g["seed"], g["maximize"]) != config:
+            if any(g[n] != first[n] for n in names):
                 raise ValueError(
-                    f"param_groups[{i}]: rounding, state_dtype, seed and maximize must be the"
-                    " same in every group (one value per optimizer)"
+                    f"param_groups[{i}]: {', '.join(names)} must be the same in every group"
+                    " (one value per optimizer)"
                 )
         return config
 
@@ -517,6 +519,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.param_groups[0].get("amsgrad"):
+            self._amsgrad_step(inv_scale, found_inf, check_grads, grad_scale)
+            return loss
         if torch.compiler.is_compiling():
             self._traced_step(inv_scale, found_inf, check_grads, grad_scale)
             return loss
@@ -634,7 +639,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._check_group(group, i)
         first = groups[0] if groups else {}
         for i, group in enumerate(groups):
-            for name in ("rounding", "state_dtype", "seed", "maximize"):
+            for name in self._ONE_PER_OPTIMIZER:
                 if group[name] != first[name]:
                     raise ValueError(
                         f"state_dict: param group {i} has {name}={group[name]!r}, group 0"
@@ -670,8 +675,10 @@ class AdamW(_FusedOptimizer):
     Args:
         params, lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``
             (``maximize``: one value per optimizer).
-        amsgrad: not supported (``False`` only): it needs a third state per element, which
-            the fused element update does not carry.
+        amsgrad: one value per optimizer; ``True`` runs a slower per-tensor path (torch's
+            math with torch ops, then srround's write-back with the fused step's random
+            stream: ``_amsgrad_step``) with rounding ``"stochastic"``, ``"nearest"`` or
+            ``"master"`` and float32 states; state ``max_exp_avg_sq`` as torch's.
         foreach, fused, capturable: accepted and stored (srround's step is always one fused
             pass, keeps its step counts on the device and launches on the current stream);
             ``differentiable=True`` is refused.
@@ -689,6 +696,7 @@ class AdamW(_FusedOptimizer):
 
     _KIND = _optim.ADAMW
     _STATE_NAMES = ("exp_avg", "exp_avg_sq")
+    _ONE_PER_OPTIMIZER = (*_FusedOptimizer._ONE_PER_OPTIMIZER, "amsgrad")
 
     def __init__(
         self,
@@ -725,10 +733,14 @@ class AdamW(_FusedOptimizer):
 
     def _check_group(self, group, index):
         where = "" if index is None else f" (param group {index})"
-        if group.get("amsgrad"):
+        if group.get("amsgrad") and (
+            group.get("rounding") in ("kahan", "remainder")
+            or group.get("state_dtype", torch.float32) != torch.float32
+        ):
             raise ValueError(
-                f"amsgrad{where}: not supported by srround's AdamW (the fused update keeps"
-                " two moments per element); use torch.optim.AdamW(amsgrad=True)"
+                f"amsgrad{where}: the per-tensor AMSGrad path supports rounding 'stochastic',"
+                " 'nearest' or 'master' with float32 states, got"
+                f" {group.get('rounding')!r} / {group.get('state_dtype')}"
             )
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         if isinstance(lr, torch.Tensor) or not 0.0 <= float(lr):
@@ -749,6 +761,91 @@ class AdamW(_FusedOptimizer):
             ],
             np.float64,
         )
+
+    def _amsgrad_step(self, inv_scale, found_inf, check_grads, grad_scale):
+        """AMSGrad, the per-tensor path: torch.optim's single-tensor AdamW math with torch
+        ops in float32 (so fp32 parameters get torch's bits), then srround's write-back of
+        the result: stochastic rounding with the fused step's stream (element ``j`` of the
+        tensor starting at global element ``s``, at offset ``t * 2**36 + s + j``, memory
+        order), round to nearest, or the fp32 master weight. Slower than the fused step (a
+        few passes per tensor) and reads the step count and ``found_inf`` on the host."""
+        import srround
+
+        rounding, state_dtype, seed, maximize = self._config()
+        for i, g in enumerate(self.param_groups):
+            self._check_group(g, i)
+        params, group_index = self._collect()
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        check_pairs(params, grads, rounding)
+        if grad_scale is not None:
+            from .amp import unscale_grads
+
+            inv = torch.as_tensor(grad_scale, dtype=torch.float32, device=params[0].device)
+            scratch = torch.zeros(1, dtype=torch.float32, device=inv.device)
+            unscale_grads(grads, inv.double().reciprocal().float().reshape(1), scratch)
+        if check_grads:
+            from .amp import unscale_grads
+
+            one = torch.ones(1, dtype=torch.float32, device=found_inf.device)
+            unscale_grads(grads, one, found_inf)
+        if found_inf is not None and float(found_inf.reshape(())) != 0:
+            return
+        groups, start = self.param_groups, 0
+        for p, gi in zip(params, group_index):
+            group = groups[gi]
+            state = self._state_buffers(p, group, rounding, state_dtype)
+            like = _like(p)
+            if "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(like, dtype=torch.float32)
+            step = state.get("step")
+            if step is None:
+                step = state["step"] = torch.zeros((), dtype=torch.int32, device=p.device)
+            step += 1
+            t = int(step)
+            lr, (beta1, beta2), eps, wd = (
+                float(group["lr"]),
+                group["betas"],
+                group["eps"],
+                group["weight_decay"],
+            )
+            grad = p.grad.float() if p.grad.dtype != torch.float32 else p.grad.clone()
+            if inv_scale is not None:
+                grad.mul_(inv_scale)
+            if maximize:
+                grad.neg_()
+            if p.dtype == torch.float32 and _is_dense(p):
+                work = p.detach()
+            elif rounding == "master" and p.dtype != torch.float32:
+                work = state["master_weight"]
+            else:
+                work = torch.empty_like(like, dtype=torch.float32).copy_(p.detach())
+            exp_avg, exp_avg_sq, max_sq = (
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state["max_exp_avg_sq"],
+            )
+            work.mul_(1 - lr * wd)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            torch.maximum(max_sq, exp_avg_sq, out=max_sq)
+            bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+            denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            work.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**t)))
+            if work is p:
+                pass
+            elif p.dtype == torch.float32 or rounding != "stochastic":
+                p.detach().copy_(work)  # fp32 exactly; nearest and master: round to nearest
+            else:
+                flat = work.as_strided((work.numel(),), (1,))  # memory order
+                offset = (t << _optim.STEP_SHIFT) + start
+                fmt = "bfloat16" if p.dtype == torch.bfloat16 else "float16"
+                rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
+                p.detach().copy_(rounded.as_strided(work.shape, work.stride()))
+            start += p.numel()
+        self._entry = None
+        torch.autograd.graph.increment_version([p for p in params if not p.is_inference()])
 
 
 class SGD(_FusedOptimizer):
