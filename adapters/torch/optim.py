@@ -1,5 +1,5 @@
 """``srround.adapters.torch.AdamW`` and ``.SGD``: ``torch.optim.Optimizer`` subclasses running
-srround's fused low-precision step (``srround/_optim.py``).
+srround's fused low-precision step (contract: ``docs/contracts.md``).
 
 One step is one fused pass (one CPU call, two CUDA launches) over every parameter, gradient and
 state element, whatever the number of tensors: bf16/fp16/fp32 parameters (mixed), fp32 math in
@@ -58,9 +58,10 @@ from itertools import chain
 import numpy as np
 import torch
 
-from srround import _optim
+from srround import _optim, _plan
 from srround._rng import check_seed, next_seed, split_seed
 
+from . import _views
 from ._views import _DATA_PTR, _external_stream, _view
 
 __all__ = ["SGD", "AdamW"]
@@ -69,7 +70,6 @@ __all__ = ["SGD", "AdamW"]
 AUX_NAMES = {"kahan": "kahan_comp", "master": "master_weight", "remainder": "remainder"}
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
-_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 _ONE_BITS = np.array([1.0], np.float32).view(np.uint32)
 _MINUS_ONE_BITS = np.array([-1.0], np.float32).view(np.uint32)
 _ZERO_BITS = np.zeros(1, np.uint32)
@@ -85,8 +85,7 @@ def _on(device):
 
 
 def _check_rounding(rounding):
-    if rounding not in _optim.MODES:
-        raise ValueError(f"rounding: expected one of {sorted(_optim.MODES)}, got {rounding!r}")
+    _plan.check_rounding(rounding)
 
 
 def _check_state_dtype(state_dtype):
@@ -204,22 +203,26 @@ def build_entry(kind, rounding, state_fmt, params, grads, states, steps, group_i
                 )
         works.append(work)
         grad_bufs.append(g)
-    count = len(params)
-    table = np.zeros((count, _optim.TABLE_COLUMNS), np.int64)
-    table[:, _optim.P_ADDR] = [w.data_ptr() for w in works]
-    table[:, _optim.P_FMT] = [_CODES[w.dtype] for w in works]
-    table[:, _optim.G_ADDR] = [g.data_ptr() for g in grad_bufs]
-    table[:, _optim.G_FMT] = [_CODES[g.dtype] for g in grad_bufs]
-    table[:, _optim.GROUP] = group_index
-    for column, k in ((_optim.S1_ADDR, 0), (_optim.S2_ADDR, 1), (_optim.AUX_ADDR, 2)):
-        table[:, column] = [0 if s[k] is None else s[k].data_ptr() for s in states]
-    sizes = [p.numel() for p in params]
+
+    def flat(tensors):  # dense tensors as 1-D views of their memory (the table's order)
+        return [None if t is None else t.as_strided((t.numel(),), (1,)) for t in tensors]
+
+    aux = [row[2] for row in states]
+    plan = _plan.plan_step(
+        _views,
+        rounding,
+        flat(works),
+        flat(grad_bufs),
+        (("states1", flat([r[0] for r in states])), ("states2", flat([r[1] for r in states]))),
+        flat(aux) if _plan.needs_aux(_plan.check_rounding(rounding)) else None,
+        group_index,
+    )
     fused = _optim.FusedStep(
         kind,
-        _optim.MODES[rounding],
-        state_fmt,
-        table,
-        sizes,
+        _plan.check_rounding(rounding),
+        plan.state_fmt,
+        plan.table,
+        plan.sizes,
         _view(steps, False, "step").bits,
         device.type,
         stream,
