@@ -82,7 +82,8 @@ def unscale_grads(grads, inv_scale, found_inf) -> None:
     (float64, non-dense strided views, sparse values, other devices) through torch's own
     ``torch._amp_foreach_non_finite_check_and_unscale_``, per device and dtype."""
     device = found_inf.device
-    fused, others = [], {}
+    fused: list = []
+    others: dict = {}
     for g in grads:
         if g.layout is not torch.strided:
             g = g._values()  # sparse COO (fp16 ones coalesced by the caller, as torch does)
@@ -465,6 +466,7 @@ class GradScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1); a bad value raises ``ValueError``."""
         _check_growth_factor(new_factor)
         self._growth_factor = float(new_factor)
 
@@ -473,6 +475,7 @@ class GradScaler:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)); a bad value raises ``ValueError``."""
         _check_backoff_factor(new_factor)
         self._backoff_factor = float(new_factor)
 
@@ -481,6 +484,7 @@ class GradScaler:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (an int >= 1); a bad value raises ``ValueError``."""
         _check_growth_interval(new_interval)
         self._growth_interval = int(new_interval)
 
