@@ -69,11 +69,13 @@ def _contiguous(a) -> bool:
 def source(
     x, name: str, fmt: Format | None = None, *, narrow: bool = False
 ) -> tuple[View, Format | None]:
+    """A read-only input's buffer view and format (``None``: float32), checked as ``name``."""
     fmt, bits = check_source(x.dtype, _contiguous(x), name, fmt, narrow, _FIX)
     return _view(x, bits), fmt
 
 
 def target(out, name: str, like: View, fmt: Format | None) -> View:
+    """The output buffer view (a new device array for ``None``), shaped like ``like``."""
     dtype = np.dtype(np.float32) if fmt is None else fmt.numpy_dtype
     if out is None:
         cuda = import_numba_cuda()
@@ -83,7 +85,10 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
 
 
 def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
-    return source(w, name, fmt, narrow=True)
+    """A low-precision array updated in place: its buffer view and format."""
+    view, narrow_fmt = source(w, name, fmt, narrow=True)
+    assert narrow_fmt is not None  # narrow=True always yields a format (or raises)
+    return view, narrow_fmt
 
 
 def counter(c, name: str, like: View) -> View:

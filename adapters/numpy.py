@@ -67,9 +67,10 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
 
 def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
     """A read-write view of a narrow array updated in place."""
-    view, fmt = source(w, name, fmt, narrow=True)
+    view, narrow_fmt = source(w, name, fmt, narrow=True)
+    assert narrow_fmt is not None  # narrow=True always yields a format (or raises)
     _check_writable(view.result, name)
-    return view, fmt
+    return view, narrow_fmt
 
 
 def counter(c, name: str, like: View) -> View:

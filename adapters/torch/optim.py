@@ -83,7 +83,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
     """Common machinery: lazy table, cache check, hyperparameters, scaler protocol."""
 
     _srround_fused = True  # srround's GradScaler passes inv_scale/found_inf to step()
-    _KIND = None
+    _KIND: int | None = None
     _STATE_NAMES: tuple = ()
 
     def __init__(self, params, defaults, rounding, state_dtype, seed):
