@@ -47,7 +47,7 @@ def _result_dtype(fmt_name: str):
     try:
         cupy.empty(0, dtype)
     except (TypeError, ValueError, NotImplementedError):
-        return np.dtype(np.uint16)
+        return FORMATS[fmt_name].storage
     return dtype
 
 
@@ -98,7 +98,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
     else:
         a = _as_array(out, name)
         check_target(a.dtype, a.shape, a.flags.c_contiguous, name, like.shape, fmt, _FIX)
-    return _view(out, np.uint32 if fmt is None else np.uint16, name)
+    return _view(out, np.uint32 if fmt is None else fmt.storage, name)
 
 
 def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:

@@ -72,7 +72,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
         cuda = import_numba_cuda()
         out = cuda.device_array(like.shape, dtype=dtype)
     check_target(out.dtype, out.shape, _contiguous(out), name, like.shape, fmt, _FIX)
-    return _view(out, np.uint32 if fmt is None else np.uint16)
+    return _view(out, np.uint32 if fmt is None else fmt.storage)
 
 
 def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:

@@ -51,11 +51,11 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
     ``fmt=None`` means float32."""
     dtype = np.dtype(np.float32) if fmt is None else fmt.numpy_dtype
     if out is None:
-        return _view(np.empty(like.shape, dtype), np.uint32 if fmt is None else np.uint16)
+        return _view(np.empty(like.shape, dtype), np.uint32 if fmt is None else fmt.storage)
     a = _as_array(out, name)
     check_target(a.dtype, a.shape, a.flags.c_contiguous, name, like.shape, fmt, _FIX)
     _check_writable(a, name)
-    return _view(a, np.uint32 if fmt is None else np.uint16)
+    return _view(a, np.uint32 if fmt is None else fmt.storage)
 
 
 def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:

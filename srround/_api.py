@@ -87,6 +87,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
         fmt.mantissa_bits,
         fmt.exponent_bits,
         saturate,
+        fmt.specials,
     )
     return dst.result
 
@@ -107,7 +108,14 @@ def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
     dst = adapter.target(out, "out", src, fmt)
     check_same_place(x=src, out=dst)
     _launch(
-        "round_nearest", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits, saturate
+        "round_nearest",
+        src,
+        src.bits,
+        dst.bits,
+        fmt.mantissa_bits,
+        fmt.exponent_bits,
+        saturate,
+        fmt.specials,
     )
     return dst.result
 
@@ -127,7 +135,9 @@ def to_float32(y, *, dtype=None, out=None):
     src, fmt = adapter.source(y, "y", fmt, narrow=True)
     dst = adapter.target(out, "out", src, None)
     check_same_place(y=src, out=dst)
-    _launch("to_float32", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits)
+    _launch(
+        "to_float32", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits, fmt.specials
+    )
     return dst.result
 
 
@@ -170,6 +180,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
         fmt.mantissa_bits,
         fmt.exponent_bits,
         saturate,
+        fmt.specials,
     )
     return dst.result
 

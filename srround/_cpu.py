@@ -1,7 +1,8 @@
 """CPU backend: the scalar bodies of ``_scalar.py`` in ``prange`` loops over all cores.
 
 Buffers are flat, C-contiguous NumPy arrays of bit patterns: fp32 as ``uint32``, narrow formats
-as ``uint16``.
+as ``uint16`` (bf16, fp16) or ``uint8`` (fp8, fp4 one value per byte). ``kind`` is the format's
+``specials`` code (``_scalar.IEEE``, ``FN``, ``FINITE``).
 
 The random kernels work in chunks of counter blocks (four elements per Threefry block, see
 ``_rng.py``). Each chunk first fills a small buffer with its blocks' random words in a
@@ -33,6 +34,8 @@ _TASK_CHUNKS = 16  # chunks per prange iteration (one buffer allocation each)
 # formats given literal constants in the element loops, so LLVM folds their shifts and masks
 _BF16 = (7, 8)
 _FP16 = (10, 5)
+_E4M3 = (3, 4)  # FN
+_E5M2 = (2, 5)  # IEEE
 
 
 def run(kernel, elements: int, *args):
@@ -131,32 +134,37 @@ def _chunk_span(n, offset, first, c, nblocks):
 
 
 @njit(inline="always", cache=True)
-def _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate):
+def _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind):
     """out[i] = encode_stochastic(x[i], bits[i]) over equal-length slices."""
     for i in range(x.size):
-        out[i] = encode_stochastic(x[i], bits[i], mantissa_bits, exponent_bits, saturate)
+        out[i] = encode_stochastic(x[i], bits[i], mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(inline="always", cache=True)
-def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate):
-    """``_round_loop`` with bf16 and fp16 as literal formats (same results, folded constants)."""
+def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate, kind=0):
+    """``_round_loop`` with bf16, fp16 and fp8 as literal formats (same results, folded
+    constants)."""
     if mantissa_bits == _BF16[0] and exponent_bits == _BF16[1]:
-        _round_loop(x, out, bits, _BF16[0], _BF16[1], saturate)
+        _round_loop(x, out, bits, _BF16[0], _BF16[1], saturate, 0)
     elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
-        _round_loop(x, out, bits, _FP16[0], _FP16[1], saturate)
+        _round_loop(x, out, bits, _FP16[0], _FP16[1], saturate, 0)
+    elif mantissa_bits == _E4M3[0] and exponent_bits == _E4M3[1] and kind == 1:
+        _round_loop(x, out, bits, _E4M3[0], _E4M3[1], saturate, 1)
+    elif mantissa_bits == _E5M2[0] and exponent_bits == _E5M2[1] and kind == 0:
+        _round_loop(x, out, bits, _E5M2[0], _E5M2[1], saturate, 0)
     else:
-        _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate)
+        _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(inline="always", cache=True)
-def _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits):
+def _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits, kind=0):
     """total[i] = add_exact_f32(w[i], u[i], alpha): the fp32 sums ``add_stochastic`` rounds."""
     for i in range(w.size):
-        total[i] = add_exact_f32(w[i], u[i], alpha, mantissa_bits, exponent_bits)
+        total[i] = add_exact_f32(w[i], u[i], alpha, mantissa_bits, exponent_bits, kind)
 
 
 @njit(inline="always", cache=True)
-def _add_span(w, u, alpha, total, bits, mantissa_bits, exponent_bits, saturate):
+def _add_span(w, u, alpha, total, bits, mantissa_bits, exponent_bits, saturate, kind=0):
     """w[i] = add_stochastic(w[i], u[i], alpha, bits[i]) over equal-length slices, as its two
     steps in two loops (each vectorizes better alone): fp32 sums into ``total``, then
     ``_round_span``. Literal bf16/fp16 formats as in ``_round_span``."""
@@ -165,13 +173,13 @@ def _add_span(w, u, alpha, total, bits, mantissa_bits, exponent_bits, saturate):
     elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
         _sum_loop(w, u, alpha, total, _FP16[0], _FP16[1])
     else:
-        _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits)
-    _round_span(total, w, bits, mantissa_bits, exponent_bits, saturate)
+        _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits, kind)
+    _round_span(total, w, bits, mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(parallel=True, cache=True)
-def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
-    """out[i] = SR(x[i]); x: uint32[n] (fp32 bits), out: uint16[n]."""
+def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind=0):
+    """out[i] = SR(x[i]); x: uint32[n] (fp32 bits), out: uint16[n] or uint8[n]."""
     n = x.size
     first, nblocks = _block_range(n, offset)
     task = _CHUNK_BLOCKS * _TASK_CHUNKS
@@ -183,20 +191,26 @@ def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, satur
             _fill_bits(words, k0, k1, block0, m)
             b = offset + lo - 4 * block0
             _round_span(
-                x[lo:hi], out[lo:hi], bits[b : b + hi - lo], mantissa_bits, exponent_bits, saturate
+                x[lo:hi],
+                out[lo:hi],
+                bits[b : b + hi - lo],
+                mantissa_bits,
+                exponent_bits,
+                saturate,
+                kind,
             )
 
 
 @njit(inline="always", cache=True)
-def _nearest_loop(x, out, mantissa_bits, exponent_bits, saturate):
+def _nearest_loop(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
     for i in range(x.size):
-        out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate)
+        out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(parallel=True, cache=True)
-def round_nearest(x, out, mantissa_bits, exponent_bits, saturate):
-    """out[i] = RNE(x[i]); x: uint32[n] (fp32 bits), out: uint16[n]. Chunks of 4096 elements
-    per task, bf16 and fp16 with literal constants (as ``_round_span``)."""
+def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
+    """out[i] = RNE(x[i]); x: uint32[n] (fp32 bits), out: uint16[n] or uint8[n]. Chunks of 4096
+    elements per task, bf16 and fp16 with literal constants (as ``_round_span``)."""
     n = x.size
     chunk = 4 * _CHUNK_BLOCKS
     for t in prange((n + chunk - 1) // chunk):
@@ -206,20 +220,20 @@ def round_nearest(x, out, mantissa_bits, exponent_bits, saturate):
         elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
             _nearest_loop(x[lo:hi], out[lo:hi], _FP16[0], _FP16[1], saturate)
         else:
-            _nearest_loop(x[lo:hi], out[lo:hi], mantissa_bits, exponent_bits, saturate)
+            _nearest_loop(x[lo:hi], out[lo:hi], mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(parallel=True, cache=True)
-def to_float32(h, out, mantissa_bits, exponent_bits):
-    """out[i] = fp32 bits of narrow pattern h[i]; h: uint16[n], out: uint32[n]."""
+def to_float32(h, out, mantissa_bits, exponent_bits, kind=0):
+    """out[i] = fp32 bits of narrow pattern h[i]; h: uint16[n] or uint8[n], out: uint32[n]."""
     for i in prange(h.size):
-        out[i] = decode(h[i], mantissa_bits, exponent_bits)
+        out[i] = decode(h[i], mantissa_bits, exponent_bits, kind)
 
 
 @njit(parallel=True, cache=True)
-def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
-    """w[i] = SR(w[i] + alpha * u[i]) in place; w: uint16[n], u: uint32[n] (fp32 bits), alpha:
-    float32."""
+def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind=0):
+    """w[i] = SR(w[i] + alpha * u[i]) in place; w: uint16[n] or uint8[n], u: uint32[n] (fp32
+    bits), alpha: float32."""
     n = w.size
     first, nblocks = _block_range(n, offset)
     task = _CHUNK_BLOCKS * _TASK_CHUNKS
@@ -240,4 +254,5 @@ def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, sa
                 mantissa_bits,
                 exponent_bits,
                 saturate,
+                kind,
             )

@@ -2,7 +2,7 @@
 
 Imported only when a device array is seen (``_api._launch``), so ``import srround`` never
 initialises CUDA. Buffers are Numba device arrays of bit patterns (fp32 as ``uint32``, narrow
-formats as ``uint16``). Each thread handles whole counter blocks of four elements (one Threefry
+formats as ``uint16``, fp8/fp4 as ``uint8``). Each thread handles whole counter blocks of four elements (one Threefry
 call, ``_rng.py``). When a call is block-aligned (``offset % 4 == 0``, 8-byte aligned pointers)
 the fast kernels move four elements per thread with 8-byte loads and stores (``uint64`` views:
 two fp32 words, or four narrow words); the remainder goes through the general kernels. Results
@@ -33,7 +33,9 @@ cuda = import_numba_cuda()
 
 
 @cuda.jit(cache=True)
-def _stochastic_round_general(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
+def _stochastic_round_general(
+    x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind
+):
     n = x.size
     first = offset >> 2
     nblocks = ((offset + n - 1) >> 2) - first + 1
@@ -45,7 +47,9 @@ def _stochastic_round_general(x, out, k0, k1, offset, mantissa_bits, exponent_bi
             i = block * 4 + lane - offset
             if 0 <= i < n:
                 r16 = lane_bits16(x0, x1, lane)
-                out[i] = encode_stochastic(x[i], r16, mantissa_bits, exponent_bits, saturate)
+                out[i] = encode_stochastic(
+                    x[i], r16, mantissa_bits, exponent_bits, saturate, kind
+                )
 
 
 @cuda.jit(cache=True)
@@ -66,7 +70,9 @@ def _stochastic_round_vec4(x2, out4, k0, k1, first, mantissa_bits, exponent_bits
 
 
 @cuda.jit(cache=True)
-def _stochastic_add_general(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
+def _stochastic_add_general(
+    w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind
+):
     n = w.size
     first = offset >> 2
     nblocks = ((offset + n - 1) >> 2) - first + 1
@@ -79,7 +85,7 @@ def _stochastic_add_general(w, u, alpha, k0, k1, offset, mantissa_bits, exponent
             if 0 <= i < n:
                 r16 = lane_bits16(x0, x1, lane)
                 w[i] = add_stochastic(
-                    w[i], u[i], alpha, r16, mantissa_bits, exponent_bits, saturate
+                    w[i], u[i], alpha, r16, mantissa_bits, exponent_bits, saturate, kind
                 )
 
 
@@ -110,10 +116,10 @@ def _stochastic_add_vec4(w4, u2, alpha, k0, k1, first, mantissa_bits, exponent_b
 
 
 @cuda.jit(cache=True)
-def _round_nearest_general(x, out, mantissa_bits, exponent_bits, saturate):
+def _round_nearest_general(x, out, mantissa_bits, exponent_bits, saturate, kind):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, x.size, stride):
-        out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate)
+        out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate, kind)
 
 
 @cuda.jit(cache=True)
@@ -133,10 +139,10 @@ def _round_nearest_vec4(x2, out4, mantissa_bits, exponent_bits, saturate):
 
 
 @cuda.jit(cache=True)
-def _to_float32_general(h, out, mantissa_bits, exponent_bits):
+def _to_float32_general(h, out, mantissa_bits, exponent_bits, kind):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, h.size, stride):
-        out[i] = decode(h[i], mantissa_bits, exponent_bits)
+        out[i] = decode(h[i], mantissa_bits, exponent_bits, kind)
 
 
 @cuda.jit(cache=True)
@@ -162,8 +168,12 @@ def _grid(work_items: int) -> tuple[int, int]:
 
 
 def _aligned(*arrays) -> bool:
-    """True when every buffer starts on an 8-byte boundary (needed by the uint64 views)."""
-    return all(address(a) % 8 == 0 for a in arrays)
+    """True when every buffer starts on an 8-byte boundary (needed by the uint64 views) and the
+    narrow one holds 16-bit patterns (the vec4 kernels pack four of them per word; 8-bit
+    formats take the general kernels)."""
+    return all(address(a) % 8 == 0 for a in arrays) and all(
+        a.dtype.itemsize != 1 for a in arrays
+    )
 
 
 def _split_aligned(n: int, offset: int) -> int:
@@ -171,7 +181,9 @@ def _split_aligned(n: int, offset: int) -> int:
     return n - n % 4 if offset % 4 == 0 else 0
 
 
-def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream):
+def stochastic_round(
+    x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind=0, *, stream
+):
     n = x.size
     head = _split_aligned(n, offset) if _aligned(x, out) else 0
     if head:
@@ -189,11 +201,21 @@ def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, satur
     if head < n:
         grid = _grid((n - head) // 4 + 2)
         _stochastic_round_general[grid[0], grid[1], stream](
-            x[head:], out[head:], k0, k1, offset + head, mantissa_bits, exponent_bits, saturate
+            x[head:],
+            out[head:],
+            k0,
+            k1,
+            offset + head,
+            mantissa_bits,
+            exponent_bits,
+            saturate,
+            kind,
         )
 
 
-def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream):
+def stochastic_add(
+    w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind=0, *, stream
+):
     n = w.size
     head = _split_aligned(n, offset) if _aligned(w, u) else 0
     if head:
@@ -221,10 +243,11 @@ def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, sa
             mantissa_bits,
             exponent_bits,
             saturate,
+            kind,
         )
 
 
-def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, stream):
+def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, kind=0, *, stream):
     n = x.size
     head = _split_aligned(n, 0) if _aligned(x, out) else 0
     if head:
@@ -239,11 +262,11 @@ def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, stream):
     if head < n:
         grid = _grid(n - head)
         _round_nearest_general[grid[0], grid[1], stream](
-            x[head:], out[head:], mantissa_bits, exponent_bits, saturate
+            x[head:], out[head:], mantissa_bits, exponent_bits, saturate, kind
         )
 
 
-def to_float32(h, out, mantissa_bits, exponent_bits, stream):
+def to_float32(h, out, mantissa_bits, exponent_bits, kind=0, *, stream):
     n = h.size
     head = _split_aligned(n, 0) if _aligned(h, out) else 0
     if head:
@@ -254,7 +277,7 @@ def to_float32(h, out, mantissa_bits, exponent_bits, stream):
     if head < n:
         grid = _grid(n - head)
         _to_float32_general[grid[0], grid[1], stream](
-            h[head:], out[head:], mantissa_bits, exponent_bits
+            h[head:], out[head:], mantissa_bits, exponent_bits, kind
         )
 
 

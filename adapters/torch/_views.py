@@ -9,6 +9,11 @@ convert stored values instead of copying bits. Results are ``torch.bfloat16`` /
 targets are written in their own storage and returned as the same tensor objects. Raw bit
 patterns are ``torch.uint16`` tensors with ``dtype=`` given, as with the NumPy adapter.
 
+fp8 results are ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``. torch has no one-value-per-byte
+fp4 dtype (``torch.float4_e2m1fn_x2`` packs two), so ``dtype="float4_e2m1fn"`` results are
+``torch.uint8`` tensors of bit patterns (low 4 bits; bit 3 the sign), and fp4 inputs are such
+``uint8`` tensors with ``dtype="float4_e2m1fn"`` given.
+
 CUDA work is launched on the caller's current torch stream of the tensor's device
 (``numba.cuda.external_stream``), so it is ordered with the surrounding torch work without any
 synchronisation. The tensor's device must be the current CUDA device
@@ -40,8 +45,14 @@ MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller
 _FIX = ".contiguous()"
 
 # srround format name -> torch dtype
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
 _FORMAT_OF = {_TORCH_DTYPES[name]: FORMATS[name] for name in _TORCH_DTYPES}
+_RESULT_DTYPES = {**_TORCH_DTYPES, "float4_e2m1fn": torch.uint8}  # fp4: bit patterns
 _DTYPES = Dtypes(
     noun="tensor",
     float32=torch.float32,
@@ -51,6 +62,7 @@ _DTYPES = Dtypes(
     narrow=_FORMAT_OF,
     cast=".float()",
     contiguous="contiguous",
+    raw8=torch.uint8,
 )
 
 
@@ -101,20 +113,29 @@ def _cuda_view(t, flat, bits_dtype, name: str) -> View:
     )
 
 
-def _view(t, narrow: bool, name: str) -> View:
-    """Zero-copy flat bit view of contiguous ``t`` (fp32 as uint32, narrow as uint16)."""
+# bit dtype of the kernels -> the torch view that reaches NumPy / Numba (signed 16/32-bit views:
+# their __cuda_array_interface__ typestr is supported by every torch)
+_VIEWS = {np.dtype(np.uint32): torch.int32, np.dtype(np.uint16): torch.int16}
+_VIEWS[np.dtype(np.uint8)] = torch.uint8
+
+
+def _view(t, narrow, name: str) -> View:
+    """Zero-copy flat bit view of contiguous ``t``: fp32 as uint32 (``narrow`` false), a narrow
+    format (``narrow``: True for 16 bits, or the ``Format``) as its storage, uint16 or uint8."""
+    storage = np.dtype(np.uint32)
+    if narrow:
+        storage = narrow.storage if isinstance(narrow, Format) else np.dtype(np.uint16)
     if t.is_cpu:
-        # float32 converts to NumPy as it is, narrow data as int16 (NumPy has no bf16); the
-        # bit views and the reshape of a contiguous array (torch and NumPy agree on contiguity)
-        # are NumPy's own, the cheapest views there are, never copies
+        # float32 converts to NumPy as it is, narrow data as an integer view (NumPy has no
+        # bf16); the bit views and the reshape of a contiguous array (torch and NumPy agree on
+        # contiguity) are NumPy's own, the cheapest views there are, never copies
         base = t.detach() if t.requires_grad else t
-        a = base.view(torch.int16).numpy() if narrow else base.numpy()
-        bits = a.reshape(-1).view(np.uint16 if narrow else np.uint32)
+        a = base.view(_VIEWS[storage]).numpy() if narrow else base.numpy()
+        bits = a.reshape(-1).view(storage)
         return View(bits=bits, device="cpu", shape=tuple(t.shape), result=t)
     if t.is_cuda:
-        # signed views: their __cuda_array_interface__ typestr is supported by every torch
-        flat = t.detach().view(-1).view(torch.int16 if narrow else torch.int32)
-        return _cuda_view(t, flat, np.uint16 if narrow else np.uint32, name)
+        flat = t.detach().view(-1).view(_VIEWS[storage])
+        return _cuda_view(t, flat, storage, name)
     raise ValueError(f"{name}: is on {t.device}; srround runs on CPU and CUDA tensors only")
 
 
@@ -131,15 +152,15 @@ def source(
     format from the dtype or ``fmt``). Returns ``(view, format)``."""
     t = _as_tensor(x, name)
     fmt, _ = check_source(t.dtype, t.is_contiguous(), name, fmt, narrow, f"{name}{_FIX}", _DTYPES)
-    return _view(t, narrow, name), fmt
+    return _view(t, fmt if narrow else False, name), fmt
 
 
 def target(out, name: str, like: View, fmt: Format | None) -> View:
     """A write view for the result: ``out`` validated, or a new tensor shaped like ``like`` on
     its device. ``fmt=None`` means float32."""
-    narrow = fmt is not None
+    narrow = fmt if fmt is not None else False
     if out is None:
-        dtype = _TORCH_DTYPES[fmt.name] if narrow else torch.float32
+        dtype = _RESULT_DTYPES[fmt.name] if narrow else torch.float32
         if like.device == "cpu":
             return _view(torch.empty(like.shape, dtype=dtype), narrow, name)
         return _view(torch.empty(like.shape, dtype=dtype, device=like.result.device), narrow, name)
