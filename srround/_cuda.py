@@ -33,9 +33,7 @@ cuda = import_numba_cuda()
 
 
 @cuda.jit(cache=True)
-def _stochastic_round_general(
-    x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind
-):
+def _stochastic_round_general(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind):
     n = x.size
     first = offset >> 2
     nblocks = ((offset + n - 1) >> 2) - first + 1
@@ -47,9 +45,7 @@ def _stochastic_round_general(
             i = block * 4 + lane - offset
             if 0 <= i < n:
                 r16 = lane_bits16(x0, x1, lane)
-                out[i] = encode_stochastic(
-                    x[i], r16, mantissa_bits, exponent_bits, saturate, kind
-                )
+                out[i] = encode_stochastic(x[i], r16, mantissa_bits, exponent_bits, saturate, kind)
 
 
 @cuda.jit(cache=True)
@@ -171,9 +167,7 @@ def _aligned(*arrays) -> bool:
     """True when every buffer starts on an 8-byte boundary (needed by the uint64 views) and the
     narrow one holds 16-bit patterns (the vec4 kernels pack four of them per word; 8-bit
     formats take the general kernels)."""
-    return all(address(a) % 8 == 0 for a in arrays) and all(
-        a.dtype.itemsize != 1 for a in arrays
-    )
+    return all(address(a) % 8 == 0 for a in arrays) and all(a.dtype.itemsize != 1 for a in arrays)
 
 
 def _split_aligned(n: int, offset: int) -> int:
