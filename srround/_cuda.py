@@ -2,8 +2,8 @@
 
 Imported only when a device array is seen (``_api._launch``), so ``import srround`` never
 initialises CUDA. Buffers are Numba device arrays of bit patterns (fp32 as ``uint32``, narrow
-formats as ``uint16``, fp8/fp4 as ``uint8``). Each thread handles whole counter blocks of four elements (one Threefry
-call, ``_rng.py``). When a call is block-aligned (``offset % 4 == 0``, 8-byte aligned pointers)
+formats as ``uint16``, fp8/fp4 as ``uint8``). Each thread handles whole counter blocks of four
+elements (one Threefry call, ``_rng.py``). When a call is block-aligned (``offset % 4 == 0``, 8-byte aligned pointers)
 the fast kernels move four elements per thread with 8-byte loads and stores (``uint64`` views:
 two fp32 words, or four narrow words); the remainder goes through the general kernels. Results
 never depend on the launch configuration.
