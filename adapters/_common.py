@@ -62,6 +62,8 @@ def narrow_format(dtype, name: str, fmt: Format | None, dtypes: Dtypes = NUMPY) 
         return candidate
     if fmt is not None and dtype == (dtypes.raw if fmt.bits > 8 else dtypes.raw8):
         return fmt
+    if fmt is not None and str(dtype).rsplit(".", 1)[-1] == fmt.name:
+        return fmt  # a storage-only format of block results (float8_e8m0fnu scales)
     expected = ", ".join(str(d) for d in dtypes.narrow)
     hint = f" (or {dtypes.raw} / {dtypes.raw8} bit patterns with dtype= given)"
     raise TypeError(

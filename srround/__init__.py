@@ -12,6 +12,7 @@ from srround._api import (
     unscale_and_check,
     update_scale,
 )
+from srround._blocks import QuantizedBlocks, dequantize_blocks, quantize_blocks
 from srround._formats import FORMATS, Format
 from srround._rng import manual_seed
 
@@ -20,9 +21,12 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMATS",
     "Format",
+    "QuantizedBlocks",
     "adamw_step",
     "audit",
+    "dequantize_blocks",
     "manual_seed",
+    "quantize_blocks",
     "round_nearest",
     "sgd_step",
     "stochastic_add",

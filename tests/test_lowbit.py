@@ -326,3 +326,72 @@ def test_bad_dtypes_are_named():
         srround.stochastic_add(np.zeros(4, ml_dtypes.float8_e5m2), x, dtype="float8_e4m3fn")
     with pytest.raises(ValueError, match="dtype: unsupported"):
         srround.stochastic_round(x, dtype="float8_e3m4")
+
+
+# -- block-scaled formats ---------------------------------------------------------------------
+
+BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"]
+
+
+def _block_inputs(rows=48, cols=64, seed=0):
+    """Rows of different magnitudes (1e-30 .. 1e30, fp32 subnormals), zero blocks, blocks whose
+    maximum is a power of two or just above the clipping threshold, and special values."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)) * 10.0 ** rng.uniform(-30, 30, (rows, 1))
+    x[1] = 0.0
+    x[2, :32] = 2.0**-140  # fp32 subnormals
+    x[3, 5] = 2.0**7
+    x[4, 7] = 1.8 * 2.0**3  # above 1.75 * 2**k: FLOOR clips it (fp8)
+    x[5, 9] = 7.0  # fp4: above 6 * 2**0
+    x[6, 3] = np.inf
+    x[7, 40] = -np.inf
+    x[8, 2] = np.nan
+    x[9] = rng.integers(-8, 8, cols) * 0.5  # on the fp4 grid
+    return x.astype(np.float32)
+
+
+def _torchao_reference(torch, x, name):
+    """(data bits, scale bits, tensor scale) of torchao on torch tensor ``x``."""
+    if name == "nvfp4":
+        from torchao.prototype.mx_formats.nvfp4_tensor import (
+            nvfp4_quantize,
+            per_tensor_amax_to_scale,
+        )
+
+        ts = per_tensor_amax_to_scale(torch.max(torch.abs(x)))
+        scales, data = nvfp4_quantize(x, 16, per_tensor_scale=ts)
+        return data.view(torch.uint8), scales.view(torch.uint8), ts
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    dtypes = {
+        "mxfp8_e4m3": torch.float8_e4m3fn,
+        "mxfp8_e5m2": torch.float8_e5m2,
+        "mxfp4": torch.float4_e2m1fn_x2,
+    }
+    scales, data = to_mx(x, dtypes[name], 32)
+    return data.view(torch.uint8), scales.view(torch.uint8), None
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_nearest_blocks_are_torchao_bits(name):
+    """rounding="nearest" (FLOOR scales for MX) gives torchao's data and scale bits, special
+    values and clipped block maxima included."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    x = _block_inputs()
+    if name == "nvfp4":  # one tensor scale: the specials would make every block NaN
+        x = np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        x = x / np.abs(x).max(axis=1, keepdims=True) * np.float32(3.0)
+        x = np.nan_to_num(x).astype(np.float32)
+        x[5, 9] = 1e4
+    t = torch.from_numpy(x)
+    data, scales, ts = _torchao_reference(torch, t, name)
+    q = srround.quantize_blocks(t, name, rounding="nearest")
+    np.testing.assert_array_equal(q.scales.view(torch.uint8).numpy(), scales.numpy())
+    np.testing.assert_array_equal(q.data.view(torch.uint8).numpy(), data.numpy())
+    if ts is not None:
+        assert q.tensor_scale.item() == ts.item()
+    # NumPy gives the same bits
+    qn = srround.quantize_blocks(x, name, rounding="nearest")
+    np.testing.assert_array_equal(_u8(qn.data), data.numpy())
+    np.testing.assert_array_equal(_u8(qn.scales), scales.numpy())

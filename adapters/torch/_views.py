@@ -52,7 +52,13 @@ _TORCH_DTYPES = {
     "float8_e5m2": torch.float8_e5m2,
 }
 _FORMAT_OF = {_TORCH_DTYPES[name]: FORMATS[name] for name in _TORCH_DTYPES}
-_RESULT_DTYPES = {**_TORCH_DTYPES, "float4_e2m1fn": torch.uint8}  # fp4: bit patterns
+# fp4: bit patterns; block results: e8m0 scales, packed fp4 bytes
+_RESULT_DTYPES = {
+    **_TORCH_DTYPES,
+    "float4_e2m1fn": torch.uint8,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
+    "uint8": torch.uint8,
+}
 _DTYPES = Dtypes(
     noun="tensor",
     float32=torch.float32,
