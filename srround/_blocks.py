@@ -171,6 +171,12 @@ def element_value(h, scale_bits, m, e, kind):
 
 
 @njit(inline="always", cache=True)
+def nv_scale_value(code, tensor_scale):
+    """fp32 bits of an NVFP4 block's scale: e4m3 ``code`` times the tensor scale (bits)."""
+    return f32_to_bits(bits_to_f32(decode(code, 3, 4, FN)) * bits_to_f32(tensor_scale))
+
+
+@njit(inline="always", cache=True)
 def mx_scale_value(code):
     """fp32 bits of an e8m0 scale (NaN for 0xFF)."""
     if code == 255:
@@ -260,8 +266,7 @@ def dequantize_blocks_cpu(data, scales, out, n, inner, block, tensor_scale, para
         o = t // (inner * nb)
         base = (o * n + blk * block) * inner + i
         if two_level:
-            s = bits_to_f32(decode(scales[t], 3, 4, FN)) * bits_to_f32(tensor_scale)
-            scale = f32_to_bits(s)
+            scale = nv_scale_value(scales[t], tensor_scale)
         else:
             scale = mx_scale_value(scales[t])
         for k in range(block):
