@@ -400,7 +400,7 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
         None,
         "scales",
         dataclasses.replace(src, shape=_shape_with(src.shape, axis, n // bf.block)),
-        bf.element if bf.two_level else E8M0,
+        FORMATS["float8_e4m3fn"] if bf.two_level else E8M0,
     )
     tensor = adapter.target(None, "tensor_scale", dataclasses.replace(src, shape=(1,)), None)
     params = (*_element_params(bf), stochastic, scale == "ceil")
@@ -453,7 +453,7 @@ def dequantize_blocks(q, *, dtype="float32"):
         return adapter.dequantize_blocks(q, dtype=dtype)
     data, _ = adapter.source(q.data, "q.data", PACKED_FP4 if bf.packed else bf.element, narrow=True)
     scales, _ = adapter.source(
-        q.scales, "q.scales", bf.element if bf.two_level else E8M0, narrow=True
+        q.scales, "q.scales", FORMATS["float8_e4m3fn"] if bf.two_level else E8M0, narrow=True
     )
     shape = tuple(data.shape)
     if bf.packed:

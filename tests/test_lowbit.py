@@ -420,3 +420,113 @@ def test_blocks_cuda_bits_equal_cpu_bits(name, small_cuda_launch):
         back = srround.dequantize_blocks(dev).copy_to_host()
         want = srround.dequantize_blocks(cpu)
         np.testing.assert_array_equal(back.view(np.uint32), want.view(np.uint32))
+
+
+def _sr_blocks(name, block_row, copies, scale, seed=0):
+    """``copies`` stochastic quantizations of one block row (one call on the stacked rows:
+    every element gets its own stream position), dequantized, as float64 [copies, len]."""
+    x = np.tile(np.asarray(block_row, np.float32), (copies, 1))
+    q = srround.quantize_blocks(x, name, seed=seed, scale=scale)
+    return srround.dequantize_blocks(q).astype(np.float64)
+
+
+def _block_row(name, rng):
+    bf = srround._blocks.BLOCK_FORMATS[name]
+    row = rng.standard_normal(bf.block) * 3.0
+    row[0] = 1.9 * 2.0**2  # a block maximum that FLOOR clips (its significand exceeds 1.75)
+    if name == "nvfp4":
+        row[0] = 1.9 * 2.0**2
+    return row.astype(np.float32)
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_stochastic_blocks_are_unbiased(name):
+    """E[dequantize(quantize(x))] = x for every element under the default (non-clipping) scale
+    of rounding="stochastic" (z-test over 3000 draws); FLOOR scaling clips the block maximum:
+    its mean lies below x (measured in the README)."""
+    rng = np.random.default_rng(11)
+    row = _block_row(name, rng)
+    y = _sr_blocks(name, row, 3000, None)
+    mean, std = y.mean(axis=0), y.std(axis=0)
+    exact = std == 0
+    np.testing.assert_array_equal(mean[exact], row[exact].astype(np.float64))
+    z = (mean[~exact] - row[~exact]) / (std[~exact] / np.sqrt(y.shape[0]))
+    assert np.all(np.abs(z) < 5), z
+    if name != "nvfp4":  # NVFP4's e4m3 scale rounds to nearest: it clips only some maxima
+        floor = _sr_blocks(name, row, 3000, "floor")
+        assert floor[:, 0].max() < row[0]  # always clipped below the true value
+
+
+def test_floor_clips_and_ceil_does_not():
+    """nearest rounding: FLOOR (torchao's) maps 1.9 * 2**3 to the largest e4m3 element,
+    1.75 * 2**3; CEIL takes the next scale and keeps it within one quantum."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = 1.9 * 2.0**3
+    floor = srround.quantize_blocks(x, "mxfp8_e4m3", rounding="nearest")
+    ceil = srround.quantize_blocks(x, "mxfp8_e4m3", rounding="nearest", scale="ceil")
+    assert srround.dequantize_blocks(floor)[0, 0] == 1.75 * 2.0**3
+    assert srround.dequantize_blocks(ceil)[0, 0] == 1.875 * 2.0**3
+    assert _u8(ceil.scales)[0, 0] == _u8(floor.scales)[0, 0] + 1
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_blocks_layout_axis_and_stream(name):
+    """Blocks along any axis (same bits as the transposed array's last axis, rounding to
+    nearest); element i uses stream position offset + i (its row-major index in x); shapes
+    of data (fp4: axis halved), scales and the dtypes."""
+    bf = srround._blocks.BLOCK_FORMATS[name]
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 2 * bf.block, 5)).astype(np.float32)
+    q = srround.quantize_blocks(x, name, rounding="nearest", axis=1)
+    t = np.ascontiguousarray(np.moveaxis(x, 1, -1))
+    r = srround.quantize_blocks(t, name, rounding="nearest")
+    np.testing.assert_array_equal(_u8(q.scales), np.moveaxis(_u8(r.scales), -1, 1))
+    assert q.data.shape == (3, bf.block if bf.packed else 2 * bf.block, 5)
+    assert q.scales.shape == (3, 2, 5)
+    assert q.axis == 1 and q.format == name
+    assert q.scales.dtype == (
+        np.dtype(ml_dtypes.float8_e4m3fn) if bf.two_level else np.dtype(ml_dtypes.float8_e8m0fnu)
+    )
+    np.testing.assert_array_equal(
+        srround.dequantize_blocks(q), np.moveaxis(srround.dequantize_blocks(r), -1, 1)
+    )
+    if name == "nvfp4":
+        return  # the tensor scale of a part differs from the whole's
+    y = rng.standard_normal((4, 2 * bf.block)).astype(np.float32)
+    whole = srround.quantize_blocks(y, name, seed=5, offset=9)
+    part = srround.quantize_blocks(y[2:], name, seed=5, offset=9 + 2 * y.shape[1])
+    np.testing.assert_array_equal(_u8(whole.data)[2:], _u8(part.data))
+
+
+def test_blocks_grid_values_round_trip():
+    """Values on a block's grid come back exactly, whatever the rounding."""
+    x = np.float32([[6, -4, 3, 2, 1.5, 1, 0.5, 0] * 4]) * np.float32(2.0**-5)
+    for rounding in ("nearest", "stochastic"):
+        q = srround.quantize_blocks(x, "mxfp4", rounding=rounding, scale="floor")
+        np.testing.assert_array_equal(srround.dequantize_blocks(q), x)
+
+
+def test_blocks_errors_name_the_argument():
+    x = np.zeros((2, 48), np.float32)
+    with pytest.raises(ValueError, match=r"x: the length 48 of axis 1 is not a multiple of .*32"):
+        srround.quantize_blocks(x, "mxfp8_e4m3")
+    with pytest.raises(ValueError, match="format: expected one of"):
+        srround.quantize_blocks(x, "mxfp6")
+    with pytest.raises(ValueError, match="rounding:"):
+        srround.quantize_blocks(x, "nvfp4", rounding="up")
+    with pytest.raises(ValueError, match="scale:"):
+        srround.quantize_blocks(x, "nvfp4", scale="round")
+    with pytest.raises(ValueError, match="axis:"):
+        srround.quantize_blocks(x, "nvfp4", axis=2)
+    with pytest.raises(TypeError, match="x: expected a float32"):
+        srround.quantize_blocks(x.astype(np.float64), "nvfp4")
+    with pytest.raises(TypeError, match="q: expected a QuantizedBlocks"):
+        srround.dequantize_blocks((x, x, None))
+
+
+def test_nvfp4_all_zero_tensor():
+    """An all-zero tensor gets tensor scale 1 and zero data (torchao's formula divides 0/0)."""
+    q = srround.quantize_blocks(np.zeros((1, 16), np.float32), "nvfp4")
+    assert q.tensor_scale[0] == 1.0
+    assert not _u8(q.data).any()
+    assert not srround.dequantize_blocks(q).any()
