@@ -530,3 +530,43 @@ def test_nvfp4_all_zero_tensor():
     assert q.tensor_scale[0] == 1.0
     assert not _u8(q.data).any()
     assert not srround.dequantize_blocks(q).any()
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+@pytest.mark.parametrize("name", LOWBIT)
+def test_jax_bits_equal_numpy_bits(name, impl):
+    """JAX (jax.lax path under jit, and the callback path): the NumPy path's bits; fp8 results
+    in JAX's float8 dtypes, fp4 as uint8 patterns."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from srround.adapters import jax as sj
+
+    rng = np.random.default_rng(12)
+    x = rng.choice(X, 1001).astype(np.float32)
+    for overflow in ("inf", "saturate"):
+        want = _u8(srround.stochastic_round(x, dtype=name, seed=3, offset=2, overflow=overflow))
+        fn = jax.jit(
+            lambda v: sj.stochastic_round(
+                v, dtype=name, seed=3, offset=2, overflow=overflow, impl=impl
+            )
+        )
+        got = fn(jnp.asarray(x))
+        assert got.dtype == (
+            jnp.uint8 if name == "float4_e2m1fn" else jnp.dtype(FMT[name].numpy_dtype)
+        )
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want)
+        got = sj.round_nearest(jnp.asarray(x), dtype=name, overflow=overflow, impl=impl)
+        want = _u8(srround.round_nearest(x, dtype=name, overflow=overflow))
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want)
+    h = ALL_PATTERNS[name]
+    wide = sj.to_float32(jnp.asarray(h), dtype=name, impl=impl)
+    np.testing.assert_array_equal(
+        np.asarray(wide).view(np.uint32), srround.to_float32(h, dtype=name).view(np.uint32)
+    )
+    w = rng.choice(_grid(name), 1001).astype(FMT[name].numpy_dtype)
+    u = (rng.standard_normal(1001) * FMT[name].max_finite / 16).astype(np.float32)
+    new = sj.stochastic_add(
+        jnp.asarray(_u8(w)), jnp.asarray(u), alpha=0.5, seed=2, dtype=name, impl=impl
+    )
+    srround.stochastic_add(w, u, alpha=0.5, seed=2)
+    np.testing.assert_array_equal(np.asarray(new), _u8(w))

@@ -85,7 +85,8 @@ def _check_float32(x, name: str):
 
 
 def _narrow(y, name: str, fmt: Format | None):
-    """``(array, format)`` of a bf16/fp16 array (or uint16 patterns with ``dtype=`` given)."""
+    """``(array, format)`` of a bf16/fp16/fp8 array (or uint16 / uint8 patterns with ``dtype=``
+    given; fp4 is always uint8 patterns)."""
     y = _as_jax(y, name)
     for candidate_name, dtype in _JNP_DTYPES.items():
         if y.dtype == dtype:
@@ -93,11 +94,11 @@ def _narrow(y, name: str, fmt: Format | None):
             if fmt is not None and fmt is not candidate:
                 raise TypeError(f"{name}: dtype {y.dtype} does not match dtype={fmt.name!r}")
             return y, candidate
-    if y.dtype == jnp.uint16 and fmt is not None:
+    if fmt is not None and y.dtype == jnp.dtype(fmt.storage):
         return y, fmt
     raise TypeError(
-        f"{name}: expected a narrow float array (bfloat16, float16, or uint16 bit patterns with"
-        f" dtype= given), got {y.dtype}"
+        f"{name}: expected a narrow float array (bfloat16, float16, float8_e4m3fn, float8_e5m2,"
+        f" or uint16 / uint8 bit patterns with dtype= given), got {y.dtype}"
     )
 
 
@@ -156,7 +157,7 @@ def stochastic_round(
     k0, k1 = _key_words(seed)
     if impl == "native":
         if x.size == 0:
-            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
+            return jnp.zeros(x.shape, _lax.result_dtype(fmt))
         return _lax._native_stochastic_round(
             x,
             _u(k0),
@@ -179,7 +180,7 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
     x = _check_float32(x, "x")
     if _impl(impl, x) == "native":
         if x.size == 0:
-            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
+            return jnp.zeros(x.shape, _lax.result_dtype(fmt))
         return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
     return _callback.round_nearest(x, fmt, overflow)
 

@@ -20,7 +20,7 @@ import numpy as np
 import srround._api as _srround_api
 from srround._formats import Format
 
-from ._lax import _JNP_DTYPES, _u
+from ._lax import _u, result_dtype
 
 _HOST = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="srround-jax-host")
 _HOST.submit(int).result()  # start the thread now, outside any XLA computation
@@ -56,9 +56,9 @@ def stochastic_round(x, fmt: Format, k0, k1, offset: int, overflow: str):
             offset=offset,
             overflow=overflow,
         )
-        return np.asarray(y).reshape(xh.shape)
+        return np.asarray(y).view(result_dtype(fmt)).reshape(xh.shape)
 
-    shape = jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name])
+    shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
     return _callback(host, shape, x, _u(k0), _u(k1))
 
 
@@ -66,11 +66,15 @@ def round_nearest(x, fmt: Format, overflow: str):
     """``srround.round_nearest`` of float32 ``x`` on the host."""
 
     def host(xh):
-        return np.asarray(
-            _host("round_nearest")(np.asarray(xh, order="C"), dtype=fmt.name, overflow=overflow)
-        ).reshape(xh.shape)
+        return (
+            np.asarray(
+                _host("round_nearest")(np.asarray(xh, order="C"), dtype=fmt.name, overflow=overflow)
+            )
+            .view(result_dtype(fmt))
+            .reshape(xh.shape)
+        )
 
-    return _callback(host, jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name]), x)
+    return _callback(host, jax.ShapeDtypeStruct(x.shape, result_dtype(fmt)), x)
 
 
 def to_float32(y, fmt: Format):
