@@ -94,7 +94,7 @@ def _narrow(y, name: str, fmt: Format | None):
             if fmt is not None and fmt is not candidate:
                 raise TypeError(f"{name}: dtype {y.dtype} does not match dtype={fmt.name!r}")
             return y, candidate
-    if fmt is not None and y.dtype == jnp.dtype(fmt.storage):
+    if fmt is not None and y.dtype == jnp.dtype(fmt.bits_dtype):
         return y, fmt
     raise TypeError(
         f"{name}: expected a narrow float array (bfloat16, float16, float8_e4m3fn, float8_e5m2,"

@@ -339,7 +339,7 @@ def _random16(k0, k1, first_lo, first_hi, lane0: int, n: int):
 
 
 def _to_narrow(patterns, fmt: Format, shape):
-    stored = patterns.astype(jnp.dtype(fmt.storage))
+    stored = patterns.astype(jnp.dtype(fmt.bits_dtype))
     if fmt.name in _JNP_DTYPES:
         stored = lax.bitcast_convert_type(stored, _JNP_DTYPES[fmt.name])
     return stored.reshape(shape)
@@ -381,7 +381,7 @@ def _native_round_nearest(x, *, fmt_name, saturate):
 @functools.partial(jax.jit, static_argnames=("fmt_name",))
 def _native_to_float32(y, *, fmt_name):
     fmt = FORMATS[fmt_name]
-    h = _bits(y, jnp.dtype(fmt.storage)).astype(_U32)
+    h = _bits(y, jnp.dtype(fmt.bits_dtype)).astype(_U32)
     return lax.bitcast_convert_type(_decode(h, fmt), jnp.float32).reshape(y.shape)
 
 
@@ -389,10 +389,10 @@ def _native_to_float32(y, *, fmt_name):
 def _native_stochastic_add(w, u, alpha, k0, k1, first_lo, first_hi, *, lane0, fmt_name, saturate):
     fmt = FORMATS[fmt_name]
     n = w.size
-    wb = _bits(w, jnp.dtype(fmt.storage)).astype(_U32)
+    wb = _bits(w, jnp.dtype(fmt.bits_dtype)).astype(_U32)
     ub = _bits(u, _U32)
     ab = lax.bitcast_convert_type(jnp.asarray(alpha, jnp.float32), _U32)
     total = _fma_bits(ab, ub, _decode(wb, fmt))
     bits16 = _random16(k0, k1, first_lo, first_hi, lane0, n)
     out = _encode(total, fmt, saturate, bits16)
-    return lax.bitcast_convert_type(out.astype(jnp.dtype(fmt.storage)), w.dtype).reshape(w.shape)
+    return lax.bitcast_convert_type(out.astype(jnp.dtype(fmt.bits_dtype)), w.dtype).reshape(w.shape)

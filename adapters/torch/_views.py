@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from srround._dispatch import View
-from srround._formats import FORMATS, Format
+from srround._formats import CODE_DTYPES, FORMATS, Format, bits_dtype, code_name
 
 from .._common import Dtypes, check_contiguous, check_counter, check_source, check_target
 from ..numba import external_stream
@@ -59,16 +59,17 @@ _RESULT_DTYPES = {
     "float8_e8m0fnu": torch.float8_e8m0fnu,
     "uint8": torch.uint8,
 }
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32}  # element width -> signed view dtype
 _DTYPES = Dtypes(
     noun="tensor",
     float32=torch.float32,
     float64=torch.float64,
     int32=torch.int32,
     raw=torch.uint16,  # raw bit patterns (torch >= 2.3; the extra needs >= 2.4)
+    raw8=torch.uint8,
     narrow=_FORMAT_OF,
     cast=".float()",
     contiguous="contiguous",
-    raw8=torch.uint8,
 )
 
 
@@ -119,29 +120,22 @@ def _cuda_view(t, flat, bits_dtype, name: str) -> View:
     )
 
 
-# bit dtype of the kernels -> the torch view that reaches NumPy / Numba (signed 16/32-bit views:
-# their __cuda_array_interface__ typestr is supported by every torch)
-_VIEWS = {np.dtype(np.uint32): torch.int32, np.dtype(np.uint16): torch.int16}
-_VIEWS[np.dtype(np.uint8)] = torch.uint8
-
-
-def _view(t, narrow, name: str) -> View:
-    """Zero-copy flat bit view of contiguous ``t``: fp32 as uint32 (``narrow`` false), a narrow
-    format (``narrow``: True for 16 bits, or the ``Format``) as its storage, uint16 or uint8."""
-    storage = np.dtype(np.uint32)
-    if narrow:
-        storage = narrow.storage if isinstance(narrow, Format) else np.dtype(np.uint16)
+def _view(t, narrow: bool, name: str) -> View:
+    """Zero-copy flat bit view of contiguous ``t``: unsigned words of its element width (fp32
+    as uint32, bf16/fp16 as uint16)."""
+    width = t.element_size()
     if t.is_cpu:
-        # float32 converts to NumPy as it is, narrow data as an integer view (NumPy has no
-        # bf16); the bit views and the reshape of a contiguous array (torch and NumPy agree on
-        # contiguity) are NumPy's own, the cheapest views there are, never copies
+        # float32 converts to NumPy as it is, narrow data as int16 (NumPy has no bf16); the
+        # bit views and the reshape of a contiguous array (torch and NumPy agree on contiguity)
+        # are NumPy's own, the cheapest views there are, never copies
         base = t.detach() if t.requires_grad else t
-        a = base.view(_VIEWS[storage]).numpy() if narrow else base.numpy()
-        bits = a.reshape(-1).view(storage)
+        a = base.view(_SIGNED[width]).numpy() if narrow else base.numpy()
+        bits = a.reshape(-1).view(bits_dtype(width))
         return View(bits=bits, device="cpu", shape=tuple(t.shape), result=t)
     if t.is_cuda:
-        flat = t.detach().view(-1).view(_VIEWS[storage])
-        return _cuda_view(t, flat, storage, name)
+        # signed views: their __cuda_array_interface__ typestr is supported by every torch
+        flat = t.detach().view(-1).view(_SIGNED[width])
+        return _cuda_view(t, flat, bits_dtype(width), name)
     raise ValueError(f"{name}: is on {t.device}; srround runs on CPU and CUDA tensors only")
 
 
@@ -158,13 +152,13 @@ def source(
     format from the dtype or ``fmt``). Returns ``(view, format)``."""
     t = _as_tensor(x, name)
     fmt, _ = check_source(t.dtype, t.is_contiguous(), name, fmt, narrow, f"{name}{_FIX}", _DTYPES)
-    return _view(t, fmt if narrow else False, name), fmt
+    return _view(t, narrow, name), fmt
 
 
 def target(out, name: str, like: View, fmt: Format | None) -> View:
     """A write view for the result: ``out`` validated, or a new tensor shaped like ``like`` on
     its device. ``fmt=None`` means float32."""
-    narrow = fmt if fmt is not None else False
+    narrow = fmt is not None
     if out is None:
         dtype = _RESULT_DTYPES[fmt.name] if narrow else torch.float32
         if like.device == "cpu":
@@ -199,8 +193,10 @@ def counter(c, name: str, like: View) -> View:
     return view
 
 
-# (int16: the raw 16-bit remainders of the optimizers' "remainder" weight mode)
-_BUFFER_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
+# BufferCode of each torch dtype of CODE_DTYPES (torch spells its dtypes as NumPy/ml_dtypes do)
+_BUFFER_CODES = {
+    getattr(torch, code_name(code)): code for code in CODE_DTYPES if hasattr(torch, code_name(code))
+}  # (torch has no one-per-byte fp4 dtype)
 _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
