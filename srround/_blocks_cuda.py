@@ -4,7 +4,7 @@ bodies of ``_blocks.py`` in grid-stride loops. Imported on first CUDA use only."
 from __future__ import annotations
 
 from . import _config
-from ._blocks import (
+from ._block_kernels import (
     block_element,
     element_value,
     mx_scale,
