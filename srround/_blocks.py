@@ -200,7 +200,7 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
     if scale not in SCALE_MODES:
         raise ValueError(f"scale: expected one of {list(SCALE_MODES)}, got {scale!r}")
     adapter = adapter_for(x=x)
-    if not adapter.MUTABLE:
+    if not adapter.MUTABLE:  # JAX: its adapter's own implementation
         return adapter.quantize_blocks(
             x, format, rounding=rounding, seed=seed, offset=offset, axis=axis, scale=scale
         )

@@ -570,3 +570,22 @@ def test_jax_bits_equal_numpy_bits(name, impl):
     )
     srround.stochastic_add(w, u, alpha=0.5, seed=2)
     np.testing.assert_array_equal(np.asarray(new), _u8(w))
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e5m2", "nvfp4"])
+def test_jax_blocks_equal_numpy_blocks(name):
+    """JAX arrays (under jit, a key as the seed): the NumPy path's bits, dequantize included."""
+    jax = pytest.importorskip("jax")
+    key = jax.random.key(3)
+    x = np.random.default_rng(6).standard_normal((4, 64)).astype(np.float32)
+    seed = int(jax.random.key_data(key)[0]) | (int(jax.random.key_data(key)[1]) << 32)
+    want = srround.quantize_blocks(x, name, seed=seed, offset=5, axis=1)
+    q = jax.jit(lambda v, k: srround.quantize_blocks(v, name, seed=k, offset=5, axis=1))(
+        jax.numpy.asarray(x), key
+    )
+    assert q.axis == 1 and q.format == name
+    np.testing.assert_array_equal(np.asarray(q.data).view(np.uint8), _u8(want.data))
+    np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), _u8(want.scales))
+    np.testing.assert_array_equal(
+        np.asarray(srround.dequantize_blocks(q)), srround.dequantize_blocks(want)
+    )

@@ -40,6 +40,21 @@ from . import _callback, _lax
 from ._lax import _JNP_DTYPES, _u
 
 MUTABLE = False  # the adapter protocol of srround._dispatch: the functional API is here
+
+
+def _register_quantized_blocks():
+    """``srround.QuantizedBlocks`` as a pytree: its arrays are leaves, ``format`` and ``axis``
+    static (so it passes through ``jit``)."""
+    from srround._blocks import QuantizedBlocks
+
+    jax.tree_util.register_pytree_node(
+        QuantizedBlocks,
+        lambda q: ((q.data, q.scales, q.tensor_scale), (q.format, q.axis)),
+        lambda aux, children: QuantizedBlocks(*children, *aux),
+    )
+
+
+_register_quantized_blocks()
 IMPLS = ("native", "callback")
 
 
@@ -240,3 +255,40 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
             saturate=saturate,
         )
     return _callback.stochastic_add(w, u, alpha, fmt, k0, k1, offset, overflow)
+
+
+def quantize_blocks(
+    x, format, *, rounding="stochastic", seed=None, offset=0, axis=-1, scale=None, impl=None
+):
+    """``srround.quantize_blocks`` for a float32 JAX array (works under ``jit``; ``seed`` may
+    be a JAX key). Runs the NumPy kernels through ``jax.pure_callback`` (``impl="callback"``,
+    the only implementation so far: the same bits, on the host). Returns a
+    ``srround.QuantizedBlocks`` of JAX arrays (fp4 data as uint8, MX scales
+    ``jnp.float8_e8m0fnu``, NVFP4 scales ``jnp.float8_e4m3fn``)."""
+    from srround import _blocks
+
+    if impl not in (None, "callback"):
+        raise ValueError(f"impl: only 'callback' is implemented for block formats, got {impl!r}")
+    bf = _blocks.get_block_format(format)
+    x = _check_float32(x, "x")
+    offset = check_offset(offset)
+    if rounding not in ("stochastic", "nearest"):
+        raise ValueError(f"rounding: expected 'stochastic' or 'nearest', got {rounding!r}")
+    if scale is None:
+        scale = "ceil" if rounding == "stochastic" else "floor"
+    if scale not in _blocks.SCALE_MODES:
+        raise ValueError(f"scale: expected one of {list(_blocks.SCALE_MODES)}, got {scale!r}")
+    if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis: expected an int in [{-x.ndim}, {x.ndim}), got {axis!r}")
+    k0, k1 = _key_words(seed) if rounding == "stochastic" else (0, 0)
+    (data, scales, tensor), axis = _callback.quantize_blocks(
+        x, bf, k0, k1, rounding=rounding, offset=offset, axis=int(axis), scale=scale
+    )
+    return _blocks.QuantizedBlocks(data, scales, tensor if bf.two_level else None, bf.name, axis)
+
+
+def dequantize_blocks(q, *, dtype="float32"):
+    """``srround.dequantize_blocks`` of a ``QuantizedBlocks`` of JAX arrays (host callback)."""
+    if dtype not in ("float32", np.float32):
+        raise ValueError(f"dtype: only 'float32' is supported, got {dtype!r}")
+    return _callback.dequantize_blocks(q)
