@@ -24,15 +24,20 @@ over their true value (FLOOR: biased low; CEIL: 1).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_round import Unavailable, _quiet_import, measure  # noqa: E402
+from _harness import (  # noqa: E402
+    Unavailable,
+    add_json_argument,
+    measure,
+    utc_now,
+    write_json,
+)
+from _harness import quiet_import as _quiet_import  # noqa: E402
 
 import srround  # noqa: E402
 
@@ -57,7 +62,7 @@ def rows(device, n):
     torch = None
     try:
         torch = _quiet_import("torch")
-    except ImportError:
+    except Unavailable:
         pass
     sync = None
     if device == "cuda":
@@ -118,7 +123,7 @@ def rows(device, n):
     try:
         mx = _quiet_import("torchao.prototype.mx_formats.mx_tensor")
         nv = _quiet_import("torchao.prototype.mx_formats.nvfp4_tensor")
-    except ImportError:
+    except Unavailable:
         return out
     xt2 = x2 if device == "cuda" else torch.from_numpy(x2_np)
     out.append(
@@ -193,8 +198,9 @@ def main(argv=None):
     p.add_argument("--log2n", type=int, default=22)
     p.add_argument("--cell-time", type=float, default=0.3)
     p.add_argument("--blocks", type=int, default=1 << 14)
-    p.add_argument("--json")
+    add_json_argument(p)
     args = p.parse_args(argv)
+    started = utc_now()
     n = 1 << args.log2n
     table = []
     floor_gbs = None
@@ -222,19 +228,21 @@ def main(argv=None):
                     f"{c[k]:>22.4g}" if isinstance(c[k], float) else f"{c[k]:>22s}" for k in keys
                 )
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "n": n,
-                    "device": args.device,
-                    "time": time.time(),
-                    "rows": table,
-                    "clipping": clip,
-                },
-                f,
-                indent=1,
-            )
+    write_json(
+        args.json,
+        "bench_lowbit",
+        results=table,
+        columns=[
+            ["op", "op", ""],
+            ["gb_s", "GB/s", ".2f"],
+            ["pct_floor", "% floor", ".0f"],
+            ["median_s", "ms", "ms"],
+        ],
+        baseline="the first row: a Numba prange x >> 24 (CPU) / torch copy_ (CUDA), 5 B/element",
+        meta={"n": n, "device": args.device},
+        started=started,
+        clipping=clip,
+    )
 
 
 if __name__ == "__main__":
