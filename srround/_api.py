@@ -98,6 +98,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
         fmt.mantissa_bits,
         fmt.exponent_bits,
         saturate,
+        fmt.specials,
     )
     return dst.result
 
@@ -120,7 +121,14 @@ def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
     if out is not None:
         _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
     _launch(
-        "round_nearest", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits, saturate
+        "round_nearest",
+        src,
+        src.bits,
+        dst.bits,
+        fmt.mantissa_bits,
+        fmt.exponent_bits,
+        saturate,
+        fmt.specials,
     )
     return dst.result
 
@@ -142,7 +150,9 @@ def to_float32(y, *, dtype=None, out=None):
     check_same_place(y=src, out=dst)
     if out is not None:
         _validate.no_overlap([_span("y", src, False), _span("out", dst, True)])
-    _launch("to_float32", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits)
+    _launch(
+        "to_float32", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits, fmt.specials
+    )
     return dst.result
 
 
@@ -187,6 +197,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
         fmt.mantissa_bits,
         fmt.exponent_bits,
         saturate,
+        fmt.specials,
     )
     return dst.result
 
