@@ -465,7 +465,7 @@ class GradScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (a finite float > 1)."""
+        """Set the growth factor (a float > 1)."""
         _check_growth_factor(new_factor)
         self._growth_factor = float(new_factor)
 
