@@ -82,7 +82,8 @@ def unscale_grads(grads, inv_scale, found_inf) -> None:
     (float64, non-dense strided views, sparse values, other devices) through torch's own
     ``torch._amp_foreach_non_finite_check_and_unscale_``, per device and dtype."""
     device = found_inf.device
-    fused, others = [], {}
+    fused: list = []
+    others: dict = {}
     for g in grads:
         if g.layout is not torch.strided:
             g = g._values()  # sparse COO (fp16 ones coalesced by the caller, as torch does)

@@ -173,8 +173,17 @@ def check_pairs(params, grads, rounding) -> None:
 class _Entry:
     """The cached fused step of one set of buffers."""
 
-    __slots__ = ("buffers", "copy_in", "copy_out", "defaults", "device", "fused", "key")
-    __slots__ += ("params", "written")
+    __slots__ = (
+        "buffers",
+        "copy_in",
+        "copy_out",
+        "defaults",
+        "device",
+        "fused",
+        "key",
+        "params",
+        "written",
+    )
 
 
 def build_entry(kind, rounding, state_fmt, params, grads, states, steps, group_index, stream):
@@ -288,9 +297,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     _srround_fused = True  # srround's GradScaler passes inv_scale/found_inf to step()
     _step_supports_amp_scaling = True  # torch's GradScaler sets grad_scale / found_inf
-    _KIND = None
+    _KIND: int | None = None
     _STATE_NAMES: tuple = ()
-    _ONE_PER_OPTIMIZER = ("rounding", "state_dtype", "seed", "maximize")
+    _ONE_PER_OPTIMIZER: tuple[str, ...] = ("rounding", "state_dtype", "seed", "maximize")
 
     def __init__(self, params, defaults, rounding, state_dtype, seed):
         _check_rounding(rounding)
