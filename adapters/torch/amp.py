@@ -466,7 +466,7 @@ class GradScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1); a bad value raises ``ValueError``."""
+        """Set the growth factor (a float > 1)."""
         _check_growth_factor(new_factor)
         self._growth_factor = float(new_factor)
 
@@ -475,7 +475,7 @@ class GradScaler:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)); a bad value raises ``ValueError``."""
+        """Set the backoff factor (a finite float in (0, 1))."""
         _check_backoff_factor(new_factor)
         self._backoff_factor = float(new_factor)
 
@@ -484,7 +484,7 @@ class GradScaler:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1); a bad value raises ``ValueError``."""
+        """Set the growth interval (a positive int)."""
         _check_growth_interval(new_interval)
         self._growth_interval = int(new_interval)
 

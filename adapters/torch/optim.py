@@ -173,8 +173,17 @@ def check_pairs(params, grads, rounding) -> None:
 class _Entry:
     """The cached fused step of one set of buffers."""
 
-    __slots__: tuple[str, ...] = ("buffers", "copy_in", "copy_out", "defaults", "device")
-    __slots__ += ("fused", "key", "params", "written")
+    __slots__ = (
+        "buffers",
+        "copy_in",
+        "copy_out",
+        "defaults",
+        "device",
+        "fused",
+        "key",
+        "params",
+        "written",
+    )
 
 
 def build_entry(kind, rounding, state_fmt, params, grads, states, steps, group_index, stream):
