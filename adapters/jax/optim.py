@@ -65,13 +65,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from srround import _optim
 from srround._formats import FORMATS
 
 from ._api import _key_words
-from ._callback import _callback, _host, _seed_of
-from ._lax import _decode, _encode, _random16, _threefry2x32, _u
+from ._callback import _callback, _host, _origin_arg, _runs, _seed_of
+from ._lax import _decode, _element_index, _encode, _random16, _shard_layout, _threefry2x32, _u
 
 __all__ = ["AdamWState", "adamw", "apply_updates"]
 
@@ -88,11 +89,14 @@ def _impl(impl) -> str:
     return impl
 
 
-def _starts(leaves) -> list[int]:
+def _starts(shapes) -> list[int]:
+    """Global element where each leaf starts (``shapes``: leaves or their global shapes)."""
     starts, total = [], 0
-    for leaf in leaves:
+    for shape in shapes:
         starts.append(total)
-        total += int(np.prod(np.shape(leaf), dtype=np.int64))
+        total += int(
+            np.prod(shape if isinstance(shape, tuple) else np.shape(shape), dtype=np.int64)
+        )
     if total >= _optim.MAX_ELEMENTS:
         raise ValueError(f"params: {total} elements, at most {_optim.MAX_ELEMENTS - 1} per step")
     return starts
@@ -206,24 +210,25 @@ def _group_bits16(k0, k1, t, stream: int, members):
     return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
 
 
-@functools.partial(jax.jit, static_argnames=("update", "cfg"))
-def _leaf_call(arrays, k0, k1, t, start_lo, lane0, extra, *, update, cfg):
+@functools.partial(jax.jit, static_argnames=("update", "cfg", "global_shape"))
+def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg, global_shape):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf (``arrays[0]`` gives its shape) at
     global element ``start = 4 start_lo + lane0`` (uint32 scalars), ``bits(stream)`` the random
     bits of its elements: jitted with the start traced, so leaves of the same shapes and dtypes
     are traced and lowered once (each call is inlined by XLA, which folds the constant start
-    back)."""
+    back). A block of a sharded leaf inside ``shard_map`` has its ``origin`` (traced) in the
+    leaf's ``global_shape``: its elements use the counters of their global indices."""
     shape = arrays[0].shape
     hi = _u(t) * _U32(4)
 
     def bits(stream):
-        n = int(np.prod(shape, dtype=np.int64))
-        return _random16(k0, k1, start_lo, hi + _U32(stream), lane0, n).reshape(shape)
+        index = _element_index(shape, origin, global_shape)
+        return _random16(k0, k1, start_lo, hi + _U32(stream), lane0, index)
 
     return update(cfg, *arrays, bits, *extra)
 
 
-def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
+def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=None):
     """``update(cfg, *arrays, bits, *extra)`` (a tuple of arrays or ``None``) for every leaf:
     ``columns`` holds per input a list of nonempty leaves (``None`` where absent), leaf ``k``
     at global element ``starts[k]``; ``bits(stream)`` gives the random bits of its elements
@@ -233,11 +238,17 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
     concatenation into a flat buffer and no slicing back (each a pass over memory, and on XLA's
     CPU backend a temporary paged in afresh every call). The program grows with the number of
     leaves (compile time too), except that a leaf's update is traced once per shape and dtypes
-    (``_leaf_call``) and small leaves (``_SMALL``) of the same dtypes are concatenated and
-    updated together. Returns the per-leaf tuples."""
+    (``_leaf_call``) and the random bits of small leaves (``_SMALL``) are computed together,
+    one Threefry loop per group, and sliced per leaf. Leaves are never concatenated, so
+    every output keeps its leaf's sharding under ``jit``.
+    ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
+    ``shard_map`` (``None``: the whole leaf); only whole leaves are grouped. Returns the
+    per-leaf tuples."""
     outs = [None] * len(starts)
+    layouts = layouts or [None] * len(starts)
 
     def leaf(k):
+        origin, global_shape = layouts[k] or (None, None)
         return _leaf_call(
             tuple(c[k] for c in columns),
             k0,
@@ -245,15 +256,17 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
             t,
             _u(starts[k] >> 2),
             _u(starts[k] & 3),
+            origin,
             extra,
             update=update,
             cfg=cfg,
+            global_shape=global_shape,
         )
 
     groups = {}  # dtypes -> [[leaf index, ...], ...] of small leaves
     sizes = [x.size for x in columns[0]]
     for k, size in enumerate(sizes):
-        if size <= _SMALL:
+        if size <= _SMALL and layouts[k] is None:
             key = tuple(None if c[k] is None else jnp.dtype(c[k].dtype) for c in columns)
             runs = groups.setdefault(key, [[]])
             if runs[-1] and sum(sizes[i] for i in runs[-1]) + size > _GROUP:
@@ -266,23 +279,21 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
             outs[run[0]] = leaf(run[0])
             continue
         members = [(starts[k], sizes[k]) for k in run]
+        cache = {}
 
-        def bits(stream, members=members):
-            return _group_bits16(k0, k1, t, stream, members)
+        def group_bits(stream, members=members, cache=cache):
+            if stream not in cache:
+                cache[stream] = _group_bits16(k0, k1, t, stream, members)
+            return cache[stream]
 
-        def flat(leaves, run=run):
-            if leaves[run[0]] is None:
-                return None
-            return jnp.concatenate([jnp.reshape(leaves[k], (-1,)) for k in run])
-
-        new = update(cfg, *(flat(c) for c in columns), bits, *extra)
         offset = 0
         for k in run:
             n, shape = sizes[k], columns[0][k].shape
-            outs[k] = tuple(
-                None if x is None else lax.slice(x, (offset,), (offset + n,)).reshape(shape)
-                for x in new
-            )
+
+            def bits(stream, offset=offset, n=n, shape=shape):
+                return lax.slice(group_bits(stream), (offset,), (offset + n,)).reshape(shape)
+
+            outs[k] = update(cfg, *(c[k] for c in columns), bits, *extra)
             offset += n
     return outs
 
@@ -306,33 +317,105 @@ def _apply_update(cfg, w, u, bits):
     return (_narrow_out(_encode(sums, fmt, False, bits(0)), w.dtype),)
 
 
-@functools.partial(jax.jit, static_argnames=("starts",))
-def _native_apply(ws, us, k0, k1, t, *, starts):
+@functools.partial(jax.jit, static_argnames=("starts", "global_shapes"))
+def _native_apply(ws, us, k0, k1, t, origins, *, starts, global_shapes):
     """``SR(w + u)`` of the nonempty narrow leaves ``ws`` (leaf k at global element
     ``starts[k]``): ``_apply_update`` leaf by leaf, small leaves of one dtype together
     (``_native_leaves``). Jitted: an eager call is one compiled program, under an outer ``jit``
     it is inlined."""
-    outs = _native_leaves(_apply_update, None, (ws, us), starts, k0, k1, t)
+    layouts = [None if o is None else (o, g) for o, g in zip(origins, global_shapes)]
+    outs = _native_leaves(_apply_update, None, (ws, us), starts, k0, k1, t, layouts=layouts)
     return [o[0] for o in outs]
 
 
-def apply_updates(params, updates, seed, *, step=None, impl=None):
+def _is_spec(x) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _leaf_specs(shard_specs, params, treedef, name="shard_specs"):
+    """Per leaf of ``params`` (``treedef``'s order) its partition spec or ``None``:
+    ``shard_specs`` is a spec, or a pytree prefix of ``params`` with specs (or ``None``) as
+    leaves, as ``shard_map``'s ``in_specs``."""
+    if shard_specs is None:
+        return [None] * treedef.num_leaves
+    try:
+        full = jax.tree.broadcast(shard_specs, params, is_leaf=_is_spec)
+        return treedef.flatten_up_to(full)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{name}: expected a PartitionSpec or a pytree prefix of params with PartitionSpec"
+            f" (or None) leaves, as shard_map's in_specs: {exc}"
+        ) from None
+
+
+def _layouts(leaves, specs, name="params"):
+    """Per leaf ``(origin, global_shape)`` inside ``shard_map`` (``None``: not split) and the
+    global shapes."""
+    layouts, global_shapes = [], []
+    for k, (x, spec) in enumerate(zip(leaves, specs)):
+        if x is None:
+            layouts.append(None)
+            global_shapes.append(None)
+            continue
+        origin, global_shape = _shard_layout(np.shape(x), spec, f"{name}[{k}]")
+        layouts.append(None if origin is None else (origin, global_shape))
+        global_shapes.append(global_shape)
+    return layouts, global_shapes
+
+
+def _check_arrays(leaves, name: str) -> None:
+    """Clear errors for donated (deleted) buffers and for concrete arrays on different meshes,
+    before anything is computed."""
+    mesh, first = None, None
+    for k, x in enumerate(leaves):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            continue
+        if x.is_deleted():
+            raise ValueError(
+                f"{name}[{k}]: the array was deleted (its buffer was donated to an earlier jit"
+                " call, e.g. donate_argnums): use the arrays that call returned"
+            )
+        sharding = x.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            if mesh is None:
+                mesh, first = sharding.mesh, k
+            elif sharding.mesh != mesh:
+                raise ValueError(
+                    f"{name}[{k}]: on mesh {dict(sharding.mesh.shape)} of devices"
+                    f" {sharding.mesh.device_ids.ravel().tolist()}, but {name}[{first}] is on"
+                    f" mesh {dict(mesh.shape)} of devices {mesh.device_ids.ravel().tolist()}:"
+                    " put every leaf on one mesh (jax.device_put with a NamedSharding)"
+                )
+
+
+def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=None):
     """``optax.apply_updates`` with stochastic rounding of the low-precision leaves.
 
     Args:
         params: a pytree of arrays (``None`` leaves are kept, as optax does).
-        updates: a pytree of the same structure (float32, or any float cast to float32).
+        updates: a pytree of the same structure; each leaf broadcasts to its param's shape as
+            in optax (a scalar update too); float32/bf16/fp16 (exactly widened to float32).
         seed: a JAX PRNG key or an int in [0, 2**64). With ``step=None`` pass a fresh key
             every step (``jax.random.fold_in(key, step)``): the same key gives the same noise.
         step: ``None``, or the 1-based step (int or traced int scalar, < 2**26): leaf ``k``
             then uses the weight stream of the fused optimizers at counter
             ``step * 2**36 + starts[k]``, so a fixed seed gives fresh noise every step.
         impl: ``"native"`` (default) or ``"callback"``; the same bits.
+        shard_specs: inside ``shard_map`` only: the partition specs of ``params`` (a spec or a
+            pytree prefix, as ``in_specs``). Each device then updates its blocks with the
+            noise of their global elements, equal to the unsharded call. Under ``jit`` with
+            sharded arrays nothing is needed (the native path partitions by itself).
 
     Returns:
-        the new params: bf16/fp16 leaves ``SR(p + u)`` (``stochastic_add(p, u, offset=...)``
-        with ``offset = starts[k]`` or ``step * 2**36 + starts[k]``), other leaves
-        ``(p + u).astype(p.dtype)``.
+        the new params (same shapes, dtypes and shardings): bf16/fp16 leaves ``SR(p + u)``
+        (``stochastic_add(p, u, offset=...)`` with ``offset = starts[k]`` or
+        ``step * 2**36 + starts[k]``, ``starts[k]`` the global element where leaf k starts),
+        other leaves ``(p + u).astype(p.dtype)`` as optax.
+
+    Raises:
+        ValueError: an update that does not broadcast to its param's shape, a deleted
+            (donated) array, leaves on different meshes, bad ``shard_specs``.
+        TypeError: a float64 (or non-float) update for a bf16/fp16 param (it would round twice).
     """
     impl = _impl(impl)
     _check_step(step)
@@ -341,8 +424,15 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
         return x is None
 
     p_leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_none)
-    u_leaves = treedef.flatten_up_to(updates)
-    present = [p for p in p_leaves if p is not None]
+    try:
+        u_leaves = treedef.flatten_up_to(updates)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"updates: not the structure of params: {exc}") from None
+    _check_arrays(p_leaves, "params")
+    _check_arrays(u_leaves, "updates")
+    specs = _leaf_specs(shard_specs, params, treedef)
+    layouts, global_shapes = _layouts(p_leaves, specs)
+    present = [g for g in global_shapes if g is not None]
     starts_present = _starts(present)
     starts, i = [], 0
     for p in p_leaves:
@@ -361,8 +451,22 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
             out[k] = jnp.asarray(p + u).astype(p.dtype)
             continue
         u = jnp.asarray(u)
+        if not jnp.issubdtype(u.dtype, jnp.floating) or jnp.dtype(u.dtype).itemsize > 4:
+            raise TypeError(
+                f"updates[{k}]: expected float32, bfloat16 or float16 for a {p.dtype} param,"
+                f" got {u.dtype} (float64 would round twice: compute the update in float32)"
+            )
         if u.shape != p.shape:
-            raise ValueError(f"updates: leaf {k} has shape {u.shape}, param {p.shape}")
+            try:
+                shape = jnp.broadcast_shapes(u.shape, p.shape)
+            except ValueError:
+                shape = None
+            if shape != p.shape:
+                raise ValueError(
+                    f"updates[{k}]: shape {u.shape} does not broadcast to its param's shape"
+                    f" {p.shape}"
+                )
+            u = jnp.broadcast_to(u, p.shape)
         u = u.astype(jnp.float32)
         if p.size == 0:
             out[k] = p
@@ -375,29 +479,36 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
             _u(k0),
             _u(k1),
             jnp.asarray(t, jnp.int32),
+            [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
             starts=tuple(starts[k] for k, *_ in narrow),
+            global_shapes=tuple(None if layouts[k] is None else layouts[k][1] for k, *_ in narrow),
         )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
     elif narrow:  # callback
         offsets = [starts[k] for k, *_ in narrow]
         names = [name for *_, name in narrow]
+        shaped = [layouts[k] for k, *_ in narrow]
 
         def host(h0, h1, t_host, *arrays):
-            n = len(arrays) // 2
+            n = len(narrow)
             base = int(t_host) << _optim.STEP_SHIFT
             results = []
-            for w, uh, off, name in zip(arrays[:n], arrays[n:], offsets, names):
-                target = np.array(w)
-                _host("stochastic_add")(
-                    target,
-                    np.asarray(uh, order="C"),
-                    alpha=1.0,
-                    seed=_seed_of(h0, h1),
-                    offset=base + off,
-                    dtype=name,
-                )
-                results.append(target)
+            ws, us, origins = arrays[:n], arrays[n : 2 * n], arrays[2 * n :]
+            for w, uh, oh, off, name, lay in zip(ws, us, origins, offsets, names, shaped):
+                target = np.array(w).reshape(-1)
+                flat_u = np.asarray(uh, order="C").reshape(-1)
+                runs = _runs(w.shape, None if lay is None else oh, lay and lay[1])
+                for lo, size, start in runs:
+                    _host("stochastic_add")(
+                        target[lo : lo + size],
+                        flat_u[lo : lo + size],
+                        alpha=1.0,
+                        seed=_seed_of(h0, h1),
+                        offset=base + off + start,
+                        dtype=name,
+                    )
+                results.append(target.reshape(w.shape))
             return tuple(results)
 
         shapes = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for _, p, _, _ in narrow)
@@ -409,6 +520,10 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
             jnp.asarray(t, jnp.int32),
             *[p for _, p, _, _ in narrow],
             *[u for _, _, u, _ in narrow],
+            *[
+                _origin_arg(None if lay is None else lay[0], p.ndim)
+                for lay, (_, p, _, _) in zip(shaped, narrow)
+            ],
         )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
@@ -553,14 +668,16 @@ def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
 
 
 def _native_step(
-    cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k1, coefs, inv_scale
+    cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k1, coefs, inv_scale, layouts
 ):
     """The native fused step: ``_update`` leaf by leaf, small leaves of the same dtypes
     together (``_native_leaves``). XLA's CPU backend emits one loop per output; the float32
     moments end in an op of several arrays, which it writes once (into the state buffer) for
     the parameter's loop to read - bf16 moments are recomputed there instead. Returns per-leaf
     (p, m, v, aux)."""
-    starts = _starts(p_leaves)
+    starts = _starts(
+        [tuple(p.shape) if lay is None else lay[1] for p, lay in zip(p_leaves, layouts)]
+    )
     outs = [(p, m, v, a) for p, m, v, a in zip(p_leaves, m_leaves, v_leaves, a_leaves)]
     live = [k for k, p in enumerate(p_leaves) if p.size > 0]
     columns = [
@@ -568,7 +685,15 @@ def _native_step(
     ]
     cfg = (cfg["rounding"], cfg["state_dtype"], cfg["constants"])
     new = _native_leaves(
-        _update, cfg, columns, [starts[k] for k in live], k0, k1, t, (coefs, inv_scale)
+        _update,
+        cfg,
+        columns,
+        [starts[k] for k in live],
+        k0,
+        k1,
+        t,
+        (coefs, inv_scale),
+        [layouts[k] for k in live],
     )
     for k, o in zip(live, new):
         outs[k] = o
@@ -609,6 +734,7 @@ def adamw(
     rounding="stochastic",
     state_dtype=jnp.float32,
     impl=None,
+    shard_specs=None,
 ) -> FusedAdamW:
     """Fused AdamW (torch.optim.AdamW's math, decoupled weight decay) with srround's weight
     write-back, bit for bit ``srround.adamw_step``.
@@ -624,6 +750,10 @@ def adamw(
             always updated exactly.
         state_dtype: ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded moments).
         impl: ``"native"`` (default) or ``"callback"`` (``srround.adamw_step`` on the host).
+        shard_specs: when the step runs inside ``shard_map``: the partition specs of the
+            params (a spec or a pytree prefix, as ``in_specs``; grads and states split alike),
+            so every block uses the noise of its global elements (equal to the unsharded step).
+            Native only. Not needed under ``jit`` with sharded arrays.
     """
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding: expected one of {sorted(_ROUNDINGS)}, got {rounding!r}")
@@ -669,7 +799,7 @@ def adamw(
                 )
 
         def zeros(p):
-            return jnp.zeros(jnp.shape(p), state_dtype)
+            return jnp.zeros_like(p, dtype=state_dtype)  # keeps a sharded leaf's sharding
 
         return AdamWState(
             count=jnp.zeros((), jnp.int32),
@@ -690,6 +820,15 @@ def adamw(
         v_leaves = treedef.flatten_up_to(state.exp_avg_sq)
         a_leaves = treedef.flatten_up_to(state.aux)
         total = sum(int(p.size) for p in p_leaves)
+        _check_arrays(p_leaves, "params")
+        _check_arrays(g_leaves, "grads")
+        specs = _leaf_specs(shard_specs, params, treedef)
+        layouts, _ = _layouts(p_leaves, specs)
+        if impl == "callback" and any(lay is not None for lay in layouts):
+            raise ValueError(
+                "shard_specs: impl='callback' runs srround.adamw_step on whole leaves; inside"
+                " shard_map with split leaves use impl='native'"
+            )
         t = state.count + 1
         lr = lr_at(state.count)
         if impl == "native":
@@ -709,6 +848,7 @@ def adamw(
                     _u(k1),
                     coefs,
                     inv_scale,
+                    layouts,
                 )
                 if total
                 else list(zip(p_leaves, m_leaves, v_leaves, a_leaves))
