@@ -64,6 +64,11 @@ def _no_out(out) -> None:
 
 def _as_jax(x, name: str):
     if isinstance(x, jax.Array):  # includes tracers
+        if not isinstance(x, jax.core.Tracer) and x.is_deleted():
+            raise ValueError(
+                f"{name}: the array was deleted (its buffer was donated to an earlier jit call,"
+                " e.g. donate_argnums): use the array that call returned"
+            )
         return x
     try:
         return jnp.asarray(x)

@@ -74,7 +74,7 @@ from ._api import _key_words
 from ._callback import _callback, _host, _origin_arg, _runs, _seed_of
 from ._lax import _decode, _element_index, _encode, _random16, _shard_layout, _threefry2x32, _u
 
-__all__ = ["AdamWState", "adamw", "apply_updates"]
+__all__ = ["AdamWState", "SGDState", "adamw", "apply_updates", "sgd"]
 
 _U32 = jnp.uint32
 _NARROW = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
