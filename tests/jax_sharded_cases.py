@@ -304,6 +304,29 @@ def case_loss_scale():
     print("loss_scale ok")
 
 
+def case_errors():
+    """Leaves on different meshes: a clear error naming both, before anything runs."""
+    a = jax.device_put(jnp.ones(8, jnp.bfloat16), NamedSharding(_mesh((4,), ("x",)), P("x")))
+    devices = np.array(jax.devices()[4:]).reshape(4)
+    b = jax.device_put(
+        jnp.ones(8, jnp.bfloat16), NamedSharding(jax.sharding.Mesh(devices, ("x",)), P("x"))
+    )
+    try:
+        sj.apply_updates([a, b], [jnp.ones(8), jnp.ones(8)], 0)
+    except ValueError as exc:
+        assert "params[1]: on mesh" in str(exc) and "params[0]" in str(exc), exc
+    else:
+        raise AssertionError("no error for leaves on different meshes")
+    tx = sj.adamw(1e-3)
+    try:
+        tx.step([a, b], tx.init([a, a]), [a, a])
+    except ValueError as exc:
+        assert "grads[1]: on mesh" in str(exc), exc
+    else:
+        raise AssertionError("no error for grads on different meshes")
+    print("errors ok")
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     for name in sys.argv[1:]:

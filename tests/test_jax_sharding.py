@@ -18,7 +18,7 @@ pytest.importorskip("jax")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("case", ["functional", "shard_map", "optim", "loss_scale"])
+@pytest.mark.parametrize("case", ["functional", "shard_map", "optim", "loss_scale", "errors"])
 def test_sharded_equals_unsharded(case):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
