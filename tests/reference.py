@@ -58,10 +58,12 @@ def stochastic_round(x, fmt, seed, offset=0):
 
 
 def bits(a):
-    return np.asarray(a).view(np.uint16 if np.asarray(a).dtype.itemsize == 2 else np.uint32)
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16}.get(a.dtype.itemsize, np.uint32))
 
 
-FORMAT_NAMES = list(srround.FORMATS)
+# the 16-bit formats; fp8 and fp4 (one value per byte) are tested in test_lowbit.py
+FORMAT_NAMES = [name for name, fmt in srround.FORMATS.items() if fmt.bits == 16]
 
 
 # -- fma: hard cases and the Numba reference (shared by the JAX fma tests) ----------------------
@@ -170,3 +172,23 @@ def assert_same_fma_bits(case, x, y, z, want, got):
         case,
         [tuple(hex(int(v[j])) for v in (x, y, z, want, got)) for j in bad[:5]],
     )
+
+
+def half_sgd(params, lr):
+    """A ``torch.optim.Optimizer``: SGD on fp16 parameters with the update formed in fp32 (for an
+    ``lr`` too large for fp16). The loss-scaling tests and ``benchmarks/bench_lossscale.py``
+    train with it."""
+    import torch
+
+    class HalfSGD(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.copy_((p.float() - group["lr"] * p.grad.float()).half())
+
+    return HalfSGD(params, lr)

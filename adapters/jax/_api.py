@@ -40,6 +40,21 @@ from . import _callback, _lax
 from ._lax import _JNP_DTYPES, _u
 
 MUTABLE = False  # the adapter protocol of srround._dispatch: the functional API is here
+
+
+def _register_quantized_blocks():
+    """``srround.QuantizedBlocks`` as a pytree: its arrays are leaves, ``format`` and ``axis``
+    static (so it passes through ``jit``)."""
+    from srround._blocks import QuantizedBlocks
+
+    jax.tree_util.register_pytree_node(
+        QuantizedBlocks,
+        lambda q: ((q.data, q.scales, q.tensor_scale), (q.format, q.axis)),
+        lambda aux, children: QuantizedBlocks(*children, *aux),
+    )
+
+
+_register_quantized_blocks()
 IMPLS = ("native", "callback")
 
 
@@ -90,7 +105,8 @@ def _check_float32(x, name: str):
 
 
 def _narrow(y, name: str, fmt: Format | None):
-    """``(array, format)`` of a bf16/fp16 array (or uint16 patterns with ``dtype=`` given)."""
+    """``(array, format)`` of a bf16/fp16/fp8 array (or uint16 / uint8 patterns with ``dtype=``
+    given; fp4 is always uint8 patterns)."""
     y = _as_jax(y, name)
     for candidate_name, dtype in _JNP_DTYPES.items():
         if y.dtype == dtype:
@@ -98,11 +114,11 @@ def _narrow(y, name: str, fmt: Format | None):
             if fmt is not None and fmt is not candidate:
                 raise TypeError(f"{name}: dtype {y.dtype} does not match dtype={fmt.name!r}")
             return y, candidate
-    if y.dtype == jnp.uint16 and fmt is not None:
+    if fmt is not None and y.dtype == jnp.dtype(fmt.bits_dtype):
         return y, fmt
     raise TypeError(
-        f"{name}: expected a narrow float array (bfloat16, float16, or uint16 bit patterns with"
-        f" dtype= given), got {y.dtype}"
+        f"{name}: expected a narrow float array (bfloat16, float16, float8_e4m3fn, float8_e5m2,"
+        f" or uint16 / uint8 bit patterns with dtype= given), got {y.dtype}"
     )
 
 
@@ -189,7 +205,7 @@ def stochastic_round(
     origin, global_shape = _layout(x, shard_spec, "x")
     if impl == "native":
         if x.size == 0:
-            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
+            return jnp.zeros(x.shape, _lax.result_dtype(fmt))
         return _lax._native_stochastic_round(
             x,
             _u(k0),
@@ -214,7 +230,7 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
     x = _check_float32(x, "x")
     if _impl(impl, x) == "native":
         if x.size == 0:
-            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
+            return jnp.zeros(x.shape, _lax.result_dtype(fmt))
         return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
     return _callback.round_nearest(x, fmt, overflow)
 
@@ -290,3 +306,40 @@ def stochastic_add(
     return _callback.stochastic_add(
         w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
     )
+
+
+def quantize_blocks(
+    x, format, *, rounding="stochastic", seed=None, offset=0, axis=-1, scale=None, impl=None
+):
+    """``srround.quantize_blocks`` for a float32 JAX array (works under ``jit``; ``seed`` may
+    be a JAX key). Runs the NumPy kernels through ``jax.pure_callback`` (``impl="callback"``,
+    the only implementation so far: the same bits, on the host). Returns a
+    ``srround.QuantizedBlocks`` of JAX arrays (fp4 data as uint8, MX scales
+    ``jnp.float8_e8m0fnu``, NVFP4 scales ``jnp.float8_e4m3fn``)."""
+    from srround import _blocks
+
+    if impl not in (None, "callback"):
+        raise ValueError(f"impl: only 'callback' is implemented for block formats, got {impl!r}")
+    bf = _blocks.get_block_format(format)
+    x = _check_float32(x, "x")
+    offset = check_offset(offset)
+    if rounding not in ("stochastic", "nearest"):
+        raise ValueError(f"rounding: expected 'stochastic' or 'nearest', got {rounding!r}")
+    if scale is None:
+        scale = "ceil" if rounding == "stochastic" else "floor"
+    if scale not in _blocks.SCALE_MODES:
+        raise ValueError(f"scale: expected one of {list(_blocks.SCALE_MODES)}, got {scale!r}")
+    if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis: expected an int in [{-x.ndim}, {x.ndim}), got {axis!r}")
+    k0, k1 = _key_words(seed) if rounding == "stochastic" else (0, 0)
+    (data, scales, tensor), axis = _callback.quantize_blocks(
+        x, bf, k0, k1, rounding=rounding, offset=offset, axis=int(axis), scale=scale
+    )
+    return _blocks.QuantizedBlocks(data, scales, tensor if bf.two_level else None, bf.name, axis)
+
+
+def dequantize_blocks(q, *, dtype="float32"):
+    """``srround.dequantize_blocks`` of a ``QuantizedBlocks`` of JAX arrays (host callback)."""
+    if dtype not in ("float32", np.float32):
+        raise ValueError(f"dtype: only 'float32' is supported, got {dtype!r}")
+    return _callback.dequantize_blocks(q)

@@ -20,7 +20,7 @@ import numpy as np
 import srround._api as _srround_api
 from srround._formats import Format
 
-from ._lax import _JNP_DTYPES, _u
+from ._lax import _u, result_dtype
 
 _HOST = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="srround-jax-host")
 _HOST.submit(int).result()  # start the thread now, outside any XLA computation
@@ -84,7 +84,7 @@ def stochastic_round(
 
     def host(xh, h0, h1, oh):
         flat = np.asarray(xh, order="C").reshape(-1)
-        y = np.empty(flat.shape, _JNP_DTYPES[fmt.name])
+        y = np.empty(flat.shape, result_dtype(fmt))
         for lo, n, start in _runs(xh.shape, oh if sharded else None, global_shape):
             y[lo : lo + n] = np.asarray(
                 _host("stochastic_round")(
@@ -94,10 +94,10 @@ def stochastic_round(
                     offset=offset + start,
                     overflow=overflow,
                 )
-            )
+            ).view(result_dtype(fmt))
         return y.reshape(xh.shape)
 
-    shape = jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name])
+    shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
     return _callback(host, shape, x, _u(k0), _u(k1), _origin_arg(origin, x.ndim))
 
 
@@ -105,11 +105,15 @@ def round_nearest(x, fmt: Format, overflow: str):
     """``srround.round_nearest`` of float32 ``x`` on the host."""
 
     def host(xh):
-        return np.asarray(
-            _host("round_nearest")(np.asarray(xh, order="C"), dtype=fmt.name, overflow=overflow)
-        ).reshape(xh.shape)
+        return (
+            np.asarray(
+                _host("round_nearest")(np.asarray(xh, order="C"), dtype=fmt.name, overflow=overflow)
+            )
+            .view(result_dtype(fmt))
+            .reshape(xh.shape)
+        )
 
-    return _callback(host, jax.ShapeDtypeStruct(x.shape, _JNP_DTYPES[fmt.name]), x)
+    return _callback(host, jax.ShapeDtypeStruct(x.shape, result_dtype(fmt)), x)
 
 
 def to_float32(y, fmt: Format):
@@ -147,3 +151,65 @@ def stochastic_add(
     shape = jax.ShapeDtypeStruct(w.shape, w.dtype)
     alpha = jnp.asarray(alpha, jnp.float32)
     return _callback(host, shape, w, u, alpha, _u(k0), _u(k1), _origin_arg(origin, w.ndim))
+
+
+def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):
+    """``srround.quantize_blocks`` of float32 ``x`` on the host: ``(data, scales,
+    tensor_scale)`` JAX arrays (``tensor_scale`` float32[1], 1.0 unread for MX)."""
+    from srround import _blocks
+
+    ndim = x.ndim
+    axis = axis % ndim if ndim and -ndim <= axis < ndim else axis
+    shape = tuple(x.shape)
+    _blocks._layout(shape, axis, bf.block)  # errors at trace time, naming x and axis
+    data_shape = _blocks._shape_with(shape, axis, shape[axis] // 2) if bf.packed else shape
+    scale_shape = _blocks._shape_with(shape, axis, shape[axis] // bf.block)
+    data_dtype = jnp.uint8 if bf.packed else result_dtype(bf.element)
+    scale_dtype = jnp.float8_e4m3fn if bf.two_level else jnp.float8_e8m0fnu
+
+    def host(xh, h0, h1):
+        q = _blocks.quantize_blocks(
+            np.asarray(xh, order="C"),
+            bf.name,
+            rounding=rounding,
+            seed=_seed_of(h0, h1),
+            offset=offset,
+            axis=axis,
+            scale=scale,
+        )
+        ts = q.tensor_scale if q.tensor_scale is not None else np.ones(1, np.float32)
+        return (
+            np.asarray(q.data).view(data_dtype),
+            np.asarray(q.scales).view(scale_dtype),
+            np.asarray(ts, np.float32),
+        )
+
+    result = (
+        jax.ShapeDtypeStruct(data_shape, data_dtype),
+        jax.ShapeDtypeStruct(scale_shape, scale_dtype),
+        jax.ShapeDtypeStruct((1,), jnp.float32),
+    )
+    return _callback(host, result, x, _u(k0), _u(k1)), axis
+
+
+def dequantize_blocks(q):
+    """``srround.dequantize_blocks`` of a ``QuantizedBlocks`` of JAX arrays, on the host."""
+    from srround import _blocks
+
+    bf = _blocks.get_block_format(q.format)
+    shape = tuple(q.data.shape)
+    if bf.packed:
+        shape = _blocks._shape_with(shape, q.axis, shape[q.axis] * 2)
+    tensor = q.tensor_scale if q.tensor_scale is not None else jnp.ones(1, jnp.float32)
+
+    def host(data, scales, ts):
+        host_q = _blocks.QuantizedBlocks(
+            np.asarray(data),
+            np.asarray(scales),
+            np.asarray(ts) if bf.two_level else None,
+            q.format,
+            q.axis,
+        )
+        return _blocks.dequantize_blocks(host_q)
+
+    return _callback(host, jax.ShapeDtypeStruct(shape, jnp.float32), q.data, q.scales, tensor)

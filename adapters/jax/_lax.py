@@ -31,7 +31,34 @@ from jax import lax
 
 from srround._formats import FORMATS, Format
 
-_JNP_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_JNP_DTYPES = {
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "float8_e5m2": jnp.float8_e5m2,
+}
+
+
+def result_dtype(fmt: Format):
+    """The JAX dtype of results in ``fmt``: its own float dtype, or ``uint8`` bit patterns for
+    fp4 (a one-value-per-byte bitcast to ``jnp.float4_e2m1fn`` is not defined: 4 bits)."""
+    return _JNP_DTYPES.get(fmt.name, jnp.uint8)
+
+
+def _specials(fmt: Format, saturate: bool):
+    """``(limit, overflow, nan, inf_result)`` magnitude patterns (``_scalar._top``/``_special``):
+    first pattern past the largest finite value, what a finite overflow becomes, the NaN
+    pattern, what an infinite input becomes."""
+    mb, eb = fmt.mantissa_bits, fmt.exponent_bits
+    inf = ((1 << eb) - 1) << mb
+    ones = (1 << (eb + mb)) - 1
+    if fmt.specials == 0:
+        return inf, (inf - 1 if saturate else inf), inf | (1 << (mb - 1)), inf
+    limit, over, nan = (ones, ones, ones) if fmt.specials == 1 else (ones + 1, ones, 0)
+    over = limit - 1 if saturate else over
+    return limit, over, nan, over
+
+
 _U32 = jnp.uint32
 
 
@@ -135,10 +162,10 @@ def _encode(u, fmt: Format, saturate: bool, bits16=None):
         up = ((r > half) | ((r == half) & ((q & 1) == 1))).astype(_U32)
     base = _u(e_eff + (bias - 1)) << mb
     magnitude = base + q + up
-    inf = ((1 << eb) - 1) << mb
-    magnitude = jnp.where(magnitude >= inf, _U32(inf - 1 if saturate else inf), magnitude)
+    limit, overflow, nan, inf_result = _specials(fmt, saturate)
+    magnitude = jnp.where(magnitude >= limit, _U32(overflow), magnitude)
     sign = (u >> 31) << (eb + mb)
-    special = sign | inf | jnp.where(a == 0x7F800000, _U32(0), _U32(1 << (mb - 1)))
+    special = sign | jnp.where(a == 0x7F800000, _U32(inf_result), _U32(nan))
     return jnp.where(a >= 0x7F800000, special, sign | magnitude)
 
 
@@ -160,7 +187,12 @@ def _decode(h, fmt: Format):
     if 0 <= tiny_shift < 32:
         sub = jnp.where(exponent >= -126, sub, frac << tiny_shift)
     sub = jnp.where(frac == 0, _U32(0), sub)
-    magnitude = jnp.where(biased == (1 << eb) - 1, special, jnp.where(biased == 0, sub, normal))
+    top = biased == (1 << eb) - 1
+    if fmt.specials == 1:  # fn: only the all-ones pattern is special (NaN)
+        top = top & (frac == (1 << mb) - 1)
+    elif fmt.specials == 2:  # no inf, no NaN
+        top = jnp.zeros_like(top)
+    magnitude = jnp.where(top, special, jnp.where(biased == 0, sub, normal))
     return sign | magnitude
 
 
@@ -380,8 +412,10 @@ def _shard_layout(local_shape, spec, name: str = "x"):
 
 
 def _to_narrow(patterns, fmt: Format, shape):
-    narrow = lax.bitcast_convert_type(patterns.astype(jnp.uint16), _JNP_DTYPES[fmt.name])
-    return narrow.reshape(shape)
+    stored = patterns.astype(jnp.dtype(fmt.bits_dtype))
+    if fmt.name in _JNP_DTYPES:
+        stored = lax.bitcast_convert_type(stored, _JNP_DTYPES[fmt.name])
+    return stored.reshape(shape)
 
 
 def _bits(x, dtype):
@@ -424,8 +458,9 @@ def _native_round_nearest(x, *, fmt_name, saturate):
 
 @functools.partial(jax.jit, static_argnames=("fmt_name",))
 def _native_to_float32(y, *, fmt_name):
-    h = _bits(y, jnp.uint16).astype(_U32)
-    return lax.bitcast_convert_type(_decode(h, FORMATS[fmt_name]), jnp.float32).reshape(y.shape)
+    fmt = FORMATS[fmt_name]
+    h = _bits(y, jnp.dtype(fmt.bits_dtype)).astype(_U32)
+    return lax.bitcast_convert_type(_decode(h, fmt), jnp.float32).reshape(y.shape)
 
 
 @_static
@@ -434,10 +469,10 @@ def _native_stochastic_add(
 ):
     fmt = FORMATS[fmt_name]
     index = _element_index(w.shape, origin, global_shape)
-    wb = _bits(w, jnp.uint16).astype(_U32)
+    wb = _bits(w, jnp.dtype(fmt.bits_dtype)).astype(_U32)
     ub = _bits(u, _U32)
     ab = lax.bitcast_convert_type(jnp.asarray(alpha, jnp.float32), _U32)
     total = _fma_bits(ab, ub, _decode(wb, fmt))
     bits16 = _random16(k0, k1, first_lo, first_hi, lane0, index)
     out = _encode(total, fmt, saturate, bits16)
-    return lax.bitcast_convert_type(out.astype(jnp.uint16), w.dtype).reshape(w.shape)
+    return lax.bitcast_convert_type(out.astype(jnp.dtype(fmt.bits_dtype)), w.dtype).reshape(w.shape)

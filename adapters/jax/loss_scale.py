@@ -173,6 +173,7 @@ class DynamicLossScale:
             )
 
     def tree_flatten(self):
+        """Pytree protocol: (array leaves, static settings)."""
         children = (self.loss_scale, self.growth_tracker, self.overflow_tracker)
         settings = (
             self.growth_factor,
@@ -186,6 +187,7 @@ class DynamicLossScale:
 
     @classmethod
     def tree_unflatten(cls, settings, children):
+        """Pytree protocol: rebuild from ``tree_flatten``'s output."""
         names = (
             "growth_factor",
             "backoff_factor",
@@ -258,10 +260,12 @@ class StaticLossScale:
             object.__setattr__(self, "loss_scale", np.float32(value))
 
     def tree_flatten(self):
+        """Pytree protocol: (array leaves, static settings)."""
         return (), float(self.loss_scale)
 
     @classmethod
     def tree_unflatten(cls, scale, children):
+        """Pytree protocol: rebuild from ``tree_flatten``'s output."""
         del children
         return cls(scale)
 
@@ -274,6 +278,7 @@ class StaticLossScale:
         return _scale_tree(tree, _inverse(self.loss_scale))
 
     def adjust(self, grads_finite) -> StaticLossScale:
+        """``self``: a static scale does not change (``grads_finite``: a bool scalar)."""
         _bool_scalar(grads_finite, "grads_finite")
         return self
 
@@ -285,22 +290,28 @@ class NoOpLossScale:
 
     @property
     def loss_scale(self):
+        """1.0 (float32)."""
         return jnp.float32(1.0)
 
     def tree_flatten(self):
+        """Pytree protocol: (array leaves, static settings)."""
         return (), None
 
     @classmethod
     def tree_unflatten(cls, _, children):
+        """Pytree protocol: rebuild from ``tree_flatten``'s output."""
         return cls()
 
     def scale(self, tree):
+        """``tree`` unchanged."""
         return tree
 
     def unscale(self, tree):
+        """``tree`` unchanged."""
         return tree
 
     def adjust(self, grads_finite) -> NoOpLossScale:
+        """``self``: a static scale does not change (``grads_finite``: a bool scalar)."""
         _bool_scalar(grads_finite, "grads_finite")
         return self
 

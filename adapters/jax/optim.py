@@ -1002,9 +1002,12 @@ def adamw(
     Args:
         learning_rate: a float, or an optax schedule (a function of the step count, called with
             ``state.count`` = steps taken so far, as optax does; its float32 value is used).
-        b1, b2, eps, eps_root, weight_decay: as ``optax.adamw`` (decoupled weight decay,
-            default 1e-4; eps outside and eps_root inside the square root of the
-            bias-corrected second moment).
+        b1: decay of the first moment, as ``optax.adamw``.
+        b2: decay of the second moment.
+        eps: added outside the square root of the bias-corrected second moment.
+        eps_root: added inside that square root (optax's; native only when nonzero).
+        weight_decay: decoupled weight decay, multiplied by the learning rate (default 1e-4,
+            as optax).
         mu_dtype: dtype of the first moment, float32 or bfloat16 (default: ``state_dtype``).
         mask: as optax: a pytree of bools like params (or a function of params giving one);
             weight decay applies where True. Native only.
@@ -1125,7 +1128,10 @@ def sgd(
             momentum * buf``, ``buf = g`` at the first step as both optax and torch).
         nesterov: Nesterov momentum (``d = g + momentum * buf``).
         accumulator_dtype: float32 (default) or bfloat16 (stochastically rounded).
-        seed, rounding, impl, shard_specs: as ``adamw``.
+        seed: as ``adamw``.
+        rounding: as ``adamw``.
+        impl: as ``adamw``.
+        shard_specs: as ``adamw``.
     """
     buf_dtype = _state_dtype(
         jnp.float32 if accumulator_dtype is None else accumulator_dtype, "accumulator_dtype"
