@@ -390,10 +390,10 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
                 raise Unavailable("srround.adapters.jax.adamw not present")
             opt = sj.adamw(
                 LR,
-                0.9,
-                0.999,
-                1e-8,
-                1e-2,
+                b1=0.9,
+                b2=0.999,
+                eps=1e-8,
+                weight_decay=1e-2,
                 seed=SEED,
                 rounding="stochastic",
                 state_dtype=state_dtype,
@@ -466,6 +466,20 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
             row["copy_gbps"] = nbytes * n / floor / 1e9
         results.append(row)
         print_row(row, backend != "cpu")
+    base = {r["method"]: r for r in results}.get("optax.adamw bf16 params (RNE)")
+    if base:
+        print(
+            "   vs optax.adamw + optax.apply_updates on the same bf16 params, this run"
+            " (targets: first call <= 3x, step <= 1.2x):"
+        )
+        for r in results:
+            if r["method"].startswith("srround") or "srround" in r["method"]:
+                r["first_vs_optax"] = r["first_s"] / base["first_s"]
+                r["step_vs_optax"] = r["median_s"] / base["median_s"]
+                print(
+                    f"   {r['method']:<42} first call {r['first_vs_optax']:5.2f}x"
+                    f"   step {r['step_vs_optax']:5.2f}x"
+                )
     return results
 
 
@@ -638,6 +652,11 @@ def main(argv=None) -> int:
         help="compile: a torch.compile'd training step, srround vs torch fused AdamW",
     )
     p.add_argument(
+        "--jax",
+        action="store_true",
+        help="only the JAX section (--sections jax), 196 tensors unless --jax-tensors is given",
+    )
+    p.add_argument(
         "--params",
         type=float,
         default=None,
@@ -660,6 +679,10 @@ def main(argv=None) -> int:
     )
     add_json_argument(p)
     args = p.parse_args(argv)
+    if args.jax:
+        args.sections = ["jax"]
+        if "--jax-tensors" not in (argv if argv is not None else sys.argv):
+            args.jax_tensors = 196
     started = utc_now()
 
     notes: list[str] = []

@@ -32,3 +32,6 @@ cp -f benchmarks/results/bench_optim_compile_gpu.json "$out/results/" 2>/dev/nul
 python benchmarks/results.py && cp -f benchmarks/RESULTS.md "$out/"
 # the lm demo's GPU configuration (a larger transformer, bf16 activations): table and PNG
 python -m srround demo --device cuda --out "$out" 2>&1 | tee "$out/demo_lm.log" | tail -12
+# the JAX native path on the GPU: stochastic_round and the fused step vs copy bandwidth, and its
+# bits against the Numba CUDA kernels (JAX must see the GPU: a CUDA jaxlib)
+python benchmarks/jax_gpu_check.py --json "$out/jax_gpu_check.json" 2>&1 | tee "$out/jax_gpu_check.log" | tail -12
