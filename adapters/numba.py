@@ -10,11 +10,18 @@ from __future__ import annotations
 import numpy as np
 
 from srround._dispatch import View
-from srround._formats import Format
+from srround._formats import Format, code_bits_dtype
 from srround._numba_cuda_compat import import_numba_cuda
 from srround._tensor_list import address
 
-from ._common import buffer_code, check_contiguous, check_counter, check_source, check_target
+from ._common import (
+    bits_of,
+    buffer_code,
+    check_contiguous,
+    check_counter,
+    check_source,
+    check_target,
+)
 from ._common import buffer_table as _buffer_table
 
 MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller's memory
@@ -74,7 +81,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
         cuda = import_numba_cuda()
         out = cuda.device_array(like.shape, dtype=dtype)
     check_target(out.dtype, out.shape, _contiguous(out), name, like.shape, fmt, _FIX)
-    return _view(out, np.uint32 if fmt is None else np.uint16)
+    return _view(out, bits_of(fmt))
 
 
 def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
@@ -103,5 +110,5 @@ def _buffer_info(a, name: str) -> tuple[int, int, int, str]:
     tensor-list kernel."""
     code = buffer_code(a.dtype, name)
     check_contiguous(_contiguous(a), name, _FIX)
-    view = _view(a, np.uint16 if code else np.uint32)
+    view = _view(a, code_bits_dtype(code))
     return address(view.bits), a.size, code, view.where

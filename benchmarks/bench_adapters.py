@@ -65,12 +65,14 @@ def _core_cpu(n):
     out = np.empty(n, np.uint16)
     return {
         "stochastic_round": (
-            lambda: _cpu.stochastic_round(xb, out, k0, k1, 0, MANTISSA, EXPONENT, False),
+            lambda: _cpu.stochastic_round(
+                xb, out, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False
+            ),
             None,
         ),
         "stochastic_add": (
             lambda: _cpu.stochastic_add(
-                wb, ub, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False
+                ub, wb, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False
             ),
             None,
         ),

@@ -640,7 +640,7 @@ def source_fingerprint(srround) -> dict:
 
     pkg = os.path.dirname(srround.__file__)
     h = hashlib.sha256()
-    for name in ("_cpu.py", "_cuda.py", "_scalar.py", "_rng.py"):
+    for name in ("_cpu.py", "_cuda.py", "_elements.py", "_scalar.py", "_rng.py"):
         with contextlib.suppress(OSError), open(os.path.join(pkg, name), "rb") as f:
             h.update(f.read())
     out = {"kernel_src_sha256": h.hexdigest()[:12]}

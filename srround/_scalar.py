@@ -5,30 +5,9 @@ it from a ``prange`` loop, the CUDA backend from a grid-stride ``cuda.jit`` kern
 compiles ``njit`` functions for the device). Backends differ only in the loop around a body.
 
 Formats are passed as ``(mantissa_bits, exponent_bits)`` of the narrow format (``_formats.py``).
-
-Rounding an fp32 value ``x`` (bits ``u``) to a narrow format, exactly, in integers:
-
-    m, e     = significand (implicit bit included) and unbiased exponent of |x|
-    e_eff    = max(e, emin)                    # emin = 1 - bias: subnormals share emin's quantum
-    s        = (23 - mantissa_bits) + (e_eff - e)   # low bits of m below the format's quantum
-    q, r     = m >> s, m & (2**s - 1)          # quanta kept, remainder (fraction r / 2**s)
-    result   = ((e_eff + bias - 1) << mantissa_bits) + q + up
-
-Adding ``q`` (which holds the implicit bit for normals) to the exponent field minus one rebuilds
-the pattern, a carry from rounding up moves into the exponent by itself, and a carry out of the
-largest finite value lands on the infinity pattern. ``up`` is the rounding decision:
-
-* stochastic: ``up = bits16 < (r * 2**16) >> s``, i.e. P(up) = floor(2**16 * r / 2**s) / 2**16.
-  With 16 random bits the probability is exact whenever the format drops at most 16 bits
-  (fp32 -> bf16 everywhere, fp32 -> fp16 in the normal range); below that it is floored to a
-  multiple of 2**-16, a bias of less than 2**-16 quantum toward zero. ``r = 0`` never rounds up,
-  so representable values come back unchanged.
-* nearest: ``up = r > half or (r == half and q is odd)`` (round half to even).
-
-Special values: NaN -> the format's canonical quiet NaN with the sign kept (sign | exponent all
-ones | top fraction bit), the policy of ml_dtypes and torch; +-inf -> +-inf; +-0 and values that
-round to zero keep their sign. A finite value above the largest finite one becomes inf under
-``saturate=False`` (the format's rule) and the largest finite value under ``saturate=True``.
+Rounding is exact integer arithmetic on the fp32 pattern; the rounding contract (the
+decision rules, the probability of rounding up, special values, overflow) is section 2 of
+``docs/contracts.md``, and this module is its reference implementation.
 """
 
 from __future__ import annotations
@@ -52,17 +31,43 @@ def _split_f32(a):
     return (a & 0x7FFFFF) | 0x800000, biased - 127
 
 
+# What a format does with its top patterns (``Format.specials``): IEEE-like (all-ones exponent =
+# inf and NaN: bf16, fp16, fp8 e5m2), "fn" (finite + NaN: only the all-ones pattern is NaN, no
+# inf: fp8 e4m3fn) and "fn" without NaN (every pattern finite: fp4 e2m1fn).
+IEEE, FN, FINITE = 0, 1, 2
+
+
 @njit(inline="always", cache=True)
-def _special(u, mantissa_bits, exponent_bits):
-    """For NaN and +-inf inputs, the narrow pattern; -1 for every other input."""
+def _top(mantissa_bits, exponent_bits, kind):
+    """``(limit, overflow, nan)`` magnitude patterns of a format: ``limit`` is the first one past
+    the largest finite value, ``overflow`` what a finite overflow becomes without saturation,
+    ``nan`` the canonical NaN (0 for a format without NaN: NaN inputs become zero)."""
+    inf = ((1 << exponent_bits) - 1) << mantissa_bits
+    ones = (1 << (exponent_bits + mantissa_bits)) - 1
+    if kind == IEEE:
+        return inf, inf, inf | (1 << (mantissa_bits - 1))
+    if kind == FN:
+        return ones, ones, ones
+    return ones + 1, ones, 0
+
+
+@njit(inline="always", cache=True)
+def _special(u, mantissa_bits, exponent_bits, saturate=False, kind=IEEE):
+    """For NaN and +-inf inputs, the narrow pattern; -1 for every other input.
+
+    NaN -> the format's NaN (IEEE: the quiet NaN, sign | all-ones exponent | top fraction bit;
+    fn: sign | all ones; no NaN: zero with the NaN's sign). inf -> inf where the format has
+    inf; else the NaN (fn, ``saturate=False``) or the largest finite value."""
     a = u & _F32_ABS
     if a < _F32_INF:
         return -1
     sign = ((u >> 31) & 1) << (exponent_bits + mantissa_bits)
-    inf = ((1 << exponent_bits) - 1) << mantissa_bits
+    limit, overflow, nan = _top(mantissa_bits, exponent_bits, kind)
     if a == _F32_INF:
-        return sign | inf
-    return sign | inf | (1 << (mantissa_bits - 1))
+        if kind == IEEE:
+            return sign | limit
+        return sign | (limit - 1 if saturate else overflow)
+    return sign | nan
 
 
 @njit(inline="always", cache=True)
@@ -86,17 +91,19 @@ def _quantize(u, mantissa_bits, exponent_bits):
 
 
 @njit(inline="always", cache=True)
-def _finish(u, magnitude, mantissa_bits, exponent_bits, saturate):
-    """Apply the overflow policy and the sign to a rounded magnitude pattern."""
-    inf = ((1 << exponent_bits) - 1) << mantissa_bits
-    if magnitude >= inf:
-        magnitude = inf - 1 if saturate else inf
+def _finish(u, magnitude, mantissa_bits, exponent_bits, saturate, kind=IEEE):
+    """Apply the overflow policy and the sign to a rounded magnitude pattern: past the largest
+    finite value is the format's overflow pattern (inf, NaN for e4m3fn, the largest value for
+    a format with neither), or the largest finite value under ``saturate``."""
+    limit, overflow, _ = _top(mantissa_bits, exponent_bits, kind)
+    if magnitude >= limit:
+        magnitude = limit - 1 if saturate else overflow
     return (((u >> 31) & 1) << (exponent_bits + mantissa_bits)) | magnitude
 
 
 # bf16 (the fp32 exponent range, 16 dropped bits) has closed forms that the general path
 # computes too; written in 32-bit integer IR because Numba widens scalar integer arithmetic to
-# 64 bits, which halves the CPU vector width (measured: 0.8 -> 0.15 ns per element on AVX2).
+# 64 bits, which halves the CPU vector width.
 #   nearest:    (a + 0x7FFF + bit 16 of a) >> 16               (ties to even)
 #   stochastic: (a + 0xFFFF - bits16) >> 16, i.e. up iff bits16 < the low half of a
 # with a = |u|, the sign put back, and NaN -> the canonical quiet NaN; a carry past the largest
@@ -153,48 +160,55 @@ def _bf16_stochastic(typingctx, u, bits16):
 
 
 @njit(inline="always", cache=True)
-def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate):
+def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """Stochastically round fp32 pattern ``u`` to the narrow format using 16 random bits.
 
     Returns the narrow pattern (an int). P(round away from zero) = floor(2**16 * frac) / 2**16
-    where frac is the dropped fraction of a quantum; see the module docstring.
+    where frac is the dropped fraction of a quantum (``docs/contracts.md`` section 2).
     """
     if mantissa_bits == 7 and exponent_bits == 8 and not saturate:
         return _bf16_stochastic(u, bits16)
-    special = _special(u, mantissa_bits, exponent_bits)
+    special = _special(u, mantissa_bits, exponent_bits, saturate, kind)
     # Both paths are computed and one is selected (no early return): the body is branch-free,
     # so the CPU compiler can vectorize a loop over it (NaN/inf inputs harmlessly compute a
     # discarded finite result).
     base, q, r, s = _quantize(u, mantissa_bits, exponent_bits)
     threshold = (r << 16) >> s
     up = 1 if bits16 < threshold else 0
-    rounded = _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate)
+    rounded = _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate, kind)
     return special if special >= 0 else rounded
 
 
 @njit(inline="always", cache=True)
-def encode_nearest(u, mantissa_bits, exponent_bits, saturate):
+def encode_nearest(u, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """Round fp32 pattern ``u`` to the nearest narrow value, ties to even (IEEE default)."""
     if mantissa_bits == 7 and exponent_bits == 8 and not saturate:
         return _bf16_nearest(u)
-    special = _special(u, mantissa_bits, exponent_bits)
+    special = _special(u, mantissa_bits, exponent_bits, saturate, kind)
     # branch-free like encode_stochastic, so loops over it vectorize
     base, q, r, s = _quantize(u, mantissa_bits, exponent_bits)
     half = 1 << (s - 1)
     up = 1 if (r > half or (r == half and (q & 1) == 1)) else 0
-    rounded = _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate)
+    rounded = _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate, kind)
     return special if special >= 0 else rounded
 
 
 @njit(inline="always", cache=True)
-def decode(h, mantissa_bits, exponent_bits):
+def decode(h, mantissa_bits, exponent_bits, kind=IEEE):
     """Widen a narrow pattern ``h`` to the exact fp32 pattern. NaN payloads are kept (shifted
-    into the top of the fp32 fraction), as ml_dtypes and NumPy do."""
+    into the top of the fp32 fraction), as NumPy and torch do (e4m3fn's NaN 0x7F -> 0x7FF00000;
+    ml_dtypes writes 0x7FC00000 for that one). In ``FN`` formats only the all-ones pattern is
+    special, in ``FINITE`` ones none is."""
     sign = ((h >> (exponent_bits + mantissa_bits)) & 1) << 31
     biased = (h >> mantissa_bits) & ((1 << exponent_bits) - 1)
     frac = h & ((1 << mantissa_bits) - 1)
     bias = (1 << (exponent_bits - 1)) - 1
-    if biased == (1 << exponent_bits) - 1:
+    top = biased == (1 << exponent_bits) - 1
+    if kind == FN:
+        top = top and frac == (1 << mantissa_bits) - 1
+    elif kind == FINITE:
+        top = False
+    if top:
         return sign | _F32_INF | (frac << (23 - mantissa_bits))
     if biased == 0:
         if frac == 0:
@@ -248,18 +262,18 @@ def f32_to_bits(typingctx, f):
 
 
 @njit(inline="always", cache=True)
-def add_stochastic(w, update, alpha, bits16, mantissa_bits, exponent_bits, saturate):
+def add_stochastic(w, update, alpha, bits16, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """``SR(w + alpha * update)`` for narrow pattern ``w``, fp32 pattern ``update`` and float32
     ``alpha``: the sum is formed in fp32 with one rounding (fma), then stochastically rounded."""
-    total = add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits)
-    return encode_stochastic(total, bits16, mantissa_bits, exponent_bits, saturate)
+    total = add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits, kind)
+    return encode_stochastic(total, bits16, mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(inline="always", cache=True)
-def add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits):
+def add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits, kind=IEEE):
     """The fp32 pattern of ``w + alpha * update`` (one rounding, fma) that ``add_stochastic``
     rounds; exposed so a backend may run the two steps as separate loops."""
-    weight = bits_to_f32(decode(w, mantissa_bits, exponent_bits))
+    weight = bits_to_f32(decode(w, mantissa_bits, exponent_bits, kind))
     return f32_to_bits(fma32(alpha, bits_to_f32(update), weight))
 
 

@@ -3,8 +3,8 @@ dtype x rounding mode).
 
 Front ends (``OPTIM_BACKENDS`` of tests/conftest.py): ``srround.adamw_step``/``sgd_step`` on
 NumPy and on Numba CUDA buffers (simulated without a GPU), ``srround.adapters.torch.AdamW``/
-``SGD`` (CPU, and CUDA on a GPU), ``srround.adapters.jax.adamw`` (native and callback; JAX has no
-SGD). The functional NumPy path is the reference; what every front end must do:
+``SGD`` (CPU, and CUDA on a GPU), ``srround.adapters.jax.adamw``/``sgd`` (native and callback;
+JAX's SGD is optax.sgd's, without weight decay or dampening). The functional NumPy path is the reference; what every front end must do:
 
 1. the reference's bits (parameters, moments, the weight mode's buffer, step count), with a
    ``found_inf`` step that changes nothing and a loss scale fused through ``inv_scale``;
@@ -44,7 +44,8 @@ SHAPES = [(9,), (2, 3), (5,), (4,)]
 MIXED = [BF16, F32, F16, BF16]
 HYPER = {
     "adamw": dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1),
-    "sgd": dict(lr=0.05, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.01),
+    # weight decay and dampening: SGD_CONFIGS (the JAX SGD is optax.sgd's, without them)
+    "sgd": dict(lr=0.05, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.0),
 }
 SGD_CONFIGS = [
     dict(momentum=0.0),
@@ -189,29 +190,38 @@ class Torch:
 
 
 class Jax:
-    """``srround.adapters.jax.adamw`` (``impl`` from the backend) under ``jax.jit``."""
+    """``srround.adapters.jax.adamw``/``sgd`` (``impl`` from the backend) under ``jax.jit``."""
 
     def __init__(self, backend, kind, params, *, rounding, state_dtype, seed, hyper):
-        if kind != "adamw":
-            pytest.skip("the JAX front end has no SGD")
         import jax
         import jax.numpy as jnp
 
         from srround.adapters import jax as sj
 
-        self.jax, self.jnp, self.backend = jax, jnp, backend
-        b1, b2 = hyper["betas"]
-        tx = sj.adamw(
-            hyper["lr"],
-            b1,
-            b2,
-            hyper["eps"],
-            hyper["weight_decay"],
-            seed=seed,
-            rounding=rounding,
-            state_dtype=jnp.bfloat16 if np.dtype(state_dtype) == BF16 else jnp.float32,
-            impl=backend.impl,
-        )
+        self.jax, self.jnp, self.backend, self.kind = jax, jnp, backend, kind
+        sd = jnp.bfloat16 if np.dtype(state_dtype) == BF16 else jnp.float32
+        common = dict(seed=seed, rounding=rounding, impl=backend.impl)
+        if kind == "adamw":
+            b1, b2 = hyper["betas"]
+            tx = sj.adamw(
+                hyper["lr"],
+                b1=b1,
+                b2=b2,
+                eps=hyper["eps"],
+                weight_decay=hyper["weight_decay"],
+                state_dtype=sd,
+                **common,
+            )
+        else:
+            if hyper.get("weight_decay") or hyper.get("dampening"):
+                pytest.skip("the JAX SGD is optax.sgd's: no weight decay, no dampening")
+            tx = sj.sgd(
+                hyper["lr"],
+                momentum=hyper.get("momentum") or None,
+                nesterov=hyper.get("nesterov", False),
+                accumulator_dtype=sd,
+                **common,
+            )
         self.params = [backend.put(p) for p in params]
         self.state = tx.init(self.params)
         self.fn = jax.jit(lambda g, s, p, f, i: tx.step(g, s, p, found_inf=f, inv_scale=i))
@@ -229,14 +239,24 @@ class Jax:
     def result(self):
         get = self.backend.get
         n = len(self.params)
-        aux = self.state.aux
-        return {
+
+        def leaves(tree):
+            if tree is None or all(x is None for x in tree):
+                return None
+            return [None if x is None else get(x) for x in tree]
+
+        aux = leaves(self.state.aux)
+        out = {
             "params": [get(p) for p in self.params],
-            "exp_avg": [get(x) for x in self.state.exp_avg],
-            "exp_avg_sq": [get(x) for x in self.state.exp_avg_sq],
-            "aux": [None] * n if aux is None else [None if a is None else get(a) for a in aux],
+            "aux": [None] * n if aux is None else aux,
             "count": [int(self.state.count)] * n,
         }
+        if self.kind == "adamw":
+            out["exp_avg"] = leaves(self.state.exp_avg)
+            out["exp_avg_sq"] = leaves(self.state.exp_avg_sq)
+        else:
+            out["momentum_buffer"] = leaves(self.state.momentum_buffer)
+        return out
 
 
 def front_end(backend: Backend, kind, params, *, rounding, state_dtype=F32, seed=SEED, hyper=None):
@@ -281,8 +301,6 @@ def _matrix():
     matrix is pairwise where a full product would only compile more of the same loops."""
     for backend in OPTIM_BACKENDS:
         for kind in ("adamw", "sgd"):
-            if backend.framework == "jax" and kind == "sgd":
-                continue  # no SGD in the JAX front end
             for rounding in ROUNDINGS:
                 variants = [("same", "fp32")]
                 if rounding in ("stochastic", "kahan"):

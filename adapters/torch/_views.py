@@ -9,6 +9,11 @@ convert stored values instead of copying bits. Results are ``torch.bfloat16`` /
 targets are written in their own storage and returned as the same tensor objects. Raw bit
 patterns are ``torch.uint16`` tensors with ``dtype=`` given, as with the NumPy adapter.
 
+fp8 results are ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``. torch has no one-value-per-byte
+fp4 dtype (``torch.float4_e2m1fn_x2`` packs two), so ``dtype="float4_e2m1fn"`` results are
+``torch.uint8`` tensors of bit patterns (low 4 bits; bit 3 the sign), and fp4 inputs are such
+``uint8`` tensors with ``dtype="float4_e2m1fn"`` given.
+
 CUDA work is launched on the caller's current torch stream of the tensor's device
 (``numba.cuda.external_stream``), so it is ordered with the surrounding torch work without any
 synchronisation. The tensor's device must be the current CUDA device
@@ -31,23 +36,44 @@ import numpy as np
 import torch
 
 from srround._dispatch import View
-from srround._formats import FORMATS, Format
+from srround._formats import CODE_DTYPES, FORMATS, Format, bits_dtype, code_name
 
-from .._common import Dtypes, check_contiguous, check_counter, check_source, check_target
+from .._common import (
+    Dtypes,
+    buffer_dtypes,
+    check_contiguous,
+    check_counter,
+    check_source,
+    check_target,
+)
 from ..numba import external_stream
 
 MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller's memory
 _FIX = ".contiguous()"
 
 # srround format name -> torch dtype
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
 _FORMAT_OF = {_TORCH_DTYPES[name]: FORMATS[name] for name in _TORCH_DTYPES}
+# fp4: bit patterns; block results: e8m0 scales, packed fp4 bytes
+_RESULT_DTYPES = {
+    **_TORCH_DTYPES,
+    "float4_e2m1fn": torch.uint8,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
+    "uint8": torch.uint8,
+}
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32}  # element width -> signed view dtype
 _DTYPES = Dtypes(
     noun="tensor",
     float32=torch.float32,
     float64=torch.float64,
     int32=torch.int32,
     raw=torch.uint16,  # raw bit patterns (torch >= 2.3; the extra needs >= 2.4)
+    raw8=torch.uint8,
     narrow=_FORMAT_OF,
     cast=".float()",
     contiguous="contiguous",
@@ -102,19 +128,21 @@ def _cuda_view(t, flat, bits_dtype, name: str) -> View:
 
 
 def _view(t, narrow: bool, name: str) -> View:
-    """Zero-copy flat bit view of contiguous ``t`` (fp32 as uint32, narrow as uint16)."""
+    """Zero-copy flat bit view of contiguous ``t``: unsigned words of its element width (fp32
+    as uint32, bf16/fp16 as uint16)."""
+    width = t.element_size()
     if t.is_cpu:
         # float32 converts to NumPy as it is, narrow data as int16 (NumPy has no bf16); the
         # bit views and the reshape of a contiguous array (torch and NumPy agree on contiguity)
         # are NumPy's own, the cheapest views there are, never copies
         base = t.detach() if t.requires_grad else t
-        a = base.view(torch.int16).numpy() if narrow else base.numpy()
-        bits = a.reshape(-1).view(np.uint16 if narrow else np.uint32)
+        a = base.view(_SIGNED[width]).numpy() if narrow else base.numpy()
+        bits = a.reshape(-1).view(bits_dtype(width))
         return View(bits=bits, device="cpu", shape=tuple(t.shape), result=t)
     if t.is_cuda:
         # signed views: their __cuda_array_interface__ typestr is supported by every torch
-        flat = t.detach().view(-1).view(torch.int16 if narrow else torch.int32)
-        return _cuda_view(t, flat, np.uint16 if narrow else np.uint32, name)
+        flat = t.detach().view(-1).view(_SIGNED[width])
+        return _cuda_view(t, flat, bits_dtype(width), name)
     raise ValueError(f"{name}: is on {t.device}; srround runs on CPU and CUDA tensors only")
 
 
@@ -139,7 +167,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
     its device. ``fmt=None`` means float32."""
     narrow = fmt is not None
     if out is None:
-        dtype = _TORCH_DTYPES[fmt.name] if narrow else torch.float32
+        dtype = _RESULT_DTYPES[fmt.name] if narrow else torch.float32
         if like.device == "cpu":
             return _view(torch.empty(like.shape, dtype=dtype), narrow, name)
         return _view(torch.empty(like.shape, dtype=dtype, device=like.result.device), narrow, name)
@@ -172,8 +200,10 @@ def counter(c, name: str, like: View) -> View:
     return view
 
 
-# (int16: the raw 16-bit remainders of the optimizers' "remainder" weight mode)
-_BUFFER_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
+# BufferCode of each torch dtype of CODE_DTYPES (torch spells its dtypes as NumPy/ml_dtypes do)
+_BUFFER_CODES = {
+    getattr(torch, code_name(code)): code for code in CODE_DTYPES if hasattr(torch, code_name(code))
+}  # (torch has no one-per-byte fp4 dtype)
 _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
@@ -218,7 +248,5 @@ def _buffer_error(tensors, name):
         item = f"{name}[{i}]"
         _as_tensor(t, item)
         if t.dtype not in _BUFFER_CODES:
-            raise TypeError(
-                f"{item}: expected a float32, bfloat16, float16 (or int16) tensor, got {t.dtype}"
-            )
+            raise TypeError(f"{item}: expected {buffer_dtypes(item)} tensor, got {t.dtype}")
         _check_contiguous(t, item)
