@@ -407,8 +407,9 @@ def main(argv=None) -> int:
     audit.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "bfloat16", "float16"],
-        help="training storage format (default auto: the stored 16-bit format, bfloat16 for fp32)",
+        choices=["auto", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"],
+        help="training storage format (default auto: the stored 16-bit format, bfloat16 for"
+        " fp32); fp8: lost updates and the range (overflow, flush, rescale) in that format",
     )
     audit.add_argument(
         "--format",
