@@ -635,3 +635,18 @@ def test_audit_cli_takes_fp8(tmp_path, capsys):
     assert _cli.main(["audit", str(path), "--dtype", "float8_e4m3fn"]) in (0, None)
     out = capsys.readouterr().out
     assert "float8_e4m3fn: not safe as is: 1 overflow to NaN and 1 flush to zero" in out
+
+
+def test_cupy_fp8_and_blocks(cupy_module):
+    """CuPy (its simulator stand-in in CI): fp8 results and block quantization, NumPy's bits."""
+    cupy = cupy_module
+    x = np.random.default_rng(9).standard_normal((2, 32)).astype(np.float32)
+    y = srround.stochastic_round(cupy.asarray(x), dtype="float8_e5m2", seed=1)
+    np.testing.assert_array_equal(
+        cupy.asnumpy(y).view(np.uint8),
+        _u8(srround.stochastic_round(x, dtype="float8_e5m2", seed=1)),
+    )
+    q = srround.quantize_blocks(cupy.asarray(x), "mxfp4", seed=2)
+    want = srround.quantize_blocks(x, "mxfp4", seed=2)
+    np.testing.assert_array_equal(cupy.asnumpy(q.data).view(np.uint8), _u8(want.data))
+    np.testing.assert_array_equal(cupy.asnumpy(q.scales).view(np.uint8), _u8(want.scales))
