@@ -153,8 +153,16 @@ def buffer_code(dtype, name: str) -> BufferCode:
     try:
         return DTYPE_CODES[dtype]
     except KeyError:
-        expected = ", ".join(str(d) for d in DTYPE_CODES)
-        raise TypeError(f"{name}: expected a {expected} array, got {dtype}") from None
+        raise TypeError(f"{name}: expected {buffer_dtypes(name)} array, got {dtype}") from None
+
+
+def buffer_dtypes(name: str) -> str:
+    """The dtypes a tensor-list argument may have, in words: int16 only for ``aux`` (the
+    remainders of ``rounding="remainder"``)."""
+    words = ["float32", *FORMATS]
+    if name.startswith("aux"):
+        return f"a {', '.join(words)} or int16 (remainder mode)"
+    return f"a {', '.join(words[:-1])} or {words[-1]}"
 
 
 def buffer_table(arrays, name: str, buffer_info):

@@ -23,7 +23,7 @@ from llvmlite import ir
 from numba import carray, get_num_threads, njit, prange, set_num_threads, types
 from numba.extending import intrinsic
 
-from . import _config
+from . import _config, _threads
 from ._elements import (
     AUX_ADDR,
     BF16,
@@ -42,6 +42,7 @@ from ._elements import (
     WEIGHT_STREAM,
     group_constants,
     prepare_coefs,
+    scale_usable,
     stream_offset,
     unscale_bits,
     unscale_in_place,
@@ -72,14 +73,15 @@ def run(kernel, elements: int, *args):
     ``_config.CPU_SERIAL_BELOW`` on the calling thread alone (the thread count is per calling
     thread in Numba, and restored after): a parallel region wakes and then waits for every
     worker thread, which on a busy machine can cost a scheduler time slice."""
-    if elements >= _config.CPU_SERIAL_BELOW:
-        return kernel(*args)
-    threads = get_num_threads()
-    set_num_threads(1)
-    try:
-        return kernel(*args)
-    finally:
-        set_num_threads(threads)
+    with _threads.launch_lock:  # a no-op unless the threading layer needs it (``_threads``)
+        if elements >= _config.CPU_SERIAL_BELOW:
+            return kernel(*args)
+        threads = get_num_threads()
+        set_num_threads(1)
+        try:
+            return kernel(*args)
+        finally:
+            set_num_threads(threads)
 
 
 @njit(inline="always", cache=True)
@@ -316,7 +318,8 @@ def _unscale_buffer(a, code, inv_scale_bits):
     """One typed buffer slice: the check alone for a scale of 1, else unscale in place."""
     if inv_scale_bits == _ONE_F32:
         return _all_finite(a, code)
-    return _unscale_array(a, code, bits_to_f32(inv_scale_bits))
+    finite = _unscale_array(a, code, bits_to_f32(inv_scale_bits))
+    return finite and scale_usable(inv_scale_bits)
 
 
 @njit(inline="always", cache=True)

@@ -143,7 +143,7 @@ GROUPED_DTYPES = [
 @pytest.mark.parametrize("step", [None, 3, "traced"])
 @pytest.mark.parametrize("layout", [(0, 0), (64, 100), None])
 def test_apply_updates_native_small_leaf_groups(monkeypatch, request, layout, step):
-    """The native apply_updates concatenates small leaves of the same dtype (at most ``_SMALL``
+    """The native apply_updates groups small leaves of the same dtype (one Threefry loop) (at most ``_SMALL``
     elements each, ``_GROUP`` per group): the bits of ``stochastic_add`` per leaf with every
     leaf on its own (0, 0), with smaller, split groups and with the defaults (one group per
     dtype), for 0-d, empty, fp32 (plain add), bf16 and fp16 leaves and both streams."""
@@ -152,6 +152,7 @@ def test_apply_updates_native_small_leaf_groups(monkeypatch, request, layout, st
     if layout is not None:
         monkeypatch.setattr(_jax_optim, "_SMALL", layout[0])
         monkeypatch.setattr(_jax_optim, "_GROUP", layout[1])
+        monkeypatch.setattr(_jax_optim, "_FLAT_BITS", False)  # the multi-device path
     # _native_apply's trace (keyed by shapes, dtypes and starts) is cached: the layout is read
     # when tracing
     _jax_optim._native_apply.clear_cache()
@@ -224,6 +225,7 @@ def _numpy_run(params, steps, *, rounding, state_dtype, lr=1e-2, lrs=None, seed=
 
 
 def _jax_run(params, steps, *, impl, rounding, state_dtype, lr=1e-2, seed=SEED, **kw):
+    kw.setdefault("weight_decay", 1e-2)  # srround.adamw_step's default (optax's is 1e-4)
     tx = sj.adamw(lr, seed=seed, rounding=rounding, state_dtype=state_dtype, impl=impl, **kw)
     ps = [jnp.asarray(p) for p in params]
     state = tx.init(ps)
@@ -266,13 +268,14 @@ def test_adamw_matches_adamw_step(impl, rounding, state_dtype):
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_adamw_native_small_leaf_groups(monkeypatch, rounding, state_dtype, layout):
-    """The native step concatenates small leaves of the same dtypes (at most ``_SMALL``
+    """The native step groups small leaves of the same dtypes (one Threefry loop) (at most ``_SMALL``
     elements each, ``_GROUP`` per group): the same bits with every leaf on its own (0, 0) and
     with smaller, split groups."""
     from srround.adapters.jax import optim as _jax_optim
 
     monkeypatch.setattr(_jax_optim, "_SMALL", layout[0])
     monkeypatch.setattr(_jax_optim, "_GROUP", layout[1])
+    monkeypatch.setattr(_jax_optim, "_FLAT_BITS", False)  # the multi-device (per-leaf) path
     params = _params(DTYPES)
     got, state = _jax_run(params, 2, impl="native", rounding=rounding, state_dtype=state_dtype)
     _check_against_numpy(
@@ -335,7 +338,7 @@ def test_native_coefs_are_prepare_coefs(t):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_found_inf_skips_bit_identically(impl):
     params = _params(DTYPES)
-    tx = sj.adamw(1e-2, seed=SEED, rounding="kahan", impl=impl)
+    tx = sj.adamw(1e-2, weight_decay=1e-2, seed=SEED, rounding="kahan", impl=impl)
     ps = [jnp.asarray(p) for p in params]
     state = tx.init(ps)
     fn = jax.jit(lambda g, s, p, f: tx.step(g, s, p, found_inf=f))
@@ -356,7 +359,7 @@ def test_found_inf_skips_bit_identically(impl):
 
 def test_inv_scale_matches_adamw_step():
     params = _params(DTYPES)
-    tx = sj.adamw(1e-2, seed=SEED)
+    tx = sj.adamw(1e-2, weight_decay=1e-2, seed=SEED)
     ps = [jnp.asarray(p) for p in params]
     ps, state = jax.jit(lambda g, s, p: tx.step(g, s, p, inv_scale=jnp.float32(0.25)))(
         [jnp.asarray(g) for g in _grads(0)], tx.init(ps), ps
@@ -371,7 +374,7 @@ def test_inv_scale_matches_adamw_step():
 def test_donated_jit_and_optax_update_path():
     optax = pytest.importorskip("optax")
     params = _params(DTYPES)
-    tx = sj.adamw(1e-2, seed=SEED)
+    tx = sj.adamw(1e-2, weight_decay=1e-2, seed=SEED)
     assert isinstance(tx, optax.GradientTransformation)
     ps = [jnp.asarray(p) for p in params]
     state = tx.init(ps)

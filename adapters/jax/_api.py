@@ -79,6 +79,11 @@ def _no_out(out) -> None:
 
 def _as_jax(x, name: str):
     if isinstance(x, jax.Array):  # includes tracers
+        if not isinstance(x, jax.core.Tracer) and x.is_deleted():
+            raise ValueError(
+                f"{name}: the array was deleted (its buffer was donated to an earlier jit call,"
+                " e.g. donate_argnums): use the array that call returned"
+            )
         return x
     try:
         return jnp.asarray(x)
@@ -147,8 +152,27 @@ def _key_words(seed):
 # -- the functional API ----------------------------------------------------------------------
 
 
+def _layout(x, shard_spec, name: str):
+    """``(origin, global_shape)`` of ``x``'s elements: the whole array, or this device's block
+    inside ``shard_map`` when ``shard_spec`` (its partition spec) is given."""
+    if shard_spec is None:
+        origin, global_shape = None, tuple(x.shape)
+    else:
+        origin, global_shape = _lax._shard_layout(x.shape, shard_spec, name)
+    _lax._check_count(int(np.prod(global_shape, dtype=np.int64)), name)
+    return origin, global_shape
+
+
 def stochastic_round(
-    x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf", impl=None, out=None
+    x,
+    *,
+    dtype="bfloat16",
+    seed=None,
+    offset=0,
+    overflow="inf",
+    impl=None,
+    out=None,
+    shard_spec=None,
 ):
     """Stochastically round a float32 JAX array to bf16/fp16 (see ``srround.stochastic_round``).
 
@@ -159,9 +183,17 @@ def stochastic_round(
         offset: Python int, position of ``x``'s first element in the random stream.
         overflow: ``"inf"`` or ``"saturate"``.
         impl: ``"native"``, ``"callback"`` or ``None`` (default: ``"native"``).
+        shard_spec: inside ``shard_map`` only: the ``PartitionSpec`` of ``x`` in ``in_specs``;
+            the block then rounds with the noise of its elements' global indices, so the
+            result equals the unsharded call. Not needed under ``jit`` with sharded arrays
+            (the native path partitions by itself).
 
     Returns:
-        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape.
+        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape (and sharding).
+
+    Example::
+
+        y = stochastic_round(x, seed=jax.random.fold_in(key, step))
     """
     _no_out(out)
     fmt = get_format(dtype)
@@ -170,6 +202,7 @@ def stochastic_round(
     x = _check_float32(x, "x")
     impl = _impl(impl, x)
     k0, k1 = _key_words(seed)
+    origin, global_shape = _layout(x, shard_spec, "x")
     if impl == "native":
         if x.size == 0:
             return jnp.zeros(x.shape, _lax.result_dtype(fmt))
@@ -178,12 +211,14 @@ def stochastic_round(
             _u(k0),
             _u(k1),
             *_lax._first_block(offset),
+            origin,
             lane0=offset & 3,
             fmt_name=fmt.name,
             saturate=saturate,
+            global_shape=global_shape,
         )
 
-    return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow)
+    return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow, origin, global_shape)
 
 
 def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
@@ -212,7 +247,18 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
     return _callback.to_float32(y, fmt)
 
 
-def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow="inf", impl=None):
+def stochastic_add(
+    w,
+    u,
+    *,
+    alpha=1.0,
+    seed=None,
+    offset=0,
+    dtype=None,
+    overflow="inf",
+    impl=None,
+    shard_spec=None,
+):
     """``SR(w + alpha * u)`` for a bf16/fp16 JAX array ``w`` and a float32 ``u`` of its shape:
     the sum in float32 with one rounding (``fma(alpha, u, w)``), then stochastically rounded to
     ``w``'s format. Returns the new ``w`` (same dtype); JAX arrays are immutable, so unlike the
@@ -222,7 +268,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
         w: bf16/fp16 array (or uint16 patterns with ``dtype=``).
         u: float32 array of ``w``'s shape.
         alpha: float32 scale of ``u`` (a Python number or a scalar array, may be traced).
-        seed, offset, overflow, impl: as ``stochastic_round``.
+        seed, offset, overflow, impl, shard_spec: as ``stochastic_round``.
         dtype: the format of ``w`` when its dtype does not say it.
     """
     w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
@@ -233,6 +279,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     offset = check_offset(offset)
     impl = _impl(impl, w)
     k0, k1 = _key_words(seed)
+    origin, global_shape = _layout(w, shard_spec, "w")
     if isinstance(alpha, (int, float, np.number)):
         alpha = np.float32(alpha)
     else:
@@ -250,11 +297,15 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
             _u(k0),
             _u(k1),
             *_lax._first_block(offset),
+            origin,
             lane0=offset & 3,
             fmt_name=fmt.name,
             saturate=saturate,
+            global_shape=global_shape,
         )
-    return _callback.stochastic_add(w, u, alpha, fmt, k0, k1, offset, overflow)
+    return _callback.stochastic_add(
+        w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
+    )
 
 
 def quantize_blocks(

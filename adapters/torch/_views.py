@@ -38,7 +38,14 @@ import torch
 from srround._dispatch import View
 from srround._formats import CODE_DTYPES, FORMATS, Format, bits_dtype, code_name
 
-from .._common import Dtypes, check_contiguous, check_counter, check_source, check_target
+from .._common import (
+    Dtypes,
+    buffer_dtypes,
+    check_contiguous,
+    check_counter,
+    check_source,
+    check_target,
+)
 from ..numba import external_stream
 
 MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller's memory
@@ -241,7 +248,5 @@ def _buffer_error(tensors, name):
         item = f"{name}[{i}]"
         _as_tensor(t, item)
         if t.dtype not in _BUFFER_CODES:
-            raise TypeError(
-                f"{item}: expected a float32, bfloat16, float16 (or int16) tensor, got {t.dtype}"
-            )
+            raise TypeError(f"{item}: expected {buffer_dtypes(item)} tensor, got {t.dtype}")
         _check_contiguous(t, item)
