@@ -18,6 +18,7 @@ from srround._api import (  # noqa: E402
     unscale_and_check,
     update_scale,
 )
+from srround._blocks import QuantizedBlocks, dequantize_blocks, quantize_blocks  # noqa: E402
 from srround._formats import FORMATS, Format  # noqa: E402
 from srround._rng import manual_seed  # noqa: E402
 
@@ -26,9 +27,12 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMATS",
     "Format",
+    "QuantizedBlocks",
     "adamw_step",
     "audit",
+    "dequantize_blocks",
     "manual_seed",
+    "quantize_blocks",
     "round_nearest",
     "sgd_step",
     "stochastic_add",

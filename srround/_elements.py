@@ -38,15 +38,12 @@ _ONE_F32 = 0x3F800000
 
 @njit(cache=True)
 def widen(bits, code):
-    """fp32 pattern of a pattern of float buffer code ``code`` (exact), as an int64 (one type
-    on every branch: a uint32 pattern and an int64 shift would unify to float64 when ``code``
-    is not a compile-time constant)."""
-    b = np.int64(bits)
+    """fp32 pattern (an int64) of a pattern of float buffer code ``code`` (exact)."""
     if code == F32:
-        return b
+        return np.int64(bits)
     if _EXPONENT[code] == 8:  # fp32's exponent range: the fp32 pattern's high bits
-        return b << (23 - _MANTISSA[code])
-    return np.int64(decode(b, _MANTISSA[code], _EXPONENT[code]))
+        return np.int64(bits) << (23 - _MANTISSA[code])
+    return np.int64(decode(bits, _MANTISSA[code], _EXPONENT[code]))
 
 
 @njit(cache=True)

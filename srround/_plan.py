@@ -29,8 +29,10 @@ from ._formats import CODE_WIDTH, FORMATS, BufferCode, code_name
 
 __all__ = ["RoundingError", "Plan", "check_rounding", "check_param_codes", "plan_step"]
 
-#: Codes a parameter or gradient may have; codes a state buffer may have.
-FLOAT_CODES = (BufferCode.FLOAT32, *(fmt.code for fmt in FORMATS.values()))
+#: Codes a parameter or gradient may have (fp32 and the 16-bit formats: the optimizer and
+#: loss-scale elements treat every narrow code as IEEE-like, which fp8 e4m3fn and fp4 are not);
+#: codes a state buffer may have.
+FLOAT_CODES = (BufferCode.FLOAT32, *(fmt.code for fmt in FORMATS.values() if fmt.bits == 16))
 STATE_CODES = (BufferCode.FLOAT32, BufferCode.BFLOAT16)
 #: Parameter codes the ``"remainder"`` mode can take (its aux holds the low half of fp32).
 REMAINDER_CODES = (BufferCode.FLOAT32, BufferCode.BFLOAT16)

@@ -9,6 +9,11 @@ convert stored values instead of copying bits. Results are ``torch.bfloat16`` /
 targets are written in their own storage and returned as the same tensor objects. Raw bit
 patterns are ``torch.uint16`` tensors with ``dtype=`` given, as with the NumPy adapter.
 
+fp8 results are ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``. torch has no one-value-per-byte
+fp4 dtype (``torch.float4_e2m1fn_x2`` packs two), so ``dtype="float4_e2m1fn"`` results are
+``torch.uint8`` tensors of bit patterns (low 4 bits; bit 3 the sign), and fp4 inputs are such
+``uint8`` tensors with ``dtype="float4_e2m1fn"`` given.
+
 CUDA work is launched on the caller's current torch stream of the tensor's device
 (``numba.cuda.external_stream``), so it is ordered with the surrounding torch work without any
 synchronisation. The tensor's device must be the current CUDA device
@@ -47,8 +52,20 @@ MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller
 _FIX = ".contiguous()"
 
 # srround format name -> torch dtype
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
 _FORMAT_OF = {_TORCH_DTYPES[name]: FORMATS[name] for name in _TORCH_DTYPES}
+# fp4: bit patterns; block results: e8m0 scales, packed fp4 bytes
+_RESULT_DTYPES = {
+    **_TORCH_DTYPES,
+    "float4_e2m1fn": torch.uint8,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
+    "uint8": torch.uint8,
+}
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32}  # element width -> signed view dtype
 _DTYPES = Dtypes(
     noun="tensor",
@@ -56,6 +73,7 @@ _DTYPES = Dtypes(
     float64=torch.float64,
     int32=torch.int32,
     raw=torch.uint16,  # raw bit patterns (torch >= 2.3; the extra needs >= 2.4)
+    raw8=torch.uint8,
     narrow=_FORMAT_OF,
     cast=".float()",
     contiguous="contiguous",
@@ -149,7 +167,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
     its device. ``fmt=None`` means float32."""
     narrow = fmt is not None
     if out is None:
-        dtype = _TORCH_DTYPES[fmt.name] if narrow else torch.float32
+        dtype = _RESULT_DTYPES[fmt.name] if narrow else torch.float32
         if like.device == "cpu":
             return _view(torch.empty(like.shape, dtype=dtype), narrow, name)
         return _view(torch.empty(like.shape, dtype=dtype, device=like.result.device), narrow, name)
@@ -183,7 +201,9 @@ def counter(c, name: str, like: View) -> View:
 
 
 # BufferCode of each torch dtype of CODE_DTYPES (torch spells its dtypes as NumPy/ml_dtypes do)
-_BUFFER_CODES = {getattr(torch, code_name(code)): code for code in CODE_DTYPES}
+_BUFFER_CODES = {
+    getattr(torch, code_name(code)): code for code in CODE_DTYPES if hasattr(torch, code_name(code))
+}  # (torch has no one-per-byte fp4 dtype)
 _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
