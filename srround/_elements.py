@@ -102,11 +102,11 @@ def unscale_bits(bits, code, inv_scale):
     torch); ``finite``: whether the *result* - the unscaled gradient the optimizer reads - is
     finite, so a NaN or inf ``inv_scale``, or an fp16 product past 65504, is flagged too.
     ``inv_scale == 1`` keeps the bits."""
-    if inv_scale == 1.0:
-        new = bits
-    else:
-        new = narrow_nearest(f32_to_bits(bits_to_f32(widen(bits, code)) * inv_scale), code)
-    return new, (widen(new, code) & 0x7F800000) != 0x7F800000
+    wide = widen(bits, code)
+    scaled = narrow_nearest(f32_to_bits(bits_to_f32(wide) * inv_scale), code)
+    # x * 1 is x: with a scale of 1, ``scaled`` is ``bits`` up to a NaN's payload
+    finite = (widen(scaled, code) & 0x7F800000) != 0x7F800000
+    return (bits if inv_scale == 1.0 else scaled), finite
 
 
 @njit(inline="always", cache=True)
