@@ -76,6 +76,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     src, _ = adapter.source(x, "x")
     dst = adapter.target(out, "out", src, fmt)
     check_same_place(x=src, out=dst)
+    offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
     _launch(
         "stochastic_round",
         src,
@@ -158,6 +159,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     src, _ = adapter.source(u, "u")
     check_shape("u", src.shape, dst.shape, "w's")
     check_same_place(w=dst, u=src)
+    offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
     _launch(
         "stochastic_add",
         dst,
@@ -245,7 +247,8 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     count = len(grads) if per_tensor else 1
     scales = _scalar_buffer(adapter, inv_scale, "inv_scale", first, count)
     if found_inf is None:
-        flags = adapter.target(None, "found_inf", dataclasses.replace(first, shape=(count,)), None)
+        like = dataclasses.replace(first, shape=(count,), offset=None)  # not a piece of grads
+        flags = adapter.target(None, "found_inf", like, None)
         flags.bits[:] = 0
     else:
         flags = _scalar_buffer(adapter, found_inf, "found_inf", first, count, writable=True)
@@ -466,6 +469,7 @@ def _fused_step(
     table[:, _optim.G_ADDR], table[:, _optim.G_FMT] = g_addr, g_codes
     table[:, _optim.S1_ADDR], table[:, _optim.S2_ADDR] = columns
     table[:, _optim.AUX_ADDR] = aux_addr
+    table[:, _optim.NOISE] = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]])
     steps = _step_counter(adapter, step, first, count)
     scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)
     flags = _scalar_buffer(adapter, found_inf, "found_inf", first, 1)
@@ -488,7 +492,7 @@ def _fused_step(
 def _step_counter(adapter, step, like: View, count: int) -> View:
     """The int32 step counters of the kernel: the caller's array (updated in place), or new
     ones holding ``step - 1`` for an int ``step`` (the kernel increments before use)."""
-    shaped = dataclasses.replace(like, shape=(count,))
+    shaped = dataclasses.replace(like, shape=(count,), offset=None)
     if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
         if not 1 <= step < _optim.MAX_STEPS:
             raise ValueError(f"step: expected an int in [1, {_optim.MAX_STEPS}), got {step}")

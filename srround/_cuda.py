@@ -364,7 +364,7 @@ def _optim_step(
             table[k, 5],
             table[k, 6],
             i - starts[k],
-            starts[k],
+            table[k, 8],
             steps[k],
             inv_scale[0],
             coefs[k, 0],

@@ -4,8 +4,9 @@ One step reads every parameter, gradient and state element once and writes each 
 tensors of an optimizer in O(1) launches (a prepare pass over the tensors, then one pass over
 all elements), through a pointer table (``_tensor_list.py``) of one row per tensor:
 
-    table int64[N, 8]: param address, param format, grad address, grad format,
-                       state-1 address, state-2 address, aux address, group index
+    table int64[N, 9]: param address, param format, grad address, grad format,
+                       state-1 address, state-2 address, aux address, group index,
+                       noise start (the tensor's element 0 in the random stream)
     starts int64[N+1]: prefix sums of the tensor sizes (the global element range)
     hyper float64[G, 5]: per param group - AdamW: lr, beta1, beta2, eps, weight_decay;
                          SGD: lr, momentum, dampening, weight_decay, nesterov (0/1)
@@ -40,10 +41,12 @@ Random bits (stochastic weights, bf16 states), one stream per step, per buffer, 
 element j of tensor k at step t (after the increment) rounds with the ``_rng.py`` stream of the
 optimizer's seed at counter
 
-    offset = t * 2**36 + stream * 2**34 + starts[k] + j      stream: 0 weight, 1 m, 2 v
+    offset = t * 2**36 + stream * 2**34 + noise[k] + j      stream: 0 weight, 1 m, 2 v
 
-so the weight write-back is exactly ``srround.stochastic_round(p', seed=seed, offset=t * 2**36 +
-starts[k])``; t < 2**26 and fewer than 2**34 elements in all.
+where ``noise[k]`` is the table's noise-start column (``starts[k]`` unless the caller keys the
+noise otherwise, e.g. to an element's place in an unsharded tensor); so the weight write-back
+is exactly ``srround.stochastic_round(p', seed=seed, offset=t * 2**36 + noise[k])``; t < 2**26
+and noise[k] + size[k] <= 2**34.
 
 A set ``found_inf`` flag (float32 bits, nonzero) turns the step into a no-op: no buffer and no
 step count changes, with no host synchronisation.
@@ -72,8 +75,8 @@ ADAMW, SGD = 0, 1
 MODES = {"stochastic": 0, "nearest": 1, "kahan": 2, "master": 3, "remainder": 4}
 STOCHASTIC, NEAREST, KAHAN, MASTER, REMAINDER = range(5)
 # table columns
-P_ADDR, P_FMT, G_ADDR, G_FMT, S1_ADDR, S2_ADDR, AUX_ADDR, GROUP = range(8)
-TABLE_COLUMNS = 8
+P_ADDR, P_FMT, G_ADDR, G_FMT, S1_ADDR, S2_ADDR, AUX_ADDR, GROUP, NOISE = range(9)
+TABLE_COLUMNS = 9
 HYPER_COLUMNS = 5
 STEP_SHIFT, STREAM_SHIFT = 36, 34
 MAX_STEPS = 1 << 26
@@ -537,12 +540,12 @@ def _step_chunk(
         w_bits = words[0].view(np.uint16)[:n]
         m_bits = words[1].view(np.uint16)[:n]
         v_bits = words[2].view(np.uint16)[:n]
-        step = steps[k]
+        step, noise = steps[k], row[NOISE]
         if mode == STOCHASTIC and p_fmt != 0:
-            w_bits = _random_bits(words[0], k0, k1, stream_offset(step, 0, starts[k]) + j0, n)
+            w_bits = _random_bits(words[0], k0, k1, stream_offset(step, 0, noise) + j0, n)
         if state_fmt != 0:
-            m_bits = _random_bits(words[1], k0, k1, stream_offset(step, 1, starts[k]) + j0, n)
-            v_bits = _random_bits(words[2], k0, k1, stream_offset(step, 2, starts[k]) + j0, n)
+            m_bits = _random_bits(words[1], k0, k1, stream_offset(step, 1, noise) + j0, n)
+            v_bits = _random_bits(words[2], k0, k1, stream_offset(step, 2, noise) + j0, n)
         addresses = (row[P_ADDR], row[G_ADDR], row[S1_ADDR], row[S2_ADDR], row[AUX_ADDR])
         scalars = (coefs[k, 0], coefs[k, 1], coefs[k, 2], c1, c2, c3, c4)
         has_state1 = row[S1_ADDR] != 0 if state1 == STATE1_SOME else state1 == STATE1_ALL
@@ -665,6 +668,8 @@ class FusedStep:
         self.total = int(starts[-1])
         if self.total >= MAX_ELEMENTS:
             raise ValueError(f"params: {self.total} elements, at most {MAX_ELEMENTS - 1} per step")
+        if len(table) and int((table[:, NOISE] + np.diff(starts)).max()) > MAX_ELEMENTS:
+            raise ValueError(f"params: noise starts past {MAX_ELEMENTS} elements")
         self.device, self.stream, self.steps = device, stream, steps
         coefs = np.zeros((len(table), 4), np.float32)
         self._hyper_host = None

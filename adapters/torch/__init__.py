@@ -1,8 +1,10 @@
 """srround for PyTorch: ``AdamW`` and ``SGD`` (fused ``torch.optim.Optimizer`` s) and
-``GradScaler`` (a drop-in for ``torch.amp.GradScaler``). ``srround.stochastic_round(tensor)``
-etc. take tensors directly (``_views.py``)."""
+``GradScaler`` (a drop-in for ``torch.amp.GradScaler``), DTensor (FSDP2) parameters included;
+``assign_stream_offsets`` keys the optimizers' noise to a parameter order (``_dist.py``).
+``srround.stochastic_round(tensor)`` etc. take tensors and DTensors directly (``_views.py``)."""
 
+from ._dist import assign_stream_offsets
 from .amp import GradScaler
 from .optim import SGD, AdamW
 
-__all__ = ["AdamW", "GradScaler", "SGD"]
+__all__ = ["AdamW", "GradScaler", "SGD", "assign_stream_offsets"]

@@ -50,10 +50,14 @@ lists, tuples and dicts); ``S`` keeps the activation gradients finite (otherwise
 skipped: lower ``init_scale``, or set ``S`` with ``update(new_scale)``). As with torch's full
 backward hooks, a module's forward must not modify its inputs in place (autograd raises).
 
-Several ranks (data parallel): reduce the flag before ``update`` so that every rank skips
-together - after ``scaler.unscale_(optimizer)`` call
-``torch.distributed.all_reduce(scaler.found_inf(optimizer), op=ReduceOp.MAX)``, then
-``step`` and ``update`` as usual (the gradients themselves are already all-reduced by DDP).
+Several ranks: with DTensor gradients (FSDP2, tensor parallel) each rank checks its local
+pieces, and the flag is all-reduced (MAX) over the gradients' device meshes on the device, no
+host sync (as torch's ``ShardedGradScaler``), in ``unscale_`` and in the fused step of srround's
+optimizers, so every rank skips together. DDP needs nothing: its gradients are all-reduced,
+so every rank finds the same flag. Other setups where ranks hold different plain gradients:
+after ``scaler.unscale_(optimizer)`` call
+``torch.distributed.all_reduce(scaler.found_inf(optimizer), op=ReduceOp.MAX)``, then ``step``
+and ``update`` as usual.
 In per-tensor mode the ranks' module scales must stay equal (DDP averages gradients scaled by
 them); they do when every rank checks the same all-reduced gradients, as under DDP.
 """
@@ -67,6 +71,8 @@ from functools import partial
 import torch
 
 import srround
+
+from . import _dist
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -260,10 +266,13 @@ class GradScaler:
             slots = self._slots(optimizer, params)
             flags = torch.zeros(len(grads), dtype=torch.float32, device=found.device)
             srround.unscale_and_check(grads, inv_scales[slots], found_inf=flags, per_tensor=True)
+            _dist.all_reduce_max(flags, _dist.mesh_groups(grads))  # DTensors: every rank's
             self._slot_found.index_add_(0, slots, flags)  # nonzero: a tensor overflowed
             torch.amax(flags, 0, keepdim=True, out=found)
         elif grads:
             srround.unscale_and_check(grads, inv_scales, found_inf=found)
+            # DTensor gradients (FSDP2): one verdict for all ranks, all-reduced on the device
+            _dist.all_reduce_max(found, _dist.mesh_groups(grads))
         self._found[id(optimizer)] = found
         self._unscaled.add(id(optimizer))
 

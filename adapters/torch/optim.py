@@ -43,6 +43,7 @@ import torch
 from srround import _optim
 from srround._rng import check_seed, next_seed, split_seed
 
+from . import _dist
 from ._views import _BUFFER_CODES, _DATA_PTR, _external_stream, _view, buffer_table
 
 __all__ = ["SGD", "AdamW"]
@@ -76,7 +77,7 @@ def _check_state_dtype(state_dtype):
 class _Entry:
     """The cached fused step of one set of (parameter, gradient) buffers."""
 
-    __slots__ = ("buffers", "defaults", "device", "fused", "key", "params", "written")
+    __slots__ = ("buffers", "defaults", "device", "fused", "groups", "key", "params", "written")
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
@@ -92,6 +93,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         seed = next_seed() if seed is None else check_seed(seed, "seed")
         defaults = dict(defaults, rounding=rounding, state_dtype=state_dtype, seed=seed)
         self._entry = None
+        self._dtensors = False  # any DTensor parameter (FSDP2, tensor parallel): _dist.py
         super().__init__(params, defaults)
 
     # -- groups -----------------------------------------------------------------------------
@@ -112,6 +114,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 f"params: on several devices ({sorted(map(str, devices))}); use one"
                 " optimizer per device"
             )
+        self._dtensors |= _dist.check_group(group["params"])
         for i, p in enumerate(group["params"]):
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(
@@ -145,6 +148,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         groups = self.param_groups
         params = list(chain.from_iterable(g["params"] for g in groups))
         grads = list(map(_GRAD, params))
+        if self._dtensors:  # a DTensor's data_ptr() is 0: key on the local pieces
+            return _dist.cache_key(groups, params, grads)
         try:
             try:
                 grad_ptrs = list(map(_DATA_PTR, grads))
@@ -183,6 +188,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 )
             elif buf.dtype != state_dtype or buf.device != p.device:
                 state[name] = buf.to(device=p.device, dtype=state_dtype).contiguous()
+            if self._dtensors:
+                state[name] = _dist.shard_like(state[name], p, name)
         name = AUX_NAMES.get(rounding)
         if name is not None and p.dtype != torch.float32 and name not in state:
             if rounding == "master":
@@ -197,7 +204,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _build(self, params, group_index, key, config):
         rounding, state_dtype, _seed = config
-        for i, p in enumerate(params):
+        # DTensors (FSDP2): the kernel works on the local pieces; plain tensors: themselves
+        grads = [_dist.check_grad(p, i) for i, p in enumerate(params)]
+        pieces = [_dist.local(p) for p in params] if self._dtensors else params
+        for i, (p, grad) in enumerate(zip(pieces, grads)):
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(
                     f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got {p.dtype}"
@@ -209,15 +219,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 )
             if not p.is_contiguous():
                 raise ValueError(f"params[{i}]: must be contiguous (updated in place)")
-            if p.grad.shape != p.shape or p.grad.dtype not in _BUFFER_CODES:
+            if grad.shape != p.shape or grad.dtype not in _BUFFER_CODES:
                 raise ValueError(
-                    f"grads[{i}]: shape {tuple(p.grad.shape)} / dtype"
-                    f" {p.grad.dtype} does not fit its parameter"
+                    f"grads[{i}]: shape {tuple(grad.shape)} / dtype"
+                    f" {grad.dtype} does not fit its parameter"
                 )
-            if not p.grad.is_contiguous():
+            if not grad.is_contiguous():
                 raise ValueError(f"grads[{i}]: must be contiguous")
-        p_addr, sizes, p_codes, place = buffer_table(params, "params")
-        g_addr, _, g_codes, g_place = buffer_table([p.grad for p in params], "grads")
+        all_params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        bases = _dist.stream_bases(all_params)
+        noise = [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
+        p_addr, sizes, p_codes, place = buffer_table(pieces, "params")
+        g_addr, _, g_codes, g_place = buffer_table(grads, "grads")
         if g_place != place:
             raise ValueError(f"grads: on {g_place}, but params are on {place}")
         device = params[0].device
@@ -243,15 +256,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
         table[:, _optim.P_ADDR], table[:, _optim.P_FMT] = p_addr, p_codes
         table[:, _optim.G_ADDR], table[:, _optim.G_FMT] = g_addr, g_codes
         table[:, _optim.GROUP] = group_index
+        table[:, _optim.NOISE] = noise
+        local = _dist.local
         for column, name in zip((_optim.S1_ADDR, _optim.S2_ADDR), self._STATE_NAMES):
             table[:, column] = [
-                s[name].data_ptr() if name in s and self._uses_state(groups[gi], name) else 0
+                local(s[name]).data_ptr() if name in s and self._uses_state(groups[gi], name) else 0
                 for s, gi in zip(states, group_index)
             ]
         aux = AUX_NAMES.get(rounding)
         if aux is not None:
             table[:, _optim.AUX_ADDR] = [
-                s[aux].data_ptr() if p.dtype != torch.float32 else 0 for s, p in zip(states, params)
+                local(s[aux]).data_ptr() if p.dtype != torch.float32 else 0
+                for s, p in zip(states, params)
             ]
         state_fmt = 0 if state_dtype == torch.float32 else 1
         entry = _Entry()
@@ -280,6 +296,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
             )
         entry.key, entry.fused, entry.params, entry.device = key, fused, params, device
         entry.written = [p for p in params if not p.is_inference()]
+        if self._dtensors:
+            entry.written += [p for p in pieces if p is not None and not p.is_inference()]
+        # FSDP2 / tensor parallel: ranks agree on an overflow (GradScaler's check_grads)
+        entry.groups = _dist.mesh_groups(params)
         # the kernel writes through raw addresses: keep every buffer of the table alive
         entry.buffers = [steps] + [
             v for s in states for v in s.values() if isinstance(v, torch.Tensor)
@@ -364,6 +384,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             found_bits = self._scalar_bits(found_inf, "found_inf", entry, _ZERO_BITS)
             if check_grads:
                 fused.check_grads(found_bits)
+                _dist.all_reduce_max(found_inf, entry.groups)
             fused.set_hyper(self._hyper())
             fused.run(
                 self._scalar_bits(inv_scale, "inv_scale", entry, _ONE_BITS), found_bits, k0, k1
