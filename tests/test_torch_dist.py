@@ -74,18 +74,27 @@ def _reference():
 # -- scenarios (run on every rank) -------------------------------------------------------------
 
 
-def _fsdp(rank, world, tmp):
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
+def _sharded_model():
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
 
     model = _model()
     for layer in (model[0], model[2], model[3]):
         fully_shard(layer)
     fully_shard(model)
+    return model
+
+
+def _fsdp(rank, world, tmp):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    model = _sharded_model()
     opt = _adamw(model.parameters())
     for step in range(STEPS):
         _train_step(model, opt, step)
@@ -94,15 +103,33 @@ def _fsdp(rank, world, tmp):
     full_sd = get_optimizer_state_dict(
         model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    return {
+    out = {
         "params": [_full(q) for q in model.parameters()],
         "states": [_full(opt.state[q]["exp_avg"]) for q in model.parameters()],
         "local_shapes": [tuple(q.to_local().shape) for q in model.parameters()],
         "state_is_dtensor": isinstance(state, DTensor)
         and state.placements == p.placements
         and state.device_mesh == p.device_mesh,
-        "full_sd_exp_avg": _full(full_sd["state"]["0.weight"]["exp_avg"]),
+        "full_sd_exp_avg": _full(full_sd["state"]["0.weight"]["exp_avg"]) if rank == 0 else None,
     }
+    # distributed checkpoint: save, go on one step; a fresh model and optimizer loaded from
+    # the checkpoint take the same step to the same bits
+    model_sd, optim_sd = get_state_dict(model, opt)
+    path = os.path.join(tmp, "dcp")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    _train_step(model, opt, STEPS)
+    resumed = _sharded_model()
+    resumed_opt = AdamW(resumed.parameters(), lr=1e-2, seed=0, state_dtype=torch.bfloat16)
+    model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(
+        resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    _train_step(resumed, resumed_opt, STEPS)
+    out["continued"] = [_full(q) for q in model.parameters()]
+    out["resumed"] = [_full(q) for q in resumed.parameters()]
+    return out
 
 
 def _ddp(rank, world, tmp):
@@ -304,8 +331,10 @@ def test_fsdp2_two_ranks_match_one_process(ranks, reference):
         _same_bits(r["params"], params)
         _same_bits(r["states"], states)
         assert r["state_is_dtensor"]  # optimizer states share the parameter's placements
-        # FSDP2's full optimizer state dict (the DCP helpers) gathers the sharded states
-        _same_bits([r["full_sd_exp_avg"]], [states[0]])
+        _same_bits(r["resumed"], r["continued"])  # DCP save/load continues bit-identically
+        assert not np.array_equal(r["continued"][0], r["params"][0])
+    # FSDP2's full optimizer state dict (the DCP helpers) gathers the sharded states
+    _same_bits([_results(ranks, "fsdp")[0]["full_sd_exp_avg"]], [states[0]])
     shapes = [r["local_shapes"] for r in _results(ranks, "fsdp")]
     assert shapes[0][4] == (1, 3) and shapes[1][4] == (0, 3)  # uneven, an empty piece
 

@@ -26,9 +26,14 @@ State per parameter (``optimizer.state[p]``): ``exp_avg``, ``exp_avg_sq`` (AdamW
 written with stochastic rounding); the weight mode's buffer for bf16/fp16 parameters:
 ``kahan_comp`` (parameter dtype), ``master_weight`` (float32) or ``remainder`` (int16); and
 ``step``: a 0-d int32 tensor (a view of one flat per-optimizer counter the kernel increments on
-the device; torch's optimizers keep a float32 tensor). ``rounding``, ``state_dtype`` and ``seed``
-live in every param group (one value per optimizer), so ``state_dict()`` carries the random
-stream: ``load_state_dict`` then continues bit-identically.
+the device; torch's optimizers keep a float32 tensor). ``rounding``, ``state_dtype`` (by name,
+``"float32"`` or ``"bfloat16"``) and ``seed`` live in every param group (one value per
+optimizer), so ``state_dict()`` carries the random stream: ``load_state_dict`` then continues
+bit-identically.
+
+DTensor parameters (FSDP2's ``fully_shard``, tensor parallel): the step runs on the local
+pieces, states are DTensors placed as their parameter, and the noise is keyed to each element's
+place in the full tensor (``_dist.py``; README "Distributed training").
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ __all__ = ["SGD", "AdamW"]
 AUX_NAMES = {"kahan": "kahan_comp", "master": "master_weight", "remainder": "remainder"}
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
+_STATE_DTYPE_NAMES = {t: str(t).removeprefix("torch.") for t in _STATE_DTYPES}
+_STATE_DTYPE_NAMES.update({name: name for name in list(_STATE_DTYPE_NAMES.values())})
+_STATE_DTYPE_OF = {str(t).removeprefix("torch."): t for t in _STATE_DTYPES}
 _ONE_BITS = np.array([1.0], np.float32).view(np.uint32)
 _ZERO_BITS = np.zeros(1, np.uint32)
 _GRAD = operator.attrgetter("grad")
@@ -67,11 +75,16 @@ def _check_rounding(rounding):
         raise ValueError(f"rounding: expected one of {sorted(_optim.MODES)}, got {rounding!r}")
 
 
-def _check_state_dtype(state_dtype):
-    if state_dtype not in _STATE_DTYPES:
+def _check_state_dtype(state_dtype) -> str:
+    """The name (``"float32"``/``"bfloat16"``) param groups store: a torch.dtype in a param
+    group stops the distributed state-dict helpers (``get_optimizer_state_dict`` with
+    ``full_state_dict=True``), which take only tensors and Python scalars there."""
+    name = _STATE_DTYPE_NAMES.get(state_dtype)
+    if name is None:
         raise ValueError(
             f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype!r}"
         )
+    return name
 
 
 class _Entry:
@@ -89,7 +102,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, rounding, state_dtype, seed):
         _check_rounding(rounding)
-        _check_state_dtype(state_dtype)
+        state_dtype = _check_state_dtype(state_dtype)
         seed = next_seed() if seed is None else check_seed(seed, "seed")
         defaults = dict(defaults, rounding=rounding, state_dtype=state_dtype, seed=seed)
         self._entry = None
@@ -101,6 +114,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        group["state_dtype"] = _check_state_dtype(group["state_dtype"])
         for name in ("rounding", "state_dtype", "seed"):
             if group[name] != self.defaults[name]:
                 raise ValueError(
@@ -130,14 +144,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _config(self):
         """Per-optimizer settings, from param_groups (what load_state_dict restores)."""
         first = self.param_groups[0]
-        config = (first["rounding"], first["state_dtype"], first["seed"])
+        name = _STATE_DTYPE_NAMES.get(first["state_dtype"])  # (a torch.dtype: older dicts)
+        config = (first["rounding"], name, first["seed"])
         for i, g in enumerate(self.param_groups):
-            if (g["rounding"], g["state_dtype"], g["seed"]) != config:
+            if (g["rounding"], _STATE_DTYPE_NAMES.get(g["state_dtype"]), g["seed"]) != config:
                 raise ValueError(
                     f"param_groups[{i}]: rounding, state_dtype and seed must be the"
                     " same in every group (one value per optimizer)"
                 )
-        return config
+        if name is None:
+            _check_state_dtype(first["state_dtype"])
+        return config[0], _STATE_DTYPE_OF[name], config[2]
 
     # -- the cached table -------------------------------------------------------------------
 
