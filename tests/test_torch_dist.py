@@ -390,3 +390,55 @@ def test_bad_distributed_input(ranks):
         assert "grads[1]: a plain tensor in a list of DTensors" in r["mixed_grads"]
         assert r["mixed_grads_nothing_written"]
         assert "out: is a plain tensor but the input is a DTensor" in r["plain_out"]
+
+
+# -- the identity rule, in one process ---------------------------------------------------------
+
+
+def _pair(seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.nn.Parameter(torch.randn(7, 3, generator=gen).to(torch.bfloat16))
+    b = torch.nn.Parameter(torch.randn(11, generator=gen).to(torch.bfloat16))
+    grads = [torch.randn(7, 3, generator=gen).to(torch.bfloat16) * 1e-2 for _ in range(1)]
+    grads.append(torch.randn(11, generator=gen).to(torch.bfloat16) * 1e-2)
+    return a, b, grads
+
+
+def test_a_parameter_without_gradient_keeps_the_others_noise():
+    """Identity is the place in the optimizer's parameter order, with or without a gradient
+    (before: the prefix over parameters that had one, so b's noise moved when a had none)."""
+    a1, b1, (ga, gb) = _pair()
+    a2, b2, _ = _pair()
+    b1.grad, b2.grad, a2.grad = gb.clone(), gb.clone(), ga.clone()
+    AdamW([a1, b1], lr=1e-2, seed=SEED).step()
+    AdamW([a2, b2], lr=1e-2, seed=SEED).step()
+    assert torch.equal(b1.view(torch.int16), b2.view(torch.int16))
+
+
+def test_assign_stream_offsets_keys_a_partial_optimizer_to_the_model_order():
+    """What ZeroRedundancyOptimizer relies on: an optimizer holding b alone draws b's noise of
+    an optimizer holding [a, b]; without the offsets it draws a's."""
+    a1, b1, (ga, gb) = _pair()
+    a2, b2, _ = _pair()
+    a3, b3, _ = _pair()
+    a1.grad, b1.grad, b2.grad, b3.grad = ga.clone(), gb.clone(), gb.clone(), gb.clone()
+    AdamW([a1, b1], lr=1e-2, seed=SEED).step()
+    assert assign_stream_offsets([a2, b2]) == 21 + 11
+    AdamW([b2], lr=1e-2, seed=SEED).step()
+    AdamW([b3], lr=1e-2, seed=SEED).step()
+    assert torch.equal(b1.view(torch.int16), b2.view(torch.int16))
+    assert not torch.equal(b1.view(torch.int16), b3.view(torch.int16))
+    a3.grad = ga.clone()  # a3 untagged beside a tagged b2: the two orders could overlap
+    before = a3.detach().clone()
+    with pytest.raises(ValueError, match=r"params\[1\]: has no stream offset"):
+        AdamW([b2, a3], lr=1e-2, seed=SEED).step()
+    assert torch.equal(a3, before)
+
+
+def test_state_dtype_is_stored_by_name():
+    """Param groups hold plain values (the distributed state-dict helpers take no dtype)."""
+    opt = AdamW([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.bfloat16, seed=0)
+    assert opt.param_groups[0]["state_dtype"] == "bfloat16"
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="state_dtype"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "state_dtype": 3})
