@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from srround._dispatch import check_shape
-from srround._formats import FORMATS, Format
+from srround._formats import DTYPE_CODES, FORMATS, BufferCode, Format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +99,18 @@ def check_source(
     dtypes: Dtypes = NUMPY,
 ):
     """Checks of a read view: ``(format, bit dtype)`` - the narrow format (from the dtype or
-    ``fmt``) and ``uint16`` for ``narrow``, else float32 data: ``(None, uint32)``."""
+    ``fmt``) and its ``bits_dtype`` for ``narrow``, else float32 data: ``(None, uint32)``."""
     if narrow:
         fmt = narrow_format(dtype, name, fmt, dtypes)
     else:
         check_float32(dtype, name, dtypes)
     check_contiguous(is_contiguous, name, fix, dtypes)
-    return fmt, np.uint16 if narrow else np.uint32
+    return fmt, bits_of(fmt if narrow else None)
+
+
+def bits_of(fmt: Format | None) -> np.dtype:
+    """The dtype kernels view a buffer of ``fmt`` as (by element width); ``None``: float32."""
+    return np.dtype(np.uint32) if fmt is None else fmt.bits_dtype
 
 
 def check_target(
@@ -138,22 +143,12 @@ def check_counter(
     check_contiguous(is_contiguous, name, fix, dtypes)
 
 
-# format codes of the tensor-list kernels (srround._tensor_list), by NumPy dtype
-# (int16: the raw 16-bit remainders of the optimizers' "remainder" weight mode)
-BUFFER_CODES = {
-    np.dtype(np.float32): 0,
-    FORMATS["bfloat16"].numpy_dtype: 1,
-    FORMATS["float16"].numpy_dtype: 2,
-    np.dtype(np.int16): 3,
-}
-
-
-def buffer_code(dtype, name: str) -> int:
-    """Tensor-list format code of a float32 / bf16 / fp16 dtype, else a TypeError."""
+def buffer_code(dtype, name: str) -> BufferCode:
+    """Tensor-list ``BufferCode`` of a dtype of ``CODE_DTYPES``, else a TypeError."""
     try:
-        return BUFFER_CODES[dtype]
+        return DTYPE_CODES[dtype]
     except KeyError:
-        expected = ", ".join(str(d) for d in BUFFER_CODES)
+        expected = ", ".join(str(d) for d in DTYPE_CODES)
         raise TypeError(f"{name}: expected a {expected} array, got {dtype}") from None
 
 

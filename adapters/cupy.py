@@ -23,7 +23,14 @@ import numpy as np
 from srround._dispatch import View
 from srround._formats import FORMATS, Format
 
-from ._common import buffer_code, check_contiguous, check_counter, check_source, check_target
+from ._common import (
+    bits_of,
+    buffer_code,
+    check_contiguous,
+    check_counter,
+    check_source,
+    check_target,
+)
 from ._common import buffer_table as _buffer_table
 from .numba import external_stream
 
@@ -98,12 +105,14 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
     else:
         a = _as_array(out, name)
         check_target(a.dtype, a.shape, a.flags.c_contiguous, name, like.shape, fmt, _FIX)
-    return _view(out, np.uint32 if fmt is None else np.uint16, name)
+    return _view(out, bits_of(fmt), name)
 
 
 def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
     """A read-write view of a narrow array updated in place."""
-    return source(w, name, fmt, narrow=True)
+    view, narrow_fmt = source(w, name, fmt, narrow=True)
+    assert narrow_fmt is not None  # narrow=True always yields a format (or raises)
+    return view, narrow_fmt
 
 
 def counter(c, name: str, like: View) -> View:

@@ -10,11 +10,18 @@ from __future__ import annotations
 import numpy as np
 
 from srround._dispatch import View
-from srround._formats import Format
+from srround._formats import Format, code_bits_dtype
 from srround._numba_cuda_compat import import_numba_cuda
 from srround._tensor_list import address
 
-from ._common import buffer_code, check_contiguous, check_counter, check_source, check_target
+from ._common import (
+    bits_of,
+    buffer_code,
+    check_contiguous,
+    check_counter,
+    check_source,
+    check_target,
+)
 from ._common import buffer_table as _buffer_table
 
 MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller's memory
@@ -62,21 +69,26 @@ def _contiguous(a) -> bool:
 def source(
     x, name: str, fmt: Format | None = None, *, narrow: bool = False
 ) -> tuple[View, Format | None]:
+    """A read-only input's buffer view and format (``None``: float32), checked as ``name``."""
     fmt, bits = check_source(x.dtype, _contiguous(x), name, fmt, narrow, _FIX)
     return _view(x, bits), fmt
 
 
 def target(out, name: str, like: View, fmt: Format | None) -> View:
+    """The output buffer view (a new device array for ``None``), shaped like ``like``."""
     dtype = np.dtype(np.float32) if fmt is None else fmt.numpy_dtype
     if out is None:
         cuda = import_numba_cuda()
         out = cuda.device_array(like.shape, dtype=dtype)
     check_target(out.dtype, out.shape, _contiguous(out), name, like.shape, fmt, _FIX)
-    return _view(out, np.uint32 if fmt is None else np.uint16)
+    return _view(out, bits_of(fmt))
 
 
 def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
-    return source(w, name, fmt, narrow=True)
+    """A low-precision array updated in place: its buffer view and format."""
+    view, narrow_fmt = source(w, name, fmt, narrow=True)
+    assert narrow_fmt is not None  # narrow=True always yields a format (or raises)
+    return view, narrow_fmt
 
 
 def counter(c, name: str, like: View) -> View:
@@ -98,5 +110,5 @@ def _buffer_info(a, name: str) -> tuple[int, int, int, str]:
     tensor-list kernel."""
     code = buffer_code(a.dtype, name)
     check_contiguous(_contiguous(a), name, _FIX)
-    view = _view(a, np.uint16 if code else np.uint32)
+    view = _view(a, code_bits_dtype(code))
     return address(view.bits), a.size, code, view.where

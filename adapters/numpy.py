@@ -9,7 +9,14 @@ import numpy as np
 from srround._dispatch import View
 from srround._formats import Format
 
-from ._common import buffer_code, check_contiguous, check_counter, check_source, check_target
+from ._common import (
+    bits_of,
+    buffer_code,
+    check_contiguous,
+    check_counter,
+    check_source,
+    check_target,
+)
 from ._common import buffer_table as _buffer_table
 
 MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller's memory
@@ -51,18 +58,19 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
     ``fmt=None`` means float32."""
     dtype = np.dtype(np.float32) if fmt is None else fmt.numpy_dtype
     if out is None:
-        return _view(np.empty(like.shape, dtype), np.uint32 if fmt is None else np.uint16)
+        return _view(np.empty(like.shape, dtype), bits_of(fmt))
     a = _as_array(out, name)
     check_target(a.dtype, a.shape, a.flags.c_contiguous, name, like.shape, fmt, _FIX)
     _check_writable(a, name)
-    return _view(a, np.uint32 if fmt is None else np.uint16)
+    return _view(a, bits_of(fmt))
 
 
 def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
     """A read-write view of a narrow array updated in place."""
-    view, fmt = source(w, name, fmt, narrow=True)
+    view, narrow_fmt = source(w, name, fmt, narrow=True)
+    assert narrow_fmt is not None  # narrow=True always yields a format (or raises)
     _check_writable(view.result, name)
-    return view, fmt
+    return view, narrow_fmt
 
 
 def counter(c, name: str, like: View) -> View:

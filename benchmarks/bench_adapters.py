@@ -29,13 +29,14 @@ table. Compare rows of one run only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import ml_dtypes
 import numpy as np
-from bench_round import Unavailable, _cuda_reference_kernels, _quiet_import, jax_sr_fn, measure
+from _harness import Unavailable, add_json_argument, measure, utc_now, write_json
+from _harness import quiet_import as _quiet_import
+from bench_round import _cuda_reference_kernels, jax_sr_fn
 
 SEED = 7
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -64,12 +65,14 @@ def _core_cpu(n):
     out = np.empty(n, np.uint16)
     return {
         "stochastic_round": (
-            lambda: _cpu.stochastic_round(xb, out, k0, k1, 0, MANTISSA, EXPONENT, False),
+            lambda: _cpu.stochastic_round(
+                xb, out, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False
+            ),
             None,
         ),
         "stochastic_add": (
             lambda: _cpu.stochastic_add(
-                wb, ub, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False
+                ub, wb, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False
             ),
             None,
         ),
@@ -315,8 +318,9 @@ def main(argv=None) -> None:
         action="store_true",
         help="smoke run: large size 2^20 (CPU) / 2^24 (GPU), 0.05 s per cell",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
+    started = utc_now()
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     if args.quick:
         args.cell_time = min(args.cell_time, 0.05)
@@ -332,9 +336,27 @@ def main(argv=None) -> None:
         results = run_device(device, large, args.cell_time)
         print_table(results, device, large, floor_s)
         everything += results + [{"device": device, "row": "copy", "n": large, "s": floor_s}]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(everything, f, indent=1)
+    gpu = None
+    if "cuda" in devices and any(r["device"] == "cuda" for r in everything):
+        name = _cuda().get_current_device().name
+        gpu = name.decode() if isinstance(name, bytes) else name
+    write_json(
+        args.json,
+        "bench_adapters",
+        results=everything,
+        columns=[
+            ("device", "device", ""),
+            ("row", "row", ""),
+            ("op", "op", ""),
+            ("n", "n", ",d"),
+            ("s", "us/call", "us"),
+        ],
+        baseline="per device and op: 'core, raw buffers' (the backend kernel on raw buffers, no"
+        " adapter) and 'copy' (a Numba word copy of the same bytes)",
+        meta={"cell_time_s": args.cell_time, "quick": args.quick},
+        gpu=gpu,
+        started=started,
+    )
 
 
 if __name__ == "__main__":

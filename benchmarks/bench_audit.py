@@ -31,6 +31,7 @@ import tempfile
 import time
 
 import numpy as np
+from _harness import add_json_argument, utc_now, write_json
 
 # the child's own high-water mark (VmHWM of its address space, not the rusage maximum,
 # which keeps the RSS of the parent's copy from before exec)
@@ -142,8 +143,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="1e8 weights")
     parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
     parser.add_argument("--minilm", help="a MiniLM .safetensors (default: the installed package)")
-    parser.add_argument("--json", metavar="PATH")
+    add_json_argument(parser)
     args = parser.parse_args()
+    started = utc_now()
     params = int(args.params or (1e8 if args.quick else 1e9))
     if params < 1:
         parser.error("--params: expected a positive number of weights")
@@ -187,9 +189,25 @@ def main():
             f" {r['weights_per_s_repeat'] / 1e6:>6.0f} {r['wall_s']:>7.1f}"
             f" {r['weights_per_s_wall'] / 1e6:>8.1f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpus": os.cpu_count(), "rows": rows}, f, indent=2)
+    write_json(
+        args.json,
+        "bench_audit",
+        results=rows,
+        columns=[
+            ("checkpoint", "checkpoint", ""),
+            ("weights", "weights", ",d"),
+            ("peak_rss_bytes", "peak RSS B", ",d"),
+            ("bound_bytes", "bound B", ",d"),
+            ("audit_s", "audit s", ".2f"),
+            ("weights_per_s", "weights/s", ",.0f"),
+            ("repeat_s", "repeat s", ".2f"),
+            ("wall_s", "wall s", ".1f"),
+        ],
+        baseline="bound_bytes: the memory bound (2 x largest tensor + 300 MiB) that peak RSS is"
+        " compared with; repeat_s: a second audit in the same process (kernels compiled)",
+        meta={"params": params, "dtypes": args.dtypes},
+        started=started,
+    )
 
 
 if __name__ == "__main__":

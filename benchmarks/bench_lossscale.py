@@ -9,12 +9,13 @@ Usage::
 
 CPU: ~25M gradients in ~200 tensors (``--quick``: ~6M); GPU: 268M in 200. Every row reads and
 writes each gradient once (fp32: 8 B per element, bf16: 4 B), except srround's check-only row
-(``inv_scale=1``: reads only, what its GradScaler runs before a fused srround step). GB/s and ``% floor`` divide by
-the same run's floor: an in-place ``flat.mul_(s)`` on one flat tensor of the same bytes (the
-same traffic with no tensor list and no check). ``host µs`` is one call on a 200-tensor list of
-1-element gradients: pure per-call overhead. ``step:`` rows time a whole loss-scaled AdamW step
-(``scaled_steps``) against torch's GradScaler with torch's fused AdamW. Medians of timed
+(``inv_scale=1``: reads only, what its GradScaler runs before a fused srround step). GB/s and ``%
+floor`` divide by the same run's floor: an in-place ``flat.mul_(s)`` on one flat tensor of the same
+bytes (the same traffic with no tensor list and no check). ``host µs`` is one call on a 200-tensor
+list of 1-element gradients: pure per-call overhead. ``step:`` rows time a whole loss-scaled AdamW
+step (``scaled_steps``) against torch's GradScaler with torch's fused AdamW. Medians of timed
 repetitions after a warm-up.
+
 
 ``--plot PATH`` also trains a small fp16 model whose gradients underflow to zero without
 scaling, with and without ``srround.adapters.torch.GradScaler``, and plots both loss curves.
@@ -24,9 +25,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import statistics
-import time
+
+from _harness import add_json_argument, repo_on_path, time_steps, utc_now, write_json
 
 
 def shapes(total: int, tensors: int = 196):
@@ -40,15 +40,8 @@ def shapes(total: int, tensors: int = 196):
 
 
 def timeit(fn, sync, reps):
-    fn()
-    sync()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    """Median seconds per call of ``fn`` (then ``sync()``) over ``reps`` timed calls."""
+    return time_steps(fn, sync, reps)["median_s"]
 
 
 def run(device: str, total: int, reps: int):
@@ -195,15 +188,8 @@ def fp16_training(steps: int = 60):
 
     from srround.adapters.torch import GradScaler
 
-    class HalfSGD(torch.optim.Optimizer):
-        def __init__(self, params, lr):
-            super().__init__(params, {"lr": lr})
-
-        @torch.no_grad()
-        def step(self):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    p.copy_((p.float() - group["lr"] * p.grad.float()).half())
+    repo_on_path()
+    from tests.reference import half_sgd
 
     torch.manual_seed(1)
     x = torch.randn(256, 8)
@@ -212,7 +198,7 @@ def fp16_training(steps: int = 60):
     for name in ("no scaling", "dynamic scaling"):
         torch.manual_seed(2)
         model = torch.nn.Linear(8, 1).half()
-        opt = HalfSGD(model.parameters(), lr=3e7)
+        opt = half_sgd(model.parameters(), lr=3e7)
         scaler = GradScaler(
             "cpu", init_scale=2.0**24, growth_interval=10, enabled=name == "dynamic scaling"
         )
@@ -252,9 +238,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
-    parser.add_argument("--json", metavar="PATH")
+    add_json_argument(parser)
     parser.add_argument("--plot", metavar="PATH", help="also plot fp16 training to PATH (PNG)")
     args = parser.parse_args(argv)
+    started = utc_now()
     import torch
 
     devices = (
@@ -288,9 +275,28 @@ def main(argv=None):
                 f"{r['device']:<6} {r['dtype']:<9} {r['method']:<42} {r['elements']:>11,}"
                 f" {r['tensors']:>7} {r['ms']:>8.2f}"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(
+        args.json,
+        "bench_lossscale",
+        results=rows,
+        columns=[
+            ("device", "device", ""),
+            ("dtype", "dtype", ""),
+            ("method", "method", ""),
+            ("elements", "elements", ",d"),
+            ("tensors", "tensors", "d"),
+            ("ms", "ms", ".3f"),
+            ("GB/s", "GB/s", ".2f"),
+            ("floor", "% floor", "%"),
+            ("host_us", "host us", ".1f"),
+        ],
+        baseline="per device and dtype: 'floor: flat.mul_(s)' (the same bytes in place, one flat"
+        " tensor) and torch's _amp_foreach_non_finite_check_and_unscale_; step rows: torch's"
+        " GradScaler with torch's fused AdamW",
+        meta={"quick": args.quick},
+        gpu=torch.cuda.get_device_name() if "cuda" in devices else None,
+        started=started,
+    )
     if args.plot:
         plot_fp16_training(args.plot)
 

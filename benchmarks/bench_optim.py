@@ -34,11 +34,12 @@ GPU: the time until ``step()`` returns, without a synchronize (launch overhead t
 ``first step`` includes state allocation, Numba/JAX/Inductor compilation and first touch.
 
 The JAX section (CPU, or the GPU when JAX sees one) times ``jit``-compiled steps with donated
-parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (native), ``optax.adamw``
-followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding of the sum), plain
-``optax.adamw`` on fp32 and on bf16 params, and ``optax.adamw`` with a hand-written
-``jax.random.bits`` stochastic-rounding apply (what a user writes). Bytes/param there are the
-same nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B fp32).
+parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (native),
+``optax.adamw`` followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding of the
+sum), plain ``optax.adamw`` on fp32 and on bf16 params, and ``optax.adamw`` with a hand-written
+``jax.random.bits`` stochastic-rounding apply (what a user writes). Bytes/param there are the same
+nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B fp32).
+
 
 Sections that cannot run (no CUDA, no torchao/optimi/JAX, adapters not yet present) print why.
 Numbers depend on the machine and on what else runs on it; only compare rows of one run.
@@ -49,16 +50,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import io
-import json
-import logging
 import math
 import os
-import platform
-import statistics
 import sys
 import time
 import warnings
+
+from _harness import (
+    BUSY_MARK,
+    Unavailable,
+    add_json_argument,
+    machine,
+    time_steps,
+    utc_now,
+    write_json,
+)
+from _harness import quiet_import as _quiet_import
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -66,29 +73,6 @@ LR = 1e-3
 SEED = 1234
 CPU_TARGET_MS = 15.0  # srround AdamW, fp32 states, 24.6M params, CPU
 GPU_TARGET_FRAC = 0.80  # of the same-run copy bandwidth, 200 tensors
-BUSY_MARK = 0.3  # CPUs used by other processes while a CPU row was timed -> flagged noisy
-
-
-class Unavailable(Exception):
-    """A row/section that cannot run here; the message is printed as a note."""
-
-
-def _quiet_import(name: str):
-    import importlib
-
-    logging.disable(logging.WARNING)
-    try:
-        with (
-            warnings.catch_warnings(),
-            contextlib.redirect_stdout(io.StringIO()),
-            contextlib.redirect_stderr(io.StringIO()),
-        ):
-            warnings.simplefilter("ignore")
-            return importlib.import_module(name)
-    except ImportError as exc:
-        raise Unavailable(f"{name} not importable ({exc})") from None
-    finally:
-        logging.disable(logging.NOTSET)
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,56 +103,6 @@ def numel(shape_list) -> int:
 # --------------------------------------------------------------------------------------------
 # timing
 # --------------------------------------------------------------------------------------------
-
-
-def time_steps(step, sync, reps: int, batch: int = 1) -> dict:
-    """First call (compile/allocation), one warm-up, then ``reps`` samples of ``batch`` calls
-    closed by one ``sync``; host time = time until each call returns (no sync)."""
-    t0 = time.perf_counter()
-    step()
-    sync()
-    first = time.perf_counter() - t0
-    step()
-    sync()
-    before = _cpu_counters()
-    per_step, host = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            h0 = time.perf_counter()
-            step()
-            host.append(time.perf_counter() - h0)
-        sync()
-        per_step.append((time.perf_counter() - t0) / batch)
-    return {
-        "first_s": first,
-        "median_s": statistics.median(per_step),
-        "min_s": min(per_step),
-        "host_s": statistics.median(host),
-        "reps": reps,
-        "batch": batch,
-        "others_busy_cpus": _others_busy(before, _cpu_counters()),
-    }
-
-
-def _cpu_counters():
-    """(wall s, machine busy s over all CPUs, this process's CPU s), or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(t) for t in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    busy = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-    own = os.times()
-    return time.perf_counter(), busy, own.user + own.system
-
-
-def _others_busy(before, after):
-    """CPUs used by other processes between two ``_cpu_counters`` (clock-tick resolution)."""
-    if before is None or after is None or after[0] - before[0] <= 0:
-        return None
-    wall = after[0] - before[0]
-    return round(max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall), 3)
 
 
 _FLOORS: dict = {}
@@ -538,6 +472,20 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
 # output
 # --------------------------------------------------------------------------------------------
 
+COLUMNS = [
+    ("device", "device", ""),
+    ("tensors", "tensors", "d"),
+    ("params", "params", ",d"),
+    ("method", "method", ""),
+    ("bytes_per_param", "B/param", "d"),
+    ("median_s", "ms/step", "ms"),
+    ("gbps", "GB/s", ".2f"),
+    ("frac_copy", "% copy", "%"),
+    ("host_s", "host ms", "ms"),
+    ("first_s", "first step s", ".2f"),
+    ("others_busy_cpus", "others busy CPUs", ".2f"),
+]
+
 HEADER = (
     f"{'method':<42} {'B/par':>5} {'ms/step':>9} {'GB/s':>8} {'% copy':>7} "
     f"{'host ms':>8} {'first step':>11}"
@@ -571,10 +519,15 @@ def print_targets(results: list[dict]) -> None:
     ]
     for r in ref:
         ok = r["median_s"] * 1e3 <= CPU_TARGET_MS
+        verdict = (
+            ("met" if ok else "NOT met")
+            if r["params"] > 20e6
+            else "n/a: the target is for 24.6M params"
+        )
         print(
             f"CPU: srround AdamW (stochastic, fp32 states) <= {CPU_TARGET_MS:g} ms/step at "
             f"{r['params'] / 1e6:.1f}M params: {r['median_s'] * 1e3:.2f} ms "
-            f"({('met' if ok else 'NOT met') if r['params'] > 20e6 else 'n/a: the target is for 24.6M params'})"
+            f"({verdict})"
         )
     gpu = [
         r
@@ -626,9 +579,7 @@ def main(argv=None) -> int:
         type=int,
         default=24,
         help="tensors in the JAX section (default 24: compiling srround's native JAX"
-        " adamw and apply_updates grows with the tensor count: first step ~25 s with"
-        " fp32 states, ~50 s with bf16 states, ~23 s for optax.adamw + apply_updates"
-        " at 196 tensors on 2 CPU cores)",
+        " adamw and apply_updates grows with the tensor count)",
     )
     p.add_argument("--reps", type=int, default=None, help="timed samples per row")
     p.add_argument(
@@ -637,24 +588,12 @@ def main(argv=None) -> int:
         metavar="TEXT",
         help="only torch rows whose label contains one of these",
     )
-    p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
+    add_json_argument(p)
     args = p.parse_args(argv)
-
-    import numba
-    import numpy as np
-
-    import srround
+    started = utc_now()
 
     notes: list[str] = []
-    meta = {
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "numba_threads": numba.get_num_threads(),
-        "numpy": np.__version__,
-        "srround": srround.__version__,
-        "quick": args.quick,
-    }
+    meta = {**machine(), "quick": args.quick}
     devices = ["cpu"] if args.device in ("cpu", "all") else []
     torch = None
     try:
@@ -735,10 +674,20 @@ def main(argv=None) -> int:
         for note in notes:
             print("  - " + note)
     print(f"\ntotal benchmark time {time.perf_counter() - t_start:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results, "notes": notes}, f, indent=1)
-        print(f"wrote {args.json}")
+    write_json(
+        args.json,
+        "bench_optim",
+        results=results,
+        columns=COLUMNS,
+        baseline="per device and tensor count: torch.optim.AdamW (fused/foreach, bf16 and"
+        " fp32 params), torchao and optimi rows, plain optax rows (JAX); frac_copy divides"
+        " by a same-run copy of the same bytes (CPU: Numba prange in-place word bump; GPU:"
+        " torch copy_)",
+        notes=notes,
+        meta=meta,
+        gpu=meta.get("gpu"),
+        started=started,
+    )
     return 0
 
 

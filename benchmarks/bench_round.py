@@ -57,12 +57,13 @@ samples). CPU: ``perf_counter`` around each call, median reported. GPU: ``perf_c
 batch of calls closed by a device synchronize (so launch overhead is pipelined and counted as a
 user would see it), median over batches; no host<->device copies are timed.
 
-Shared machines: the script samples /proc/stat around every timed cell and records how many
-CPUs *other* processes used meanwhile (``others_busy_cpus``). A CPU cell where that exceeds 0.3
-is re-timed (``--retries``, default once) and, if still contended, printed with a ``*``. On a
-2-core box one busy neighbour halves a 2-thread kernel, and a ``prange`` call on a small array
-can wait a whole scheduler slice (~4-8 ms) for its second thread, so starred cells can be off
-by 10x. The cores' contention before and after the run is printed in the header/notes.
+Shared machines: the script samples /proc/stat around every timed cell and records how many CPUs
+*other* processes used meanwhile (``others_busy_cpus``). A CPU cell where that exceeds 0.3 is
+re-timed (``--retries``, default once) and, if still contended, printed with a ``*``. On a 2-core
+box one busy neighbour halves a 2-thread kernel, and a ``prange`` call on a small array can wait a
+whole scheduler slice for its second thread, so starred cells can be far off. The cores' contention
+before and after the run is printed in the header/notes.
+
 
 The script also measures **first-call latency**: two fresh subprocesses with
 ``NUMBA_CACHE_DIR`` pointing at a new empty directory - the first compiles srround's CPU kernel
@@ -78,118 +79,36 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
-import logging
-import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 import numpy as np
+from _harness import (
+    BUSY_MARK,
+    Unavailable,
+    add_json_argument,
+    busy_cpus,
+    measure,
+    utc_now,
+    write_json,
+)
+from _harness import quiet_import as _quiet_import
 
 # JAX would otherwise reserve 75 % of GPU memory at its first use, starving the other rows
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 BYTES_PER_ELEMENT = 6  # 4 B fp32 read + 2 B written
 SEED = 1234
-BUSY_MARK = 0.3  # CPUs used by other processes during a cell above which it is flagged
-
-
-class Unavailable(Exception):
-    """A row that cannot run here (missing package/backend); the reason is printed as a note."""
-
-
-# --------------------------------------------------------------------------------------------
-# timing
-# --------------------------------------------------------------------------------------------
-
-
-def measure(
-    fn,
-    sync=None,
-    *,
-    cell_time: float,
-    batch_time: float = 0.0,
-    min_samples: int = 3,
-    max_samples: int = 200,
-) -> dict:
-    """Median seconds per call of ``fn``.
-
-    ``sync(result)`` waits for asynchronous work (device synchronize, ``block_until_ready``).
-    ``batch_time`` > 0 groups calls into batches of about that length with one sync at the end
-    (GPU); otherwise every call is timed on its own (CPU).
-    """
-    sync = sync or (lambda r: None)
-
-    def run(k):
-        t0 = time.perf_counter()
-        for _ in range(k):
-            r = fn()
-        sync(r)
-        return (time.perf_counter() - t0) / k
-
-    sync(fn())  # compile / first touch
-    before = _cpu_counters()
-    first = run(1)  # may still pay page faults the first call did not take
-    per_sample = max(1, math.ceil(batch_time / first)) if batch_time > 0 else 1
-    samples = int(min(max_samples, max(min_samples, math.ceil(cell_time / (first * per_sample)))))
-    if per_sample == 1 and first * min_samples >= cell_time:
-        # slow calls (> cell_time / 3): keep the first timed call as one of the samples
-        times = [first] + [run(1) for _ in range(samples - 1)]
-    else:
-        times = [run(per_sample) for _ in range(samples)]
-    return {
-        "median_s": statistics.median(times),
-        "min_s": min(times),
-        "samples": samples,
-        "calls_per_sample": per_sample,
-        "others_busy_cpus": _others_busy(before, _cpu_counters()),
-    }
-
-
-def _cpu_counters():
-    """(wall s, machine busy s over all CPUs, this process's CPU s), or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(t) for t in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    busy = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-    own = os.times()
-    return time.perf_counter(), busy, own.user + own.system
-
-
-def _others_busy(before, after) -> float | None:
-    """CPUs used by other processes between two ``_cpu_counters`` (clock-tick resolution)."""
-    if before is None or after is None or after[0] - before[0] <= 0:
-        return None
-    wall = after[0] - before[0]
-    return round(max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall), 3)
 
 
 # --------------------------------------------------------------------------------------------
 # anchors shared by CPU and GPU
 # --------------------------------------------------------------------------------------------
-
-
-def _quiet_import(name: str):
-    """Import ``name`` with its import-time log/warning chatter suppressed (torchao prints
-    'Failed to load' lines for optional CUDA extensions on CPU-only torch)."""
-    import importlib
-
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            return importlib.import_module(name)
-    finally:
-        logging.disable(logging.NOTSET)
 
 
 def torch_module():
@@ -591,6 +510,18 @@ def run_device(
     return results
 
 
+COLUMNS = [
+    ("device", "device", ""),
+    ("method", "method", ""),
+    ("op", "op", ""),
+    ("n", "n", ",d"),
+    ("gbps", "GB/s (6 B/elem)", ".2f"),
+    ("frac_of_floor", "% floor", "%"),
+    ("median_s", "ms/call", "ms"),
+    ("others_busy_cpus", "others busy CPUs", ".2f"),
+]
+
+
 def size_label(n: int) -> str:
     return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else str(n)
 
@@ -702,15 +633,6 @@ def print_latency(lat: dict) -> None:
         )
 
 
-def busy_cpus(interval: float = 0.5) -> float | None:
-    """CPUs kept busy by *other* processes while this one sleeps, e.g. 1.0 = one core fully
-    used by someone else; None off Linux."""
-    before = _cpu_counters()
-    time.sleep(interval)
-    busy = _others_busy(before, _cpu_counters())
-    return None if busy is None else round(busy, 2)
-
-
 def source_fingerprint(srround) -> dict:
     """Which kernels were measured: the git commit (read-only lookup) and a hash of the kernel
     sources as they are on disk (they may differ from the commit while being worked on)."""
@@ -718,7 +640,7 @@ def source_fingerprint(srround) -> dict:
 
     pkg = os.path.dirname(srround.__file__)
     h = hashlib.sha256()
-    for name in ("_cpu.py", "_cuda.py", "_scalar.py", "_rng.py"):
+    for name in ("_cpu.py", "_cuda.py", "_elements.py", "_scalar.py", "_rng.py"):
         with contextlib.suppress(OSError), open(os.path.join(pkg, name), "rb") as f:
             h.update(f.read())
     out = {"kernel_src_sha256": h.hexdigest()[:12]}
@@ -779,8 +701,9 @@ def main(argv=None) -> int:
         f" than {BUSY_MARK} CPU during it, keeping the quietest attempt (default 1)",
     )
     p.add_argument("--no-latency", action="store_true", help="skip the cold/warm subprocesses")
-    p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
+    add_json_argument(p)
     args = p.parse_args(argv)
+    started = utc_now()
     cell_time = args.cell_time or (0.1 if args.quick else 0.2)
 
     import numba
@@ -855,12 +778,20 @@ def main(argv=None) -> int:
             print("  - " + note)
     print(f"\ntotal benchmark time {time.perf_counter() - t_start:.1f} s")
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"meta": meta, "results": results, "latency": latency, "notes": notes}, f, indent=1
-            )
-        print(f"wrote {args.json}")
+    write_json(
+        args.json,
+        "bench_round",
+        results=results,
+        columns=COLUMNS,
+        baseline="per device and size, the first row is the floor (CPU: a Numba prange"
+        " x>>16 truncation; GPU: a numba.cuda word copy of the same bytes); frac_of_floor"
+        " divides by it",
+        notes=notes,
+        meta=meta,
+        gpu=meta.get("gpu"),
+        started=started,
+        latency=latency,
+    )
     return 0
 
 

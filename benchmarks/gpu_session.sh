@@ -4,8 +4,10 @@
 #     bash benchmarks/gpu_session.sh            # logs and JSON under ${OUT:-gpu-out}/
 # 1. installs srround in place without dependencies, 2. runs the whole test suite on the real
 # GPU (tests/conftest.py uses the GPU when /dev/nvidiactl exists, so CUDA tests are not
-# simulated), 3. runs every benchmark for the GPU, each against its same-run baselines, 4. runs
-# the language-model demo's GPU configuration (srround demo --device cuda).
+# simulated), 3. runs every benchmark for the GPU, each against its same-run baselines, with
+# --json into benchmarks/results/<name>_gpu.json (copied to $out/results/), 4. regenerates
+# benchmarks/RESULTS.md (copied to $out/), 5. runs the language-model demo's GPU configuration
+# (srround demo --device cuda).
 set -uo pipefail
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
@@ -14,9 +16,14 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python -c "import numpy, numba, numba_cuda; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__)" | tee -a "$out/gpu.txt"
 python -m pytest -q -x -p no:cacheprovider 2>&1 | tee "$out/pytest.log" | tail -30
+mkdir -p "$out/results" benchmarks/results
 for script in benchmarks/bench_*.py; do
     name=$(basename "$script" .py)
-    python "$script" --device cuda --json "$out/$name.json" 2>&1 | tee "$out/$name.log" | tail -40
+    args=(--json "benchmarks/results/${name}_gpu.json")
+    [ "$name" != bench_audit ] && args+=(--device cuda)
+    python "$script" "${args[@]}" 2>&1 | tee "$out/$name.log" | tail -40
+    cp -f "benchmarks/results/${name}_gpu.json" "$out/results/" 2>/dev/null || true
 done
+python benchmarks/results.py && cp -f benchmarks/RESULTS.md "$out/"
 # the lm demo's GPU configuration (a larger transformer, bf16 activations): table and PNG
 python -m srround demo --device cuda --out "$out" 2>&1 | tee "$out/demo_lm.log" | tail -12

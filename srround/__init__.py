@@ -1,6 +1,11 @@
 """srround: stochastic rounding, fused low-precision optimizer updates and loss scaling, as
 Numba kernels for CPU and CUDA, usable from NumPy, CuPy, PyTorch and JAX."""
 
+from srround import _cache
+
+# before any kernel module is decorated: Numba's cache keyed on srround's sources (_cache.py)
+_cache.install()
+
 from srround import audit
 from srround._api import (
     adamw_step,

@@ -2,7 +2,7 @@
 backend kernel where the data lives, and return the caller's own type.
 
 Every rounding call is a pure function of (input bits, seed, offset, index): see ``_rng.py``
-for the stream and ``_scalar.py`` for the rounding rules.
+for the stream and ``_scalar.py`` for the rounding rules (contracts: ``docs/contracts.md``).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import dataclasses
 
 import numpy as np
 
-from . import _cpu, _loss_scale, _optim
+from . import _cpu, _loss_scale, _optim, _plan
 from ._dispatch import View, adapter_for, check_same_place, check_shape, mutable_adapter_for
-from ._formats import get_format, saturate_flag
+from ._formats import BufferCode, get_format, saturate_flag
 from ._rng import check_offset, check_seed, next_seed, split_seed
-from ._tensor_list import FORMAT_CODES, TensorList
+from ._tensor_list import TensorList
 
 
 def _key(seed) -> tuple[int, int]:
@@ -82,6 +82,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
         src,
         src.bits,
         dst.bits,
+        np.float32(1.0),
         k0,
         k1,
         offset,
@@ -163,8 +164,8 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     _launch(
         "stochastic_add",
         dst,
-        dst.bits,
         src.bits,
+        dst.bits,
         np.float32(alpha),
         k0,
         k1,
@@ -187,9 +188,9 @@ def _writable_view(adapter, array, name):
     """``(view, format code)`` of an array updated in place: float32, bf16 or fp16."""
     if _is_float32(array):
         view, _ = adapter.source(array, name)
-        return adapter.target(array, name, view, None), FORMAT_CODES[None]
+        return adapter.target(array, name, view, None), BufferCode.FLOAT32
     view, fmt = adapter.inplace(array, name, None)
-    return view, FORMAT_CODES[fmt.name]
+    return view, fmt.code
 
 
 def _scalar_buffer(adapter, value, name, like: View, count: int, *, writable=False):
@@ -240,7 +241,7 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     adapter = mutable_adapter_for(grads=grads[0], **extra)
     _check_one_type(grads, "grads", grads[0], "grads[0]")
     addresses, sizes, codes, place = adapter.buffer_table(grads, "grads")
-    _check_codes("grads", codes, (0, 1, 2), "float32, bfloat16 or float16")
+    _plan.check_grad_codes("grads", codes)
     first, _ = _writable_view(adapter, grads[0], "grads[0]")
     if place != first.where:  # a device index the table and the view disagree on
         raise ValueError(f"grads: on {place}, expected {first.where}")
@@ -257,13 +258,17 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     check_same_place(**{"grads[0]": first, "inv_scale": scales, "found_inf": flags})
     table = TensorList(addresses, codes, sizes, grads)
     if table.total:
-        args = (table.addresses, table.formats, table.starts, scales.bits, flags.bits, per_tensor)
-        if first.device == "cpu":
-            _cpu.run(_loss_scale.unscale_and_check_cpu, table.total, *args)
-        else:
-            from . import _cuda
-
-            _cuda.unscale_and_check(*args, total=table.total, stream=flags.stream)
+        _loss_scale.unscale_and_check(
+            table.addresses,
+            table.formats,
+            table.starts,
+            scales.bits,
+            flags.bits,
+            per_tensor,
+            first.device,
+            total=table.total,
+            stream=flags.stream,
+        )
     return flags.result
 
 
@@ -280,7 +285,7 @@ def update_scale(
     min_scale=None,
     max_scale=None,
 ):
-    """Update loss scale(s) in place on their device (rule in ``srround/_loss_scale.py``):
+    """Update loss scale(s) in place on their device (the rule in ``docs/contracts.md``):
     back off on overflow, grow after ``growth_interval`` clean steps; no host sync.
 
     Args:
@@ -327,28 +332,19 @@ def update_scale(
         np.float32(0.0 if min_scale is None else min_scale),
         np.float32(np.inf if max_scale is None else max_scale),
     )
-    args = (scale_view.bits, trackers[0].bits, trackers[1].bits, found_view.bits, *factors)
-    if scale_view.device == "cpu":
-        _loss_scale.update_scale_cpu(*args)
-    else:
-        from . import _cuda
-
-        _cuda.update_scale(*args, stream=scale_view.stream)
+    _loss_scale.update_scale(
+        scale_view.bits,
+        trackers[0].bits,
+        trackers[1].bits,
+        found_view.bits,
+        *factors,
+        device=scale_view.device,
+        stream=scale_view.stream,
+    )
     return scale
 
 
 # -- fused optimizer steps ------------------------------------------------------------------
-
-
-_CODE_NAMES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "int16"}  # buffer_table codes
-
-
-def _check_codes(name, codes, allowed, expected):
-    if set(codes) <= set(allowed):  # (C-level: lists of hundreds of tensors)
-        return
-    for i, code in enumerate(codes):
-        if code not in allowed:
-            raise TypeError(f"{name}[{i}]: expected {expected}, got {_CODE_NAMES[code]}")
 
 
 def _check_one_type(arrays, name, reference, reference_name):
@@ -369,36 +365,11 @@ def _as_list(arrays, name, count=None):
     return arrays
 
 
-def _table_columns(adapter, arrays, name, sizes, place, allowed, expected):
-    """Addresses and codes of one buffer list, checked against the parameters' sizes and place;
-    ``None`` entries (no buffer) give address 0."""
-    present = [i for i, a in enumerate(arrays) if a is not None]
-    addresses, codes = [0] * len(arrays), [0] * len(arrays)
-    if present:
-        adds, got, cods, where = adapter.buffer_table([arrays[i] for i in present], name)
-        if where != place:
-            raise ValueError(f"{name}: on {where}, but params are on {place}")
-        _check_codes(name, cods, allowed, expected)
-        for i, a, n, c in zip(present, adds, got, cods):
-            if n != sizes[i]:
-                raise ValueError(f"{name}[{i}]: {n} elements, but params[{i}] has {sizes[i]}")
-            addresses[i], codes[i] = a, c
-    return addresses, codes
-
-
-_AUX = {  # weight mode -> (aux format code for a param of code c, description)
-    "kahan": (lambda c: c, "the parameter's dtype (bfloat16 or float16)"),
-    "master": (lambda c: 0, "float32"),
-    "remainder": (lambda c: 3, "int16"),
-}
-
-
 def _fused_step(
     kind, hyper, params, grads, states, aux, *, step, rounding, seed, inv_scale, found_inf, name
 ):
-    """Validate the buffer lists, build a ``_optim.FusedStep`` and run it once."""
-    if rounding not in _optim.MODES:
-        raise ValueError(f"rounding: expected one of {sorted(_optim.MODES)}, got {rounding!r}")
+    """Validate the buffer lists, plan (``_plan.plan_step``) and run one ``FusedStep``."""
+    mode = _plan.check_rounding(rounding)
     params = _as_list(params, "params")
     if not params:
         raise ValueError("params: expected at least one array")
@@ -417,59 +388,11 @@ def _fused_step(
         )
     _check_one_type(params, "params", params[0], "params[0]")
     _check_one_type(grads, "grads", params[0], "params[0]")
-    p_addr, sizes, p_codes, place = adapter.buffer_table(params, "params")
-    _check_codes("params", p_codes, (0, 1, 2), "float32, bfloat16 or float16")
-    if rounding == "remainder":
-        _check_codes("params", p_codes, (0, 1), "bfloat16 (or float32) with rounding='remainder'")
-    g_addr, g_codes = _table_columns(
-        adapter, grads, "grads", sizes, place, (0, 1, 2), "float32, bfloat16 or float16"
-    )
-    columns, state_fmt = [], None
-    for label, arrays in states:
-        if arrays is None:
-            columns.append([0] * count)
-            continue
-        addrs, codes = _table_columns(
-            adapter,
-            _as_list(arrays, label, count),
-            label,
-            sizes,
-            place,
-            (0, 1),
-            "float32 or bfloat16",
-        )
-        for i, c in enumerate(codes):
-            if state_fmt is not None and c != state_fmt:
-                raise TypeError(
-                    f"{label}[{i}]: every state must have one dtype (float32 or bfloat16)"
-                )
-            state_fmt = c
-        columns.append(addrs)
-    aux_addr = [0] * count
-    if rounding in _AUX:
-        code_of, expected = _AUX[rounding]
-        if aux is None:
-            raise ValueError(
-                f"aux: rounding={rounding!r} needs one buffer per parameter"
-                f" ({expected}; None for float32 parameters)"
-            )
+    states = [(label, None if a is None else _as_list(a, label, count)) for label, a in states]
+    if aux is not None and _plan.needs_aux(mode):
         aux = _as_list(aux, "aux", count)
-        aux = [a if c else None for a, c in zip(aux, p_codes)]
-        aux_addr, a_codes = _table_columns(
-            adapter, aux, "aux", sizes, place, (0, 1, 2, 3), expected
-        )
-        for i, (a, c) in enumerate(zip(aux, p_codes)):
-            if a is None and c:
-                raise ValueError(f"aux[{i}]: missing ({expected} buffer for rounding={rounding!r})")
-            if a is not None and a_codes[i] != code_of(c):
-                raise TypeError(f"aux[{i}]: expected {expected} for rounding={rounding!r}")
+    plan = _plan.plan_step(adapter, rounding, params, grads, states, aux)
     first, _ = _writable_view(adapter, params[0], "params[0]")
-    table = np.zeros((count, _optim.TABLE_COLUMNS), np.int64)
-    table[:, _optim.P_ADDR], table[:, _optim.P_FMT] = p_addr, p_codes
-    table[:, _optim.G_ADDR], table[:, _optim.G_FMT] = g_addr, g_codes
-    table[:, _optim.S1_ADDR], table[:, _optim.S2_ADDR] = columns
-    table[:, _optim.AUX_ADDR] = aux_addr
-    table[:, _optim.NOISE] = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]])
     steps = _step_counter(adapter, step, first, count)
     scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)
     flags = _scalar_buffer(adapter, found_inf, "found_inf", first, 1)
@@ -477,10 +400,10 @@ def _fused_step(
     k0, k1 = _key(seed)
     fused = _optim.FusedStep(
         kind,
-        _optim.MODES[rounding],
-        state_fmt or 0,
-        table,
-        sizes,
+        mode,
+        plan.state_fmt,
+        plan.table,
+        plan.sizes,
         steps.bits,
         first.device,
         first.stream,
@@ -535,7 +458,7 @@ def adamw_step(
         step: int32 array of one step count per param, incremented in place before use (torch's
             ``state["step"]``), or an int: the 1-based number of this step.
         rounding: how fp32 results reach bf16/fp16 params: ``"stochastic"`` (default),
-            ``"nearest"``, ``"kahan"``, ``"master"`` or ``"remainder"`` (``srround/_optim.py``).
+            ``"nearest"``, ``"kahan"``, ``"master"`` or ``"remainder"`` (``docs/contracts.md``).
         aux: per-param buffers of the mode: kahan compensation (param dtype, start at 0),
             master weights (float32), remainder (int16, start at 0); None for fp32 params.
         seed: the optimizer's seed (int in [0, 2**64)); the noise of step t is the stream at

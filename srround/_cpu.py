@@ -1,7 +1,9 @@
-"""CPU backend: the scalar bodies of ``_scalar.py`` in ``prange`` loops over all cores.
+"""CPU backend: every CPU loop of srround, ``prange`` loops over all cores around the
+one-element bodies of ``_scalar.py`` and ``_elements.py``.
 
-Buffers are flat, C-contiguous NumPy arrays of bit patterns: fp32 as ``uint32``, narrow formats
-as ``uint16``.
+Buffers are flat, C-contiguous NumPy arrays of bit patterns: unsigned words of the element
+width (fp32 as ``uint32``, bf16/fp16 as ``uint16``); tensor-list kernels take pointer tables
+(``_tensor_list.py``).
 
 The random kernels work in chunks of counter blocks (four elements per Threefry block, see
 ``_rng.py``). Each chunk first fills a small buffer with its blocks' random words in a
@@ -17,12 +19,39 @@ import sys
 
 import numpy as np
 from llvmlite import ir
-from numba import get_num_threads, njit, prange, set_num_threads, types
+from numba import carray, get_num_threads, njit, prange, set_num_threads, types
 from numba.extending import intrinsic
 
 from . import _config
+from ._elements import (
+    AUX_ADDR,
+    BF16,
+    F16,
+    F32,
+    G_ADDR,
+    G_FMT,
+    GROUP,
+    NOISE,
+    P_ADDR,
+    P_FMT,
+    S1_ADDR,
+    S2_ADDR,
+    STATE1_STREAM,
+    STATE2_STREAM,
+    STOCHASTIC,
+    WEIGHT_STREAM,
+    group_constants,
+    prepare_coefs,
+    stream_offset,
+    unscale_bits,
+    unscale_in_place,
+    update_element,
+    update_scale_one,
+)
+from ._formats import FORMATS
 from ._rng import _KS_PARITY, MASK32
-from ._scalar import add_exact_f32, decode, encode_nearest, encode_stochastic
+from ._scalar import add_exact_f32, bits_to_f32, decode, encode_nearest, encode_stochastic
+from ._tensor_list import find_tensor, typed_pointer
 
 if sys.byteorder != "little":  # the uint16 view of the random words below assumes it
     raise ImportError("srround's CPU backend needs a little-endian CPU")
@@ -31,17 +60,16 @@ _CHUNK_BLOCKS = 1024  # counter blocks per random-bit buffer fill: 4096 elements
 _TASK_CHUNKS = 16  # chunks per prange iteration (one buffer allocation each)
 
 # formats given literal constants in the element loops, so LLVM folds their shifts and masks
-_BF16 = (7, 8)
-_FP16 = (10, 5)
+# (other formats run the same loops with run-time constants)
+_BF16 = (FORMATS["bfloat16"].mantissa_bits, FORMATS["bfloat16"].exponent_bits)
+_FP16 = (FORMATS["float16"].mantissa_bits, FORMATS["float16"].exponent_bits)
 
 
 def run(kernel, elements: int, *args):
     """``kernel(*args)`` for a ``prange`` kernel over ``elements`` elements; below
     ``_config.CPU_SERIAL_BELOW`` on the calling thread alone (the thread count is per calling
-    thread in Numba, and restored after). A parallel region wakes and then waits for every
-    worker thread: 5-10 us on an idle machine, but when other processes keep the cores busy
-    (data-loader workers) a scheduler time slice - measured on a 2-core VM under load, one
-    unscale pass over 200 small gradients: 7.4 ms median on 2 threads, 34 us on one."""
+    thread in Numba, and restored after): a parallel region wakes and then waits for every
+    worker thread, which on a busy machine can cost a scheduler time slice."""
     if elements >= _config.CPU_SERIAL_BELOW:
         return kernel(*args)
     threads = get_num_threads()
@@ -169,22 +197,57 @@ def _add_span(w, u, alpha, total, bits, mantissa_bits, exponent_bits, saturate):
     _round_span(total, w, bits, mantissa_bits, exponent_bits, saturate)
 
 
-@njit(parallel=True, cache=True)
-def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
-    """out[i] = SR(x[i]); x: uint32[n] (fp32 bits), out: uint16[n]."""
-    n = x.size
-    first, nblocks = _block_range(n, offset)
-    task = _CHUNK_BLOCKS * _TASK_CHUNKS
-    for t in prange((nblocks + task - 1) // task):
-        words = np.empty(2 * _CHUNK_BLOCKS, np.uint32)
-        bits = words.view(np.uint16)
-        for c in range(t * task, min(t * task + task, nblocks), _CHUNK_BLOCKS):
-            block0, m, lo, hi = _chunk_span(n, offset, first, c, nblocks)
-            _fill_bits(words, k0, k1, block0, m)
-            b = offset + lo - 4 * block0
-            _round_span(
-                x[lo:hi], out[lo:hi], bits[b : b + hi - lo], mantissa_bits, exponent_bits, saturate
-            )
+_ROUND, _ADD = 0, 1  # operations of the random kernels
+
+
+def _make_random_kernel(op):
+    """The ``prange`` kernel of a random operation (``_ROUND`` or ``_ADD``):
+    ``kernel(src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate)`` over
+    ``src.size`` elements, chunk by chunk (module docstring).
+
+    ``_ROUND``: ``dst[i] = SR(src[i])``, ``alpha`` unused. ``_ADD``: ``dst[i] = SR(dst[i] +
+    alpha * src[i])`` in place. ``src``: fp32 patterns (uint32), ``dst``: narrow patterns.
+    """
+
+    @njit(parallel=True, cache=True)
+    def kernel(src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
+        n = src.size
+        first, nblocks = _block_range(n, offset)
+        task = _CHUNK_BLOCKS * _TASK_CHUNKS
+        for t in prange((nblocks + task - 1) // task):
+            words = np.empty(2 * _CHUNK_BLOCKS, np.uint32)
+            bits = words.view(np.uint16)
+            total = np.empty(4 * _CHUNK_BLOCKS if op == _ADD else 0, np.uint32)
+            for c in range(t * task, min(t * task + task, nblocks), _CHUNK_BLOCKS):
+                block0, m, lo, hi = _chunk_span(n, offset, first, c, nblocks)
+                _fill_bits(words, k0, k1, block0, m)
+                b = offset + lo - 4 * block0
+                noise = bits[b : b + hi - lo]
+                if op == _ADD:
+                    _add_span(
+                        dst[lo:hi],
+                        src[lo:hi],
+                        alpha,
+                        total[: hi - lo],
+                        noise,
+                        mantissa_bits,
+                        exponent_bits,
+                        saturate,
+                    )
+                else:
+                    _round_span(
+                        src[lo:hi], dst[lo:hi], noise, mantissa_bits, exponent_bits, saturate
+                    )
+
+    return kernel
+
+
+#: ``stochastic_round(x, out, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate)``:
+#: ``out[i] = SR(x[i])``; x: uint32[n] (fp32 bits), out: narrow patterns; ``alpha`` unused.
+stochastic_round = _make_random_kernel(_ROUND)
+#: ``stochastic_add(u, w, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate)``:
+#: ``w[i] = SR(w[i] + alpha * u[i])`` in place; u: uint32[n] (fp32 bits), alpha: float32.
+stochastic_add = _make_random_kernel(_ADD)
 
 
 @njit(inline="always", cache=True)
@@ -216,28 +279,280 @@ def to_float32(h, out, mantissa_bits, exponent_bits):
         out[i] = decode(h[i], mantissa_bits, exponent_bits)
 
 
+# -- loss scaling (tensor lists through a pointer table, see _tensor_list.py) ----------------
+
+_ONE_F32 = 0x3F800000
+
+
+@njit(inline="always", cache=True)
+def _unscale_array(a, code, inv_scale):
+    """``unscale_bits`` over a whole array in place; True if every element was finite."""
+    finite = True
+    for j in range(a.size):
+        new, ok = unscale_bits(a[j], code, inv_scale)
+        a[j] = new
+        finite &= ok
+    return finite
+
+
+@njit(inline="always", cache=True)
+def _all_finite(a, code):
+    """True if every element of ``a`` (format ``code``) is finite; reads only."""
+    finite = True
+    for j in range(a.size):
+        finite &= unscale_bits(a[j], code, np.float32(1.0))[1]
+    return finite
+
+
+@njit(inline="always", cache=True)
+def _unscale_buffer(a, code, inv_scale_bits):
+    """One typed buffer slice: the check alone for a scale of 1, else unscale in place."""
+    if inv_scale_bits == _ONE_F32:
+        return _all_finite(a, code)
+    return _unscale_array(a, code, bits_to_f32(inv_scale_bits))
+
+
+@njit(inline="always", cache=True)
+def _unscale_run(address, code, j0, j1, inv_scale_bits):
+    """Elements [j0, j1) of one buffer; True if all were finite. float32, bf16 and fp16 run
+    as typed arrays with a literal format (LLVM vectorizes each loop); other formats one
+    element at a time through ``unscale_in_place``."""
+    if code == F32:
+        return _unscale_buffer(carray(typed_pointer(address, 32), j1)[j0:], F32, inv_scale_bits)
+    if code == BF16:
+        return _unscale_buffer(carray(typed_pointer(address, 16), j1)[j0:], BF16, inv_scale_bits)
+    if code == F16:
+        return _unscale_buffer(carray(typed_pointer(address, 16), j1)[j0:], F16, inv_scale_bits)
+    finite = True
+    for j in range(j0, j1):
+        finite &= unscale_in_place(address, code, j, inv_scale_bits)
+    return finite
+
+
 @njit(parallel=True, cache=True)
-def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
-    """w[i] = SR(w[i] + alpha * u[i]) in place; w: uint16[n], u: uint32[n] (fp32 bits), alpha:
-    float32."""
-    n = w.size
-    first, nblocks = _block_range(n, offset)
-    task = _CHUNK_BLOCKS * _TASK_CHUNKS
-    for t in prange((nblocks + task - 1) // task):
-        words = np.empty(2 * _CHUNK_BLOCKS, np.uint32)
-        bits = words.view(np.uint16)
-        total = np.empty(4 * _CHUNK_BLOCKS, np.uint32)
-        for c in range(t * task, min(t * task + task, nblocks), _CHUNK_BLOCKS):
-            block0, m, lo, hi = _chunk_span(n, offset, first, c, nblocks)
-            _fill_bits(words, k0, k1, block0, m)
-            b = offset + lo - 4 * block0
-            _add_span(
-                w[lo:hi],
-                u[lo:hi],
-                alpha,
-                total[: hi - lo],
-                bits[b : b + hi - lo],
-                mantissa_bits,
-                exponent_bits,
-                saturate,
+def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor):
+    """Unscale and check every element of a tensor list (``addresses``, ``formats``,
+    ``starts``); ``inv_scales``/``found``: uint32 float32 patterns, 1 or one per tensor. Work
+    is split into equal chunks of the global element range; a chunk walks the runs of the
+    tensors it covers."""
+    total = starts[-1]
+    chunk = 1 << 16
+    for c in prange((total + chunk - 1) // chunk):
+        i = c * chunk
+        hi = min(i + chunk, total)
+        k = find_tensor(starts, i)
+        while i < hi:
+            end = min(hi, starts[k + 1])
+            slot = k if per_tensor else 0
+            if not _unscale_run(
+                addresses[k], formats[k], i - starts[k], end - starts[k], inv_scales[slot]
+            ):
+                found[slot] = _ONE_F32
+            i = end
+            k += 1
+
+
+@njit(cache=True)
+def update_scale(
+    scale,
+    growth_tracker,
+    overflow_tracker,
+    found,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+    min_scale,
+    max_scale,
+):
+    """``update_scale_one`` for every scale of ``scale`` (float32 patterns) in place."""
+    for k in range(scale.size):
+        scale[k], growth_tracker[k], overflow_tracker[k] = update_scale_one(
+            scale[k],
+            growth_tracker[k],
+            overflow_tracker[k],
+            found[k],
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            max_scale,
+        )
+
+
+# -- fused optimizer steps: one kernel per configuration, chunks of one loop ------------------
+
+_CHUNK = 4096  # elements per optimizer work item
+
+
+@njit(inline="always", cache=True)
+def _random_bits(words, k0, k1, offset, n):
+    """The 16-bit random words of elements [0, n) at counter ``offset`` (uint16[n], a view of
+    ``words`` filled here; a slice, so loops index it from 0 and vectorize)."""
+    first = offset >> 2
+    _fill_bits(words, k0, k1, first, ((offset + n - 1) >> 2) - first + 1)
+    b = offset - 4 * first
+    return words.view(np.uint16)[b : b + n]
+
+
+@njit(inline="always", cache=True)
+def _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise):
+    """Elements ``j0 + e`` of one tensor, ``e < noise[0].size`` (``update_element``'s
+    arguments, ``noise`` as three uint16 arrays). With every mode and format a constant, LLVM
+    folds the branches of the body and vectorizes this loop."""
+    w_bits, m_bits, v_bits = noise
+    for e in range(w_bits.size):
+        update_element(
+            kind,
+            mode,
+            formats,
+            buffers,
+            has_state1,
+            j0 + e,
+            scale,
+            coefs,
+            group,
+            (w_bits[e], m_bits[e], v_bits[e]),
+        )
+
+
+@njit(inline="always", cache=True)
+def _update_formats(
+    kind, mode, state_fmt, cases, p_fmt, g_fmt, buffers, has_state1, j0, scale, coefs, group, noise
+):
+    """``_update_run`` with constant formats for bf16 and fp32 tensors (parameter and gradient
+    alike; vectorized), run-time formats (scalar, not vectorized) otherwise. ``cases``: which of
+    the three loops the table needs (``format_cases``); only those are compiled."""
+    bf16, fp32, other = cases
+    if bf16 and p_fmt == BF16 and g_fmt == BF16:
+        formats = (BF16, BF16, state_fmt)
+        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+    elif fp32 and p_fmt == F32 and g_fmt == F32:
+        formats = (F32, F32, state_fmt)
+        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+    elif other:
+        formats = (p_fmt, g_fmt, state_fmt)
+        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+
+
+STATE1_NONE, STATE1_ALL, STATE1_SOME = range(3)
+
+
+@njit(inline="always", cache=True)
+def _step_chunk(config, table, starts, hyper, steps, coefs, scale, k0, k1, lo, hi):
+    """Global elements [lo, hi) of one CPU step: per tensor run, its random bits into scratch,
+    then one loop over ``update_element`` (``_update_formats``). ``config``: the kernel's
+    constants ``(kind, mode, state_fmt, state1, cases)``."""
+    kind, mode, state_fmt, state1, cases = config
+    words = np.empty((3, _CHUNK // 2 + 4), np.uint32)
+    i = lo
+    k = find_tensor(starts, i)
+    while i < hi:
+        end = min(hi, starts[k + 1])
+        j0, n = i - starts[k], end - i
+        row = table[k]
+        p_fmt, g_fmt = row[P_FMT], row[G_FMT]
+        h = hyper[row[GROUP]]
+        group = group_constants(kind, h[1], h[2], h[3], h[4])
+        w_bits = words[0].view(np.uint16)[:n]
+        m_bits = words[1].view(np.uint16)[:n]
+        v_bits = words[2].view(np.uint16)[:n]
+        step, noise = steps[k], row[NOISE]
+        if mode == STOCHASTIC and p_fmt != F32:
+            offset = stream_offset(step, WEIGHT_STREAM, noise) + j0
+            w_bits = _random_bits(words[0], k0, k1, offset, n)
+        if state_fmt != F32:
+            offset = stream_offset(step, STATE1_STREAM, noise) + j0
+            m_bits = _random_bits(words[1], k0, k1, offset, n)
+            offset = stream_offset(step, STATE2_STREAM, noise) + j0
+            v_bits = _random_bits(words[2], k0, k1, offset, n)
+        buffers = (row[P_ADDR], row[G_ADDR], row[S1_ADDR], row[S2_ADDR], row[AUX_ADDR])
+        has_state1 = row[S1_ADDR] != 0 if state1 == STATE1_SOME else state1 == STATE1_ALL
+        _update_formats(
+            kind,
+            mode,
+            state_fmt,
+            cases,
+            p_fmt,
+            g_fmt,
+            buffers,
+            has_state1,
+            j0,
+            scale,
+            (coefs[k, 0], coefs[k, 1], coefs[k, 2]),
+            group,
+            (w_bits, m_bits, v_bits),
+        )
+        i = end
+        k += 1
+
+
+def _make_step(kind, mode, state_fmt, state1, cases):
+    """The CPU step of one configuration: kind, weight mode, state format, which tensors have
+    a first state (``state1_presence``) and which format loops are needed (``format_cases``)
+    are constants of the compiled loops (closure variables), so each configuration compiles
+    on first use, alone, and is cached."""
+    config = (kind, mode, state_fmt, state1, cases)
+
+    @njit(parallel=True, cache=True, error_model="numpy")
+    def step(table, starts, hyper, steps, coefs, inv_scale, found, k0, k1):
+        """One fused step over every tensor of ``table`` (``_elements.Column``); ``inv_scale``
+        and ``found``: uint32[1] float32 patterns; a nonzero ``found`` skips the step."""
+        if found[0] & 0x7FFFFFFF:
+            return
+        for k in range(table.shape[0]):
+            steps[k] += 1
+            if k > 0 and steps[k] == steps[k - 1] and table[k, GROUP] == table[k - 1, GROUP]:
+                coefs[k] = coefs[k - 1]  # the common case: the same step of the same group
+                continue
+            h = hyper[table[k, GROUP]]
+            coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
+                kind, steps[k], h[0], h[1], h[2], h[3], h[4]
             )
+        scale = bits_to_f32(inv_scale[0])
+        total = starts[-1]
+        for c in prange((total + _CHUNK - 1) // _CHUNK):
+            lo = c * _CHUNK
+            _step_chunk(
+                config,
+                table,
+                starts,
+                hyper,
+                steps,
+                coefs,
+                scale,
+                k0,
+                k1,
+                lo,
+                min(lo + _CHUNK, total),
+            )
+
+    return step
+
+
+def state1_presence(table) -> int:
+    """Whether no, every or some tensor of ``table`` has a first state (an SGD momentum buffer;
+    AdamW: every one). Loops over a mix test per tensor and do not vectorize."""
+    present = np.asarray(table)[:, S1_ADDR] != 0
+    return STATE1_ALL if present.all() else STATE1_SOME if present.any() else STATE1_NONE
+
+
+def format_cases(table) -> tuple:
+    """``(bf16, fp32, other)``: whether ``table`` has bf16 tensors (parameter and gradient),
+    fp32 ones, and any other combination (fp16, or formats that differ)."""
+    p_fmt, g_fmt = np.asarray(table)[:, P_FMT], np.asarray(table)[:, G_FMT]
+    bf16 = (p_fmt == BF16) & (g_fmt == BF16)
+    fp32 = (p_fmt == F32) & (g_fmt == F32)
+    return bool(bf16.any()), bool(fp32.any()), bool((~bf16 & ~fp32).any())
+
+
+_STEPS = {}
+
+
+def optim_step_kernel(kind, mode, state_fmt, table):
+    """The compiled CPU step for ``table``'s configuration, built once per process."""
+    key = (int(kind), int(mode), int(state_fmt), state1_presence(table), format_cases(table))
+    if key not in _STEPS:
+        _STEPS[key] = _make_step(*key)
+    return _STEPS[key]

@@ -1,22 +1,39 @@
-"""CUDA backend: the scalar bodies of ``_scalar.py`` in grid-stride ``numba.cuda`` kernels.
+"""CUDA backend: every CUDA kernel of srround, grid-stride ``numba.cuda`` kernels around the
+one-element bodies of ``_scalar.py`` and ``_elements.py``.
 
-Imported only when a device array is seen (``_api._launch``), so ``import srround`` never
-initialises CUDA. Buffers are Numba device arrays of bit patterns (fp32 as ``uint32``, narrow
-formats as ``uint16``). Each thread handles whole counter blocks of four elements (one Threefry
-call, ``_rng.py``). When a call is block-aligned (``offset % 4 == 0``, 8-byte aligned pointers)
-the fast kernels move four elements per thread with 8-byte loads and stores (``uint64`` views:
-two fp32 words, or four narrow words); the remainder goes through the general kernels. Results
-never depend on the launch configuration.
+Imported only when a device array is seen, so ``import srround`` never initialises CUDA.
+Buffers are Numba device arrays of bit patterns (unsigned words of the element width). Each
+thread of a random kernel handles whole counter blocks of four elements (one Threefry call,
+``_rng.py``). When a call is block-aligned (``offset % 4 == 0``, 8-byte aligned pointers, 2-byte
+narrow elements) the ``vec4`` kernels move four elements per thread with 8-byte loads and stores
+(``uint64`` views: two fp32 words, or four narrow words); the remainder goes through the
+``general`` kernels. Results never depend on the launch configuration.
 
 Kernels run on the stream the caller passes (the adapters pass the framework's current stream).
 """
 
 from __future__ import annotations
 
+import numpy as np
+from numba import njit
+
 from . import _config
-from ._loss_scale import unscale_in_place, update_one
+from ._elements import (
+    AUX_ADDR,
+    G_ADDR,
+    G_FMT,
+    GROUP,
+    NOISE,
+    P_ADDR,
+    P_FMT,
+    S1_ADDR,
+    S2_ADDR,
+    prepare_coefs,
+    step_element,
+    unscale_in_place,
+    update_scale_one,
+)
 from ._numba_cuda_compat import import_numba_cuda
-from ._optim import GROUP, prepare_coefs, step_element
 from ._rng import lane_bits16, random_block
 from ._scalar import (
     add_stochastic,
@@ -31,128 +48,109 @@ from ._tensor_list import address
 
 cuda = import_numba_cuda()
 
-
-@cuda.jit(cache=True)
-def _stochastic_round_general(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
-    n = x.size
-    first = offset >> 2
-    nblocks = ((offset + n - 1) >> 2) - first + 1
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for b in range(start, nblocks, stride):
-        block = first + b
-        x0, x1 = random_block(k0, k1, block)
-        for lane in range(4):
-            i = block * 4 + lane - offset
-            if 0 <= i < n:
-                r16 = lane_bits16(x0, x1, lane)
-                out[i] = encode_stochastic(x[i], r16, mantissa_bits, exponent_bits, saturate)
+# the element-wise operations; each has a general and a vec4 kernel (``_make_kernels``)
+_ROUND, _ADD, _NEAREST, _WIDEN = range(4)
 
 
-@cuda.jit(cache=True)
-def _stochastic_round_vec4(x2, out4, k0, k1, first, mantissa_bits, exponent_bits, saturate):
-    """x2: uint64[n/2] (fp32 pairs), out4: uint64[n/4] (four narrow words); block-aligned."""
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for b in range(start, out4.size, stride):
-        x0, x1 = random_block(k0, k1, first + b)
-        lo = x2[2 * b]
-        hi = x2[2 * b + 1]
+@njit(inline="always", cache=True)
+def _narrow_op(op, old, u, alpha, bits16, mantissa_bits, exponent_bits, saturate):
+    """The narrow result of ``op`` for fp32 pattern ``u`` (and narrow ``old``, for _ADD)."""
+    if op == _ADD:
+        return add_stochastic(old, u, alpha, bits16, mantissa_bits, exponent_bits, saturate)
+    if op == _ROUND:
+        return encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate)
+    return encode_nearest(u, mantissa_bits, exponent_bits, saturate)
+
+
+def _make_kernels(op):
+    """``(general, vec4)`` kernels of one operation, both called as
+    ``kernel(src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate)``.
+
+    ``_ROUND``: ``dst = SR(src)``; ``_ADD``: ``dst = SR(dst + alpha * src)``; ``_NEAREST``:
+    ``dst = RNE(src)`` (src fp32, dst narrow); ``_WIDEN``: ``dst = fp32(src)`` (src narrow).
+    Unused arguments are ignored. ``vec4`` takes ``uint64`` views and, as its ``offset``, the
+    first counter block (``offset >> 2`` of an aligned call).
+    """
+    random = op in (_ROUND, _ADD)
+
+    @cuda.jit(cache=True)
+    def general(src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
+        n = src.size
+        start, stride = cuda.grid(1), cuda.gridsize(1)
+        if random:
+            first = offset >> 2
+            nblocks = ((offset + n - 1) >> 2) - first + 1
+            for b in range(start, nblocks, stride):
+                block = first + b
+                x0, x1 = random_block(k0, k1, block)
+                for lane in range(4):
+                    i = block * 4 + lane - offset
+                    if 0 <= i < n:
+                        old = dst[i] if op == _ADD else 0
+                        dst[i] = _narrow_op(
+                            op,
+                            old,
+                            src[i],
+                            alpha,
+                            lane_bits16(x0, x1, lane),
+                            mantissa_bits,
+                            exponent_bits,
+                            saturate,
+                        )
+        elif op == _WIDEN:
+            for i in range(start, n, stride):
+                dst[i] = decode(src[i], mantissa_bits, exponent_bits)
+        else:
+            for i in range(start, n, stride):
+                dst[i] = encode_nearest(src[i], mantissa_bits, exponent_bits, saturate)
+
+    @cuda.jit(cache=True)
+    def vec4(src, dst, alpha, k0, k1, first, mantissa_bits, exponent_bits, saturate):
         m, e, sat = mantissa_bits, exponent_bits, saturate
-        out4[b] = pack4(
-            encode_stochastic(unpack(lo, 0, 32), unpack(x0, 0, 16), m, e, sat),
-            encode_stochastic(unpack(lo, 1, 32), unpack(x0, 1, 16), m, e, sat),
-            encode_stochastic(unpack(hi, 0, 32), unpack(x1, 0, 16), m, e, sat),
-            encode_stochastic(unpack(hi, 1, 32), unpack(x1, 1, 16), m, e, sat),
-        )
-
-
-@cuda.jit(cache=True)
-def _stochastic_add_general(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
-    n = w.size
-    first = offset >> 2
-    nblocks = ((offset + n - 1) >> 2) - first + 1
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for b in range(start, nblocks, stride):
-        block = first + b
-        x0, x1 = random_block(k0, k1, block)
-        for lane in range(4):
-            i = block * 4 + lane - offset
-            if 0 <= i < n:
-                r16 = lane_bits16(x0, x1, lane)
-                w[i] = add_stochastic(
-                    w[i], u[i], alpha, r16, mantissa_bits, exponent_bits, saturate
+        start, stride = cuda.grid(1), cuda.gridsize(1)
+        if op == _WIDEN:  # src: four narrow words per uint64, dst: fp32 pairs
+            for b in range(start, src.size, stride):
+                word = src[b]
+                dst[2 * b] = pack2(
+                    decode(unpack(word, 0, 16), m, e), decode(unpack(word, 1, 16), m, e)
                 )
+                dst[2 * b + 1] = pack2(
+                    decode(unpack(word, 2, 16), m, e), decode(unpack(word, 3, 16), m, e)
+                )
+            return
+        for b in range(start, dst.size, stride):  # src: fp32 pairs, dst: four narrow words
+            x0 = x1 = 0
+            if random:
+                x0, x1 = random_block(k0, k1, first + b)
+            old = dst[b] if op == _ADD else np.uint64(0)  # only _ADD reads dst
+            lo = src[2 * b]
+            hi = src[2 * b + 1]
+            dst[b] = pack4(
+                _narrow_op(
+                    op, unpack(old, 0, 16), unpack(lo, 0, 32), alpha, unpack(x0, 0, 16), m, e, sat
+                ),
+                _narrow_op(
+                    op, unpack(old, 1, 16), unpack(lo, 1, 32), alpha, unpack(x0, 1, 16), m, e, sat
+                ),
+                _narrow_op(
+                    op, unpack(old, 2, 16), unpack(hi, 0, 32), alpha, unpack(x1, 0, 16), m, e, sat
+                ),
+                _narrow_op(
+                    op, unpack(old, 3, 16), unpack(hi, 1, 32), alpha, unpack(x1, 1, 16), m, e, sat
+                ),
+            )
+
+    return general, vec4
 
 
-@cuda.jit(cache=True)
-def _stochastic_add_vec4(w4, u2, alpha, k0, k1, first, mantissa_bits, exponent_bits, saturate):
-    """w4: uint64[n/4] (four narrow words, updated in place), u2: uint64[n/2] (fp32 pairs)."""
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for b in range(start, w4.size, stride):
-        x0, x1 = random_block(k0, k1, first + b)
-        old = w4[b]
-        lo = u2[2 * b]
-        hi = u2[2 * b + 1]
-        m, e, sat = mantissa_bits, exponent_bits, saturate
-        w4[b] = pack4(
-            add_stochastic(
-                unpack(old, 0, 16), unpack(lo, 0, 32), alpha, unpack(x0, 0, 16), m, e, sat
-            ),
-            add_stochastic(
-                unpack(old, 1, 16), unpack(lo, 1, 32), alpha, unpack(x0, 1, 16), m, e, sat
-            ),
-            add_stochastic(
-                unpack(old, 2, 16), unpack(hi, 0, 32), alpha, unpack(x1, 0, 16), m, e, sat
-            ),
-            add_stochastic(
-                unpack(old, 3, 16), unpack(hi, 1, 32), alpha, unpack(x1, 1, 16), m, e, sat
-            ),
-        )
+_KERNELS = {op: _make_kernels(op) for op in (_ROUND, _ADD, _NEAREST, _WIDEN)}
+_stochastic_round_general, _stochastic_round_vec4 = _KERNELS[_ROUND]
+_stochastic_add_general, _stochastic_add_vec4 = _KERNELS[_ADD]
+_round_nearest_general, _round_nearest_vec4 = _KERNELS[_NEAREST]
+_to_float32_general, _to_float32_vec4 = _KERNELS[_WIDEN]
 
 
-@cuda.jit(cache=True)
-def _round_nearest_general(x, out, mantissa_bits, exponent_bits, saturate):
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for i in range(start, x.size, stride):
-        out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate)
-
-
-@cuda.jit(cache=True)
-def _round_nearest_vec4(x2, out4, mantissa_bits, exponent_bits, saturate):
-    """x2: uint64[n/2] (fp32 pairs), out4: uint64[n/4] (four narrow words)."""
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for b in range(start, out4.size, stride):
-        lo = x2[2 * b]
-        hi = x2[2 * b + 1]
-        m, e, sat = mantissa_bits, exponent_bits, saturate
-        out4[b] = pack4(
-            encode_nearest(unpack(lo, 0, 32), m, e, sat),
-            encode_nearest(unpack(lo, 1, 32), m, e, sat),
-            encode_nearest(unpack(hi, 0, 32), m, e, sat),
-            encode_nearest(unpack(hi, 1, 32), m, e, sat),
-        )
-
-
-@cuda.jit(cache=True)
-def _to_float32_general(h, out, mantissa_bits, exponent_bits):
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for i in range(start, h.size, stride):
-        out[i] = decode(h[i], mantissa_bits, exponent_bits)
-
-
-@cuda.jit(cache=True)
-def _to_float32_vec4(h4, out2, mantissa_bits, exponent_bits):
-    """h4: uint64[n/4] (four narrow words), out2: uint64[n/2] (fp32 pairs)."""
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for b in range(start, h4.size, stride):
-        word = h4[b]
-        out2[2 * b] = pack2(
-            decode(unpack(word, 0, 16), mantissa_bits, exponent_bits),
-            decode(unpack(word, 1, 16), mantissa_bits, exponent_bits),
-        )
-        out2[2 * b + 1] = pack2(
-            decode(unpack(word, 2, 16), mantissa_bits, exponent_bits),
-            decode(unpack(word, 3, 16), mantissa_bits, exponent_bits),
-        )
+_NO_ALPHA = np.float32(0.0)  # the alpha argument of operations without one
 
 
 def _grid(work_items: int) -> tuple[int, int]:
@@ -161,101 +159,58 @@ def _grid(work_items: int) -> tuple[int, int]:
     return blocks, threads
 
 
-def _aligned(*arrays) -> bool:
-    """True when every buffer starts on an 8-byte boundary (needed by the uint64 views)."""
-    return all(address(a) % 8 == 0 for a in arrays)
+def _vec4_head(n: int, offset: int, narrow, *arrays) -> int:
+    """Number of leading elements the vec4 kernels can take (a multiple of 4), 0 if none:
+    block-aligned calls on 8-byte aligned buffers whose narrow elements are 2 bytes."""
+    if offset % 4 or narrow.dtype.itemsize != 2 or any(address(a) % 8 for a in arrays):
+        return 0
+    return n - n % 4
 
 
-def _split_aligned(n: int, offset: int) -> int:
-    """Number of leading elements the vec4 kernels can take (a multiple of 4), 0 if none."""
-    return n - n % 4 if offset % 4 == 0 else 0
-
-
-def stochastic_round(x, out, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream):
-    n = x.size
-    head = _split_aligned(n, offset) if _aligned(x, out) else 0
+def _run(
+    op, src, dst, narrow, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream
+):
+    """Launch ``op`` over ``src.size`` elements: vec4 on the aligned head, general on the rest."""
+    general, vec4 = _KERNELS[op]
+    n = src.size
+    head = _vec4_head(n, offset, narrow, src, dst)
+    fields = (mantissa_bits, exponent_bits, saturate)
     if head:
         grid = _grid(head // 4)
-        _stochastic_round_vec4[grid[0], grid[1], stream](
-            x[:head].view("uint64"),
-            out[:head].view("uint64"),
-            k0,
-            k1,
-            offset >> 2,
-            mantissa_bits,
-            exponent_bits,
-            saturate,
-        )
-    if head < n:
-        grid = _grid((n - head) // 4 + 2)
-        _stochastic_round_general[grid[0], grid[1], stream](
-            x[head:], out[head:], k0, k1, offset + head, mantissa_bits, exponent_bits, saturate
-        )
-
-
-def stochastic_add(w, u, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream):
-    n = w.size
-    head = _split_aligned(n, offset) if _aligned(w, u) else 0
-    if head:
-        grid = _grid(head // 4)
-        _stochastic_add_vec4[grid[0], grid[1], stream](
-            w[:head].view("uint64"),
-            u[:head].view("uint64"),
+        vec4[grid[0], grid[1], stream](
+            src[:head].view("uint64"),
+            dst[:head].view("uint64"),
             alpha,
             k0,
             k1,
             offset >> 2,
-            mantissa_bits,
-            exponent_bits,
-            saturate,
+            *fields,
         )
     if head < n:
-        grid = _grid((n - head) // 4 + 2)
-        _stochastic_add_general[grid[0], grid[1], stream](
-            w[head:],
-            u[head:],
-            alpha,
-            k0,
-            k1,
-            offset + head,
-            mantissa_bits,
-            exponent_bits,
-            saturate,
+        grid = _grid((n - head) // 4 + 2 if op in (_ROUND, _ADD) else n - head)
+        general[grid[0], grid[1], stream](
+            src[head:], dst[head:], alpha, k0, k1, offset + head, *fields
         )
+
+
+def stochastic_round(x, out, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream):
+    """``out = SR(x)`` (fp32 patterns to narrow ones); ``alpha`` unused (the CPU signature)."""
+    _run(_ROUND, x, out, out, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream)
+
+
+def stochastic_add(u, w, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream):
+    """``w = SR(w + alpha * u)`` in place (``u`` fp32 patterns, ``w`` narrow ones)."""
+    _run(_ADD, u, w, w, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream)
 
 
 def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, stream):
-    n = x.size
-    head = _split_aligned(n, 0) if _aligned(x, out) else 0
-    if head:
-        grid = _grid(head // 4)
-        _round_nearest_vec4[grid[0], grid[1], stream](
-            x[:head].view("uint64"),
-            out[:head].view("uint64"),
-            mantissa_bits,
-            exponent_bits,
-            saturate,
-        )
-    if head < n:
-        grid = _grid(n - head)
-        _round_nearest_general[grid[0], grid[1], stream](
-            x[head:], out[head:], mantissa_bits, exponent_bits, saturate
-        )
+    """``out = RNE(x)`` (fp32 patterns to narrow ones)."""
+    _run(_NEAREST, x, out, out, _NO_ALPHA, 0, 0, 0, mantissa_bits, exponent_bits, saturate, stream)
 
 
 def to_float32(h, out, mantissa_bits, exponent_bits, stream):
-    n = h.size
-    head = _split_aligned(n, 0) if _aligned(h, out) else 0
-    if head:
-        grid = _grid(head // 4)
-        _to_float32_vec4[grid[0], grid[1], stream](
-            h[:head].view("uint64"), out[:head].view("uint64"), mantissa_bits, exponent_bits
-        )
-    if head < n:
-        grid = _grid(n - head)
-        _to_float32_general[grid[0], grid[1], stream](
-            h[head:], out[head:], mantissa_bits, exponent_bits
-        )
+    """``out = fp32(h)`` (narrow patterns to fp32 ones, exact)."""
+    _run(_WIDEN, h, out, h, _NO_ALPHA, 0, 0, 0, mantissa_bits, exponent_bits, False, stream)
 
 
 # -- loss scaling (tensor lists through a pointer table, see _tensor_list.py) -----------------
@@ -294,7 +249,7 @@ def _update_scale(
 ):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for k in range(start, scale.size, stride):
-        scale[k], growth_tracker[k], overflow_tracker[k] = update_one(
+        scale[k], growth_tracker[k], overflow_tracker[k] = update_scale_one(
             scale[k],
             growth_tracker[k],
             overflow_tracker[k],
@@ -322,7 +277,7 @@ def update_scale(scale, growth_tracker, overflow_tracker, found, *factors, strea
     )
 
 
-# -- fused optimizer steps (tables of _optim.py) -----------------------------------------------
+# -- fused optimizer steps (tables of _elements.Column) ---------------------------------------
 
 
 @cuda.jit(cache=True)
@@ -351,31 +306,28 @@ def _optim_step(
                 k = mid
             else:
                 hi = mid - 1
-        g = table[k, 7]
+        g = table[k, GROUP]
         step_element(
             kind,
             mode,
             state_fmt,
-            table[k, 0],
-            table[k, 1],
-            table[k, 2],
-            table[k, 3],
-            table[k, 4],
-            table[k, 5],
-            table[k, 6],
+            (  # the row, in Column order
+                table[k, P_ADDR],
+                table[k, P_FMT],
+                table[k, G_ADDR],
+                table[k, G_FMT],
+                table[k, S1_ADDR],
+                table[k, S2_ADDR],
+                table[k, AUX_ADDR],
+                g,
+            ),
             i - starts[k],
-            table[k, 8],
+            table[k, NOISE],
             steps[k],
             inv_scale[0],
-            coefs[k, 0],
-            coefs[k, 1],
-            coefs[k, 2],
-            hyper[g, 1],
-            hyper[g, 2],
-            hyper[g, 3],
-            hyper[g, 4],
-            k0,
-            k1,
+            (coefs[k, 0], coefs[k, 1], coefs[k, 2]),
+            (hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4]),
+            (k0, k1),
         )
 
 

@@ -1,17 +1,34 @@
-"""Low-precision formats described as data.
+"""Low-precision formats and buffer codes, described as data.
 
 A format is an IEEE-754-style binary layout: one sign bit, ``exponent_bits`` of biased exponent
 and ``mantissa_bits`` of stored fraction. Kernels receive ``(mantissa_bits, exponent_bits)`` and
-derive every constant (bias, infinity pattern, quantum) from them, so a new format (fp8 e5m2,
-say) is a new entry in ``FORMATS``, not new kernel code.
+derive every constant (bias, infinity pattern, quantum) from them.
+
+Buffers of tensor-list kernels (pointer tables) carry a ``BufferCode``; ``CODE_DTYPES`` maps each
+code to its NumPy dtype, and the kernels look up a code's field widths and element width (1, 2
+or 4 bytes) in tables built here from ``FORMATS``. Adding a format (fp8 e5m2, say) is a new
+``BufferCode`` member and a new ``FORMATS`` entry, not new kernel code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import ml_dtypes
 import numpy as np
+
+
+class BufferCode(enum.IntEnum):
+    """Format code of a buffer in a pointer table (the ``*_FMT`` columns, ``TensorList.formats``).
+
+    ``INT16`` holds raw signed 16-bit integers (the optimizers' ``"remainder"`` buffers).
+    """
+
+    FLOAT32 = 0
+    BFLOAT16 = 1
+    FLOAT16 = 2
+    INT16 = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,16 +40,28 @@ class Format:
         exponent_bits: width of the biased exponent field.
         mantissa_bits: width of the stored fraction field (no implicit bit).
         numpy_dtype: the NumPy dtype holding the format (``ml_dtypes.bfloat16`` for bf16).
+        code: the format's ``BufferCode`` in pointer tables.
     """
 
     name: str
     exponent_bits: int
     mantissa_bits: int
     numpy_dtype: np.dtype
+    code: BufferCode
 
     @property
     def bits(self) -> int:
         return 1 + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def width(self) -> int:
+        """Bytes per stored element (1, 2 or 4)."""
+        return self.numpy_dtype.itemsize
+
+    @property
+    def bits_dtype(self) -> np.dtype:
+        """The unsigned integer dtype kernels view the format's buffers as."""
+        return bits_dtype(self.width)
 
     @property
     def bias(self) -> int:
@@ -53,10 +82,52 @@ class Format:
 
 
 FORMATS: dict[str, Format] = {
-    "bfloat16": Format("bfloat16", 8, 7, np.dtype(ml_dtypes.bfloat16)),
-    "float16": Format("float16", 5, 10, np.dtype(np.float16)),
+    "bfloat16": Format("bfloat16", 8, 7, np.dtype(ml_dtypes.bfloat16), BufferCode.BFLOAT16),
+    "float16": Format("float16", 5, 10, np.dtype(np.float16), BufferCode.FLOAT16),
 }
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+_BITS_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+
+
+def bits_dtype(width: int) -> np.dtype:
+    """The unsigned integer dtype of ``width``-byte elements (1, 2 or 4): how kernels see them."""
+    return _BITS_DTYPES[width]
+
+
+#: NumPy dtype of every buffer code.
+CODE_DTYPES: dict[BufferCode, np.dtype] = {
+    BufferCode.FLOAT32: np.dtype(np.float32),
+    **{fmt.code: fmt.numpy_dtype for fmt in FORMATS.values()},
+    BufferCode.INT16: np.dtype(np.int16),
+}
+#: Buffer code of every NumPy dtype of ``CODE_DTYPES``.
+DTYPE_CODES: dict[np.dtype, BufferCode] = {dtype: code for code, dtype in CODE_DTYPES.items()}
+
+
+def code_bits_dtype(code) -> np.dtype:
+    """The unsigned integer dtype kernels view a buffer of ``code`` as."""
+    return bits_dtype(CODE_DTYPES[BufferCode(code)].itemsize)
+
+
+def code_name(code) -> str:
+    """Readable name of a buffer code, for error messages (``"bfloat16"``, ``"int16"``)."""
+    return str(CODE_DTYPES[BufferCode(code)])
+
+
+def _code_table(field, fp32_value, int16_value):
+    """Per-code values (a tuple indexed by code) for the kernels: ``field(fmt)`` of each
+    narrow format, ``fp32_value`` for FLOAT32, ``int16_value`` for INT16."""
+    by_code = {BufferCode.FLOAT32: fp32_value, BufferCode.INT16: int16_value}
+    by_code.update({fmt.code: field(fmt) for fmt in FORMATS.values()})
+    return tuple(by_code[code] for code in sorted(BufferCode))
+
+
+#: Kernel tables indexed by buffer code: mantissa and exponent bits (float32's own for FLOAT32,
+#: 0 for INT16) and element width in bytes.
+CODE_MANTISSA_BITS = _code_table(lambda f: f.mantissa_bits, 23, 0)
+CODE_EXPONENT_BITS = _code_table(lambda f: f.exponent_bits, 8, 0)
+CODE_WIDTH = _code_table(lambda f: f.width, 4, 2)
 
 
 def get_format(dtype) -> Format:

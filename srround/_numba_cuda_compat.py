@@ -19,4 +19,7 @@ def import_numba_cuda():
         np.row_stack = np.vstack
     from numba import cuda
 
+    from . import _cache
+
+    _cache.install_cuda()
     return cuda

@@ -12,21 +12,13 @@ reference and ``jax.random``'s ``threefry_2x32`` compute the same function):
         x0 += ks[(g + 1) % 3];  x1 += ks[(g + 2) % 3] + g + 1
 
 The rounds are written out one by one with literal rotations: indexing a tuple of rotations at
-run time puts it in local memory on CUDA (measured 12 % vs 94 % of copy bandwidth, design §3).
+run time puts it in local memory on CUDA, several times slower.
 Arithmetic is done on Numba's 64-bit integers and masked to 32 bits, so the same source is exact
 under ``njit``, ``cuda.jit``, the CUDA simulator and plain Python.
 
-How srround uses it (the RNG contract, design §3):
-
-    key      = (seed & 0xFFFFFFFF, seed >> 32)             # seed: unsigned 64-bit
-    counter  = offset + i                                   # element i of a call, 64-bit
-    block    = counter >> 2;  lane = counter & 3
-    x0, x1   = threefry2x32(key, (block & 0xFFFFFFFF, block >> 32))
-    bits16   = (x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16)[lane]
-
-So element i's 16 random bits depend only on (seed, offset + i): one Threefry block feeds four
-consecutive elements, splitting a call into chunks at ``offset = chunk start`` gives the same
-bits as one call, and no thread count, block size or vector width can change them.
+How srround uses it - the key from the seed, the counter of element ``i`` (``offset + i``),
+four 16-bit lanes per block - is the RNG contract, section 1 of ``docs/contracts.md``: element
+i's 16 random bits depend only on (seed, offset + i).
 """
 
 from __future__ import annotations

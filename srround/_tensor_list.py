@@ -1,10 +1,10 @@
 """Tensor lists for O(1)-launch kernels: many buffers, one kernel, through a pointer table.
 
-A model has hundreds of parameter tensors; one launch per tensor costs ~45 µs of host time on
-CUDA (design §5). A ``TensorList`` describes N buffers by a table on the device:
+A model has hundreds of parameter tensors, and each CUDA launch costs host time: a tensor-list
+kernel covers them all in one launch. A ``TensorList`` describes N buffers by a table:
 
     addresses int64[N]   data pointers (host pointers on the CPU, device pointers on CUDA)
-    formats   int64[N]   FORMAT_F32, FORMAT_BF16 or FORMAT_F16
+    formats   int64[N]   BufferCode of each buffer (``_formats.py``)
     starts    int64[N+1] prefix sums of the sizes: tensor k owns global elements
                          [starts[k], starts[k+1])
 
@@ -20,11 +20,6 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
-
-FORMAT_F32 = 0
-FORMAT_BF16 = 1
-FORMAT_F16 = 2
-FORMAT_CODES = {None: FORMAT_F32, "bfloat16": FORMAT_BF16, "float16": FORMAT_F16}
 
 
 def address(bits) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -158,7 +159,7 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
             present = np.flatnonzero(counts).astype(np.uint16)
             stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, 1)
             args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
-            table = _table(stored)
+            table: np.ndarray | None = _table(stored)
             _k.value_stats_serial(present, table, counts[present], None, None, kernel_lr, *args)
         elif stored == "float32" and update is None and fmt.name == "bfloat16":
             # the same for float32 weights: the stagnation statistics are functions of the
@@ -166,7 +167,7 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
             rows = _k.threads() if parallel else 1
             hist = np.zeros((rows, 1 << 16), np.int64)
             values, _, _ = _k.new_buffers(fmt.exponent_bits, False, rows)
-            kernel = _k.fp32_bf16_histogram if parallel else _k.fp32_bf16_histogram_serial
+            kernel: Any = _k.fp32_bf16_histogram if parallel else _k.fp32_bf16_histogram_serial
             kernel(w.view(np.uint32), hist, values)
             counts = hist.sum(0)
             present = np.flatnonzero(counts).astype(np.uint16)
@@ -240,6 +241,7 @@ class Stagnation:
     directions: str = "both"
 
     def recommendation(self) -> str:
+        """One line of advice: keep round-to-nearest, or which rounding to switch to."""
         if self.updates == 0:
             return "no nonzero, finite updates to audit: nothing can be said about stagnation"
         if self.lost_fraction < 0.01:
@@ -352,7 +354,7 @@ def _fp16(c: _Counts) -> Fp16Range:
     finite = int(c[_k.STAT_COUNT] - c[_k.STAT_NAN] - c[_k.STAT_INF])
     top = c[_k.STAT_AMAX]
     low = c[_k.STAT_AMIN] if math.isfinite(c[_k.STAT_AMIN]) else 0.0
-    rescale = 1.0
+    rescale: float | None = 1.0
     if low > 0:
         if top / low > FP16.max_finite / _FP16_MIN_NORMAL:
             rescale = None
@@ -487,13 +489,18 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
         names = {e.name for e in weights}
         unused = [n for n in updates if n not in names]
         for e in weights:
-            u = updates.get(e.name)
-            if u is None:
+            other = updates.get(e.name)
+            if other is None:
                 missing.append(e.name)
-            elif u.shape != e.shape or u.dtype not in ("float64", "float32", "bfloat16", "float16"):
+            elif other.shape != e.shape or other.dtype not in (
+                "float64",
+                "float32",
+                "bfloat16",
+                "float16",
+            ):
                 raise ValueError(
-                    f"update: {e.name} has shape {list(u.shape)} ({u.dtype}) in {update}, the"
-                    f" weight has {list(e.shape)}"
+                    f"update: {e.name} has shape {list(other.shape)} ({other.dtype}) in"
+                    f" {update}, the weight has {list(e.shape)}"
                 )
     rows, nonfinite, targets = [], [], set()
     stag_total = all_total = None
@@ -530,6 +537,7 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
     overall_stag = None
     if stag_total is not None:
         overall_stag = _stagnation(stag_total, targets.pop() if len(targets) == 1 else "mixed")
+    assert all_total is not None  # weights is not empty (checked above)
     overall_fp16 = _fp16(all_total)
     count = sum(int(np.prod(r["shape"])) for r in rows)
     seconds = time.perf_counter() - start

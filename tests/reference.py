@@ -170,3 +170,23 @@ def assert_same_fma_bits(case, x, y, z, want, got):
         case,
         [tuple(hex(int(v[j])) for v in (x, y, z, want, got)) for j in bad[:5]],
     )
+
+
+def half_sgd(params, lr):
+    """A ``torch.optim.Optimizer``: SGD on fp16 parameters with the update formed in fp32 (for an
+    ``lr`` too large for fp16). The loss-scaling tests and ``benchmarks/bench_lossscale.py``
+    train with it."""
+    import torch
+
+    class HalfSGD(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.copy_((p.float() - group["lr"] * p.grad.float()).half())
+
+    return HalfSGD(params, lr)

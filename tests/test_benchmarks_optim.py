@@ -3,6 +3,7 @@ at tiny sizes (subprocesses, seconds each)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,8 +69,6 @@ def test_bench_optim_and_convergence_smoke(tmp_path):
 
 def test_bench_adapters_smoke(tmp_path):
     """Every CPU row of bench_adapters runs and lands in the table and the JSON."""
-    import json
-
     out = _run(
         [
             str(BENCH / "bench_adapters.py"),
@@ -84,5 +83,42 @@ def test_bench_adapters_smoke(tmp_path):
         tmp_path,
     )
     assert "core, raw buffers" in out and "torch cpu" in out
-    rows = json.loads((tmp_path / "a.json").read_text())
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["schema"] == 1 and doc["benchmark"] == "bench_adapters"
+    assert doc["machine"]["cpu_model"] and doc["machine"]["cores"] >= 1 and doc["date"]
+    rows = doc["results"]
     assert {r["row"] for r in rows} >= {"core, raw buffers", "numpy", "torch cpu", "copy"}
+
+
+def test_results_page_from_envelopes(tmp_path):
+    """benchmarks/results.py turns --json envelopes into a page naming machine, date and
+    baseline, and refuses a file without them."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _harness
+        import results
+    finally:
+        sys.path.remove(str(BENCH))
+    folder = tmp_path / "results"
+    _harness.write_json(
+        str(folder / "bench_x.json"),
+        "bench_x",
+        results=[{"method": "ours", "median_s": 0.002, "frac": 0.5}, {"method": "floor"}],
+        columns=[("method", "method", ""), ("median_s", "ms", "ms"), ("frac", "% floor", "%")],
+        baseline="the floor row",
+        started="2026-01-02T03:04:05Z",
+    )
+    out = tmp_path / "RESULTS.md"
+    assert results.main([str(folder), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "## bench_x — 2026-01-02T03:04:05Z" in page
+    assert _harness.cpu_model() in page and "baseline (same run): the floor row" in page
+    assert "| ours | 2.000 | 50 % |" in page
+
+    (folder / "old.json").write_text(json.dumps([{"row": "numpy", "s": 1.0}]))
+    assert results.main([str(folder), "--out", str(out)]) == 1
+    bad = json.loads((folder / "bench_x.json").read_text())
+    del bad["machine"]["cpu_model"]
+    with pytest.raises(ValueError, match="machine.cpu_model"):
+        (folder / "old.json").write_text(json.dumps(bad))
+        results.load(folder / "old.json")

@@ -1,104 +1,19 @@
 """One input, one seed, every available backend: bit-identical results, special values included.
 
-Backends are a parameter (array-api-extra style): each knows how to put a NumPy array on it, get
-one back, and which srround functions to call (the top-level API, or a framework adapter's own
-functions with an explicit ``impl``). Unavailable backends skip themselves.
+Backends are a parameter (``any_backend``, tests/conftest.py): each knows how to put a NumPy
+array on it, get one back, and which srround functions to call (the top-level API, or a
+framework adapter's own functions with an explicit ``impl``). Unavailable backends skip
+themselves.
 """
 
 from __future__ import annotations
 
-import functools
-
-import ml_dtypes
 import numpy as np
 import pytest
 
 import srround
 
 from .reference import bits
-
-BACKENDS = [
-    "numpy",
-    "numpy_readonly",
-    "numba_cuda",
-    "cupy",
-    "torch_cpu",
-    "torch_cuda",
-    "jax_native",
-    "jax_callback",
-    "jax_gpu",
-]
-
-
-class Backend:
-    def __init__(self, put, get, api=srround, **options):
-        self.put, self.get, self.api, self.options = put, get, api, options
-
-    def call(self, name, *args, **kwargs):
-        return getattr(self.api, name)(*args, **kwargs, **self.options)
-
-
-def _torch(device):
-    torch = pytest.importorskip("torch")
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA for torch")
-    dtypes = {np.dtype(ml_dtypes.bfloat16): torch.bfloat16}
-
-    def put(a):
-        if a.dtype in dtypes:
-            return torch.from_numpy(a.view(np.int16).copy()).view(dtypes[a.dtype]).to(device)
-        return torch.from_numpy(a.copy()).to(device)
-
-    def get(t):
-        t = t.cpu()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
-
-    return Backend(put, get)
-
-
-def _jax(impl, platform="cpu"):
-    jax = pytest.importorskip("jax")
-    try:
-        device = jax.devices(platform)[0]
-    except RuntimeError:
-        pytest.skip(f"no {platform} device for JAX")
-    from srround.adapters import jax as jax_adapter
-
-    return Backend(
-        functools.partial(jax.device_put, device=device), np.asarray, jax_adapter, impl=impl
-    )
-
-
-@pytest.fixture(params=BACKENDS)
-def any_backend(request, small_cuda_launch):
-    name = request.param
-    if name == "numpy":
-        return Backend(np.array, np.asarray)
-    if name == "numpy_readonly":
-
-        def put(a):  # float32 arrays are only read: make them read-only; narrow ones get written
-            a = a.copy()
-            a.flags.writeable = a.dtype != np.float32
-            return a
-
-        return Backend(put, np.asarray)
-    if name == "numba_cuda":
-        from numba import cuda
-
-        if not cuda.is_available():
-            pytest.skip("no CUDA")
-        return Backend(cuda.to_device, lambda d: d.copy_to_host())
-    if name == "cupy":  # under the simulator: the stand-in of tests/fake_cupy.py
-        cp = request.getfixturevalue("cupy_module")
-        return Backend(cp.asarray, cp.asnumpy)
-    if name.startswith("torch"):
-        return _torch(name.split("_")[1])
-    if name == "jax_gpu":
-        return _jax("native", "gpu")
-    return _jax(name.split("_")[1])
-
 
 SPECIALS = np.array(
     [

@@ -77,14 +77,15 @@ from numba.cuda import compile_ptx
 from srround import _cuda
 u64, u32, u16, i64, f32, b = t.uint64[::1], t.uint32[::1], t.uint16[::1], t.int64, t.float32, t.boolean
 kernels = {
-    "_stochastic_round_vec4": (u64, u64, i64, i64, i64, i64, i64, b),
+    # (src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate)
+    "_stochastic_round_vec4": (u64, u64, f32, i64, i64, i64, i64, i64, b),
     "_stochastic_add_vec4": (u64, u64, f32, i64, i64, i64, i64, i64, b),
-    "_stochastic_round_general": (u32, u16, i64, i64, i64, i64, i64, b),
-    "_stochastic_add_general": (u16, u32, f32, i64, i64, i64, i64, i64, b),
-    "_round_nearest_vec4": (u64, u64, i64, i64, b),
-    "_round_nearest_general": (u32, u16, i64, i64, b),
-    "_to_float32_vec4": (u64, u64, i64, i64),
-    "_to_float32_general": (u16, u32, i64, i64),
+    "_stochastic_round_general": (u32, u16, f32, i64, i64, i64, i64, i64, b),
+    "_stochastic_add_general": (u32, u16, f32, i64, i64, i64, i64, i64, b),
+    "_round_nearest_vec4": (u64, u64, f32, i64, i64, i64, i64, i64, b),
+    "_round_nearest_general": (u32, u16, f32, i64, i64, i64, i64, i64, b),
+    "_to_float32_vec4": (u64, u64, f32, i64, i64, i64, i64, i64, b),
+    "_to_float32_general": (u16, u32, f32, i64, i64, i64, i64, i64, b),
     "_unscale_and_check": (t.int64[::1], t.int64[::1], t.int64[::1], u32, u32, b),
     "_update_scale": (u32, u32, u32, u32, f32, f32, i64, i64, f32, f32),
 }

@@ -11,6 +11,8 @@ torch = pytest.importorskip("torch")
 
 from srround.adapters.torch import GradScaler  # noqa: E402
 
+from .reference import half_sgd  # noqa: E402
+
 
 def _model(dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
@@ -85,20 +87,6 @@ def test_bf16_gradients_are_accepted():
         scaler.unscale_(opt)
 
 
-class _HalfSGD(torch.optim.Optimizer):
-    """SGD on fp16 parameters with the update formed in fp32 (lr too large for fp16)."""
-
-    def __init__(self, params, lr):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.copy_((p.float() - group["lr"] * p.grad.float()).half())
-
-
 def test_fp16_training_needs_the_scaler():
     """fp16 weights, a loss small enough that its gradients underflow to zero in fp16: plain
     training does not move, the dynamic scaler trains."""
@@ -109,7 +97,7 @@ def test_fp16_training_needs_the_scaler():
     for name in ("plain", "scaled"):
         torch.manual_seed(2)
         model = torch.nn.Linear(8, 1).half()
-        opt = _HalfSGD(model.parameters(), lr=3e7)
+        opt = half_sgd(model.parameters(), lr=3e7)
         scaler = GradScaler("cpu", init_scale=2.0**24, growth_interval=10)
         curve = []
         for _ in range(40):

@@ -67,6 +67,7 @@ class DynamicLossScale:
             )
 
     def tree_flatten(self):
+        """Pytree protocol: (array leaves, static settings)."""
         children = (self.loss_scale, self.growth_tracker, self.overflow_tracker)
         settings = (
             self.growth_factor,
@@ -80,12 +81,15 @@ class DynamicLossScale:
 
     @classmethod
     def tree_unflatten(cls, settings, children):
+        """Pytree protocol: rebuild from ``tree_flatten``'s output."""
         return cls(*children, *settings)
 
     def scale(self, tree):
+        """``tree`` with every floating leaf multiplied by the loss scale."""
         return _scale_tree(tree, jnp.asarray(self.loss_scale, jnp.float32))
 
     def unscale(self, tree):
+        """``tree`` with every floating leaf divided by the loss scale."""
         return _unscale_tree(tree, jnp.asarray(self.loss_scale, jnp.float32))
 
     def adjust(self, grads_finite) -> DynamicLossScale:
@@ -126,19 +130,24 @@ class StaticLossScale:
     loss_scale: jax.Array
 
     def tree_flatten(self):
+        """Pytree protocol: (array leaves, static settings)."""
         return (self.loss_scale,), None
 
     @classmethod
     def tree_unflatten(cls, _, children):
+        """Pytree protocol: rebuild from ``tree_flatten``'s output."""
         return cls(*children)
 
     def scale(self, tree):
+        """``tree`` with every floating leaf multiplied by the loss scale."""
         return _scale_tree(tree, jnp.asarray(self.loss_scale, jnp.float32))
 
     def unscale(self, tree):
+        """``tree`` with every floating leaf divided by the loss scale."""
         return _unscale_tree(tree, jnp.asarray(self.loss_scale, jnp.float32))
 
     def adjust(self, grads_finite) -> StaticLossScale:
+        """The next loss scale: this one, whatever ``grads_finite`` says."""
         del grads_finite
         return self
 
@@ -150,22 +159,28 @@ class NoOpLossScale:
 
     @property
     def loss_scale(self):
+        """Always 1.0 (float32)."""
         return jnp.float32(1.0)
 
     def tree_flatten(self):
+        """Pytree protocol: (array leaves, static settings)."""
         return (), None
 
     @classmethod
     def tree_unflatten(cls, _, children):
+        """Pytree protocol: rebuild from ``tree_flatten``'s output."""
         return cls()
 
     def scale(self, tree):
+        """``tree`` unchanged."""
         return tree
 
     def unscale(self, tree):
+        """``tree`` unchanged."""
         return tree
 
     def adjust(self, grads_finite) -> NoOpLossScale:
+        """The next loss scale: this one, whatever ``grads_finite`` says."""
         del grads_finite
         return self
 

@@ -616,8 +616,10 @@ def adamw(
     Args:
         learning_rate: a float, or an optax schedule (a function of the step count, called with
             ``state.count`` = steps taken so far, as optax does; its float32 value is used).
-        b1, b2, eps, weight_decay: as ``optax.adamw`` / ``torch.optim.AdamW`` (eps outside the
-            square root of the bias-corrected second moment).
+        b1: decay of the first moment, as ``optax.adamw`` / ``torch.optim.AdamW``.
+        b2: decay of the second moment.
+        eps: added outside the square root of the bias-corrected second moment.
+        weight_decay: decoupled weight decay, multiplied by the learning rate.
         seed: int in [0, 2**64) or a JAX PRNG key, fixed for the run (steps move the stream).
         rounding: ``"stochastic"``, ``"nearest"``, ``"kahan"``, ``"master"`` or
             ``"remainder"`` (bf16 parameters only), for bf16/fp16 leaves; float32 leaves are

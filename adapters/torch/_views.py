@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from srround._dispatch import View
-from srround._formats import FORMATS, Format
+from srround._formats import CODE_DTYPES, FORMATS, Format, bits_dtype, code_name
 
 from .._common import Dtypes, check_contiguous, check_counter, check_source, check_target
 from ..numba import external_stream
@@ -43,6 +43,7 @@ _FIX = ".contiguous()"
 # srround format name -> torch dtype
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _FORMAT_OF = {_TORCH_DTYPES[name]: FORMATS[name] for name in _TORCH_DTYPES}
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32}  # element width -> signed view dtype
 _DTYPES = Dtypes(
     noun="tensor",
     float32=torch.float32,
@@ -103,9 +104,10 @@ def _cuda_view(t, flat, bits_dtype, name: str) -> View:
 
 
 def _view(t, narrow: bool, name: str) -> View:
-    """Zero-copy flat bit view of contiguous ``t`` (fp32 as uint32, narrow as uint16). A
-    DTensor: a view of its local piece, with the piece's place in the full tensor as the
-    view's stream offset (``_dist.py``) and the DTensor as the result."""
+    """Zero-copy flat bit view of contiguous ``t``: unsigned words of its element width (fp32
+    as uint32, bf16/fp16 as uint16). A DTensor: a view of its local piece, with the piece's
+    place in the full tensor as the view's stream offset (``_dist.py``) and the DTensor as the
+    result."""
     if _dist.is_dtensor(t):
         view = _view(t._local_tensor, narrow, name)
         try:
@@ -114,18 +116,19 @@ def _view(t, narrow: bool, name: str) -> View:
             view.offset = error
         view.result = t
         return view
+    width = t.element_size()
     if t.is_cpu:
         # float32 converts to NumPy as it is, narrow data as int16 (NumPy has no bf16); the
         # bit views and the reshape of a contiguous array (torch and NumPy agree on contiguity)
         # are NumPy's own, the cheapest views there are, never copies
         base = t.detach() if t.requires_grad else t
-        a = base.view(torch.int16).numpy() if narrow else base.numpy()
-        bits = a.reshape(-1).view(np.uint16 if narrow else np.uint32)
+        a = base.view(_SIGNED[width]).numpy() if narrow else base.numpy()
+        bits = a.reshape(-1).view(bits_dtype(width))
         return View(bits=bits, device="cpu", shape=tuple(t.shape), result=t)
     if t.is_cuda:
         # signed views: their __cuda_array_interface__ typestr is supported by every torch
-        flat = t.detach().view(-1).view(torch.int16 if narrow else torch.int32)
-        return _cuda_view(t, flat, np.uint16 if narrow else np.uint32, name)
+        flat = t.detach().view(-1).view(_SIGNED[width])
+        return _cuda_view(t, flat, bits_dtype(width), name)
     raise ValueError(f"{name}: is on {t.device}; srround runs on CPU and CUDA tensors only")
 
 
@@ -150,7 +153,8 @@ def source(
 
 def target(out, name: str, like: View, fmt: Format | None) -> View:
     """A write view for the result: ``out`` validated, or a new tensor shaped like ``like`` on
-    its device. ``fmt=None`` means float32."""
+    its device. ``fmt=None`` means float32. For a DTensor input the result is a DTensor of its
+    mesh and placements (``out`` must be one too)."""
     narrow = fmt is not None
     like_dtensor = like.offset is not None and _dist.is_dtensor(like.result)
     if out is None:
@@ -201,8 +205,8 @@ def counter(c, name: str, like: View) -> View:
     return view
 
 
-# (int16: the raw 16-bit remainders of the optimizers' "remainder" weight mode)
-_BUFFER_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
+# BufferCode of each torch dtype of CODE_DTYPES (torch spells its dtypes as NumPy/ml_dtypes do)
+_BUFFER_CODES = {getattr(torch, code_name(code)): code for code in CODE_DTYPES}
 _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous

@@ -172,6 +172,7 @@ class GradScaler:
     # -- torch.amp.GradScaler's interface ------------------------------------------------
 
     def is_enabled(self) -> bool:
+        """Whether scaling is on (``enabled=True`` at construction)."""
         return self._enabled
 
     def _initial_state(self):
@@ -412,7 +413,7 @@ class GradScaler:
                 "The source state dict is empty, possibly because it was saved"
                 " from a disabled instance of GradScaler."
             )
-        modules = [
+        modules: list = [
             state_dict.get(k)
             for k in ("module_scales", "module_growth_trackers", "module_overflow_trackers")
         ]
@@ -480,7 +481,7 @@ class GradScaler:
         slot_of_owner = _share_slots(owners)
         count = max(slot_of_owner) + 1
         owner_index = {id(m): i for i, m in enumerate(owners)}
-        outer = {}  # owner index -> slot of the scale around it
+        outer: dict[int, int] = {}  # owner index -> slot of the scale around it
 
         def visit(module, around):
             i = owner_index.get(id(module))

@@ -1,5 +1,5 @@
 """``srround.adapters.torch.AdamW`` and ``.SGD``: ``torch.optim.Optimizer`` subclasses running
-srround's fused low-precision step (``srround/_optim.py``).
+srround's fused low-precision step (contract: ``docs/contracts.md``).
 
 One step is one fused pass (one CPU call, two CUDA launches) over every parameter, gradient and
 state element, whatever the number of tensors: bf16/fp16/fp32 parameters (mixed), fp32 math in
@@ -45,11 +45,11 @@ from itertools import chain
 import numpy as np
 import torch
 
-from srround import _optim
+from srround import _optim, _plan
 from srround._rng import check_seed, next_seed, split_seed
 
-from . import _dist
-from ._views import _BUFFER_CODES, _DATA_PTR, _external_stream, _view, buffer_table
+from . import _dist, _views
+from ._views import _BUFFER_CODES, _DATA_PTR, _external_stream, _view
 
 __all__ = ["SGD", "AdamW"]
 
@@ -71,8 +71,7 @@ def _on(device):
 
 
 def _check_rounding(rounding):
-    if rounding not in _optim.MODES:
-        raise ValueError(f"rounding: expected one of {sorted(_optim.MODES)}, got {rounding!r}")
+    _plan.check_rounding(rounding)
 
 
 def _check_state_dtype(state_dtype) -> str:
@@ -90,14 +89,14 @@ def _check_state_dtype(state_dtype) -> str:
 class _Entry:
     """The cached fused step of one set of (parameter, gradient) buffers."""
 
-    __slots__ = ("buffers", "defaults", "device", "fused", "groups", "key", "params", "written")
+    __slots__ = ("buffers", "defaults", "device", "fused", "key", "params", "written", "groups")
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
     """Common machinery: lazy table, cache check, hyperparameters, scaler protocol."""
 
     _srround_fused = True  # srround's GradScaler passes inv_scale/found_inf to step()
-    _KIND = None
+    _KIND: int | None = None
     _STATE_NAMES: tuple = ()
 
     def __init__(self, params, defaults, rounding, state_dtype, seed):
@@ -134,11 +133,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 raise TypeError(
                     f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got {p.dtype}"
                 )
-            if group["rounding"] == "remainder" and p.dtype == torch.float16:
-                raise ValueError(
-                    "rounding: 'remainder' needs bfloat16 (or float32) parameters;"
-                    f" params[{i}] is float16 (use 'master' or 'kahan')"
-                )
+        codes = [_BUFFER_CODES[p.dtype] for p in group["params"]]
+        _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]))
         self._entry = None
 
     def _config(self):
@@ -222,18 +218,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _build(self, params, group_index, key, config):
         rounding, state_dtype, _seed = config
         # DTensors (FSDP2): the kernel works on the local pieces; plain tensors: themselves
-        grads = [_dist.check_grad(p, i) for i, p in enumerate(params)]
+        local_grads = [_dist.check_grad(p, i) for i, p in enumerate(params)]
         pieces = [_dist.local(p) for p in params] if self._dtensors else params
-        for i, (p, grad) in enumerate(zip(pieces, grads)):
-            if p.dtype not in _PARAM_DTYPES:
-                raise TypeError(
-                    f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got {p.dtype}"
-                )
-            if rounding == "remainder" and p.dtype == torch.float16:
-                raise ValueError(
-                    "rounding: 'remainder' needs bfloat16 (or float32) parameters;"
-                    f" params[{i}] is float16"
-                )
+        for i, (p, grad) in enumerate(zip(pieces, local_grads)):
             if not p.is_contiguous():
                 raise ValueError(f"params[{i}]: must be contiguous (updated in place)")
             if grad.shape != p.shape or grad.dtype not in _BUFFER_CODES:
@@ -243,13 +230,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 )
             if not grad.is_contiguous():
                 raise ValueError(f"grads[{i}]: must be contiguous")
-        all_params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        bases = _dist.stream_bases(all_params)
+        # noise keyed to the parameter's identity and the piece's place in the full tensor
+        bases = _dist.stream_bases(
+            list(chain.from_iterable(g["params"] for g in self.param_groups))
+        )
         noise = [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
-        p_addr, sizes, p_codes, place = buffer_table(pieces, "params")
-        g_addr, _, g_codes, g_place = buffer_table(grads, "grads")
-        if g_place != place:
-            raise ValueError(f"grads: on {g_place}, but params are on {place}")
         device = params[0].device
         groups = self.param_groups
         states = [
@@ -268,34 +253,38 @@ class _FusedOptimizer(torch.optim.Optimizer):
         )
         for i, s in enumerate(states):
             s["step"] = steps[i]
-        count = len(params)
-        table = np.zeros((count, _optim.TABLE_COLUMNS), np.int64)
-        table[:, _optim.P_ADDR], table[:, _optim.P_FMT] = p_addr, p_codes
-        table[:, _optim.G_ADDR], table[:, _optim.G_FMT] = g_addr, g_codes
-        table[:, _optim.GROUP] = group_index
-        table[:, _optim.NOISE] = noise
-        local = _dist.local
-        for column, name in zip((_optim.S1_ADDR, _optim.S2_ADDR), self._STATE_NAMES):
-            table[:, column] = [
-                local(s[name]).data_ptr() if name in s and self._uses_state(groups[gi], name) else 0
-                for s, gi in zip(states, group_index)
+        state_lists = [
+            (
+                name,
+                [
+                    s[name] if name in s and self._uses_state(groups[gi], name) else None
+                    for s, gi in zip(states, group_index)
+                ],
+            )
+            for name in self._STATE_NAMES
+        ]
+        while len(state_lists) < 2:
+            state_lists.append(("unused", None))
+        aux_name = AUX_NAMES.get(rounding)
+        aux = None
+        if aux_name is not None:
+            aux = [
+                s[aux_name] if p.dtype != torch.float32 else None for s, p in zip(states, params)
             ]
-        aux = AUX_NAMES.get(rounding)
-        if aux is not None:
-            table[:, _optim.AUX_ADDR] = [
-                local(s[aux]).data_ptr() if p.dtype != torch.float32 else 0
-                for s, p in zip(states, params)
-            ]
-        state_fmt = 0 if state_dtype == torch.float32 else 1
+        grads = [p.grad for p in params]
+        plan = _plan.plan_step(
+            _views, rounding, params, grads, state_lists, aux, group_index, noise
+        )
+        mode = _plan.check_rounding(rounding)
         entry = _Entry()
         if device.type == "cuda":  # (the caller made the parameters' device current)
             stream = _external_stream(device)
             fused = _optim.FusedStep(
                 self._KIND,
-                _optim.MODES[rounding],
-                state_fmt,
-                table,
-                sizes,
+                mode,
+                plan.state_fmt,
+                plan.table,
+                plan.sizes,
                 _view(steps, False, "step").bits,
                 "cuda",
                 stream,
@@ -304,17 +293,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
         else:
             fused = _optim.FusedStep(
                 self._KIND,
-                _optim.MODES[rounding],
-                state_fmt,
-                table,
-                sizes,
+                mode,
+                plan.state_fmt,
+                plan.table,
+                plan.sizes,
                 _view(steps, False, "step").bits,
                 "cpu",
             )
         entry.key, entry.fused, entry.params, entry.device = key, fused, params, device
         entry.written = [p for p in params if not p.is_inference()]
         if self._dtensors:
-            entry.written += [p for p in pieces if p is not None and not p.is_inference()]
+            entry.written += [p for p in pieces if not p.is_inference()]
         # FSDP2 / tensor parallel: ranks agree on an overflow (GradScaler's check_grads)
         entry.groups = _dist.mesh_groups(params)
         # the kernel writes through raw addresses: keep every buffer of the table alive

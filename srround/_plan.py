@@ -1,0 +1,219 @@
+"""The optimizer planner: validate the buffers of a fused step and build its pointer table.
+
+One planner serves ``srround.adamw_step`` / ``sgd_step`` and the torch optimizers
+(``srround.adapters.torch.AdamW`` / ``SGD``): the rounding-mode rules, the buffer checks (formats,
+sizes, one device) and the table (columns: ``_elements.Column``) are written once, here. Buffers
+are described by an array adapter's ``buffer_table(arrays, name)`` (``srround._dispatch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ._elements import (
+    AUX_ADDR,
+    G_ADDR,
+    G_FMT,
+    GROUP,
+    NOISE,
+    P_ADDR,
+    P_FMT,
+    S1_ADDR,
+    S2_ADDR,
+    TABLE_COLUMNS,
+    Mode,
+)
+from ._formats import FORMATS, BufferCode, code_name
+
+__all__ = ["RoundingError", "Plan", "check_rounding", "check_param_codes", "plan_step"]
+
+#: Codes a parameter or gradient may have; codes a state buffer may have.
+FLOAT_CODES = (BufferCode.FLOAT32, *(fmt.code for fmt in FORMATS.values()))
+STATE_CODES = (BufferCode.FLOAT32, BufferCode.BFLOAT16)
+#: Parameter codes the ``"remainder"`` mode can take (its aux holds the low half of fp32).
+REMAINDER_CODES = (BufferCode.FLOAT32, BufferCode.BFLOAT16)
+
+
+class RoundingError(ValueError, TypeError):
+    """A ``rounding=`` mode that is unknown or that the given buffers cannot use.
+
+    A ``ValueError`` (a bad argument value) and a ``TypeError`` (a buffer of the wrong dtype for
+    the mode), so either ``except`` catches it.
+    """
+
+
+def _names(codes) -> str:
+    names = [code_name(c) for c in codes]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+_MODES = {mode.name.lower(): mode for mode in Mode}
+
+
+def check_rounding(rounding) -> Mode:
+    """The ``Mode`` of a ``rounding=`` name, else a ``RoundingError`` listing the names."""
+    mode = _MODES.get(rounding) if isinstance(rounding, str) else None
+    if mode is None:
+        raise RoundingError(f"rounding: expected one of {sorted(_MODES)}, got {rounding!r}")
+    return mode
+
+
+def _first_bad(codes, allowed):
+    """Index of the first code of ``codes`` not in ``allowed``, else None (a set test first:
+    lists of hundreds of tensors)."""
+    if set(codes) <= set(allowed):
+        return None
+    return next(i for i, c in enumerate(codes) if c not in allowed)
+
+
+def _check_codes(name, codes, allowed, expected=None):
+    i = _first_bad(codes, allowed)
+    if i is not None:
+        expected = expected or _names(allowed)
+        raise TypeError(f"{name}[{i}]: expected {expected}, got {code_name(codes[i])}")
+
+
+def check_grad_codes(name, codes) -> None:
+    """Gradient codes are float formats, else a TypeError naming ``name[i]``."""
+    _check_codes(name, codes, FLOAT_CODES)
+
+
+def check_param_codes(codes, mode: Mode, name: str = "params") -> None:
+    """Parameter codes are float formats, and ones the weight mode can write.
+
+    Raises:
+        TypeError: a parameter of another dtype.
+        RoundingError: ``"remainder"`` with a parameter other than bfloat16 or float32.
+    """
+    _check_codes(name, codes, FLOAT_CODES)
+    if mode == Mode.REMAINDER:
+        i = _first_bad(codes, REMAINDER_CODES)
+        if i is not None:
+            raise RoundingError(
+                f"{name}[{i}]: rounding='remainder' needs {_names(REMAINDER_CODES)} parameters,"
+                f" got {code_name(codes[i])} (use 'master' or 'kahan')"
+            )
+
+
+# weight mode -> (aux code for a parameter of code c, description of the aux dtype)
+_AUX = {
+    Mode.KAHAN: (lambda c: c, "the parameter's dtype"),
+    Mode.MASTER: (lambda c: BufferCode.FLOAT32, "float32"),
+    Mode.REMAINDER: (lambda c: BufferCode.INT16, "int16"),
+}
+
+
+def needs_aux(mode: Mode) -> bool:
+    """Whether the weight mode keeps a buffer per bf16/fp16 parameter."""
+    return mode in _AUX
+
+
+@dataclasses.dataclass
+class Plan:
+    """A planned fused step.
+
+    Attributes:
+        table: int64[N, len(Column)] host pointer table.
+        sizes: elements per tensor.
+        state_fmt: ``BufferCode`` of every state buffer (FLOAT32 when there is none).
+        place: where the buffers live (``"cpu"``, ``"cuda:0"``, ...).
+    """
+
+    table: np.ndarray
+    sizes: list
+    state_fmt: BufferCode
+    place: str
+
+
+def _columns(adapter, arrays, name, sizes, place, allowed, expected=None):
+    """Addresses and codes of one buffer list, checked against the parameters' sizes and
+    place; ``None`` entries (no buffer) give address 0 and code 0."""
+    present = [i for i, a in enumerate(arrays) if a is not None]
+    addresses, codes = [0] * len(arrays), [0] * len(arrays)
+    if present:
+        adds, got, cods, where = adapter.buffer_table([arrays[i] for i in present], name)
+        if where != place:
+            raise ValueError(f"{name}: on {where}, but params are on {place}")
+        bad = _first_bad(cods, allowed)
+        if bad is not None:
+            expected = expected or _names(allowed)
+            i = present[bad]
+            raise TypeError(f"{name}[{i}]: expected {expected}, got {code_name(cods[bad])}")
+        for i, a, n, c in zip(present, adds, got, cods):
+            if n != sizes[i]:
+                raise ValueError(f"{name}[{i}]: {n} elements, but params[{i}] has {sizes[i]}")
+            addresses[i], codes[i] = a, c
+    return addresses, codes
+
+
+def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=None) -> Plan:
+    """Validate the buffer lists of a fused step and build its pointer table.
+
+    Args:
+        adapter: an array adapter (``buffer_table(arrays, name)``).
+        rounding: the ``rounding=`` name (or a ``Mode``).
+        params, grads: lists of arrays, one gradient per parameter (same sizes, same place).
+        states: ``((label, arrays or None), (label, arrays or None))``: the first and second
+            state lists (float32 or bfloat16, one dtype for all); ``None`` entries: no buffer.
+        aux: the weight mode's buffers, one per parameter (``None`` for float32 parameters),
+            or ``None`` for modes without one.
+        groups: the parameter-group index of each parameter (default 0).
+        noise: the stream start of each parameter's element 0 (default: the prefix sums of
+            the sizes, each tensor's start in the table's element range).
+
+    Raises:
+        RoundingError: an unknown mode, or parameters the mode cannot write.
+        TypeError: a buffer of a dtype the step cannot take.
+        ValueError: sizes or devices that do not match, missing aux buffers.
+    """
+    mode = check_rounding(rounding) if isinstance(rounding, str) else Mode(rounding)
+    count = len(params)
+    p_addr, sizes, p_codes, place = adapter.buffer_table(params, "params")
+    check_param_codes(p_codes, mode)
+    g_addr, g_codes = _columns(adapter, grads, "grads", sizes, place, FLOAT_CODES)
+    columns, state_fmt = [], None
+    for label, arrays in states:
+        if arrays is None:
+            columns.append([0] * count)
+            continue
+        addrs, codes = _columns(adapter, arrays, label, sizes, place, STATE_CODES)
+        for i, (a, c) in enumerate(zip(arrays, codes)):
+            if a is None:
+                continue
+            if state_fmt is not None and c != state_fmt:
+                raise TypeError(
+                    f"{label}[{i}]: every state must have one dtype ({_names(STATE_CODES)})"
+                )
+            state_fmt = c
+        columns.append(addrs)
+    aux_addr = [0] * count
+    if mode in _AUX:
+        code_of, expected = _AUX[mode]
+        if aux is None:
+            raise ValueError(
+                f"aux: rounding={mode.name.lower()!r} needs one buffer per parameter"
+                f" ({expected}; None for float32 parameters)"
+            )
+        aux = [a if c != BufferCode.FLOAT32 else None for a, c in zip(aux, p_codes)]
+        aux_addr, a_codes = _columns(adapter, aux, "aux", sizes, place, tuple(BufferCode), expected)
+        for i, (a, c) in enumerate(zip(aux, p_codes)):
+            if a is None and c != BufferCode.FLOAT32:
+                raise ValueError(
+                    f"aux[{i}]: missing ({expected} buffer for rounding={mode.name.lower()!r})"
+                )
+            if a is not None and a_codes[i] != code_of(c):
+                raise TypeError(f"aux[{i}]: expected {expected} for rounding={mode.name.lower()!r}")
+    table = np.zeros((count, TABLE_COLUMNS), np.int64)
+    table[:, P_ADDR], table[:, P_FMT] = p_addr, p_codes
+    table[:, G_ADDR], table[:, G_FMT] = g_addr, g_codes
+    table[:, S1_ADDR], table[:, S2_ADDR] = columns
+    table[:, AUX_ADDR] = aux_addr
+    if groups is not None:
+        table[:, GROUP] = groups
+    if noise is None:
+        noise = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]]) if count else []
+    table[:, NOISE] = noise
+    state = BufferCode.FLOAT32 if state_fmt is None else BufferCode(state_fmt)
+    return Plan(table, sizes, state, place)

@@ -1,0 +1,76 @@
+"""Numba's on-disk cache is keyed on srround's own sources: an edited scalar body never runs
+stale from a kernel cached in another module (srround/_cache.py)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import srround
+
+PACKAGE = Path(srround.__file__).resolve().parent
+
+RUN = """
+import json, sys
+import ml_dtypes, numpy as np
+import srround
+y = srround.to_float32(np.array([1.5, -2.0], ml_dtypes.bfloat16))
+print(json.dumps({"file": srround.__file__, "y": [float(v) for v in y],
+                  "root": str(srround._cache.cache_root())}))
+"""
+
+
+def _run(folder: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "PYTHONPATH")}
+    env.update(PYTHONPATH=str(folder), NUMBA_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _edit_decode(package: Path) -> None:
+    """Make the scalar body ``decode`` keep only the sign bit (every value widens to +-0)."""
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "decode":
+                lines = path.read_text().splitlines(keepends=True)
+                first = node.body[0]
+                at = first.end_lineno if isinstance(first, ast.Expr) else first.lineno - 1
+                indent = " " * node.body[-1].col_offset
+                lines.insert(at, f"{indent}h = h & 0x8000  # edited by test_cache\n")
+                path.write_text("".join(lines))
+                return
+    raise AssertionError("no scalar body named decode in srround")
+
+
+def test_edited_body_in_another_module_never_runs_stale(tmp_path):
+    copy = tmp_path / "src" / "srround"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+
+    first = _run(copy.parent)
+    assert Path(first["file"]).resolve().parent == copy  # the copy, not the checkout
+    assert first["y"] == [1.5, -2.0]
+    assert Path(first["root"]).is_relative_to(copy / "__pycache__")
+    assert any(Path(first["root"]).rglob("*.nbi"))  # compiled and cached
+
+    assert _run(copy.parent) == first  # same sources: the same cache
+
+    _edit_decode(copy)  # the kernel's own module (the loop) is unchanged
+    edited = _run(copy.parent)
+    assert edited["y"] == [0.0, -0.0] and str(edited["y"][1]) == "-0.0"
+    assert edited["root"] != first["root"]
+    assert not Path(first["root"]).exists()  # the stale cache was removed
