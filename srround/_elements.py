@@ -38,12 +38,12 @@ _ONE_F32 = 0x3F800000
 
 @njit(cache=True)
 def widen(bits, code):
-    """fp32 pattern of a pattern of float buffer code ``code`` (exact)."""
+    """fp32 pattern (an int64) of a pattern of float buffer code ``code`` (exact)."""
     if code == F32:
-        return bits
+        return np.int64(bits)
     if _EXPONENT[code] == 8:  # fp32's exponent range: the fp32 pattern's high bits
-        return bits << (23 - _MANTISSA[code])
-    return decode(bits, _MANTISSA[code], _EXPONENT[code])
+        return np.int64(bits) << (23 - _MANTISSA[code])
+    return np.int64(decode(bits, _MANTISSA[code], _EXPONENT[code]))
 
 
 @njit(cache=True)
