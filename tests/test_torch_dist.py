@@ -296,10 +296,31 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _warm_kernels():
+    """Compile here, once, the kernel configurations the ranks run (Numba's disk cache then
+    serves both processes instead of each compiling them on the shared cores)."""
+    _reference()
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = _adamw([p])
+    scaler = GradScaler("cpu")
+    for explicit in (False, True):
+        if explicit:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    x = torch.ones(4)
+    srround.stochastic_round(x, seed=0)
+    srround.stochastic_add(x.to(torch.bfloat16), x, seed=0)
+    srround.unscale_and_check([x], 0.5)
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Every scenario's results, one dict per rank."""
     import torch.multiprocessing as mp
+
+    _warm_kernels()
 
     tmp = str(tmp_path_factory.mktemp("dist"))
     mp.spawn(_worker, args=(WORLD, _free_port(), tmp), nprocs=WORLD)
