@@ -19,7 +19,7 @@ class Dtypes:
     Attributes:
         noun: what the framework's arrays are called (``"array"``, ``"tensor"``).
         float32, float64, int32: the framework's dtype objects.
-        raw: the dtype of narrow bit patterns (uint16), taken with ``dtype=`` given.
+        raw: the dtype of 16-bit narrow bit patterns (uint16), taken with ``dtype=`` given.
         narrow: the framework's dtype of each narrow format.
         cast: how to cast to float32 (suggested when float64 is rejected).
         contiguous: the layout the kernels need (``"C-contiguous"``, ``"contiguous"``).
@@ -33,6 +33,7 @@ class Dtypes:
     narrow: dict
     cast: str
     contiguous: str = "C-contiguous"
+    raw8: Any = None  # the dtype of 8-bit patterns (fp8, fp4 one per byte): uint8
 
 
 NUMPY = Dtypes(
@@ -43,6 +44,7 @@ NUMPY = Dtypes(
     raw=np.dtype(np.uint16),
     narrow={fmt.numpy_dtype: fmt for fmt in FORMATS.values()},
     cast=".astype(np.float32)",
+    raw8=np.dtype(np.uint8),
 )
 
 
@@ -51,16 +53,19 @@ def _a(word: str) -> str:
 
 
 def narrow_format(dtype, name: str, fmt: Format | None, dtypes: Dtypes = NUMPY) -> Format:
-    """The format of a narrow array: from its dtype, or from ``dtype=`` for raw ``uint16``."""
+    """The format of a narrow array: from its dtype, or from ``dtype=`` for raw bit patterns
+    (``uint16`` for 16-bit formats, ``uint8`` for fp8 and fp4)."""
     candidate = dtypes.narrow.get(dtype)
     if candidate is not None:
         if fmt is not None and fmt is not candidate:
             raise TypeError(f"{name}: dtype {dtype} does not match dtype={fmt.name!r}")
         return candidate
-    if dtype == dtypes.raw and fmt is not None:
+    if fmt is not None and dtype == (dtypes.raw if fmt.bits > 8 else dtypes.raw8):
         return fmt
+    if fmt is not None and str(dtype).rsplit(".", 1)[-1] == fmt.name:
+        return fmt  # a storage-only format of block results (float8_e8m0fnu scales)
     expected = ", ".join(str(d) for d in dtypes.narrow)
-    hint = f" (or {dtypes.raw} bit patterns with dtype= given)"
+    hint = f" (or {dtypes.raw} / {dtypes.raw8} bit patterns with dtype= given)"
     raise TypeError(
         f"{name}: expected a narrow float {dtypes.noun} ({expected}{hint}), got {dtype}"
     )
@@ -148,8 +153,16 @@ def buffer_code(dtype, name: str) -> BufferCode:
     try:
         return DTYPE_CODES[dtype]
     except KeyError:
-        expected = ", ".join(str(d) for d in DTYPE_CODES)
-        raise TypeError(f"{name}: expected a {expected} array, got {dtype}") from None
+        raise TypeError(f"{name}: expected {buffer_dtypes(name)} array, got {dtype}") from None
+
+
+def buffer_dtypes(name: str) -> str:
+    """The dtypes a tensor-list argument may have, in words: int16 only for ``aux`` (the
+    remainders of ``rounding="remainder"``)."""
+    words = ["float32", *FORMATS]
+    if name.startswith("aux"):
+        return f"a {', '.join(words)} or int16 (remainder mode)"
+    return f"a {', '.join(words[:-1])} or {words[-1]}"
 
 
 def buffer_table(arrays, name: str, buffer_info):

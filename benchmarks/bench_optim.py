@@ -7,6 +7,7 @@ Usage::
     python benchmarks/bench_optim.py                  # CPU 24.6M params / 196 tensors (+ GPU)
     python benchmarks/bench_optim.py --quick          # CPU ~2M params, GPU 67M, few steps
     python benchmarks/bench_optim.py --device cpu --sections torch --json out.json
+    python benchmarks/bench_optim.py --device cpu --sections compile   # torch.compile rows
 
 What is measured
 ----------------
@@ -389,10 +390,10 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
                 raise Unavailable("srround.adapters.jax.adamw not present")
             opt = sj.adamw(
                 LR,
-                0.9,
-                0.999,
-                1e-8,
-                1e-2,
+                b1=0.9,
+                b2=0.999,
+                eps=1e-8,
+                weight_decay=1e-2,
                 seed=SEED,
                 rounding="stochastic",
                 state_dtype=state_dtype,
@@ -465,7 +466,90 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
             row["copy_gbps"] = nbytes * n / floor / 1e9
         results.append(row)
         print_row(row, backend != "cpu")
+    base = {r["method"]: r for r in results}.get("optax.adamw bf16 params (RNE)")
+    if base:
+        print(
+            "   vs optax.adamw + optax.apply_updates on the same bf16 params, this run"
+            " (targets: first call <= 3x, step <= 1.2x):"
+        )
+        for r in results:
+            if r["method"].startswith("srround") or "srround" in r["method"]:
+                r["first_vs_optax"] = r["first_s"] / base["first_s"]
+                r["step_vs_optax"] = r["median_s"] / base["median_s"]
+                print(
+                    f"   {r['method']:<42} first call {r['first_vs_optax']:5.2f}x"
+                    f"   step {r['step_vs_optax']:5.2f}x"
+                )
     return results
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile rows
+# --------------------------------------------------------------------------------------------
+
+
+def run_compile(torch, device: str, quick: bool, reps: int, notes: list) -> list[dict]:
+    """A compiled training step (an MLP of bf16 weights: compiled forward, eager backward -
+    Dynamo does not trace ``backward()`` by default - and ``opt.step()`` compiled with
+    ``fullgraph=True``), srround AdamW (stochastic) vs torch fused AdamW, each also eager.
+    ``first_s`` of a compiled row is its first step: Dynamo + Inductor compile included."""
+    import srround.adapters.torch as sat
+
+    width, depth, batch = (512, 2, 16) if quick else (1024, 4, 32)
+    rows = []
+    for label, make in (
+        ("srround AdamW stochastic", lambda ps: sat.AdamW(ps, lr=LR, seed=SEED)),
+        ("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True)),
+    ):
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            layers = []
+            for _ in range(depth):
+                layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+            model = torch.nn.Sequential(*layers).to(device=device, dtype=torch.bfloat16)
+            opt = make(list(model.parameters()))
+            x = torch.randn(batch, width, device=device, dtype=torch.bfloat16)
+            forward, step = model, opt.step
+            if compiled:
+                torch._dynamo.reset()
+                forward = torch.compile(model)
+                step = torch.compile(opt.step, fullgraph=True)
+
+            def train_step(forward=forward, step=step, model=model, x=x):
+                forward(x).float().square().mean().backward()
+                step()
+                model.zero_grad(set_to_none=False)
+
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            try:
+                r = time_steps(train_step, sync, reps)
+            except Exception as exc:  # report, keep the other rows
+                notes.append(f"compile: {label} compiled={compiled} failed: {exc!r:.200}")
+                continue
+            params = sum(p.numel() for p in model.parameters())
+            rows.append(
+                dict(
+                    r,
+                    section="compile",
+                    device=device,
+                    method=f"{label} {'compiled' if compiled else 'eager'}",
+                    params=params,
+                    tensors=2 * depth,
+                )
+            )
+            print(
+                f"{rows[-1]['method']:<42} {r['median_s'] * 1e3:9.3f} ms/step"
+                f" first step {r['first_s']:7.2f} s",
+                flush=True,
+            )
+            release(device)
+    by = {r["method"]: r["median_s"] for r in rows}
+    for mode in ("eager", "compiled"):
+        ours = by.get(f"srround AdamW stochastic {mode}")
+        theirs = by.get(f"torch AdamW fused {mode}")
+        if ours and theirs:
+            print(f"{mode}: srround / torch fused step-time ratio {ours / theirs:.2f}")
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -563,9 +647,15 @@ def main(argv=None) -> int:
     p.add_argument(
         "--sections",
         nargs="+",
-        choices=("torch", "jax", "dist"),
-        default=["torch", "jax", "dist"],
-        help="dist: FSDP2 on 2 gloo processes, srround vs torch fused AdamW (_dist_rows.py)",
+        choices=("torch", "jax", "compile", "dist"),
+        default=["torch", "jax"],
+        help="compile: a torch.compile'd training step, srround vs torch fused AdamW; dist: FSDP2"
+        " on 2 gloo processes, srround vs torch fused AdamW (_dist_rows.py)",
+    )
+    p.add_argument(
+        "--jax",
+        action="store_true",
+        help="only the JAX section (--sections jax), 196 tensors unless --jax-tensors is given",
     )
     p.add_argument(
         "--params",
@@ -590,6 +680,10 @@ def main(argv=None) -> int:
     )
     add_json_argument(p)
     args = p.parse_args(argv)
+    if args.jax:
+        args.sections = ["jax"]
+        if "--jax-tensors" not in (argv if argv is not None else sys.argv):
+            args.jax_tensors = 196
     started = utc_now()
 
     notes: list[str] = []
@@ -630,6 +724,9 @@ def main(argv=None) -> int:
                     results += run_torch(
                         "cuda", gpu_total, tensors, reps, args.quick, notes, args.only
                     )
+    if "compile" in args.sections and torch is not None:
+        for device in devices:
+            results += run_compile(torch, device, args.quick, args.reps or 10, notes)
     if "jax" in args.sections:
         try:
             jax = _quiet_import("jax")

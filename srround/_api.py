@@ -8,18 +8,26 @@ for the stream and ``_scalar.py`` for the rounding rules (contracts: ``docs/cont
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 
-from . import _cpu, _loss_scale, _optim, _plan
+from . import _cpu, _loss_scale, _optim, _plan, _validate
 from ._dispatch import View, adapter_for, check_same_place, check_shape, mutable_adapter_for
-from ._formats import BufferCode, get_format, saturate_flag
+from ._formats import CODE_WIDTH, BufferCode, get_format, saturate_flag
 from ._rng import check_offset, check_seed, next_seed, split_seed
-from ._tensor_list import TensorList
+from ._tensor_list import TensorList, address
 
 
 def _key(seed) -> tuple[int, int]:
     return split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
+
+
+def _span(name: str, view: View | None, writes: bool):
+    """``(name, address, nbytes, writes)`` of a view, for ``_validate.no_overlap``."""
+    if view is None:
+        return (name, 0, 0, writes)
+    return (name, address(view.bits), view.bits.size * view.bits.dtype.itemsize, writes)
 
 
 def _own(adapter, name: str):
@@ -41,7 +49,7 @@ def _launch(kernel: str, view: View, *args) -> None:
 
 
 def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, overflow="inf"):
-    """Stochastically round float32 ``x`` to bf16 or fp16.
+    """Stochastically round float32 ``x`` to bf16, fp16, fp8 (e4m3fn, e5m2) or fp4 (e2m1fn).
 
     Each element rounds to one of its two neighbours in the target format, up with probability
     equal to the distance from the lower one in units of their spacing (16 random bits), so
@@ -50,7 +58,9 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
 
     Args:
         x: float32 array (any supported framework, C-contiguous, any shape).
-        dtype: target format, ``"bfloat16"`` (default) or ``"float16"``.
+        dtype: target format, ``"bfloat16"`` (default), ``"float16"``, ``"float8_e4m3fn"``,
+            ``"float8_e5m2"`` or ``"float4_e2m1fn"`` (one value per byte; what NaN, inf and
+            overflow become in each is in ``srround/_formats.py``).
         seed: int in [0, 2**64) makes the call a pure function of (x, seed, offset); ``None``
             draws a seed from the library generator (see ``srround.manual_seed``).
         offset: position of ``x[0]`` in the random stream (elements); rounding ``x[k:]`` with
@@ -76,6 +86,8 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     src, _ = adapter.source(x, "x")
     dst = adapter.target(out, "out", src, fmt)
     check_same_place(x=src, out=dst)
+    if out is not None:
+        _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
     offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
     _launch(
         "stochastic_round",
@@ -89,12 +101,13 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
         fmt.mantissa_bits,
         fmt.exponent_bits,
         saturate,
+        fmt.specials,
     )
     return dst.result
 
 
 def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
-    """Round float32 ``x`` to the nearest bf16/fp16 value, ties to even: bit for bit the cast
+    """Round float32 ``x`` to the nearest value of ``dtype``, ties to even: bit for bit the cast
     of ml_dtypes, NumPy and torch on every non-NaN input. Every NaN becomes the format's
     canonical quiet NaN with its sign (ml_dtypes' bf16 rule); NumPy's fp16 cast keeps payload
     bits, torch's CPU casts keep the top ones (fp16) or write 0xFFFF (vectorised bf16).
@@ -108,17 +121,27 @@ def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
     src, _ = adapter.source(x, "x")
     dst = adapter.target(out, "out", src, fmt)
     check_same_place(x=src, out=dst)
+    if out is not None:
+        _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
     _launch(
-        "round_nearest", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits, saturate
+        "round_nearest",
+        src,
+        src.bits,
+        dst.bits,
+        fmt.mantissa_bits,
+        fmt.exponent_bits,
+        saturate,
+        fmt.specials,
     )
     return dst.result
 
 
 def to_float32(y, *, dtype=None, out=None):
-    """Widen a bf16/fp16 array to float32 exactly (NaN payloads kept).
+    """Widen a bf16/fp16/fp8/fp4 array to float32 exactly (NaN payloads kept).
 
     Args:
-        y: bf16 or fp16 array; a raw ``uint16`` bit-pattern array needs ``dtype=``.
+        y: narrow array; a raw ``uint16`` (16-bit formats) or ``uint8`` (fp8, fp4) bit-pattern
+            array needs ``dtype=``.
         dtype: the format of ``y`` when its dtype does not say it.
         out: optional float32 result array of ``y``'s shape.
     """
@@ -129,7 +152,11 @@ def to_float32(y, *, dtype=None, out=None):
     src, fmt = adapter.source(y, "y", fmt, narrow=True)
     dst = adapter.target(out, "out", src, None)
     check_same_place(y=src, out=dst)
-    _launch("to_float32", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits)
+    if out is not None:
+        _validate.no_overlap([_span("y", src, False), _span("out", dst, True)])
+    _launch(
+        "to_float32", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits, fmt.specials
+    )
     return dst.result
 
 
@@ -140,7 +167,8 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     stochastically to ``w``'s format with the stream of ``(seed, offset)``.
 
     Args:
-        w: bf16/fp16 array updated in place (writable, contiguous; ``uint16`` needs ``dtype=``).
+        w: narrow array updated in place (writable, contiguous; ``uint16``/``uint8`` bit
+            patterns need ``dtype=``).
         u: float32 update of ``w``'s shape, same framework and device.
         alpha: scale of ``u`` (rounded to float32).
         seed, offset, overflow: as ``stochastic_round``.
@@ -152,6 +180,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     adapter = adapter_for(w=w, u=u)
     if own := _own(adapter, "stochastic_add"):
         return own(w, u, alpha=alpha, seed=seed, offset=offset, dtype=dtype, overflow=overflow)
+    alpha = _validate.real(alpha, "alpha")
     fmt = None if dtype is None else get_format(dtype)
     saturate = saturate_flag(overflow)
     k0, k1 = _key(seed)
@@ -160,6 +189,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     src, _ = adapter.source(u, "u")
     check_shape("u", src.shape, dst.shape, "w's")
     check_same_place(w=dst, u=src)
+    _validate.no_overlap([_span("w", dst, True), _span("u", src, False)])
     offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
     _launch(
         "stochastic_add",
@@ -173,6 +203,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
         fmt.mantissa_bits,
         fmt.exponent_bits,
         saturate,
+        fmt.specials,
     )
     return dst.result
 
@@ -193,10 +224,15 @@ def _writable_view(adapter, array, name):
     return view, fmt.code
 
 
+def _is_host_scalar(value) -> bool:
+    """A Python or NumPy scalar (validated on the host), not an array of the caller's."""
+    return isinstance(value, (numbers.Number, np.generic))
+
+
 def _scalar_buffer(adapter, value, name, like: View, count: int, *, writable=False):
     """A float32[count] device buffer (as bits) for a scalar argument: the caller's array, or a
-    new one holding ``value`` (a float) on ``like``'s device."""
-    if value is None or isinstance(value, (int, float, np.floating)):
+    new one holding ``value`` (a float, validated by the caller) on ``like``'s device."""
+    if value is None or _is_host_scalar(value):
         host = np.full(count, np.float32(0.0 if value is None else value)).view(np.uint32)
         if like.device == "cpu":
             return View(host, "cpu", (count,), None)
@@ -206,7 +242,8 @@ def _scalar_buffer(adapter, value, name, like: View, count: int, *, writable=Fal
         return View(device, like.device, (count,), None, like.stream, like.device_id)
     view, _ = adapter.source(value, name)
     if view.bits.size not in (1, count):
-        raise ValueError(f"{name}: expected 1 or {count} values, got {view.bits.size}")
+        expected = "1 value" if count == 1 else f"1 or {count} values"
+        raise ValueError(f"{name}: expected {expected}, got {view.bits.size}")
     if writable:
         view = adapter.target(value, name, view, None)
     return view
@@ -220,11 +257,14 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         grads: an array or a list of arrays (float32, bf16 or fp16; one framework, one device),
             updated in place. Narrow gradients are rounded back to nearest, as
             ``grad.mul_(inv_scale)`` does in torch.
-        inv_scale: 1 / loss scale: a float, or a float32 array of 1 value (or one per tensor
-            with ``per_tensor=True``) on the gradients' device, read by the kernel.
-        found_inf: optional float32 array (1 value, or one per tensor) set to 1.0 where a
-            gradient was non-finite *before* unscaling; it is not cleared first, so one array
-            can accumulate over several calls. Allocated zeroed when omitted.
+        inv_scale: 1 / loss scale: a positive finite float (else ``ValueError``), or a float32
+            array of 1 value (or one per tensor with ``per_tensor=True``) on the gradients'
+            device, read by the kernel; a zero, negative, NaN or inf value there sets
+            ``found_inf`` (it cannot be checked on the host without a synchronisation).
+        found_inf: optional float32 array (1 value, or one per tensor) set to 1.0 where an
+            *unscaled* gradient - what the optimizer reads - is non-finite (an inf/NaN input,
+            an unusable scale, or an fp16 product past 65504); it is not cleared first, so one
+            array can accumulate over several calls. Allocated zeroed when omitted.
         per_tensor: one scale and one flag per tensor (the per-layer scaling option).
 
     Returns:
@@ -233,11 +273,17 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
     if not grads:
         raise ValueError("grads: expected at least one array")
-    extra = {
-        n: v
-        for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf))
-        if v is not None and not isinstance(v, (int, float, np.floating))
-    }
+    if _is_host_scalar(inv_scale):
+        inv_scale = _validate.inv_scale(inv_scale)
+    elif inv_scale is None or isinstance(inv_scale, (str, bytes, list, tuple)):
+        raise TypeError(
+            f"inv_scale: expected a positive float or a float32 array, got {inv_scale!r}"
+        )
+    per_tensor = _validate.flag(per_tensor, "per_tensor")
+    if found_inf is not None and _is_host_scalar(found_inf):
+        raise TypeError("found_inf: expected a float32 array updated in place (or None)")
+    extra = {n: v for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf)) if v is not None}
+    extra = {n: v for n, v in extra.items() if not _is_host_scalar(v)}
     adapter = mutable_adapter_for(grads=grads[0], **extra)
     _check_one_type(grads, "grads", grads[0], "grads[0]")
     addresses, sizes, codes, place = adapter.buffer_table(grads, "grads")
@@ -256,6 +302,10 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         if flags.bits.size != count:
             raise ValueError(f"found_inf: expected {count} values, got {flags.bits.size}")
     check_same_place(**{"grads[0]": first, "inv_scale": scales, "found_inf": flags})
+    _validate.no_overlap(
+        _validate.list_spans("grads", addresses, sizes, codes, CODE_WIDTH, True)
+        + [_span("inv_scale", scales, False), _span("found_inf", flags, True)]
+    )
     table = TensorList(addresses, codes, sizes, grads)
     if table.total:
         _loss_scale.unscale_and_check(
@@ -294,14 +344,19 @@ def update_scale(
         found_inf: float32 array like ``scale`` (from ``unscale_and_check``).
         overflow_tracker: int32 array like ``scale``, consecutive overflows (needed when
             ``hysteresis > 1``).
-        growth_factor, backoff_factor, growth_interval: torch GradScaler's parameters.
+        growth_factor, backoff_factor, growth_interval: torch GradScaler's parameters:
+            ``growth_factor >= 1``, ``0 < backoff_factor <= 1`` (1 and 1: a static scale),
+            ``growth_interval`` an int >= 1.
         hysteresis: back off only after this many consecutive overflows (1: every overflow).
-        min_scale, max_scale: bounds of the scale (None: unbounded).
+        min_scale, max_scale: bounds of the scale (None: unbounded), ``0 <= min <= max``.
+
+    Raises:
+        TypeError, ValueError: naming the argument, before anything is read or written.
     """
-    if growth_interval < 1:
-        raise ValueError(f"growth_interval: expected an int >= 1, got {growth_interval}")
-    if hysteresis < 1:
-        raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis}")
+    checked = _validate.scale_update(
+        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+    )
+    growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale = checked
     if overflow_tracker is None and hysteresis > 1:
         raise ValueError("overflow_tracker: needed when hysteresis > 1")
     adapter = mutable_adapter_for(
@@ -329,8 +384,8 @@ def update_scale(
         np.float32(backoff_factor),
         int(growth_interval),
         int(hysteresis),
-        np.float32(0.0 if min_scale is None else min_scale),
-        np.float32(np.inf if max_scale is None else max_scale),
+        np.float32(min_scale),
+        np.float32(max_scale),
     )
     _loss_scale.update_scale(
         scale_view.bits,
@@ -370,6 +425,10 @@ def _fused_step(
 ):
     """Validate the buffer lists, plan (``_plan.plan_step``) and run one ``FusedStep``."""
     mode = _plan.check_rounding(rounding)
+    if inv_scale is not None and _is_host_scalar(inv_scale):
+        inv_scale = _validate.inv_scale(inv_scale)
+    if found_inf is not None and _is_host_scalar(found_inf):
+        raise TypeError("found_inf: expected a float32 array of 1 value (or None)")
     params = _as_list(params, "params")
     if not params:
         raise ValueError("params: expected at least one array")
@@ -378,7 +437,7 @@ def _fused_step(
     extra = {
         n: v
         for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf), ("step", step))
-        if v is not None and not isinstance(v, (int, float, np.integer, np.floating))
+        if v is not None and not _is_host_scalar(v)
     }
     adapter = adapter_for(params=params[0], grads=grads[0], **extra)
     if _own(adapter, "stochastic_round"):  # immutable arrays (JAX)
@@ -397,6 +456,8 @@ def _fused_step(
     scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)
     flags = _scalar_buffer(adapter, found_inf, "found_inf", first, 1)
     check_same_place(**{"params[0]": first, "inv_scale": scales, "found_inf": flags, "step": steps})
+    extra = [_span("inv_scale", scales, False), _span("found_inf", flags, False)]
+    _validate.no_overlap([*plan.spans, *extra, _span("step", steps, True)])
     k0, k1 = _key(seed)
     fused = _optim.FusedStep(
         kind,
@@ -416,9 +477,8 @@ def _step_counter(adapter, step, like: View, count: int) -> View:
     """The int32 step counters of the kernel: the caller's array (updated in place), or new
     ones holding ``step - 1`` for an int ``step`` (the kernel increments before use)."""
     shaped = dataclasses.replace(like, shape=(count,), offset=None)
-    if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
-        if not 1 <= step < _optim.MAX_STEPS:
-            raise ValueError(f"step: expected an int in [1, {_optim.MAX_STEPS}), got {step}")
+    if _is_host_scalar(step) or step is None:
+        step = _validate.integer(step, "step", low=1, high=_optim.MAX_STEPS)
         host = np.full(count, step - 1, np.int32).view(np.uint32)
         if like.device == "cpu":
             return View(host, "cpu", (count,), None)
@@ -466,7 +526,7 @@ def adamw_step(
         inv_scale: 1 / loss scale multiplied into the gradients (float, or float32 array of 1).
         found_inf: float32 array of 1; when nonzero the step changes nothing (no host sync).
     """
-    beta1, beta2 = betas
+    lr, beta1, beta2, eps, weight_decay = _validate.adamw(lr, betas, eps, weight_decay)
     _fused_step(
         _optim.ADAMW,
         (lr, beta1, beta2, eps, weight_decay),
@@ -504,10 +564,10 @@ def sgd_step(
     decay) over lists of buffers, in place. ``momentum_buffers`` (fp32 or bf16, one per param)
     are needed when ``momentum != 0``; at step 1 they are set to the gradient, as torch does.
     Other arguments as ``adamw_step``."""
+    checked = _validate.sgd(lr, momentum, dampening, weight_decay, nesterov)
+    lr, momentum, dampening, weight_decay, nesterov = checked
     if momentum != 0 and momentum_buffers is None:
         raise ValueError("momentum_buffers: needed when momentum != 0")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("nesterov: needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
     _fused_step(
         _optim.SGD,
         (lr, momentum, dampening, weight_decay, float(nesterov)),

@@ -2,8 +2,9 @@
 one-element bodies of ``_scalar.py`` and ``_elements.py``.
 
 Buffers are flat, C-contiguous NumPy arrays of bit patterns: unsigned words of the element
-width (fp32 as ``uint32``, bf16/fp16 as ``uint16``); tensor-list kernels take pointer tables
-(``_tensor_list.py``).
+width (fp32 as ``uint32``, bf16/fp16 as ``uint16``, fp8/fp4 as ``uint8``); tensor-list kernels
+take pointer tables (``_tensor_list.py``). ``kind`` is a format's ``specials`` code
+(``_scalar.IEEE``, ``FN``, ``FINITE``).
 
 The random kernels work in chunks of counter blocks (four elements per Threefry block, see
 ``_rng.py``). Each chunk first fills a small buffer with its blocks' random words in a
@@ -22,7 +23,7 @@ from llvmlite import ir
 from numba import carray, get_num_threads, njit, prange, set_num_threads, types
 from numba.extending import intrinsic
 
-from . import _config
+from . import _config, _threads
 from ._elements import (
     AUX_ADDR,
     BF16,
@@ -42,6 +43,7 @@ from ._elements import (
     WEIGHT_STREAM,
     group_constants,
     prepare_coefs,
+    scale_usable,
     stream_offset,
     unscale_bits,
     unscale_in_place,
@@ -63,6 +65,8 @@ _TASK_CHUNKS = 16  # chunks per prange iteration (one buffer allocation each)
 # (other formats run the same loops with run-time constants)
 _BF16 = (FORMATS["bfloat16"].mantissa_bits, FORMATS["bfloat16"].exponent_bits)
 _FP16 = (FORMATS["float16"].mantissa_bits, FORMATS["float16"].exponent_bits)
+_E4M3 = (FORMATS["float8_e4m3fn"].mantissa_bits, FORMATS["float8_e4m3fn"].exponent_bits)  # FN
+_E5M2 = (FORMATS["float8_e5m2"].mantissa_bits, FORMATS["float8_e5m2"].exponent_bits)  # IEEE
 
 
 def run(kernel, elements: int, *args):
@@ -70,14 +74,15 @@ def run(kernel, elements: int, *args):
     ``_config.CPU_SERIAL_BELOW`` on the calling thread alone (the thread count is per calling
     thread in Numba, and restored after): a parallel region wakes and then waits for every
     worker thread, which on a busy machine can cost a scheduler time slice."""
-    if elements >= _config.CPU_SERIAL_BELOW:
-        return kernel(*args)
-    threads = get_num_threads()
-    set_num_threads(1)
-    try:
-        return kernel(*args)
-    finally:
-        set_num_threads(threads)
+    with _threads.launch_lock:  # a no-op unless the threading layer needs it (``_threads``)
+        if elements >= _config.CPU_SERIAL_BELOW:
+            return kernel(*args)
+        threads = get_num_threads()
+        set_num_threads(1)
+        try:
+            return kernel(*args)
+        finally:
+            set_num_threads(threads)
 
 
 @njit(inline="always", cache=True)
@@ -159,32 +164,36 @@ def _chunk_span(n, offset, first, c, nblocks):
 
 
 @njit(inline="always", cache=True)
-def _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate):
+def _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind):
     """out[i] = encode_stochastic(x[i], bits[i]) over equal-length slices."""
     for i in range(x.size):
-        out[i] = encode_stochastic(x[i], bits[i], mantissa_bits, exponent_bits, saturate)
+        out[i] = encode_stochastic(x[i], bits[i], mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(inline="always", cache=True)
-def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate):
+def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate, kind=0):
     """``_round_loop`` with bf16 and fp16 as literal formats (same results, folded constants)."""
     if mantissa_bits == _BF16[0] and exponent_bits == _BF16[1]:
-        _round_loop(x, out, bits, _BF16[0], _BF16[1], saturate)
+        _round_loop(x, out, bits, _BF16[0], _BF16[1], saturate, 0)
     elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
-        _round_loop(x, out, bits, _FP16[0], _FP16[1], saturate)
+        _round_loop(x, out, bits, _FP16[0], _FP16[1], saturate, 0)
+    elif mantissa_bits == _E4M3[0] and exponent_bits == _E4M3[1] and kind == 1:
+        _round_loop(x, out, bits, _E4M3[0], _E4M3[1], saturate, 1)
+    elif mantissa_bits == _E5M2[0] and exponent_bits == _E5M2[1] and kind == 0:
+        _round_loop(x, out, bits, _E5M2[0], _E5M2[1], saturate, 0)
     else:
-        _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate)
+        _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(inline="always", cache=True)
-def _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits):
+def _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits, kind=0):
     """total[i] = add_exact_f32(w[i], u[i], alpha): the fp32 sums ``add_stochastic`` rounds."""
     for i in range(w.size):
-        total[i] = add_exact_f32(w[i], u[i], alpha, mantissa_bits, exponent_bits)
+        total[i] = add_exact_f32(w[i], u[i], alpha, mantissa_bits, exponent_bits, kind)
 
 
 @njit(inline="always", cache=True)
-def _add_span(w, u, alpha, total, bits, mantissa_bits, exponent_bits, saturate):
+def _add_span(w, u, alpha, total, bits, mantissa_bits, exponent_bits, saturate, kind=0):
     """w[i] = add_stochastic(w[i], u[i], alpha, bits[i]) over equal-length slices, as its two
     steps in two loops (each vectorizes better alone): fp32 sums into ``total``, then
     ``_round_span``. Literal bf16/fp16 formats as in ``_round_span``."""
@@ -193,8 +202,8 @@ def _add_span(w, u, alpha, total, bits, mantissa_bits, exponent_bits, saturate):
     elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
         _sum_loop(w, u, alpha, total, _FP16[0], _FP16[1])
     else:
-        _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits)
-    _round_span(total, w, bits, mantissa_bits, exponent_bits, saturate)
+        _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits, kind)
+    _round_span(total, w, bits, mantissa_bits, exponent_bits, saturate, kind)
 
 
 _ROUND, _ADD = 0, 1  # operations of the random kernels
@@ -210,7 +219,7 @@ def _make_random_kernel(op):
     """
 
     @njit(parallel=True, cache=True)
-    def kernel(src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
+    def kernel(src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind=0):
         n = src.size
         first, nblocks = _block_range(n, offset)
         task = _CHUNK_BLOCKS * _TASK_CHUNKS
@@ -233,10 +242,11 @@ def _make_random_kernel(op):
                         mantissa_bits,
                         exponent_bits,
                         saturate,
+                        kind,
                     )
                 else:
                     _round_span(
-                        src[lo:hi], dst[lo:hi], noise, mantissa_bits, exponent_bits, saturate
+                        src[lo:hi], dst[lo:hi], noise, mantissa_bits, exponent_bits, saturate, kind
                     )
 
     return kernel
@@ -251,13 +261,13 @@ stochastic_add = _make_random_kernel(_ADD)
 
 
 @njit(inline="always", cache=True)
-def _nearest_loop(x, out, mantissa_bits, exponent_bits, saturate):
+def _nearest_loop(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
     for i in range(x.size):
-        out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate)
+        out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(parallel=True, cache=True)
-def round_nearest(x, out, mantissa_bits, exponent_bits, saturate):
+def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
     """out[i] = RNE(x[i]); x: uint32[n] (fp32 bits), out: uint16[n]. Chunks of 4096 elements
     per task, bf16 and fp16 with literal constants (as ``_round_span``)."""
     n = x.size
@@ -269,14 +279,14 @@ def round_nearest(x, out, mantissa_bits, exponent_bits, saturate):
         elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
             _nearest_loop(x[lo:hi], out[lo:hi], _FP16[0], _FP16[1], saturate)
         else:
-            _nearest_loop(x[lo:hi], out[lo:hi], mantissa_bits, exponent_bits, saturate)
+            _nearest_loop(x[lo:hi], out[lo:hi], mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(parallel=True, cache=True)
-def to_float32(h, out, mantissa_bits, exponent_bits):
+def to_float32(h, out, mantissa_bits, exponent_bits, kind=0):
     """out[i] = fp32 bits of narrow pattern h[i]; h: uint16[n], out: uint32[n]."""
     for i in prange(h.size):
-        out[i] = decode(h[i], mantissa_bits, exponent_bits)
+        out[i] = decode(h[i], mantissa_bits, exponent_bits, kind)
 
 
 # -- loss scaling (tensor lists through a pointer table, see _tensor_list.py) ----------------
@@ -309,7 +319,8 @@ def _unscale_buffer(a, code, inv_scale_bits):
     """One typed buffer slice: the check alone for a scale of 1, else unscale in place."""
     if inv_scale_bits == _ONE_F32:
         return _all_finite(a, code)
-    return _unscale_array(a, code, bits_to_f32(inv_scale_bits))
+    finite = _unscale_array(a, code, bits_to_f32(inv_scale_bits))
+    return finite and scale_usable(inv_scale_bits)
 
 
 @njit(inline="always", cache=True)

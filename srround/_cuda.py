@@ -53,18 +53,21 @@ _ROUND, _ADD, _NEAREST, _WIDEN = range(4)
 
 
 @njit(inline="always", cache=True)
-def _narrow_op(op, old, u, alpha, bits16, mantissa_bits, exponent_bits, saturate):
-    """The narrow result of ``op`` for fp32 pattern ``u`` (and narrow ``old``, for _ADD)."""
+def _narrow_op(op, old, u, alpha, bits16, mantissa_bits, exponent_bits, saturate, kind=0):
+    """The narrow result of ``op`` for fp32 pattern ``u`` (and narrow ``old``, for _ADD);
+    ``kind``: the format's ``specials`` code."""
     if op == _ADD:
-        return add_stochastic(old, u, alpha, bits16, mantissa_bits, exponent_bits, saturate)
+        return add_stochastic(old, u, alpha, bits16, mantissa_bits, exponent_bits, saturate, kind)
     if op == _ROUND:
-        return encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate)
-    return encode_nearest(u, mantissa_bits, exponent_bits, saturate)
+        return encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate, kind)
+    return encode_nearest(u, mantissa_bits, exponent_bits, saturate, kind)
 
 
 def _make_kernels(op):
     """``(general, vec4)`` kernels of one operation, both called as
-    ``kernel(src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate)``.
+    ``kernel(src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate[, kind])``
+    (``general`` takes the format's ``specials`` code ``kind``; ``vec4`` only 16-bit formats,
+    IEEE-like).
 
     ``_ROUND``: ``dst = SR(src)``; ``_ADD``: ``dst = SR(dst + alpha * src)``; ``_NEAREST``:
     ``dst = RNE(src)`` (src fp32, dst narrow); ``_WIDEN``: ``dst = fp32(src)`` (src narrow).
@@ -74,7 +77,7 @@ def _make_kernels(op):
     random = op in (_ROUND, _ADD)
 
     @cuda.jit(cache=True)
-    def general(src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate):
+    def general(src, dst, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind):
         n = src.size
         start, stride = cuda.grid(1), cuda.gridsize(1)
         if random:
@@ -96,13 +99,14 @@ def _make_kernels(op):
                             mantissa_bits,
                             exponent_bits,
                             saturate,
+                            kind,
                         )
         elif op == _WIDEN:
             for i in range(start, n, stride):
-                dst[i] = decode(src[i], mantissa_bits, exponent_bits)
+                dst[i] = decode(src[i], mantissa_bits, exponent_bits, kind)
         else:
             for i in range(start, n, stride):
-                dst[i] = encode_nearest(src[i], mantissa_bits, exponent_bits, saturate)
+                dst[i] = encode_nearest(src[i], mantissa_bits, exponent_bits, saturate, kind)
 
     @cuda.jit(cache=True)
     def vec4(src, dst, alpha, k0, k1, first, mantissa_bits, exponent_bits, saturate):
@@ -168,7 +172,19 @@ def _vec4_head(n: int, offset: int, narrow, *arrays) -> int:
 
 
 def _run(
-    op, src, dst, narrow, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream
+    op,
+    src,
+    dst,
+    narrow,
+    alpha,
+    k0,
+    k1,
+    offset,
+    mantissa_bits,
+    exponent_bits,
+    saturate,
+    kind,
+    stream,
 ):
     """Launch ``op`` over ``src.size`` elements: vec4 on the aligned head, general on the rest."""
     general, vec4 = _KERNELS[op]
@@ -189,28 +205,34 @@ def _run(
     if head < n:
         grid = _grid((n - head) // 4 + 2 if op in (_ROUND, _ADD) else n - head)
         general[grid[0], grid[1], stream](
-            src[head:], dst[head:], alpha, k0, k1, offset + head, *fields
+            src[head:], dst[head:], alpha, k0, k1, offset + head, *fields, kind
         )
 
 
-def stochastic_round(x, out, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream):
+def stochastic_round(
+    x, out, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind=0, *, stream
+):
     """``out = SR(x)`` (fp32 patterns to narrow ones); ``alpha`` unused (the CPU signature)."""
-    _run(_ROUND, x, out, out, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream)
+    fields = (mantissa_bits, exponent_bits, saturate, kind)
+    _run(_ROUND, x, out, out, alpha, k0, k1, offset, *fields, stream)
 
 
-def stochastic_add(u, w, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream):
+def stochastic_add(
+    u, w, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind=0, *, stream
+):
     """``w = SR(w + alpha * u)`` in place (``u`` fp32 patterns, ``w`` narrow ones)."""
-    _run(_ADD, u, w, w, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, stream)
+    _run(_ADD, u, w, w, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate, kind, stream)
 
 
-def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, stream):
+def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, kind=0, *, stream):
     """``out = RNE(x)`` (fp32 patterns to narrow ones)."""
-    _run(_NEAREST, x, out, out, _NO_ALPHA, 0, 0, 0, mantissa_bits, exponent_bits, saturate, stream)
+    fields = (mantissa_bits, exponent_bits, saturate, kind)
+    _run(_NEAREST, x, out, out, _NO_ALPHA, 0, 0, 0, *fields, stream)
 
 
-def to_float32(h, out, mantissa_bits, exponent_bits, stream):
+def to_float32(h, out, mantissa_bits, exponent_bits, kind=0, *, stream):
     """``out = fp32(h)`` (narrow patterns to fp32 ones, exact)."""
-    _run(_WIDEN, h, out, h, _NO_ALPHA, 0, 0, 0, mantissa_bits, exponent_bits, False, stream)
+    _run(_WIDEN, h, out, h, _NO_ALPHA, 0, 0, 0, mantissa_bits, exponent_bits, False, kind, stream)
 
 
 # -- loss scaling (tensor lists through a pointer table, see _tensor_list.py) -----------------

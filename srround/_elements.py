@@ -99,21 +99,33 @@ def bits16_at(k0, k1, offset):
 def unscale_bits(bits, code, inv_scale):
     """``(new_bits, finite)`` for one gradient element of format ``code``: times float32
     ``inv_scale``, rounded back to nearest in the gradient's format (as ``grad.mul_`` in
-    torch); ``finite``: whether the input was finite. ``inv_scale == 1`` keeps the bits."""
-    wide = widen(bits, code)
-    finite = (wide & 0x7F800000) != 0x7F800000
-    scaled = narrow_nearest(f32_to_bits(bits_to_f32(wide) * inv_scale), code)
-    return (bits if inv_scale == 1.0 else scaled), finite
+    torch); ``finite``: whether the *result* - the unscaled gradient the optimizer reads - is
+    finite, so a NaN or inf ``inv_scale``, or an fp16 product past 65504, is flagged too.
+    ``inv_scale == 1`` keeps the bits."""
+    if inv_scale == 1.0:
+        new = bits
+    else:
+        new = narrow_nearest(f32_to_bits(bits_to_f32(widen(bits, code)) * inv_scale), code)
+    return new, (widen(new, code) & 0x7F800000) != 0x7F800000
+
+
+@njit(inline="always", cache=True)
+def scale_usable(inv_scale_bits):
+    """Whether float32 bits are a positive, finite scale: exactly the patterns in
+    ``(0, 0x7F800000)`` (sign clear, not zero, exponent not all ones). A zero, negative, NaN
+    or inf ``inv_scale`` sets ``found_inf`` (it would zero or poison every gradient)."""
+    return 0 < inv_scale_bits < 0x7F800000
 
 
 @njit(inline="always", cache=True)
 def unscale_in_place(address, code, j, inv_scale_bits):
     """Unscale element ``j`` of the buffer at ``address`` in place by the float32 of bits
-    ``inv_scale_bits``; returns whether it was finite. A scale of exactly 1 only reads."""
+    ``inv_scale_bits``; returns whether the result is finite and the scale usable
+    (``scale_usable``). A scale of exactly 1 only reads."""
     new, finite = unscale_bits(load(address, j, code), code, bits_to_f32(inv_scale_bits))
     if inv_scale_bits != _ONE_F32:
         store(address, j, new, code)
-    return finite
+    return finite and scale_usable(inv_scale_bits)
 
 
 @njit(inline="always", cache=True)

@@ -6,8 +6,24 @@ derive every constant (bias, infinity pattern, quantum) from them.
 
 Buffers of tensor-list kernels (pointer tables) carry a ``BufferCode``; ``CODE_DTYPES`` maps each
 code to its NumPy dtype, and the kernels look up a code's field widths and element width (1, 2
-or 4 bytes) in tables built here from ``FORMATS``. Adding a format (fp8 e5m2, say) is a new
-``BufferCode`` member and a new ``FORMATS`` entry, not new kernel code.
+or 4 bytes) in tables built here from ``FORMATS``. Adding a format is a new ``BufferCode``
+member and a new ``FORMATS`` entry, not new kernel code. ``specials`` says what the top patterns
+mean (``_scalar.IEEE``, ``FN`` or ``FINITE``):
+
+======================  =====  ========  =====================  ===========  ============
+format                  e, m   max       specials               NaN input    inf input
+======================  =====  ========  =====================  ===========  ============
+bfloat16, float16       8,7 /  3.4e38 /  IEEE: inf, NaN         quiet NaN    inf
+                        5,10   65504
+float8_e5m2             5, 2   57344     IEEE: inf, NaN         0x7E (qNaN)  inf
+float8_e4m3fn           4, 3   448       FN: 0x7F/0xFF is NaN   0x7F         NaN; 448 (sat)
+float4_e2m1fn           2, 1   6         FINITE: no inf or NaN  +-0          +-6
+======================  =====  ========  =====================  ===========  ============
+
+A finite value past the largest finite one becomes, with ``overflow="inf"`` (the format's own
+rule, ml_dtypes' casts), inf (IEEE), NaN (e4m3fn) or +-6 (e2m1fn, which has neither); with
+``overflow="saturate"`` the largest finite value (torch's e4m3fn cast, inf included there).
+fp8 and fp4 are stored one value per byte.
 """
 
 from __future__ import annotations
@@ -29,6 +45,9 @@ class BufferCode(enum.IntEnum):
     BFLOAT16 = 1
     FLOAT16 = 2
     INT16 = 3
+    FLOAT8_E4M3FN = 4
+    FLOAT8_E5M2 = 5
+    FLOAT4_E2M1FN = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +59,18 @@ class Format:
         exponent_bits: width of the biased exponent field.
         mantissa_bits: width of the stored fraction field (no implicit bit).
         numpy_dtype: the NumPy dtype holding the format (``ml_dtypes.bfloat16`` for bf16).
-        code: the format's ``BufferCode`` in pointer tables.
+        code: the format's ``BufferCode`` in pointer tables (``None``: a storage-only format
+            of block results, never in a table).
+        specials: 0 (IEEE: all-ones exponent is inf/NaN), 1 (FN: only all ones is NaN, no inf)
+            or 2 (FINITE: no inf, no NaN), the codes of ``srround._scalar``.
     """
 
     name: str
     exponent_bits: int
     mantissa_bits: int
     numpy_dtype: np.dtype
-    code: BufferCode
+    code: BufferCode | None = None
+    specials: int = 0
 
     @property
     def bits(self) -> int:
@@ -74,7 +97,11 @@ class Format:
 
     @property
     def max_finite(self) -> float:
-        return float((2.0 - 2.0**-self.mantissa_bits) * 2.0**self.bias)
+        if self.specials == 0:  # the all-ones exponent is taken by inf/NaN
+            return float((2.0 - 2.0**-self.mantissa_bits) * 2.0**self.bias)
+        top = (1 << self.exponent_bits) - 1 - self.bias  # the all-ones exponent holds numbers
+        fraction = (1 << self.mantissa_bits) - (1 if self.specials == 1 else 0)
+        return float((1.0 + (fraction - 1) * 2.0**-self.mantissa_bits) * 2.0**top)
 
     @property
     def smallest_subnormal(self) -> float:
@@ -84,8 +111,24 @@ class Format:
 FORMATS: dict[str, Format] = {
     "bfloat16": Format("bfloat16", 8, 7, np.dtype(ml_dtypes.bfloat16), BufferCode.BFLOAT16),
     "float16": Format("float16", 5, 10, np.dtype(np.float16), BufferCode.FLOAT16),
+    "float8_e4m3fn": Format(
+        "float8_e4m3fn", 4, 3, np.dtype(ml_dtypes.float8_e4m3fn), BufferCode.FLOAT8_E4M3FN, 1
+    ),
+    "float8_e5m2": Format(
+        "float8_e5m2", 5, 2, np.dtype(ml_dtypes.float8_e5m2), BufferCode.FLOAT8_E5M2
+    ),
+    "float4_e2m1fn": Format(
+        "float4_e2m1fn", 2, 1, np.dtype(ml_dtypes.float4_e2m1fn), BufferCode.FLOAT4_E2M1FN, 2
+    ),
 }
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "fp4_e2m1": "float4_e2m1fn",
+}
 
 _BITS_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 
@@ -131,8 +174,9 @@ CODE_WIDTH = _code_table(lambda f: f.width, 4, 2)
 
 
 def get_format(dtype) -> Format:
-    """Return the ``Format`` for a name (``"bfloat16"``, ``"bf16"``, ``"float16"``, ``"fp16"``)
-    or a NumPy / ml_dtypes dtype; raise ``ValueError`` listing the valid names otherwise."""
+    """Return the ``Format`` for a name (``"bfloat16"``, ``"bf16"``, ``"float16"``, ``"fp16"``,
+    ``"float8_e4m3fn"``, ``"float8_e5m2"``, ``"float4_e2m1fn"``, ...) or a NumPy / ml_dtypes /
+    framework dtype; raise ``ValueError`` listing the valid names otherwise."""
     if isinstance(dtype, Format):
         return dtype
     if isinstance(dtype, str):

@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 
+from . import _validate
 from ._elements import (
     AUX_ADDR,
     G_ADDR,
@@ -25,12 +26,14 @@ from ._elements import (
     TABLE_COLUMNS,
     Mode,
 )
-from ._formats import FORMATS, BufferCode, code_name
+from ._formats import CODE_WIDTH, FORMATS, BufferCode, code_name
 
 __all__ = ["RoundingError", "Plan", "check_rounding", "check_param_codes", "plan_step"]
 
-#: Codes a parameter or gradient may have; codes a state buffer may have.
-FLOAT_CODES = (BufferCode.FLOAT32, *(fmt.code for fmt in FORMATS.values()))
+#: Codes a parameter or gradient may have (fp32 and the 16-bit formats: the optimizer and
+#: loss-scale elements treat every narrow code as IEEE-like, which fp8 e4m3fn and fp4 are not);
+#: codes a state buffer may have.
+FLOAT_CODES = (BufferCode.FLOAT32, *(fmt.code for fmt in FORMATS.values() if fmt.bits == 16))
 STATE_CODES = (BufferCode.FLOAT32, BufferCode.BFLOAT16)
 #: Parameter codes the ``"remainder"`` mode can take (its aux holds the low half of fp32).
 REMAINDER_CODES = (BufferCode.FLOAT32, BufferCode.BFLOAT16)
@@ -119,12 +122,15 @@ class Plan:
         sizes: elements per tensor.
         state_fmt: ``BufferCode`` of every state buffer (FLOAT32 when there is none).
         place: where the buffers live (``"cpu"``, ``"cuda:0"``, ...).
+        spans: every buffer's ``(name, address, nbytes, writes)``, checked for shared memory
+            (``_validate.no_overlap``) by ``plan_step``; callers add their own buffers.
     """
 
     table: np.ndarray
     sizes: list
     state_fmt: BufferCode
     place: str
+    spans: list = dataclasses.field(default_factory=list)
 
 
 def _columns(adapter, arrays, name, sizes, place, allowed, expected=None):
@@ -173,6 +179,8 @@ def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=
     p_addr, sizes, p_codes, place = adapter.buffer_table(params, "params")
     check_param_codes(p_codes, mode)
     g_addr, g_codes = _columns(adapter, grads, "grads", sizes, place, FLOAT_CODES)
+    spans = _validate.list_spans("params", p_addr, sizes, p_codes, CODE_WIDTH, True)
+    spans += _validate.list_spans("grads", g_addr, sizes, g_codes, CODE_WIDTH, False)
     columns, state_fmt = [], None
     for label, arrays in states:
         if arrays is None:
@@ -188,6 +196,8 @@ def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=
                 )
             state_fmt = c
         columns.append(addrs)
+        present = [i for i, a in enumerate(arrays) if a is not None]
+        spans += _validate.list_spans(label, addrs, sizes, codes, CODE_WIDTH, True, present)
     aux_addr = [0] * count
     if mode in _AUX:
         code_of, expected = _AUX[mode]
@@ -205,6 +215,8 @@ def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=
                 )
             if a is not None and a_codes[i] != code_of(c):
                 raise TypeError(f"aux[{i}]: expected {expected} for rounding={mode.name.lower()!r}")
+        present = [i for i, a in enumerate(aux) if a is not None]
+        spans += _validate.list_spans("aux", aux_addr, sizes, a_codes, CODE_WIDTH, True, present)
     table = np.zeros((count, TABLE_COLUMNS), np.int64)
     table[:, P_ADDR], table[:, P_FMT] = p_addr, p_codes
     table[:, G_ADDR], table[:, G_FMT] = g_addr, g_codes
@@ -216,4 +228,5 @@ def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=
         noise = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]]) if count else []
     table[:, NOISE] = noise
     state = BufferCode.FLOAT32 if state_fmt is None else BufferCode(state_fmt)
-    return Plan(table, sizes, state, place)
+    _validate.no_overlap(spans)  # sorted once per table: shared memory between any two buffers
+    return Plan(table, sizes, state, place, spans)

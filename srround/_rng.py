@@ -110,6 +110,11 @@ def manual_seed(seed: int) -> None:
     """Seed the generator that calls with ``seed=None`` draw their seeds from (like
     ``torch.manual_seed``): after ``manual_seed(s)`` the sequence of such calls is reproducible."""
     global _generator
+    if seed is None:
+        raise TypeError(
+            "seed: manual_seed needs an int in [0, 2**64), got None (seed=None is what the"
+            " rounding calls take to draw from this generator)"
+        )
     _generator = np.random.default_rng(check_seed(seed, "seed"))
 
 

@@ -31,17 +31,43 @@ def _split_f32(a):
     return (a & 0x7FFFFF) | 0x800000, biased - 127
 
 
+# What a format does with its top patterns (``Format.specials``): IEEE-like (all-ones exponent =
+# inf and NaN: bf16, fp16, fp8 e5m2), "fn" (finite + NaN: only the all-ones pattern is NaN, no
+# inf: fp8 e4m3fn) and "fn" without NaN (every pattern finite: fp4 e2m1fn).
+IEEE, FN, FINITE = 0, 1, 2
+
+
 @njit(inline="always", cache=True)
-def _special(u, mantissa_bits, exponent_bits):
-    """For NaN and +-inf inputs, the narrow pattern; -1 for every other input."""
+def _top(mantissa_bits, exponent_bits, kind):
+    """``(limit, overflow, nan)`` magnitude patterns of a format: ``limit`` is the first one past
+    the largest finite value, ``overflow`` what a finite overflow becomes without saturation,
+    ``nan`` the canonical NaN (0 for a format without NaN: NaN inputs become zero)."""
+    inf = ((1 << exponent_bits) - 1) << mantissa_bits
+    ones = (1 << (exponent_bits + mantissa_bits)) - 1
+    if kind == IEEE:
+        return inf, inf, inf | (1 << (mantissa_bits - 1))
+    if kind == FN:
+        return ones, ones, ones
+    return ones + 1, ones, 0
+
+
+@njit(inline="always", cache=True)
+def _special(u, mantissa_bits, exponent_bits, saturate=False, kind=IEEE):
+    """For NaN and +-inf inputs, the narrow pattern; -1 for every other input.
+
+    NaN -> the format's NaN (IEEE: the quiet NaN, sign | all-ones exponent | top fraction bit;
+    fn: sign | all ones; no NaN: zero with the NaN's sign). inf -> inf where the format has
+    inf; else the NaN (fn, ``saturate=False``) or the largest finite value."""
     a = u & _F32_ABS
     if a < _F32_INF:
         return -1
     sign = ((u >> 31) & 1) << (exponent_bits + mantissa_bits)
-    inf = ((1 << exponent_bits) - 1) << mantissa_bits
+    limit, overflow, nan = _top(mantissa_bits, exponent_bits, kind)
     if a == _F32_INF:
-        return sign | inf
-    return sign | inf | (1 << (mantissa_bits - 1))
+        if kind == IEEE:
+            return sign | limit
+        return sign | (limit - 1 if saturate else overflow)
+    return sign | nan
 
 
 @njit(inline="always", cache=True)
@@ -65,11 +91,13 @@ def _quantize(u, mantissa_bits, exponent_bits):
 
 
 @njit(inline="always", cache=True)
-def _finish(u, magnitude, mantissa_bits, exponent_bits, saturate):
-    """Apply the overflow policy and the sign to a rounded magnitude pattern."""
-    inf = ((1 << exponent_bits) - 1) << mantissa_bits
-    if magnitude >= inf:
-        magnitude = inf - 1 if saturate else inf
+def _finish(u, magnitude, mantissa_bits, exponent_bits, saturate, kind=IEEE):
+    """Apply the overflow policy and the sign to a rounded magnitude pattern: past the largest
+    finite value is the format's overflow pattern (inf, NaN for e4m3fn, the largest value for
+    a format with neither), or the largest finite value under ``saturate``."""
+    limit, overflow, _ = _top(mantissa_bits, exponent_bits, kind)
+    if magnitude >= limit:
+        magnitude = limit - 1 if saturate else overflow
     return (((u >> 31) & 1) << (exponent_bits + mantissa_bits)) | magnitude
 
 
@@ -132,7 +160,7 @@ def _bf16_stochastic(typingctx, u, bits16):
 
 
 @njit(inline="always", cache=True)
-def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate):
+def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """Stochastically round fp32 pattern ``u`` to the narrow format using 16 random bits.
 
     Returns the narrow pattern (an int). P(round away from zero) = floor(2**16 * frac) / 2**16
@@ -140,40 +168,47 @@ def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate):
     """
     if mantissa_bits == 7 and exponent_bits == 8 and not saturate:
         return _bf16_stochastic(u, bits16)
-    special = _special(u, mantissa_bits, exponent_bits)
+    special = _special(u, mantissa_bits, exponent_bits, saturate, kind)
     # Both paths are computed and one is selected (no early return): the body is branch-free,
     # so the CPU compiler can vectorize a loop over it (NaN/inf inputs harmlessly compute a
     # discarded finite result).
     base, q, r, s = _quantize(u, mantissa_bits, exponent_bits)
     threshold = (r << 16) >> s
     up = 1 if bits16 < threshold else 0
-    rounded = _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate)
+    rounded = _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate, kind)
     return special if special >= 0 else rounded
 
 
 @njit(inline="always", cache=True)
-def encode_nearest(u, mantissa_bits, exponent_bits, saturate):
+def encode_nearest(u, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """Round fp32 pattern ``u`` to the nearest narrow value, ties to even (IEEE default)."""
     if mantissa_bits == 7 and exponent_bits == 8 and not saturate:
         return _bf16_nearest(u)
-    special = _special(u, mantissa_bits, exponent_bits)
+    special = _special(u, mantissa_bits, exponent_bits, saturate, kind)
     # branch-free like encode_stochastic, so loops over it vectorize
     base, q, r, s = _quantize(u, mantissa_bits, exponent_bits)
     half = 1 << (s - 1)
     up = 1 if (r > half or (r == half and (q & 1) == 1)) else 0
-    rounded = _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate)
+    rounded = _finish(u, base + q + up, mantissa_bits, exponent_bits, saturate, kind)
     return special if special >= 0 else rounded
 
 
 @njit(inline="always", cache=True)
-def decode(h, mantissa_bits, exponent_bits):
+def decode(h, mantissa_bits, exponent_bits, kind=IEEE):
     """Widen a narrow pattern ``h`` to the exact fp32 pattern. NaN payloads are kept (shifted
-    into the top of the fp32 fraction), as ml_dtypes and NumPy do."""
+    into the top of the fp32 fraction), as NumPy and torch do (e4m3fn's NaN 0x7F -> 0x7FF00000;
+    ml_dtypes writes 0x7FC00000 for that one). In ``FN`` formats only the all-ones pattern is
+    special, in ``FINITE`` ones none is."""
     sign = ((h >> (exponent_bits + mantissa_bits)) & 1) << 31
     biased = (h >> mantissa_bits) & ((1 << exponent_bits) - 1)
     frac = h & ((1 << mantissa_bits) - 1)
     bias = (1 << (exponent_bits - 1)) - 1
-    if biased == (1 << exponent_bits) - 1:
+    top = biased == (1 << exponent_bits) - 1
+    if kind == FN:
+        top = top and frac == (1 << mantissa_bits) - 1
+    elif kind == FINITE:
+        top = False
+    if top:
         return sign | _F32_INF | (frac << (23 - mantissa_bits))
     if biased == 0:
         if frac == 0:
@@ -227,18 +262,18 @@ def f32_to_bits(typingctx, f):
 
 
 @njit(inline="always", cache=True)
-def add_stochastic(w, update, alpha, bits16, mantissa_bits, exponent_bits, saturate):
+def add_stochastic(w, update, alpha, bits16, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """``SR(w + alpha * update)`` for narrow pattern ``w``, fp32 pattern ``update`` and float32
     ``alpha``: the sum is formed in fp32 with one rounding (fma), then stochastically rounded."""
-    total = add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits)
-    return encode_stochastic(total, bits16, mantissa_bits, exponent_bits, saturate)
+    total = add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits, kind)
+    return encode_stochastic(total, bits16, mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(inline="always", cache=True)
-def add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits):
+def add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits, kind=IEEE):
     """The fp32 pattern of ``w + alpha * update`` (one rounding, fma) that ``add_stochastic``
     rounds; exposed so a backend may run the two steps as separate loops."""
-    weight = bits_to_f32(decode(w, mantissa_bits, exponent_bits))
+    weight = bits_to_f32(decode(w, mantissa_bits, exponent_bits, kind))
     return f32_to_bits(fma32(alpha, bits_to_f32(update), weight))
 
 

@@ -89,7 +89,9 @@ def test_torch_codes_follow_the_enum():
         torch.bfloat16: BufferCode.BFLOAT16,
         torch.float16: BufferCode.FLOAT16,
         torch.int16: BufferCode.INT16,
-    }
+        torch.float8_e4m3fn: BufferCode.FLOAT8_E4M3FN,
+        torch.float8_e5m2: BufferCode.FLOAT8_E5M2,
+    }  # torch has no one-value-per-byte fp4 dtype
 
 
 def test_views_follow_the_element_width():

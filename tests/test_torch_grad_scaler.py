@@ -441,3 +441,255 @@ def test_per_tensor_with_srround_fused_adamw():
         for a, b in zip(*(m.parameters() for m in models)):
             assert torch.equal(a, b), step
     assert scaler.state_dict()["module_scales"] == [2.0**10, 2.0**10, 2.0**8]
+
+
+# -- parity with torch.amp.GradScaler (issue findings, torch's grad-scaling tests adapted) ----
+
+
+def _srround_adamw(model, **kwargs):
+    from srround.adapters.torch import AdamW
+
+    return AdamW(model.parameters(), lr=0.1, seed=3, **kwargs)
+
+
+def _scaled_backward(model, scaler, x=None):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5)) if x is None else x
+    dtype = next(model.parameters()).dtype
+    scaler.scale(model(x.to(dtype)).float().sum()).backward()
+
+
+def test_step_twice_without_update_raises():
+    """Finding: a second step applied the still-scaled gradient (65,536x too far)."""
+    model = _model()
+    opt = _srround_adamw(model)
+    scaler = GradScaler("cpu")
+    _scaled_backward(model, scaler)
+    scaler.step(opt)
+    after_one = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last"):
+        scaler.step(opt)
+    assert all(torch.equal(a, p) for a, p in zip(after_one, model.parameters()))
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)"):
+        scaler.unscale_(opt)
+    scaler.update()
+    _scaled_backward(model, scaler)
+    scaler.step(opt)  # a new iteration steps again
+
+
+def test_update_without_inf_checks_raises():
+    """Finding: update() with no step recorded silently grew the scale."""
+    scaler = GradScaler("cpu", growth_interval=1)
+    scaler.scale(torch.ones(()))
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        scaler.update()
+    assert scaler.get_scale() == 2.0**16
+    scaler.update(1024.0)  # setting the scale needs none
+    assert scaler.get_scale() == 1024.0
+    scaler.update(torch.full((1,), 8.0))
+    assert scaler.get_scale() == 8.0
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(torch.ones(2))
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_pickle_and_deepcopy_keep_a_working_scale(how):
+    """Finding: after unpickling, update() wrote one tensor and scale() read another. As in
+    torch's autocast test, the scaler is round-tripped every iteration."""
+    import pickle
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    ref_model = _model()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.01)
+    for step in range(6):
+        scaler = pickle.loads(pickle.dumps(scaler)) if how == "pickle" else copy.deepcopy(scaler)
+        for m, o, s in ((model, opt, scaler), (ref_model, ref_opt, ref)):
+            o.zero_grad()
+            _scaled_backward(m, s)
+            if step == 3:
+                m[0].weight.grad[0, 0] = float("inf")
+            s.step(o)
+            s.update()
+        assert scaler.get_scale() == ref.get_scale(), step
+        assert scaler._get_growth_tracker() == ref._get_growth_tracker(), step
+        assert torch.equal(scaler.scale(torch.ones(())), ref.scale(torch.ones(())))
+    assert scaler.get_scale() != 2.0**8  # it moved
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    _scaled_backward(model, scaler)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="pickled at the beginning of an iteration"):
+        pickle.dumps(scaler)
+
+
+def test_accessors_match_torch():
+    kwargs = {"init_scale": 128.0, "growth_factor": 3.0, "backoff_factor": 0.25}
+    ours = GradScaler("cpu", growth_interval=7, **kwargs)
+    theirs = torch.amp.GradScaler("cpu", growth_interval=7, **kwargs)
+    for name in ("get_scale", "get_growth_factor", "get_backoff_factor", "get_growth_interval"):
+        assert getattr(ours, name)() == getattr(theirs, name)(), name
+    assert ours._get_growth_tracker() == 0
+    assert ours.is_enabled() and theirs.is_enabled()
+    for scaler in (ours, theirs):
+        scaler.set_growth_factor(4.0)
+        scaler.set_backoff_factor(0.125)
+        scaler.set_growth_interval(11)
+    assert ours.state_dict().items() >= theirs.state_dict().items()
+    with pytest.raises(ValueError, match="growth_factor"):
+        ours.set_growth_factor(0.5)
+    with pytest.raises(ValueError, match="backoff_factor"):
+        ours.set_backoff_factor(1.5)
+    with pytest.raises(ValueError, match="growth_interval"):
+        ours.set_growth_interval(0)
+    off = GradScaler("cpu", enabled=False)
+    assert not off.is_enabled() and off.get_scale() == 1.0 and off.state_dict() == {}
+
+
+def test_scale_of_any_iterable():
+    from collections import namedtuple
+
+    scaler = GradScaler("cpu", init_scale=4.0)
+    ref = torch.amp.GradScaler("cpu", init_scale=4.0)
+    one = torch.ones(())
+    assert scaler.scale(one).shape == ref.scale(one).shape == ()
+    pair = namedtuple("pair", "a b")
+    nested = [one, (one * 2, [one * 3]), pair(one, one * 5)]
+    out = scaler.scale(nested)
+    assert isinstance(out, list) and isinstance(out[1], tuple) and isinstance(out[2], pair)
+    assert float(out[1][1][0]) == 12.0 and float(out[2].b) == 20.0
+    lazy = scaler.scale(t for t in (one, one * 2))  # a generator: a lazy map, as torch
+    assert [float(t) for t in lazy] == [float(t) for t in ref.scale(t for t in (one, one * 2))]
+    with pytest.raises(ValueError, match="outputs"):
+        scaler.scale(3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_unscaled_after_step(dtype):
+    """Finding: after scaler.step(srround_opt) p.grad held the scaled gradient."""
+    model, plain = _model(dtype), _model(dtype)
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    opt = _srround_adamw(model)
+    _scaled_backward(model, scaler)
+    _scaled_backward(plain, GradScaler("cpu", enabled=False))
+    scaler.step(opt)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)  # power-of-two scale: exact
+    scaler.update()
+    kept = GradScaler("cpu", init_scale=2.0**10, unscale_grads=False)  # opt-in: no write
+    model = _model(dtype)
+    _scaled_backward(model, kept)
+    kept.step(_srround_adamw(model))
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad * 2.0**10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_gradscaler_drives_srround_optimizer(dtype):
+    """torch.amp.GradScaler's fused-optimizer protocol (_step_supports_amp_scaling,
+    grad_scale / found_inf attributes): same parameters, scale and gradients as srround's
+    scaler, skipped steps included."""
+    runs = {}
+    for name, scaler in (
+        ("torch", torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)),
+        ("srround", GradScaler("cpu", init_scale=2.0**8, growth_interval=2)),
+    ):
+        model = _model(dtype)
+        opt = _srround_adamw(model)
+        scales = []
+        for step in range(5):
+            opt.zero_grad()
+            _scaled_backward(model, scaler)
+            if step == 2:
+                model[2].bias.grad.fill_(float("nan"))
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs[name] = (model, scales, opt.state[model[0].weight]["step"].item())
+    (m1, s1, t1), (m2, s2, t2) = runs["torch"], runs["srround"]
+    assert s1 == s2 and t1 == t2 == 4
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+
+
+def test_srround_gradscaler_drives_torch_fused_optimizer():
+    """srround's scaler gives torch.optim.AdamW(fused=True) grad_scale / found_inf as torch's
+    scaler does: same parameters and states."""
+    runs = []
+    for scaler in (
+        torch.amp.GradScaler("cpu", init_scale=2.0**8),
+        GradScaler("cpu", init_scale=2.0**8),
+    ):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        for step in range(4):
+            opt.zero_grad()
+            _scaled_backward(model, scaler)
+            if step == 1:
+                model[0].bias.grad[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+        runs.append((model, opt, scaler.get_scale()))
+    (m1, o1, s1), (m2, o2, s2) = runs
+    assert s1 == s2
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(o1.state[p]["exp_avg_sq"], o2.state[q]["exp_avg_sq"])
+
+
+def _odd_grads_model():
+    """Parameters whose gradients torch's scaler accepts but a flat kernel cannot take: a
+    float64 layer, a channels_last convolution, a sparse embedding; plus a strided gradient
+    set by hand."""
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict(
+        {
+            "conv": torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last),
+            "f64": torch.nn.Linear(4, 2).double(),
+            "emb": torch.nn.Embedding(10, 4, sparse=True),
+            "extra": torch.nn.Linear(3, 3),
+        }
+    )
+
+
+def _odd_backward(model, scaler, overflow=False):
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    x = x.to(memory_format=torch.channels_last)
+    h = model["conv"](x).mean((2, 3)) + model["emb"](torch.tensor([1, 3])).float()
+    out = model["f64"](h.double()).float().sum()
+    scaler.scale(out).backward()
+    big = torch.randn(3, 6, generator=torch.Generator().manual_seed(2)) * scaler.get_scale()
+    model["extra"].weight.grad = big[:, ::2]  # a non-dense strided gradient
+    if overflow:
+        model["extra"].weight.grad[0, 0] = float("inf")
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_every_gradient_torch_accepts(overflow):
+    """float64, channels_last, sparse and strided-view gradients: same outcome as
+    torch.amp.GradScaler with torch.optim.SGD (fused kernel for the dense fp32 ones, torch's
+    own kernel for the rest)."""
+    results = []
+    for scaler in (
+        torch.amp.GradScaler("cpu", init_scale=64.0),
+        GradScaler("cpu", init_scale=64.0),
+    ):
+        model = _odd_grads_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _odd_backward(model, scaler, overflow)
+        scaler.step(opt)
+        scaler.update()
+        results.append((model, scaler.get_scale()))
+    (m1, s1), (m2, s2) = results
+    assert s1 == s2 == (32.0 if overflow else 64.0)
+    for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.equal(p, q), name
+        g, h = p.grad, q.grad
+        if g is None:
+            assert h is None
+            continue
+        if g.is_sparse:
+            g, h = g.to_dense(), h.to_dense()
+        assert torch.equal(g, h), name

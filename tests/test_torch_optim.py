@@ -1,9 +1,12 @@
-"""srround.adapters.torch.AdamW / SGD: torch.optim agreement, the weight modes' exact contracts,
-param groups and schedulers, fused loss scaling, state_dict resume, errors; plus a custom
-optimizer (Lion) built from the public primitives."""
+"""srround.adapters.torch.AdamW / SGD, what is torch's own: param groups and schedulers, autograd
+and version counters, the cached table, fused loss scaling with the GradScaler, state_dict
+resume, errors; plus a custom optimizer (Lion) built from the public primitives. The optimizer
+contract (torch.optim's math, the weight modes' bits, found_inf, CPU/CUDA identity) is tested
+once for every front end in tests/test_optim_contract.py."""
 
 from __future__ import annotations
 
+import copy
 import io
 import time
 
@@ -56,185 +59,7 @@ def _ulp_close(actual, expected, ulps, msg=""):
 # -- fp32 math against torch.optim -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("rounding", ["master", "stochastic", "remainder"])
-def test_adamw_fp32_params_match_torch(rounding):
-    """fp32 parameters are updated exactly in every mode: torch.optim.AdamW within a few ulp
-    over 100 steps."""
-    ours, ref = _params(torch.float32), _params(torch.float32)
-    opt = AdamW(
-        ours, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, rounding=rounding, seed=1
-    )
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    for step in range(100):
-        grads = _grads(step)
-        _set_grads(ours, grads)
-        _set_grads(ref, grads)
-        opt.step()
-        ref_opt.step()
-    for p, r in zip(ours, ref):
-        _ulp_close(p, r, 4, "param")  # measured: <= 2 ulp
-        _ulp_close(opt.state[p]["exp_avg"], ref_opt.state[r]["exp_avg"], 2, "exp_avg")
-        _ulp_close(opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], 2, "exp_avg_sq")
-        assert int(opt.state[p]["step"]) == 100
-
-
-def test_adamw_master_weights_match_torch_fp32():
-    """bf16 parameters with rounding='master': the fp32 master weights follow torch.optim.AdamW
-    on fp32 parameters (same start, same gradients) within a few ulp over 100 steps, and the
-    bf16 parameters are their round-to-nearest."""
-    ours = _params(torch.bfloat16)
-    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    opt = AdamW(ours, lr=1e-2, weight_decay=0.1, rounding="master", seed=2)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
-    for step in range(100):
-        grads = _grads(step, dtype=torch.bfloat16)
-        _set_grads(ours, grads)
-        _set_grads(ref, grads)
-        opt.step()
-        ref_opt.step()
-    for p, r in zip(ours, ref):
-        master = opt.state[p]["master_weight"]
-        assert master.dtype == torch.float32
-        _ulp_close(master, r, 4, "master")
-        _assert_bits_equal(p, srround.round_nearest(master))
-
-
-SGD_CONFIGS = [
-    {"momentum": 0.0},
-    {"momentum": 0.9},
-    {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
-    {"momentum": 0.8, "dampening": 0.3, "weight_decay": 0.05},
-]
-
-
-@pytest.mark.parametrize("config", SGD_CONFIGS)
-def test_sgd_fp32_params_match_torch(config):
-    ours, ref = _params(torch.float32), _params(torch.float32)
-    opt = SGD(ours, lr=0.05, rounding="master", seed=3, **config)
-    ref_opt = torch.optim.SGD(ref, lr=0.05, **config)
-    for step in range(100):
-        grads = _grads(step)
-        _set_grads(ours, grads)
-        _set_grads(ref, grads)
-        opt.step()
-        ref_opt.step()
-    for p, r in zip(ours, ref):
-        _ulp_close(p, r, 2, "param")  # measured: bit-identical
-        if config["momentum"]:
-            _ulp_close(
-                opt.state[p]["momentum_buffer"],
-                ref_opt.state[r]["momentum_buffer"],
-                2,
-                "momentum_buffer",
-            )
-        else:
-            assert "momentum_buffer" not in opt.state[p]
-
-
-def test_sgd_master_bf16_matches_torch_fp32():
-    ours = _params(torch.bfloat16)
-    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    opt = SGD(
-        ours, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, rounding="master", seed=3
-    )
-    ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
-    for step in range(100):
-        grads = _grads(step, dtype=torch.bfloat16)
-        _set_grads(ours, grads)
-        _set_grads(ref, grads)
-        opt.step()
-        ref_opt.step()
-    for p, r in zip(ours, ref):
-        _ulp_close(opt.state[p]["master_weight"], r, 2, "master")
-
-
 # -- weight modes: exact contracts --------------------------------------------------------------
-
-
-def _shadow_run(rounding, steps=3, seed=11, kind="adamw", dtype=torch.bfloat16):
-    """Run ``rounding`` on narrow params next to an fp32 shadow optimizer whose parameters are
-    reset to the narrow weights before each step (same gradients, so the same states): the
-    shadow's result is the exact fp32 update the narrow parameter is rounded from."""
-    ours = _params(dtype)
-    shadow = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    if kind == "adamw":
-        make = lambda ps, r: AdamW(ps, lr=3e-2, weight_decay=0.1, rounding=r, seed=seed)
-    else:
-        make = lambda ps, r: SGD(ps, lr=0.1, momentum=0.9, rounding=r, seed=seed)
-    opt, shadow_opt = make(ours, rounding), make(shadow, "master")
-    for step in range(1, steps + 1):
-        grads = _grads(step, dtype=dtype)
-        with torch.no_grad():
-            for p, s in zip(ours, shadow):
-                s.copy_(p.float())
-        _set_grads(ours, grads)
-        _set_grads(shadow, grads)
-        opt.step()
-        shadow_opt.step()
-        yield step, ours, shadow, opt
-
-
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
-def test_nearest_is_rne_of_the_fp32_update(kind):
-    for _, ours, shadow, _ in _shadow_run("nearest", kind=kind):
-        for p, s in zip(ours, shadow):
-            _assert_bits_equal(p, srround.round_nearest(s))
-
-
-def test_nearest_fp16_params():
-    for _, ours, shadow, _ in _shadow_run("nearest", dtype=torch.float16):
-        for p, s in zip(ours, shadow):
-            _assert_bits_equal(p, srround.round_nearest(s, dtype="float16"))
-
-
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
-def test_stochastic_is_the_documented_stream(kind):
-    """Weight write-back == stochastic_round(fp32 update, seed, offset=t * 2**36 + start of the
-    tensor) exactly, and never leaves the two bf16 neighbours of the update."""
-    seed = 11
-    for step, ours, shadow, _ in _shadow_run("stochastic", seed=seed, kind=kind):
-        start = 0
-        for p, s in zip(ours, shadow):
-            expected = srround.stochastic_round(
-                s.detach(), seed=seed, offset=(step << STEP_SHIFT) + start
-            )
-            _assert_bits_equal(p, expected, f"step {step}")
-            down = srround.round_nearest(s.detach()).float()
-            value = p.detach().float()
-            lo = torch.where(
-                down <= s,
-                down,
-                torch.nextafter(
-                    down.bfloat16(), torch.tensor(-np.inf, dtype=torch.bfloat16)
-                ).float(),
-            )
-            hi = torch.where(
-                down >= s,
-                down,
-                torch.nextafter(
-                    down.bfloat16(), torch.tensor(np.inf, dtype=torch.bfloat16)
-                ).float(),
-            )
-            assert bool(((value == lo) | (value == hi)).all())
-            start += p.numel()
-
-
-def test_remainder_reconstructs_master_trajectory():
-    """(bf16 parameter, int16 remainder) hold exactly the fp32 weights of rounding='master'."""
-    master_p, rem_p = _params(), _params()
-    opt_m = AdamW(master_p, lr=1e-2, weight_decay=0.1, rounding="master", seed=5)
-    opt_r = AdamW(rem_p, lr=1e-2, weight_decay=0.1, rounding="remainder", seed=5)
-    for step in range(20):
-        grads = _grads(step, dtype=torch.bfloat16)
-        _set_grads(master_p, grads)
-        _set_grads(rem_p, grads)
-        opt_m.step()
-        opt_r.step()
-        for pm, pr in zip(master_p, rem_p):
-            rem = opt_r.state[pr]["remainder"]
-            assert rem.dtype == torch.int16
-            joined = (pr.detach().view(torch.int16).int() << 16) + rem.int()
-            assert torch.equal(joined, opt_m.state[pm]["master_weight"].view(torch.int32))
 
 
 def test_kahan_state_and_bf16_moments():
@@ -248,28 +73,6 @@ def test_kahan_state_and_bf16_moments():
         assert st["kahan_comp"].dtype == torch.bfloat16
         assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
         assert bool(torch.isfinite(p).all())
-
-
-def test_mixed_dtypes_one_table():
-    """bf16, fp16 and fp32 parameters in one optimizer (one fused step): the fp32 one is exact."""
-    gen = torch.Generator().manual_seed(0)
-    ps = [
-        torch.nn.Parameter(torch.randn(6, generator=gen).to(d))
-        for d in (torch.bfloat16, torch.float16, torch.float32)
-    ]
-    ref = torch.nn.Parameter(ps[2].detach().clone())
-    opt = AdamW(ps, lr=1e-2, rounding="master", seed=0)
-    ref_opt = AdamW([ref], lr=1e-2, rounding="master", seed=0)
-    for step in range(3):
-        g = torch.randn(6, generator=gen)
-        for p in ps:
-            p.grad = g.to(p.dtype)
-        ref.grad = g.clone()
-        opt.step()
-        ref_opt.step()
-    _assert_bits_equal(ps[2], ref)
-    assert "master_weight" not in opt.state[ps[2]]
-    assert opt.state[ps[1]]["master_weight"].dtype == torch.float32
 
 
 # -- groups, schedulers, autograd, caching ------------------------------------------------------
@@ -473,10 +276,10 @@ def test_fused_scaler_equals_torch_scaler(dtype):
 
 
 def test_fused_scaler_reads_grads_once_without_writing_them():
-    """The fused path never writes the gradients: they stay scaled after scaler.step."""
+    """unscale_grads=False: the fused path never writes the gradients, they stay scaled."""
     model = _model(torch.bfloat16)
     opt = AdamW(model.parameters(), lr=1e-2, seed=0)
-    scaler = GradScaler("cpu", init_scale=2.0**4)
+    scaler = GradScaler("cpu", init_scale=2.0**4, unscale_grads=False)
     scaler.scale(model(torch.randn(3, 4).bfloat16()).sum()).backward()
     before = [p.grad.clone() for p in model.parameters()]
     scaler.step(opt)
@@ -570,7 +373,7 @@ def test_errors():
     with pytest.raises(ValueError, match="nesterov"):
         SGD(ps, lr=0.1, nesterov=True)
     with pytest.raises(ValueError, match="amsgrad"):
-        AdamW(ps, amsgrad=True)
+        AdamW(ps, amsgrad=True, rounding="kahan")
     with pytest.raises(ValueError, match="rounding"):
         AdamW([{"params": ps[:1]}, {"params": ps[1:], "rounding": "nearest"}])
     emb = torch.nn.Embedding(10, 3, sparse=True)
@@ -645,24 +448,6 @@ def test_lion_from_primitives_trains():
 # -- CUDA (real devices only: torch has no CUDA simulator) ------------------------------------
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rounding", ["stochastic", "master", "remainder"])
-def test_cuda_matches_cpu_bits(rounding):
-    runs = []
-    for device in ("cpu", "cuda"):
-        ps = _params(device=device)
-        opt = AdamW(ps, lr=1e-2, rounding=rounding, state_dtype=torch.bfloat16, seed=3)
-        scaler = GradScaler(device, init_scale=4.0)
-        for step in range(3):
-            opt.zero_grad()
-            loss = sum((p.float() * g.to(device)).sum() for p, g in zip(ps, _grads(step)))
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        runs.append([_bits(p) for p in ps])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
 # -- host overhead (measured, not asserted) ----------------------------------------------------
 
 
@@ -679,3 +464,365 @@ def test_host_overhead_200_tensors(capsys):
     per_step = (time.perf_counter() - t0) / n * 1e6
     with capsys.disabled():
         print(f"\nsrround AdamW, 200 tensors x 4 bf16: {per_step:.0f} us/step (CPU, cached table)")
+
+
+# -- torch.optim parity: flags, maximize, state dicts both ways, layouts ---------------------
+
+
+def _run(opt, params, steps, dtype=torch.float32, start=0):
+    for step in range(start, start + steps):
+        _set_grads(params, _grads(step, dtype=dtype))
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "make, ref",
+    [
+        (
+            lambda ps, **kw: AdamW(ps, lr=1e-2, weight_decay=0.1, seed=1, **kw),
+            lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
+        ),
+        (
+            lambda ps, **kw: SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, seed=1, **kw),
+            lambda ps, **kw: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, **kw),
+        ),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_maximize_and_implementation_flags_match_torch(make, ref):
+    """Finding: maximize unsupported, foreach/fused/differentiable/capturable=False
+    rejected. fp32 parameters: torch.optim's result within a few ulp."""
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    flags = {"maximize": True, "foreach": False, "differentiable": False}
+    opt = make(ours, fused=False, **flags)
+    ref_opt = ref(theirs, **flags)
+    _run(opt, ours, 20)
+    _run(ref_opt, theirs, 20)
+    for p, r in zip(ours, theirs):
+        _ulp_close(p, r, 4, "param")
+    for flag in ({"foreach": True}, {"fused": True}, {"fused": None}):
+        make(_params(), **flag)
+    AdamW(_params(), capturable=True)
+    with pytest.raises(ValueError, match="differentiable"):
+        make(_params(), differentiable=True)
+    with pytest.raises(ValueError, match="maximize: one value per optimizer"):
+        ps = _params()
+        AdamW([{"params": ps[:1]}, {"params": ps[1:], "maximize": True}])
+
+
+def _torch_trained(kind, steps=3):
+    params = _params(torch.float32)
+    opt = (
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        if kind == "adamw"
+        else torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True)
+    )
+    _run(opt, params, steps)
+    return params, opt
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_loads_a_torch_optim_state_dict_and_continues(kind):
+    """Finding: a torch.optim state_dict loaded, then step() raised KeyError: 'rounding'. The
+    srround keys now come from the defaults; continuing matches torch continuing."""
+    params, torch_opt = _torch_trained(kind)
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    make = AdamW if kind == "adamw" else SGD
+    opt = make(ours, lr=1.0, seed=5)
+    opt.load_state_dict(torch_opt.state_dict())
+    group = opt.param_groups[0]
+    assert group["rounding"] == "stochastic" and group["seed"] == 5 and group["lr"] != 1.0
+    _run(opt, ours, 3, start=3)
+    _run(torch_opt, params, 3, start=3)
+    for p, r in zip(ours, params):
+        _ulp_close(p, r, 4, "param")
+        if kind == "adamw":
+            assert int(opt.state[p]["step"]) == 6
+
+
+def test_unusable_torch_state_dict_fails_at_load_with_nothing_loaded():
+    params = _params(torch.float32)
+    torch_opt = torch.optim.AdamW(params, lr=1e-2, differentiable=True)
+    opt = AdamW(_params(torch.float32), lr=1e-3, seed=1)
+    with pytest.raises(ValueError, match="differentiable"):
+        opt.load_state_dict(torch_opt.state_dict())
+    assert opt.param_groups[0]["lr"] == 1e-3 and len(opt.state) == 0
+    sd = AdamW(_params(), seed=1).state_dict()
+    sd["param_groups"][0]["rounding"] = "up"
+    with pytest.raises(ValueError, match="rounding"):
+        opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_torch_optim_loads_srround_state_dict(kind):
+    ours = _params(torch.float32)
+    opt = (
+        AdamW(ours, lr=1e-2, weight_decay=0.1, seed=1)
+        if kind == "adamw"
+        else SGD(ours, lr=0.05, momentum=0.9, seed=1)
+    )
+    _run(opt, ours, 3)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    torch_opt = (torch.optim.AdamW if kind == "adamw" else torch.optim.SGD)(theirs)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as saved: no shared tensors
+    _run(torch_opt, theirs, 3, start=3)
+    _run(opt, ours, 3, start=3)
+    for p, r in zip(ours, theirs):
+        _ulp_close(p, r, 4, "param")
+
+
+def test_channels_last_parameters_update_in_place_noise_in_memory_order():
+    """Finding: channels_last weights were rejected. A channels_last bf16 weight is updated
+    in place, its states are channels_last, and its bits equal those of a contiguous
+    parameter holding its memory order (NHWC): the noise follows memory order."""
+    gen = torch.Generator().manual_seed(0)
+    nchw = torch.randn(4, 3, 5, 5, generator=gen).bfloat16()
+    weight = torch.nn.Parameter(nchw.to(memory_format=torch.channels_last))
+    nhwc = torch.nn.Parameter(nchw.permute(0, 2, 3, 1).contiguous())
+    address = weight.data_ptr()
+    opt_cl = AdamW([weight], lr=1e-2, state_dtype=torch.bfloat16, seed=9)
+    opt_ref = AdamW([nhwc], lr=1e-2, state_dtype=torch.bfloat16, seed=9)
+    for step in range(3):
+        g = torch.randn(4, 3, 5, 5, generator=gen).bfloat16()
+        weight.grad = g.to(memory_format=torch.channels_last)
+        nhwc.grad = g.permute(0, 2, 3, 1).contiguous()
+        opt_cl.step()
+        opt_ref.step()
+    assert weight.data_ptr() == address
+    assert weight.is_contiguous(memory_format=torch.channels_last)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert opt_cl.state[weight][name].is_contiguous(memory_format=torch.channels_last)
+    _assert_bits_equal(weight.permute(0, 2, 3, 1).contiguous(), nhwc)
+    # a gradient of another layout than its parameter: copied into the parameter's layout
+    weight.grad = weight.grad.contiguous()
+    nhwc.grad = nhwc.grad.clone()
+    opt_cl.step()
+    opt_ref.step()
+    _assert_bits_equal(weight.permute(0, 2, 3, 1).contiguous(), nhwc)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_strided_parameters_get_the_bits_of_a_contiguous_copy(rounding):
+    """A Parameter made from a non-dense view (as torch's optimizer tests do): the slower path
+    gives exactly the bits of a contiguous parameter, and the rest of the base is untouched."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=gen).bfloat16()
+    untouched = base[:, 1::2].clone()
+    view = torch.nn.Parameter(base[:, ::2])
+    assert not view.is_contiguous()
+    copy = torch.nn.Parameter(view.detach().contiguous())
+    opt_view = SGD([view], lr=0.1, momentum=0.9, rounding=rounding, seed=4)
+    opt_copy = SGD([copy], lr=0.1, momentum=0.9, rounding=rounding, seed=4)
+    for step in range(3):
+        g = torch.randn(6, 4, generator=gen).bfloat16()
+        view.grad, copy.grad = g.clone(), g.clone()
+        opt_view.step()
+        opt_copy.step()
+    _assert_bits_equal(view.contiguous(), copy)
+    _assert_bits_equal(base[:, 1::2], untouched)
+    _assert_bits_equal(base[:, ::2].contiguous(), copy)
+
+
+def test_unsupported_parameters_and_gradients_fail_clearly():
+    with pytest.raises(TypeError, match=r"params\[0\].*float64 parameters are not supported"):
+        AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = AdamW([p], seed=0)
+    with pytest.raises(TypeError, match="float64"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2).double())]})
+    assert len(opt.param_groups) == 1  # the bad group was not added
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    opt = SGD([p, *emb.parameters()], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(3)
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(TypeError, match=r"grads\[1\]: torch.sparse_coo gradients"):
+        opt.step()
+    assert len(opt.state) == 0  # nothing created before the error
+
+
+# -- torch's optimizer tests (pytorch test/test_optim.py, OptimizerInfo for AdamW / SGD),
+#    adapted: the generic behaviour every torch.optim optimizer has ------------------------
+
+TORCH_SUITE = [
+    pytest.param(lambda ps: AdamW(ps, lr=1e-2, seed=0), id="adamw"),
+    pytest.param(lambda ps: AdamW(ps, lr=1e-2, maximize=True, seed=0), id="adamw-maximize"),
+    pytest.param(
+        lambda ps: AdamW(ps, lr=1e-2, state_dtype=torch.bfloat16, seed=0), id="adamw-bf16states"
+    ),
+    pytest.param(lambda ps: SGD(ps, lr=1e-2, seed=0), id="sgd"),
+    pytest.param(
+        lambda ps: SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, seed=0),
+        id="sgd-nesterov",
+    ),
+]
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_forloop_goes_right_direction(make):
+    """test_forloop_goes_right_direction: a few steps on a small problem lower the loss (or
+    raise it with maximize), for fp32 and bf16 weights."""
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(10, 5, dtype=dtype))
+        bias = torch.nn.Parameter(torch.randn(10, dtype=dtype))
+        x = torch.randn(5, dtype=dtype)
+        opt = make([weight, bias])
+        maximize = opt.param_groups[0].get("maximize", False)
+
+        def closure():
+            opt.zero_grad()
+            loss = (weight.mv(x) + bias).float().pow(2).sum()
+            loss.backward()
+            return loss
+
+        initial = closure().item()
+        for _ in range(5):
+            closure()
+            opt.step()
+        final = closure().item()
+        assert (final > initial) if maximize else (final < initial), (dtype, initial, final)
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_step_is_noop_when_params_have_no_grad(make):
+    params = [torch.nn.Parameter(torch.randn(2, 3)) for _ in range(2)]
+    before = [p.detach().clone() for p in params]
+    opt = make(params)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_state_dict_deterministic_and_weights_only(make, tmp_path):
+    """test_state_dict_deterministic + test_save_load_equality_with_weights_only: a state dict
+    saved and loaded (``torch.load(weights_only=True)``) into a fresh optimizer steps exactly
+    as the original."""
+    params = _params()
+    opt = make(params)
+    _run(opt, params, 2, dtype=torch.bfloat16)
+    path = tmp_path / "opt.pt"
+    torch.save(opt.state_dict(), path)
+    clone = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = make(clone)
+    opt2.load_state_dict(torch.load(path, weights_only=True))
+    _run(opt, params, 2, dtype=torch.bfloat16, start=2)
+    _run(opt2, clone, 2, dtype=torch.bfloat16, start=2)
+    for p, q in zip(params, clone):
+        _assert_bits_equal(p, q)
+    assert opt.state_dict()["param_groups"] == opt2.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_can_load_older_state_dict_and_nontensor_step(make):
+    """test_can_load_older_state_dict (group keys of older releases missing) and
+    test_load_nontensor_step (``step`` saved as a Python number)."""
+    params = _params()
+    opt = make(params)
+    _run(opt, params, 1, dtype=torch.bfloat16)
+    sd = copy.deepcopy(opt.state_dict())
+    for group in sd["param_groups"]:
+        for key in ("foreach", "maximize", "fused", "differentiable", "capturable"):
+            group.pop(key, None)
+    for state in sd["state"].values():
+        state["step"] = int(state["step"])
+    opt2 = make([torch.nn.Parameter(p.detach().clone()) for p in params])
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["maximize"] == opt.param_groups[0]["maximize"] or not sd
+    _run(opt2, opt2.param_groups[0]["params"], 1, dtype=torch.bfloat16, start=1)
+    assert all(int(s["step"]) == 2 for s in opt2.state.values())
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_hooks_printing_deepcopy(make):
+    """test_step_pre_hook / test_step_post_hook, test_optimizer_can_be_printed,
+    test_deepcopy_copies_all_public_attrs, state_dict hooks: inherited from
+    torch.optim.Optimizer and working."""
+    params = _params()
+    opt = make(params)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    opt.register_state_dict_post_hook(lambda o, sd: sd.setdefault("extra", 1) and sd)
+    _run(opt, params, 1, dtype=torch.bfloat16)
+    assert calls == ["pre", "post"]
+    assert type(opt).__name__ in repr(opt) and "rounding" in repr(opt)
+    assert opt.state_dict()["extra"] == 1
+    twin = copy.deepcopy(opt)
+    public = {k for k in vars(opt) if not k.startswith("_")}
+    assert public == {k for k in vars(twin) if not k.startswith("_")}
+    _run(twin, twin.param_groups[0]["params"], 1, dtype=torch.bfloat16, start=1)
+    _run(opt, params, 1, dtype=torch.bfloat16, start=1)
+    for p, q in zip(params, twin.param_groups[0]["params"]):
+        _assert_bits_equal(p, q)
+
+
+@pytest.mark.parametrize("make", TORCH_SUITE)
+def test_suite_lr_scheduler_and_param_groups(make):
+    """test_param_groups_lr / an lr scheduler driving the fused step: a group with lr 0 does
+    not move, the others follow the schedule."""
+    params = _params(torch.float32)
+    opt = make([{"params": params[:1], "lr": 0.0}, {"params": params[1:]}])
+    frozen = params[0].detach().clone()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        _run(opt, params, 1, start=step)
+        sched.step()
+    assert torch.equal(params[0], frozen)
+    assert opt.param_groups[1]["lr"] == pytest.approx(1e-2 * 0.5**3)
+
+
+def test_suite_documented_differences():
+    """The deliberate differences from torch.optim listed in the README raise clear errors."""
+    ps = _params(torch.float32)
+    with pytest.raises(ValueError, match="amsgrad"):
+        AdamW(ps, amsgrad=True, rounding="remainder")
+    with pytest.raises(ValueError, match="differentiable"):
+        SGD(ps, differentiable=True)
+    with pytest.raises(ValueError, match="lr"):
+        AdamW(ps, lr=torch.tensor(0.01))
+    with pytest.raises(TypeError, match="complex64"):
+        AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))])
+
+
+# -- AMSGrad: the per-tensor path -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+def test_amsgrad_fp32_is_torch_bits(maximize):
+    """Finding: amsgrad unsupported. fp32 parameters: torch.optim.AdamW(amsgrad=True)'s bits
+    (same torch ops), and a torch amsgrad state dict loads and continues."""
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True, "maximize": maximize}
+    opt, ref = AdamW(ours, seed=1, **kw), torch.optim.AdamW(theirs, **kw)
+    _run(opt, ours, 6)
+    _run(ref, theirs, 6)
+    for p, r in zip(ours, theirs):
+        _assert_bits_equal(p, r)
+        _assert_bits_equal(opt.state[p]["max_exp_avg_sq"], ref.state[r]["max_exp_avg_sq"])
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    opt2 = AdamW(resumed, amsgrad=True, seed=1)
+    opt2.load_state_dict(copy.deepcopy(ref.state_dict()))
+    _run(opt2, resumed, 2, start=6)
+    _run(ref, theirs, 2, start=6)
+    for p, r in zip(resumed, theirs):
+        _assert_bits_equal(p, r)
+
+
+def test_amsgrad_bf16_stochastic_write_back_is_the_documented_stream():
+    """bf16 parameters: the fp32 result of torch's math, stochastically rounded at offset
+    t * 2**36 + the tensor's start (the fused step's stream)."""
+    ours = _params(torch.bfloat16)
+    shadow = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = AdamW(ours, lr=1e-2, amsgrad=True, seed=8)
+    ref = torch.optim.AdamW(shadow, lr=1e-2, amsgrad=True)
+    grads = _grads(0, dtype=torch.bfloat16)
+    _set_grads(ours, grads)
+    _set_grads(shadow, grads)
+    opt.step()
+    ref.step()
+    start = 0
+    for p, r in zip(ours, shadow):
+        expected = srround.stochastic_round(r.detach(), seed=8, offset=(1 << STEP_SHIFT) + start)
+        _assert_bits_equal(p, expected)
+        start += p.numel()

@@ -40,6 +40,21 @@ from . import _callback, _lax
 from ._lax import _JNP_DTYPES, _u
 
 MUTABLE = False  # the adapter protocol of srround._dispatch: the functional API is here
+
+
+def _register_quantized_blocks():
+    """``srround.QuantizedBlocks`` as a pytree: its arrays are leaves, ``format`` and ``axis``
+    static (so it passes through ``jit``)."""
+    from srround._blocks import QuantizedBlocks
+
+    jax.tree_util.register_pytree_node(
+        QuantizedBlocks,
+        lambda q: ((q.data, q.scales, q.tensor_scale), (q.format, q.axis)),
+        lambda aux, children: QuantizedBlocks(*children, *aux),
+    )
+
+
+_register_quantized_blocks()
 IMPLS = ("native", "callback")
 
 
@@ -64,6 +79,11 @@ def _no_out(out) -> None:
 
 def _as_jax(x, name: str):
     if isinstance(x, jax.Array):  # includes tracers
+        if not isinstance(x, jax.core.Tracer) and x.is_deleted():
+            raise ValueError(
+                f"{name}: the array was deleted (its buffer was donated to an earlier jit call,"
+                " e.g. donate_argnums): use the array that call returned"
+            )
         return x
     try:
         return jnp.asarray(x)
@@ -85,7 +105,8 @@ def _check_float32(x, name: str):
 
 
 def _narrow(y, name: str, fmt: Format | None):
-    """``(array, format)`` of a bf16/fp16 array (or uint16 patterns with ``dtype=`` given)."""
+    """``(array, format)`` of a bf16/fp16/fp8 array (or uint16 / uint8 patterns with ``dtype=``
+    given; fp4 is always uint8 patterns)."""
     y = _as_jax(y, name)
     for candidate_name, dtype in _JNP_DTYPES.items():
         if y.dtype == dtype:
@@ -93,11 +114,11 @@ def _narrow(y, name: str, fmt: Format | None):
             if fmt is not None and fmt is not candidate:
                 raise TypeError(f"{name}: dtype {y.dtype} does not match dtype={fmt.name!r}")
             return y, candidate
-    if y.dtype == jnp.uint16 and fmt is not None:
+    if fmt is not None and y.dtype == jnp.dtype(fmt.bits_dtype):
         return y, fmt
     raise TypeError(
-        f"{name}: expected a narrow float array (bfloat16, float16, or uint16 bit patterns with"
-        f" dtype= given), got {y.dtype}"
+        f"{name}: expected a narrow float array (bfloat16, float16, float8_e4m3fn, float8_e5m2,"
+        f" or uint16 / uint8 bit patterns with dtype= given), got {y.dtype}"
     )
 
 
@@ -131,8 +152,27 @@ def _key_words(seed):
 # -- the functional API ----------------------------------------------------------------------
 
 
+def _layout(x, shard_spec, name: str):
+    """``(origin, global_shape)`` of ``x``'s elements: the whole array, or this device's block
+    inside ``shard_map`` when ``shard_spec`` (its partition spec) is given."""
+    if shard_spec is None:
+        origin, global_shape = None, tuple(x.shape)
+    else:
+        origin, global_shape = _lax._shard_layout(x.shape, shard_spec, name)
+    _lax._check_count(int(np.prod(global_shape, dtype=np.int64)), name)
+    return origin, global_shape
+
+
 def stochastic_round(
-    x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf", impl=None, out=None
+    x,
+    *,
+    dtype="bfloat16",
+    seed=None,
+    offset=0,
+    overflow="inf",
+    impl=None,
+    out=None,
+    shard_spec=None,
 ):
     """Stochastically round a float32 JAX array to bf16/fp16 (see ``srround.stochastic_round``).
 
@@ -143,9 +183,17 @@ def stochastic_round(
         offset: Python int, position of ``x``'s first element in the random stream.
         overflow: ``"inf"`` or ``"saturate"``.
         impl: ``"native"``, ``"callback"`` or ``None`` (default: ``"native"``).
+        shard_spec: inside ``shard_map`` only: the ``PartitionSpec`` of ``x`` in ``in_specs``;
+            the block then rounds with the noise of its elements' global indices, so the
+            result equals the unsharded call. Not needed under ``jit`` with sharded arrays
+            (the native path partitions by itself).
 
     Returns:
-        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape.
+        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape (and sharding).
+
+    Example::
+
+        y = stochastic_round(x, seed=jax.random.fold_in(key, step))
     """
     _no_out(out)
     fmt = get_format(dtype)
@@ -154,20 +202,23 @@ def stochastic_round(
     x = _check_float32(x, "x")
     impl = _impl(impl, x)
     k0, k1 = _key_words(seed)
+    origin, global_shape = _layout(x, shard_spec, "x")
     if impl == "native":
         if x.size == 0:
-            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
+            return jnp.zeros(x.shape, _lax.result_dtype(fmt))
         return _lax._native_stochastic_round(
             x,
             _u(k0),
             _u(k1),
             *_lax._first_block(offset),
+            origin,
             lane0=offset & 3,
             fmt_name=fmt.name,
             saturate=saturate,
+            global_shape=global_shape,
         )
 
-    return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow)
+    return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow, origin, global_shape)
 
 
 def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
@@ -179,7 +230,7 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
     x = _check_float32(x, "x")
     if _impl(impl, x) == "native":
         if x.size == 0:
-            return jnp.zeros(x.shape, _JNP_DTYPES[fmt.name])
+            return jnp.zeros(x.shape, _lax.result_dtype(fmt))
         return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
     return _callback.round_nearest(x, fmt, overflow)
 
@@ -196,7 +247,18 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
     return _callback.to_float32(y, fmt)
 
 
-def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow="inf", impl=None):
+def stochastic_add(
+    w,
+    u,
+    *,
+    alpha=1.0,
+    seed=None,
+    offset=0,
+    dtype=None,
+    overflow="inf",
+    impl=None,
+    shard_spec=None,
+):
     """``SR(w + alpha * u)`` for a bf16/fp16 JAX array ``w`` and a float32 ``u`` of its shape:
     the sum in float32 with one rounding (``fma(alpha, u, w)``), then stochastically rounded to
     ``w``'s format. Returns the new ``w`` (same dtype); JAX arrays are immutable, so unlike the
@@ -206,7 +268,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
         w: bf16/fp16 array (or uint16 patterns with ``dtype=``).
         u: float32 array of ``w``'s shape.
         alpha: float32 scale of ``u`` (a Python number or a scalar array, may be traced).
-        seed, offset, overflow, impl: as ``stochastic_round``.
+        seed, offset, overflow, impl, shard_spec: as ``stochastic_round``.
         dtype: the format of ``w`` when its dtype does not say it.
     """
     w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
@@ -217,6 +279,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     offset = check_offset(offset)
     impl = _impl(impl, w)
     k0, k1 = _key_words(seed)
+    origin, global_shape = _layout(w, shard_spec, "w")
     if isinstance(alpha, (int, float, np.number)):
         alpha = np.float32(alpha)
     else:
@@ -234,8 +297,49 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
             _u(k0),
             _u(k1),
             *_lax._first_block(offset),
+            origin,
             lane0=offset & 3,
             fmt_name=fmt.name,
             saturate=saturate,
+            global_shape=global_shape,
         )
-    return _callback.stochastic_add(w, u, alpha, fmt, k0, k1, offset, overflow)
+    return _callback.stochastic_add(
+        w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
+    )
+
+
+def quantize_blocks(
+    x, format, *, rounding="stochastic", seed=None, offset=0, axis=-1, scale=None, impl=None
+):
+    """``srround.quantize_blocks`` for a float32 JAX array (works under ``jit``; ``seed`` may
+    be a JAX key). Runs the NumPy kernels through ``jax.pure_callback`` (``impl="callback"``,
+    the only implementation so far: the same bits, on the host). Returns a
+    ``srround.QuantizedBlocks`` of JAX arrays (fp4 data as uint8, MX scales
+    ``jnp.float8_e8m0fnu``, NVFP4 scales ``jnp.float8_e4m3fn``)."""
+    from srround import _blocks
+
+    if impl not in (None, "callback"):
+        raise ValueError(f"impl: only 'callback' is implemented for block formats, got {impl!r}")
+    bf = _blocks.get_block_format(format)
+    x = _check_float32(x, "x")
+    offset = check_offset(offset)
+    if rounding not in ("stochastic", "nearest"):
+        raise ValueError(f"rounding: expected 'stochastic' or 'nearest', got {rounding!r}")
+    if scale is None:
+        scale = "ceil" if rounding == "stochastic" else "floor"
+    if scale not in _blocks.SCALE_MODES:
+        raise ValueError(f"scale: expected one of {list(_blocks.SCALE_MODES)}, got {scale!r}")
+    if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis: expected an int in [{-x.ndim}, {x.ndim}), got {axis!r}")
+    k0, k1 = _key_words(seed) if rounding == "stochastic" else (0, 0)
+    (data, scales, tensor), axis = _callback.quantize_blocks(
+        x, bf, k0, k1, rounding=rounding, offset=offset, axis=int(axis), scale=scale
+    )
+    return _blocks.QuantizedBlocks(data, scales, tensor if bf.two_level else None, bf.name, axis)
+
+
+def dequantize_blocks(q, *, dtype="float32"):
+    """``srround.dequantize_blocks`` of a ``QuantizedBlocks`` of JAX arrays (host callback)."""
+    if dtype not in ("float32", np.float32):
+        raise ValueError(f"dtype: only 'float32' is supported, got {dtype!r}")
+    return _callback.dequantize_blocks(q)

@@ -9,6 +9,11 @@ convert stored values instead of copying bits. Results are ``torch.bfloat16`` /
 targets are written in their own storage and returned as the same tensor objects. Raw bit
 patterns are ``torch.uint16`` tensors with ``dtype=`` given, as with the NumPy adapter.
 
+fp8 results are ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``. torch has no one-value-per-byte
+fp4 dtype (``torch.float4_e2m1fn_x2`` packs two), so ``dtype="float4_e2m1fn"`` results are
+``torch.uint8`` tensors of bit patterns (low 4 bits; bit 3 the sign), and fp4 inputs are such
+``uint8`` tensors with ``dtype="float4_e2m1fn"`` given.
+
 CUDA work is launched on the caller's current torch stream of the tensor's device
 (``numba.cuda.external_stream``), so it is ordered with the surrounding torch work without any
 synchronisation. The tensor's device must be the current CUDA device
@@ -33,7 +38,14 @@ import torch
 from srround._dispatch import View
 from srround._formats import CODE_DTYPES, FORMATS, Format, bits_dtype, code_name
 
-from .._common import Dtypes, check_contiguous, check_counter, check_source, check_target
+from .._common import (
+    Dtypes,
+    buffer_dtypes,
+    check_contiguous,
+    check_counter,
+    check_source,
+    check_target,
+)
 from ..numba import external_stream
 from . import _dist
 
@@ -41,8 +53,20 @@ MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller
 _FIX = ".contiguous()"
 
 # srround format name -> torch dtype
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
 _FORMAT_OF = {_TORCH_DTYPES[name]: FORMATS[name] for name in _TORCH_DTYPES}
+# fp4: bit patterns; block results: e8m0 scales, packed fp4 bytes
+_RESULT_DTYPES = {
+    **_TORCH_DTYPES,
+    "float4_e2m1fn": torch.uint8,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
+    "uint8": torch.uint8,
+}
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32}  # element width -> signed view dtype
 _DTYPES = Dtypes(
     noun="tensor",
@@ -50,6 +74,7 @@ _DTYPES = Dtypes(
     float64=torch.float64,
     int32=torch.int32,
     raw=torch.uint16,  # raw bit patterns (torch >= 2.3; the extra needs >= 2.4)
+    raw8=torch.uint8,
     narrow=_FORMAT_OF,
     cast=".float()",
     contiguous="contiguous",
@@ -158,7 +183,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
     narrow = fmt is not None
     like_dtensor = like.offset is not None and _dist.is_dtensor(like.result)
     if out is None:
-        dtype = _TORCH_DTYPES[fmt.name] if narrow else torch.float32
+        dtype = _RESULT_DTYPES[fmt.name] if narrow else torch.float32
         if like.device == "cpu":
             new = torch.empty(like.shape, dtype=dtype)
         else:
@@ -206,7 +231,9 @@ def counter(c, name: str, like: View) -> View:
 
 
 # BufferCode of each torch dtype of CODE_DTYPES (torch spells its dtypes as NumPy/ml_dtypes do)
-_BUFFER_CODES = {getattr(torch, code_name(code)): code for code in CODE_DTYPES}
+_BUFFER_CODES = {
+    getattr(torch, code_name(code)): code for code in CODE_DTYPES if hasattr(torch, code_name(code))
+}  # (torch has no one-per-byte fp4 dtype)
 _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
@@ -252,7 +279,5 @@ def _buffer_error(tensors, name):
         item = f"{name}[{i}]"
         _as_tensor(t, item)
         if t.dtype not in _BUFFER_CODES:
-            raise TypeError(
-                f"{item}: expected a float32, bfloat16, float16 (or int16) tensor, got {t.dtype}"
-            )
+            raise TypeError(f"{item}: expected {buffer_dtypes(item)} tensor, got {t.dtype}")
         _check_contiguous(t, item)

@@ -65,6 +65,7 @@ them); they do when every rank checks the same all-reduced gradients, as under D
 from __future__ import annotations
 
 import dataclasses
+from collections import abc
 from collections.abc import Mapping
 from functools import partial
 
@@ -73,6 +74,39 @@ import torch
 import srround
 
 from . import _dist
+from .optim import _is_dense
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_UNSCALED, _STEPPED = "unscaled", "stepped"  # per-optimizer stage of an iteration
+
+
+def unscale_grads(grads, inv_scale, found_inf) -> None:
+    """Multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` (float32, 1 value)
+    to 1 if any was inf/NaN. Dense fp32/bf16/fp16 gradients of ``found_inf``'s device (any
+    dense layout: channels_last too) go through srround's fused kernel, one launch; the rest
+    (float64, non-dense strided views, sparse values, other devices) through torch's own
+    ``torch._amp_foreach_non_finite_check_and_unscale_``, per device and dtype."""
+    device = found_inf.device
+    fused: list = []
+    others: dict = {}
+    for g in _dist.locals_of(grads, "grads"):  # DTensors: their local pieces
+        if g.layout is not torch.strided:
+            g = g._values()  # sparse COO (fp16 ones coalesced by the caller, as torch does)
+        elif g.dtype in _FUSED_DTYPES and g.device == device and _is_dense(g):
+            fused.append(g.as_strided((g.numel(),), (1,)))
+            continue
+        others.setdefault((g.device, g.dtype), []).append(g)
+    if fused:
+        srround.unscale_and_check(fused, inv_scale, found_inf=found_inf)
+    for (dev, _), group in others.items():
+        if dev == device:
+            flag, inv = found_inf.view(()), inv_scale.view(())
+        else:
+            flag = torch.zeros((), dtype=torch.float32, device=dev)
+            inv = inv_scale.view(()).to(dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+        if dev != device:
+            torch.maximum(found_inf, flag.to(device).reshape(1), out=found_inf)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -124,6 +158,12 @@ class GradScaler:
         per_tensor: one scale per module that owns parameters (module docstring); needs
             ``attach(model)`` before the first ``scale``. ``init_scale`` is then ``S`` and the
             modules' initial scale.
+        unscale_grads: ``step`` leaves the gradients unscaled, as torch's scaler does (True,
+            default: for srround's optimizers one fused launch unscales and checks them, then
+            the step reads them). False: ``step`` of srround's optimizers only checks the
+            gradients (reads, no write) and multiplies by 1/scale inside the step, so after it
+            ``p.grad`` still holds the *scaled* gradient - one write pass over the gradients
+            less, for code that does not read them after ``step``.
     """
 
     def __init__(
@@ -139,12 +179,13 @@ class GradScaler:
         min_scale=None,
         max_scale=None,
         per_tensor=False,
+        unscale_grads=True,
     ):
-        if growth_factor <= 1.0:
-            raise ValueError(f"growth_factor: expected > 1.0, got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor: expected in (0, 1), got {backoff_factor}")
+        _check_growth_factor(growth_factor)
+        _check_backoff_factor(backoff_factor)
+        _check_growth_interval(growth_interval)
         self._device = torch.device(device)
+        self._unscale_grads = bool(unscale_grads)
         self._enabled = enabled
         self._init_scale = float(init_scale)
         self._growth_factor = float(growth_factor)
@@ -163,7 +204,7 @@ class GradScaler:
         self._scale = self._growth_tracker = self._overflow_tracker = None
         self._skipped = self._last_skipped = None  # int32[1], float32[1]
         self._found = {}  # id(optimizer) -> float32[1] found_inf of this iteration
-        self._unscaled = set()  # ids of optimizers unscaled this iteration
+        self._stage = {}  # id(optimizer) -> _UNSCALED / _STEPPED this iteration
         self._slot_found = None  # per-tensor mode: float32[count + 1], flags per slot
         self._slot_index = {}  # per-tensor mode: id(optimizer) -> (slots, int64 device tensor)
         self._to_inner = self._to_outer = ()  # per hooked module: 0-d s_m/outer, outer/s_m
@@ -220,16 +261,26 @@ class GradScaler:
             raise RuntimeError("GradScaler(per_tensor=True): call scaler.attach(model) first")
 
     def scale(self, outputs):
-        """``outputs`` (a tensor or a nested list/tuple of them) times the current scale."""
+        """``outputs`` times the current scale: a tensor (same shape), or any iterable of them,
+        nested (lists, tuples and namedtuples keep their type; another iterable comes back as
+        a lazy ``map``, as with torch's scaler)."""
         if not self._enabled:
             return outputs
         self._require_attached()
         if isinstance(outputs, torch.Tensor):
             self._lazy_init(outputs.device)
-            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
-        if isinstance(outputs, (list, tuple)):
-            return type(outputs)(self.scale(o) for o in outputs)
-        raise ValueError("outputs: expected a tensor or a list/tuple of tensors")
+            scale = self._scale.reshape(())
+            return outputs * scale.to(device=outputs.device, non_blocking=True)
+        if isinstance(outputs, abc.Iterable) and not isinstance(outputs, (str, bytes)):
+            scaled = map(self.scale, outputs)
+            if isinstance(outputs, tuple) and hasattr(outputs, "_fields"):  # a namedtuple
+                return type(outputs)(*scaled)
+            if isinstance(outputs, (list, tuple)):
+                return type(outputs)(scaled)
+            return scaled
+        raise ValueError(
+            f"outputs: expected a tensor or an iterable of tensors, got {type(outputs).__name__}"
+        )
 
     def _params_with_grads(self, optimizer):
         return [
@@ -254,28 +305,43 @@ class GradScaler:
         if not self._enabled:
             return
         self._require_attached()
-        if id(optimizer) in self._unscaled:
+        stage = self._stage.get(id(optimizer))
+        if stage is _UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
+        if stage is _STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
         params = self._params_with_grads(optimizer)
+        for p in params:  # as torch: fp16 sparse gradients are coalesced (replaced) first
+            if p.grad.layout is not torch.strided and p.grad.dtype == torch.float16:
+                p.grad = p.grad.coalesce()
         grads = [p.grad for p in params]
+        # DTensor gradients (FSDP2): each rank checks its local pieces, then one verdict for
+        # all ranks, all-reduced (MAX) on the device over the gradients' meshes
+        dist_groups = _dist.mesh_groups(grads)
+        grads = _dist.locals_of(grads, "grads")
         self._lazy_init(grads[0].device if grads else self._device)
         found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
         inv_scales = self._scales.double().reciprocal().float()
         if grads and self._per_tensor:
             slots = self._slots(optimizer, params)
             flags = torch.zeros(len(grads), dtype=torch.float32, device=found.device)
-            srround.unscale_and_check(grads, inv_scales[slots], found_inf=flags, per_tensor=True)
-            _dist.all_reduce_max(flags, _dist.mesh_groups(grads))  # DTensors: every rank's
+            if all(g.layout is torch.strided and _is_dense(g) for g in grads):
+                flat = [g.as_strided((g.numel(),), (1,)) for g in grads]
+                srround.unscale_and_check(flat, inv_scales[slots], found_inf=flags, per_tensor=True)
+            else:  # one tensor at a time, each by its module's scale
+                tensor_inv = inv_scales[slots]
+                for i, g in enumerate(grads):
+                    unscale_grads([g], tensor_inv[i : i + 1], flags[i : i + 1])
+            _dist.all_reduce_max(flags, dist_groups)
             self._slot_found.index_add_(0, slots, flags)  # nonzero: a tensor overflowed
             torch.amax(flags, 0, keepdim=True, out=found)
         elif grads:
-            srround.unscale_and_check(grads, inv_scales, found_inf=found)
-            # DTensor gradients (FSDP2): one verdict for all ranks, all-reduced on the device
-            _dist.all_reduce_max(found, _dist.mesh_groups(grads))
+            unscale_grads(grads, inv_scales, found)
+            _dist.all_reduce_max(found, dist_groups)
         self._found[id(optimizer)] = found
-        self._unscaled.add(id(optimizer))
+        self._stage[id(optimizer)] = _UNSCALED
 
     def found_inf(self, optimizer) -> torch.Tensor:
         """The float32[1] overflow flag of ``optimizer`` for this iteration (after unscale_)."""
@@ -288,31 +354,62 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        stage = self._stage.get(id(optimizer))
+        if stage is _STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
         if getattr(optimizer, "_srround_fused", False):
-            return self._fused_step(optimizer, *args, **kwargs)
-        if id(optimizer) not in self._unscaled:
-            self.unscale_(optimizer)
-        if self._found[id(optimizer)].item():  # one sync, as in torch's scaler
-            return None
-        return optimizer.step(*args, **kwargs)
+            result = self._fused_step(optimizer, *args, **kwargs)
+        elif getattr(optimizer, "_step_supports_amp_scaling", False):
+            result = self._torch_fused_step(optimizer, stage, *args, **kwargs)
+        else:
+            if stage is None:
+                self.unscale_(optimizer)
+            # one sync, as in torch's scaler
+            result = None if self._found[id(optimizer)].item() else optimizer.step(*args, **kwargs)
+        self._stage[id(optimizer)] = _STEPPED
+        return result
+
+    def _torch_fused_step(self, optimizer, stage, *args, **kwargs):
+        """torch's protocol for optimizers that unscale and skip inside their step (e.g.
+        ``torch.optim.AdamW(fused=True)``): check the gradients for inf/NaN (unless
+        ``unscale_`` did), set ``optimizer.grad_scale`` (None if already unscaled) and
+        ``optimizer.found_inf``, step, remove both attributes. No host sync."""
+        if stage is None:
+            params = self._params_with_grads(optimizer)
+            self._lazy_init(params[0].grad.device if params else self._device)
+            found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
+            if params:
+                one = torch.ones(1, dtype=torch.float32, device=found.device)
+                unscale_grads([p.grad for p in params], one, found)
+            self._found[id(optimizer)] = found
+            optimizer.grad_scale = self._scale.reshape(()) * getattr(optimizer, "grad_scale", 1)
+        else:
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+        optimizer.found_inf = self._found[id(optimizer)].reshape(())
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
 
     def _fused_step(self, optimizer, *args, **kwargs):
         """srround's optimizers (``srround.adapters.torch.AdamW``/``SGD``): one call that runs
         the overflow check over the optimizer's cached gradient table (reads the gradients,
         writes nothing), then the fused step, which multiplies by 1/scale while it reads the
         gradients and is a no-op on the device when the flag is set: no host sync, gradients
-        never written. After an explicit ``unscale_`` (e.g. for clipping) only the flag is
-        passed; so too in per-tensor mode, which unscales first (the fused step takes one
-        inv_scale)."""
-        if self._per_tensor and id(optimizer) not in self._unscaled:
+        never written (``unscale_grads=False``). By default, and after an explicit
+        ``unscale_`` (e.g. for clipping), ``unscale_`` runs (one fused launch) and only the
+        flag is passed; so too in per-tensor mode (the fused step takes one inv_scale)."""
+        stage = self._stage.get(id(optimizer))
+        if stage is None and (self._per_tensor or self._unscale_grads):
             self.unscale_(optimizer)
-        if id(optimizer) in self._unscaled:
+            stage = _UNSCALED
+        if stage is _UNSCALED:
             return optimizer.step(*args, found_inf=self._found[id(optimizer)], **kwargs)
         device = next((p.device for g in optimizer.param_groups for p in g["params"]), self._device)
         self._lazy_init(device)
         found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
         self._found[id(optimizer)] = found
-        self._unscaled.add(id(optimizer))
         inv_scale = self._scale.double().reciprocal().float()
         return optimizer.step(
             *args, inv_scale=inv_scale, found_inf=found, check_grads=True, **kwargs
@@ -321,12 +418,28 @@ class GradScaler:
     def update(self, new_scale=None) -> None:
         """Back off or grow the scale from this iteration's flags (on the device), or set it.
 
+        ``new_scale``: a float or a float32 tensor of 1 value. Without it, at least one
+        optimizer must have been unscaled or stepped since the last update (torch's
+        ``AssertionError`` "No inf checks were recorded prior to update.").
+
         Per-tensor mode: one launch moves every module scale by its own flag (``S`` stays);
         ``new_scale`` sets ``S`` only (the module scales keep theirs)."""
-        if not self._enabled or self._scale is None:
+        if not self._enabled:
             return
-        if new_scale is not None:
-            self._scale.fill_(float(new_scale))
+        if new_scale is None and not self._found:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        if new_scale is not None and self._scale is None:  # before first use: the initial
+            self._init_scale = float(new_scale)
+        elif new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                if new_scale.numel() != 1 or new_scale.dtype != torch.float32:
+                    raise ValueError(
+                        "new_scale: expected a float or a float32 tensor of 1 value, got"
+                        f" {new_scale.dtype} with {new_scale.numel()} values"
+                    )
+                self._scale.copy_(new_scale.reshape(1))
+            else:
+                self._scale.fill_(float(new_scale))
         else:
             found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
             for flag in self._found.values():
@@ -350,7 +463,7 @@ class GradScaler:
             self._slot_found.zero_()
             self._refresh_factors()
         self._found.clear()
-        self._unscaled.clear()
+        self._stage.clear()
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a sync); the initial scale before first use.
@@ -358,6 +471,85 @@ class GradScaler:
         if not self._enabled:
             return 1.0
         return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def get_growth_factor(self) -> float:
+        """The scale multiplier after ``growth_interval`` clean steps."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (a float > 1)."""
+        _check_growth_factor(new_factor)
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The scale multiplier after an overflow."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (a finite float in (0, 1))."""
+        _check_backoff_factor(new_factor)
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        """Clean steps before the scale grows."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (a positive int)."""
+        _check_growth_interval(new_interval)
+        self._growth_interval = int(new_interval)
+
+    def _get_growth_tracker(self) -> int:
+        """Clean steps since the last change of the scale (``S``'s in per-tensor mode)."""
+        if not self._enabled:
+            return 0
+        if self._growth_tracker is None:
+            return self._init_growth_tracker
+        return int(self._growth_tracker.item())
+
+    def __getstate__(self):
+        """Pickle / deepcopy: the current scale and counters become the copy's initial ones
+        (the copy creates its device tensors at first use, one storage with its views). Only
+        between iterations, as torch's; a per-tensor scaler attached to a model (its hooks
+        live on the model) is saved with ``state_dict`` instead."""
+        if self._enabled and (self._stage or self._found):
+            raise RuntimeError(
+                "A GradScaler instance may only be pickled at the beginning of an iteration,"
+                " or at the end after scaler.update()."
+            )
+        if self._attached is not None:
+            raise RuntimeError(
+                "GradScaler(per_tensor=True) attached to a model: save scaler.state_dict()"
+                " and load it into a scaler attached to the restored model"
+            )
+        state = self.__dict__.copy()
+        if self._scales is not None:
+            scales, growth, overflows = (
+                t.tolist() for t in (self._scales, self._growth_trackers, self._overflow_trackers)
+            )
+            state["_init_scale"] = scales[-1]
+            state["_init_growth_tracker"] = growth[-1]
+            state["_init_counters"] = (overflows[-1], int(self._skipped.item()))
+            state["_device"] = self._scales.device
+        for name in (
+            "_scales",
+            "_growth_trackers",
+            "_overflow_trackers",
+            "_scale",
+            "_growth_tracker",
+            "_overflow_tracker",
+            "_skipped",
+            "_last_skipped",
+            "_slot_found",
+            "_hook_index",
+            "_param_index",
+        ):
+            state[name] = None
+        state.update(_found={}, _stage={}, _slot_index={}, _to_inner=(), _to_outer=())
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
 
     @property
     def last_step_skipped(self) -> torch.Tensor:
@@ -567,3 +759,18 @@ def _share_slots(owners):
             parent[root(i)] = root(first.setdefault(id(p), i))
     slots = {}
     return [slots.setdefault(root(i), len(slots)) for i in range(len(owners))]
+
+
+def _check_growth_factor(value):
+    if not float(value) > 1.0:
+        raise ValueError(f"growth_factor: expected > 1.0, got {value}")
+
+
+def _check_backoff_factor(value):
+    if not 0.0 < float(value) < 1.0:
+        raise ValueError(f"backoff_factor: expected in (0, 1), got {value}")
+
+
+def _check_growth_interval(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"growth_interval: expected an int >= 1, got {value!r}")

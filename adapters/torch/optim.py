@@ -5,7 +5,8 @@ One step is one fused pass (one CPU call, two CUDA launches) over every paramete
 state element, whatever the number of tensors: bf16/fp16/fp32 parameters (mixed), fp32 math in
 torch.optim's order, results written back per ``rounding`` mode, optional loss-scale multiply
 and overflow skip fused in (``step(inv_scale=..., found_inf=...)``, used by
-``srround.adapters.torch.GradScaler``), no host synchronisation.
+``srround.adapters.torch.GradScaler``; ``torch.amp.GradScaler`` drives it through torch's
+fused-optimizer protocol, ``_step_supports_amp_scaling``), no host synchronisation.
 
 Host cost: the pointer table (``_optim.FusedStep``) is built once, at the first step, and
 cached. Each step then only walks the parameters to check that the same parameters have
@@ -19,21 +20,34 @@ gradient / parameter moved (``p.data = ...``).
 frees the gradients; the next backward allocates new ones, and if any lands at another address
 the table is rebuilt (a host loop over the tensors, no device work beyond a small step-counter
 copy). ``zero_grad(set_to_none=False)`` keeps the gradients in place and never rebuilds: prefer
-it when the step's host cost matters. Gradients must be dense and contiguous.
+it when the step's host cost matters.
+
+Memory layouts: a parameter in any dense, non-overlapping layout (contiguous, channels_last,
+a permuted tensor) is updated in place without copies; its states get its layout and a
+gradient of the same layout is read in place (a gradient of another layout is copied into a
+buffer of the parameter's layout each step). Random bits follow *memory* order: element ``j``
+of the stream is the ``j``-th element in memory, so a channels_last parameter draws other bits
+than a contiguous copy of it. A parameter that is not dense (a strided view, e.g. every other
+column of a matrix) takes a slower path: a contiguous working copy, refreshed before and written
+back after each step, so it gets exactly the bits a contiguous parameter would.
 
 State per parameter (``optimizer.state[p]``): ``exp_avg``, ``exp_avg_sq`` (AdamW),
 ``momentum_buffer`` (SGD with momentum), in ``state_dtype`` (float32 or bfloat16; bf16 states are
 written with stochastic rounding); the weight mode's buffer for bf16/fp16 parameters:
 ``kahan_comp`` (parameter dtype), ``master_weight`` (float32) or ``remainder`` (int16); and
 ``step``: a 0-d int32 tensor (a view of one flat per-optimizer counter the kernel increments on
-the device; torch's optimizers keep a float32 tensor). ``rounding``, ``state_dtype`` (by name,
-``"float32"`` or ``"bfloat16"``) and ``seed`` live in every param group (one value per
-optimizer), so ``state_dict()`` carries the random stream: ``load_state_dict`` then continues
-bit-identically.
+the device; torch's optimizers keep a float32 tensor, and load this one). ``rounding``,
+``state_dtype`` (by name: ``"float32"``/``"bfloat16"``) and ``seed`` live in every param
+group (one value per optimizer), so
+``state_dict()`` carries the random stream: ``load_state_dict`` then continues bit-identically.
+A ``torch.optim.AdamW`` / ``SGD`` state dict loads too (the srround keys come from the
+optimizer's defaults), and torch's optimizers load srround's.
 
-DTensor parameters (FSDP2's ``fully_shard``, tensor parallel): the step runs on the local
-pieces, states are DTensors placed as their parameter, and the noise is keyed to each element's
-place in the full tensor (``_dist.py``; README "Distributed training").
+torch.compile: ``step()`` inside a compiled function traces without graph breaks: the states
+are created at trace time (``_init_group``, as torch's optimizers do) and the step is one call
+of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``), which gives the eager bits.
+Hyperparameters are constants of the compiled graph (changing ``lr`` recompiles, as with
+torch's optimizers given a float ``lr``).
 """
 
 from __future__ import annotations
@@ -49,7 +63,7 @@ from srround import _optim, _plan
 from srround._rng import check_seed, next_seed, split_seed
 
 from . import _dist, _views
-from ._views import _BUFFER_CODES, _DATA_PTR, _external_stream, _view
+from ._views import _DATA_PTR, _external_stream, _view
 
 __all__ = ["SGD", "AdamW"]
 
@@ -57,12 +71,13 @@ __all__ = ["SGD", "AdamW"]
 AUX_NAMES = {"kahan": "kahan_comp", "master": "master_weight", "remainder": "remainder"}
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
-_STATE_DTYPE_NAMES = {t: str(t).removeprefix("torch.") for t in _STATE_DTYPES}
-_STATE_DTYPE_NAMES.update({name: name for name in list(_STATE_DTYPE_NAMES.values())})
-_STATE_DTYPE_OF = {str(t).removeprefix("torch."): t for t in _STATE_DTYPES}
 _ONE_BITS = np.array([1.0], np.float32).view(np.uint32)
+_MINUS_ONE_BITS = np.array([-1.0], np.float32).view(np.uint32)
 _ZERO_BITS = np.zeros(1, np.uint32)
 _GRAD = operator.attrgetter("grad")
+# the flags of torch.optim's constructors that select an implementation: srround has one
+# (fused, no graph); a flag asking for what it lacks is refused
+_FLAG_KEYS = ("foreach", "fused", "differentiable", "capturable")
 
 
 def _on(device):
@@ -74,11 +89,18 @@ def _check_rounding(rounding):
     _plan.check_rounding(rounding)
 
 
+_STATE_DTYPE_NAMES = {t: str(t).removeprefix("torch.") for t in _STATE_DTYPES}
+_STATE_DTYPE_NAMES.update({name: name for name in list(_STATE_DTYPE_NAMES.values())})
+_STATE_DTYPE_OF = {str(t).removeprefix("torch."): t for t in _STATE_DTYPES}
+
+
 def _check_state_dtype(state_dtype) -> str:
     """The name (``"float32"``/``"bfloat16"``) param groups store: a torch.dtype in a param
     group stops the distributed state-dict helpers (``get_optimizer_state_dict`` with
     ``full_state_dict=True``), which take only tensors and Python scalars there."""
-    name = _STATE_DTYPE_NAMES.get(state_dtype)
+    name = (
+        _STATE_DTYPE_NAMES.get(state_dtype) if isinstance(state_dtype, (str, torch.dtype)) else None
+    )
     if name is None:
         raise ValueError(
             f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype!r}"
@@ -86,71 +108,291 @@ def _check_state_dtype(state_dtype) -> str:
     return name
 
 
-class _Entry:
-    """The cached fused step of one set of (parameter, gradient) buffers."""
+def _check_flags(group, where="") -> None:
+    """torch.optim's implementation flags: accepted unless they ask for what srround lacks."""
+    if group.get("differentiable"):
+        raise ValueError(
+            f"differentiable{where}: srround's step writes through raw buffers and records no"
+            " autograd graph; use torch.optim for a differentiable step"
+        )
+    for name in ("foreach", "fused", "capturable"):
+        if group.get(name) not in (None, False, True):
+            raise ValueError(f"{name}{where}: expected None, False or True, got {group[name]!r}")
 
-    __slots__ = ("buffers", "defaults", "device", "fused", "key", "params", "written", "groups")
+
+# -- layouts ---------------------------------------------------------------------------------
+
+
+def _is_dense(t) -> bool:
+    """Whether ``t``'s elements fill one block of memory exactly once (any dimension order)."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_layout(a, b) -> bool:
+    """Same shape and the same element order in memory (strides of dimensions of size > 1)."""
+    return a.shape == b.shape and all(
+        s == t for s, t, n in zip(a.stride(), b.stride(), a.shape) if n != 1
+    )
+
+
+def _like(p):
+    """A tensor of ``p``'s layout for its states: ``p`` if dense, else a contiguous one."""
+    return p if _is_dense(p) else torch.empty(p.shape, dtype=p.dtype, device=p.device)
+
+
+def _in_layout(buf, like, dtype):
+    """``buf`` (a state) as ``dtype`` on ``like``'s device in ``like``'s layout; copied only if
+    it differs."""
+    if buf.dtype == dtype and buf.device == like.device and _same_layout(buf, like):
+        return buf
+    return torch.empty_like(like, dtype=dtype).copy_(buf)
+
+
+def check_pairs(params, grads, rounding) -> None:
+    """Raise the error of the first (parameter, gradient) pair the step cannot take."""
+    device = params[0].device if params else None
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if p.dtype not in _PARAM_DTYPES:
+            raise TypeError(
+                f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got {p.dtype}"
+            )
+        if rounding == "remainder" and p.dtype == torch.float16:
+            raise ValueError(
+                "rounding: 'remainder' needs bfloat16 (or float32) parameters;"
+                f" params[{i}] is float16"
+            )
+        if g.layout is not torch.strided:
+            raise TypeError(
+                f"grads[{i}]: {g.layout} gradients are not supported; srround needs dense"
+                " ones (for a sparse embedding use sparse=False)"
+            )
+        if g.shape != p.shape or g.dtype not in _PARAM_DTYPES:
+            raise ValueError(
+                f"grads[{i}]: shape {tuple(g.shape)} / dtype {g.dtype} does not fit its"
+                f" parameter (shape {tuple(p.shape)}; float32, bfloat16 or float16 needed)"
+            )
+        if p.device != device or g.device != device:
+            raise ValueError(
+                f"params[{i}]: parameters and gradients must be on one device ({device}),"
+                f" got {p.device} / {g.device}"
+            )
+
+
+class _Entry:
+    """The cached fused step of one set of buffers."""
+
+    __slots__ = (
+        "buffers",
+        "copy_in",
+        "copy_out",
+        "defaults",
+        "device",
+        "fused",
+        "key",
+        "params",
+        "written",
+        "groups",
+    )
+
+
+def build_entry(
+    kind, rounding, state_fmt, params, grads, states, steps, group_index, stream, noise=None
+):
+    """A ``_optim.FusedStep`` over ``params`` (validated by ``check_pairs``) and their
+    ``grads``; ``states``: per parameter ``(state 1, state 2, aux)`` (None where absent), in the
+    parameter's working layout (``_like``); ``steps``: int32[N] contiguous counter tensor.
+    Non-dense parameters work on a contiguous copy, gradients of another layout are copied
+    into one of the parameter's: ``copy_in`` / ``copy_out`` pairs run around each step."""
+    device = params[0].device
+    works, grad_bufs, copy_in, copy_out = [], [], [], []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        work = p.detach()
+        if not _is_dense(p):
+            work = work.contiguous()
+            copy_in.append((p, work))
+            copy_out.append((work, p))
+        if not (_is_dense(g) and _same_layout(g, work)):
+            buf = torch.empty_like(work, dtype=g.dtype)
+            copy_in.append((g, buf))
+            g = buf
+        for name, s in zip(("state", "state", "aux"), states[i]):
+            if s is not None and not _same_layout(s, work):
+                raise ValueError(
+                    f"params[{i}]: its {name} buffer has strides {s.stride()}, the parameter"
+                    f" {work.stride()} (states must share the parameter's memory layout)"
+                )
+        works.append(work)
+        grad_bufs.append(g)
+
+    def flat(tensors):  # dense tensors as 1-D views of their memory (the table's order)
+        return [None if t is None else t.as_strided((t.numel(),), (1,)) for t in tensors]
+
+    aux = [row[2] for row in states]
+    plan = _plan.plan_step(
+        _views,
+        rounding,
+        flat(works),
+        flat(grad_bufs),
+        (("states1", flat([r[0] for r in states])), ("states2", flat([r[1] for r in states]))),
+        flat(aux) if _plan.needs_aux(_plan.check_rounding(rounding)) else None,
+        group_index,
+        noise,
+    )
+    fused = _optim.FusedStep(
+        kind,
+        _plan.check_rounding(rounding),
+        plan.state_fmt,
+        plan.table,
+        plan.sizes,
+        _view(steps, False, "step").bits,
+        device.type,
+        stream,
+    )
+    if stream is not None:
+        stream.synchronize()  # the table copy, before launches on another stream
+    entry = _Entry()
+    entry.fused, entry.params, entry.device = fused, params, device
+    entry.copy_in, entry.copy_out = copy_in, copy_out
+    entry.written = [p for p in params if not p.is_inference()]
+    entry.groups = []
+    # the kernel writes through raw addresses: keep every buffer of the table alive
+    entry.buffers = [steps, *works, *grad_bufs, *(s for row in states for s in row)]
+    entry.defaults = {}
+    return entry
+
+
+def scalar_bits(value, name, entry, default_bits, negate=False):
+    """uint32[1] float32 bits of ``value`` (None, a float, or a float32 tensor of 1 value on
+    the parameters' device) for the kernel, negated if asked (``maximize``: a negative
+    gradient multiplier, exact)."""
+    device = entry.device
+    if value is None or isinstance(value, (int, float, np.floating)):
+        host = default_bits if value is None else np.array([value], np.float32).view(np.uint32)
+        if negate:
+            host = (host.view(np.float32) * -1).view(np.uint32)
+        if device.type == "cpu":
+            return host
+        cached = entry.defaults.get((name, negate)) if value is None else None
+        if cached is None:
+            cached = torch.tensor(host.view(np.float32), device=device)
+            if value is None:
+                entry.defaults[(name, negate)] = cached
+        value = cached
+    elif not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != 1:
+        raise TypeError(f"{name}: expected a float or a float32 tensor of 1 value")
+    elif negate:
+        value = -value
+    if value.device != device:
+        raise ValueError(f"{name}: on {value.device}, but params are on {device}")
+    return _view(value.reshape(1), False, name).bits
+
+
+def run_entry(entry, inv_scale, found_inf, check_grads, negate, k0, k1) -> None:
+    """One step of ``entry`` (copies in, the fused kernel, copies out)."""
+    fused = entry.fused
+    with _on(entry.device):
+        if entry.device.type == "cuda":
+            fused.stream = _external_stream(entry.device)  # torch's current stream
+        if entry.copy_in:
+            dst, src = zip(*((d, s) for s, d in entry.copy_in))
+            torch._foreach_copy_(list(dst), list(src))
+        found_bits = scalar_bits(found_inf, "found_inf", entry, _ZERO_BITS)
+        if check_grads:
+            fused.check_grads(found_bits)
+            # FSDP2 / tensor parallel: one verdict for all ranks, on the device
+            _dist.all_reduce_max(found_inf, entry.groups)
+        inv_bits = scalar_bits(inv_scale, "inv_scale", entry, _ONE_BITS, negate)
+        fused.run(inv_bits, found_bits, k0, k1)
+        for src, dst in entry.copy_out:
+            dst.copy_(src)
 
 
 class _FusedOptimizer(torch.optim.Optimizer):
-    """Common machinery: lazy table, cache check, hyperparameters, scaler protocol."""
+    """Common machinery: lazy table, cache check, hyperparameters, scaler protocols."""
 
     _srround_fused = True  # srround's GradScaler passes inv_scale/found_inf to step()
+    _step_supports_amp_scaling = True  # torch's GradScaler sets grad_scale / found_inf
     _KIND: int | None = None
     _STATE_NAMES: tuple = ()
+    _ONE_PER_OPTIMIZER: tuple[str, ...] = ("rounding", "state_dtype", "seed", "maximize")
 
     def __init__(self, params, defaults, rounding, state_dtype, seed):
         _check_rounding(rounding)
         state_dtype = _check_state_dtype(state_dtype)
+        _check_flags(defaults)
         seed = next_seed() if seed is None else check_seed(seed, "seed")
         defaults = dict(defaults, rounding=rounding, state_dtype=state_dtype, seed=seed)
         self._entry = None
         self._dtensors = False  # any DTensor parameter (FSDP2, tensor parallel): _dist.py
         super().__init__(params, defaults)
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickle / deepcopy (torch pickles defaults, state and groups only): the table is
+        rebuilt at the next step."""
+        super().__setstate__(state)
+        self._entry = None
+
     # -- groups -----------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        group["state_dtype"] = _check_state_dtype(group["state_dtype"])
-        for name in ("rounding", "state_dtype", "seed"):
-            if group[name] != self.defaults[name]:
+        where = f" (param group {len(self.param_groups) - 1})"
+        try:
+            group["state_dtype"] = _check_state_dtype(group["state_dtype"])
+            _check_flags(group, where)
+            self._check_group(group, len(self.param_groups) - 1)
+            self._dtensors |= _dist.check_group(group["params"])
+            for name in self._ONE_PER_OPTIMIZER:
+                if group[name] != self.defaults[name]:
+                    raise ValueError(
+                        f"{name}: one value per optimizer; param group"
+                        f" {len(self.param_groups) - 1} has {group[name]!r}, the"
+                        f" optimizer {self.defaults[name]!r}"
+                    )
+            devices = {p.device for g in self.param_groups for p in g["params"]}
+            if len(devices) > 1:
                 raise ValueError(
-                    f"{name}: one value per optimizer; param group"
-                    f" {len(self.param_groups) - 1} has {group[name]!r}, the"
-                    f" optimizer {self.defaults[name]!r}"
+                    f"params: on several devices ({sorted(map(str, devices))}); use one"
+                    " optimizer per device"
                 )
-        devices = {p.device for g in self.param_groups for p in g["params"]}
-        if len(devices) > 1:
-            raise ValueError(
-                f"params: on several devices ({sorted(map(str, devices))}); use one"
-                " optimizer per device"
-            )
-        self._dtensors |= _dist.check_group(group["params"])
-        for i, p in enumerate(group["params"]):
-            if p.dtype not in _PARAM_DTYPES:
-                raise TypeError(
-                    f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got {p.dtype}"
-                )
-        codes = [_BUFFER_CODES[p.dtype] for p in group["params"]]
-        _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]))
+            for i, p in enumerate(group["params"]):
+                if p.dtype not in _PARAM_DTYPES:
+                    raise TypeError(
+                        f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got"
+                        f" {p.dtype} (float64 parameters are not supported)"
+                    )
+                if group["rounding"] == "remainder" and p.dtype == torch.float16:
+                    raise ValueError(
+                        "rounding: 'remainder' needs bfloat16 (or float32) parameters;"
+                        f" params[{i}] is float16 (use 'master' or 'kahan')"
+                    )
+        except Exception:
+            self.param_groups.pop()
+            raise
         self._entry = None
+
+    def _check_group(self, group, index) -> None:
+        """Per-group checks of hyperparameters (subclasses)."""
 
     def _config(self):
         """Per-optimizer settings, from param_groups (what load_state_dict restores)."""
         first = self.param_groups[0]
-        name = _STATE_DTYPE_NAMES.get(first["state_dtype"])  # (a torch.dtype: older dicts)
-        config = (first["rounding"], name, first["seed"])
+        state_dtype = _STATE_DTYPE_OF[_check_state_dtype(first["state_dtype"])]
+        config = (first["rounding"], state_dtype, first["seed"], first["maximize"])
+        names = self._ONE_PER_OPTIMIZER
         for i, g in enumerate(self.param_groups):
-            if (g["rounding"], _STATE_DTYPE_NAMES.get(g["state_dtype"]), g["seed"]) != config:
+            if any(g[n] != first[n] for n in names):
                 raise ValueError(
-                    f"param_groups[{i}]: rounding, state_dtype and seed must be the"
-                    " same in every group (one value per optimizer)"
+                    f"param_groups[{i}]: {', '.join(names)} must be the same in every group"
+                    " (one value per optimizer)"
                 )
-        if name is None:
-            _check_state_dtype(first["state_dtype"])
-        return config[0], _STATE_DTYPE_OF[name], config[2]
+        return config
 
     # -- the cached table -------------------------------------------------------------------
 
@@ -169,79 +411,72 @@ class _FusedOptimizer(torch.optim.Optimizer):
             except TypeError:  # parameters without a gradient
                 grad_ptrs = [0 if g is None else g.data_ptr() for g in grads]
         except RuntimeError:  # a gradient without strided storage (sparse)
-            self._collect()
+            params, _ = self._collect()
+            check_pairs(params, [p.grad for p in params], self.param_groups[0]["rounding"])
             raise
         return ([len(g["params"]) for g in groups], list(map(_DATA_PTR, params)), grad_ptrs)
 
     def _collect(self):
-        """``(params with grads, their group indices)``, checking the gradients' layout."""
+        """``(params with grads, their group indices)``."""
         params, groups = [], []
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if g.layout is not torch.strided:
-                    raise TypeError(
-                        f"grads: {g.layout} gradients are not supported (parameter"
-                        f" {len(params)} with a gradient); srround needs dense ones"
-                    )
-                params.append(p)
-                groups.append(gi)
+                if p.grad is not None:
+                    params.append(p)
+                    groups.append(gi)
         return params, groups
 
     def _state_buffers(self, p, group, rounding, state_dtype):
-        """Allocate (zeros; master = the parameter in fp32) or cast this parameter's state."""
+        """Allocate (zeros; master = the parameter in fp32) or cast this parameter's state,
+        in the parameter's working layout."""
         state = self.state[p]
+        like = _like(p)
         for name in self._needed_states(group):
             buf = state.get(name)
             if buf is None:
-                state[name] = torch.zeros_like(
-                    p, dtype=state_dtype, memory_format=torch.contiguous_format
-                )
-            elif buf.dtype != state_dtype or buf.device != p.device:
-                state[name] = buf.to(device=p.device, dtype=state_dtype).contiguous()
-            if self._dtensors:
-                state[name] = _dist.shard_like(state[name], p, name)
-        name = AUX_NAMES.get(rounding)
-        if name is not None and p.dtype != torch.float32 and name not in state:
-            if rounding == "master":
-                state[name] = p.detach().float().contiguous()
+                state[name] = torch.zeros_like(like, dtype=state_dtype)
             else:
-                state[name] = torch.zeros_like(
-                    p,
-                    dtype=p.dtype if rounding == "kahan" else torch.int16,
-                    memory_format=torch.contiguous_format,
-                )
+                state[name] = _in_layout(buf.detach(), like, state_dtype)
+        name = AUX_NAMES.get(rounding)
+        if name is not None and p.dtype != torch.float32:
+            buf = state.get(name)
+            dtype = {"master": torch.float32, "kahan": p.dtype}.get(rounding, torch.int16)
+            if buf is None:
+                if rounding == "master":
+                    state[name] = torch.empty_like(like, dtype=dtype).copy_(p.detach())
+                else:
+                    state[name] = torch.zeros_like(like, dtype=dtype)
+            else:
+                state[name] = _in_layout(buf.detach(), like, dtype)
+        if self._dtensors:  # a full plain state (a state dict saved unsharded): its piece
+            for name in list(state):
+                if name != "step" and isinstance(state[name], torch.Tensor):
+                    state[name] = _dist.shard_like(state[name], p, name)
         return state
 
-    def _build(self, params, group_index, key, config):
-        rounding, state_dtype, _seed = config
-        # DTensors (FSDP2): the kernel works on the local pieces; plain tensors: themselves
-        local_grads = [_dist.check_grad(p, i) for i, p in enumerate(params)]
-        pieces = [_dist.local(p) for p in params] if self._dtensors else params
-        for i, (p, grad) in enumerate(zip(pieces, local_grads)):
-            if not p.is_contiguous():
-                raise ValueError(f"params[{i}]: must be contiguous (updated in place)")
-            if grad.shape != p.shape or grad.dtype not in _BUFFER_CODES:
-                raise ValueError(
-                    f"grads[{i}]: shape {tuple(grad.shape)} / dtype"
-                    f" {grad.dtype} does not fit its parameter"
-                )
-            if not grad.is_contiguous():
-                raise ValueError(f"grads[{i}]: must be contiguous")
-        # noise keyed to the parameter's identity and the piece's place in the full tensor
-        bases = _dist.stream_bases(
-            list(chain.from_iterable(g["params"] for g in self.param_groups))
-        )
-        noise = [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
-        device = params[0].device
+    def _row(self, state, group, p, rounding):
+        """``(state 1, state 2, aux)`` buffers of one parameter (None where absent)."""
+        names = self._STATE_NAMES
+        s1 = state[names[0]] if self._uses_state(group, names[0]) else None
+        s2 = state[names[1]] if self._uses_state(group, names[1]) else None
+        aux = AUX_NAMES.get(rounding)
+        return s1, s2, state[aux] if aux is not None and p.dtype != torch.float32 else None
+
+    def _prepare(self, params, group_index, config):
+        """Validate, then create or cast the states; ``(states rows, flat int32 steps)`` with
+        ``state["step"]`` views of the flat counter."""
+        rounding, state_dtype = config[0], config[1]
+        for i, p in enumerate(params):  # DTensor and plain parameters and gradients not mixed
+            _dist.check_grad(p, i)
+        check_pairs(params, [p.grad for p in params], rounding)
+        for gi in sorted(set(group_index)):
+            self._check_group(self.param_groups[gi], gi)
         groups = self.param_groups
         states = [
             self._state_buffers(p, groups[gi], rounding, state_dtype)
             for p, gi in zip(params, group_index)
         ]
-        # step counters: one flat int32 tensor, state["step"] views of it
+        device = params[0].device
         zero = torch.zeros((), dtype=torch.int32, device=device)
         steps = torch.stack(
             [
@@ -253,64 +488,38 @@ class _FusedOptimizer(torch.optim.Optimizer):
         )
         for i, s in enumerate(states):
             s["step"] = steps[i]
-        state_lists = [
-            (
-                name,
-                [
-                    s[name] if name in s and self._uses_state(groups[gi], name) else None
-                    for s, gi in zip(states, group_index)
-                ],
-            )
-            for name in self._STATE_NAMES
+        rows = [
+            self._row(s, groups[gi], p, rounding) for s, p, gi in zip(states, params, group_index)
         ]
-        while len(state_lists) < 2:
-            state_lists.append(("unused", None))
-        aux_name = AUX_NAMES.get(rounding)
-        aux = None
-        if aux_name is not None:
-            aux = [
-                s[aux_name] if p.dtype != torch.float32 else None for s, p in zip(states, params)
-            ]
-        grads = [p.grad for p in params]
-        plan = _plan.plan_step(
-            _views, rounding, params, grads, state_lists, aux, group_index, noise
+        return rows, steps
+
+    def _build(self, params, group_index, key, config):
+        rows, steps = self._prepare(params, group_index, config)
+        device = params[0].device
+        stream = _external_stream(device) if device.type == "cuda" else None
+        # noise keyed to the parameter's identity and the piece's place in the full tensor
+        every = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        bases = _dist.stream_bases(every)
+        noise = [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
+        local = _dist.local  # DTensors (FSDP2): the kernel works on the local pieces
+        entry = build_entry(
+            self._KIND,
+            config[0],
+            0 if config[1] == torch.float32 else 1,
+            [local(p) for p in params],
+            [local(p.grad) for p in params],
+            [tuple(None if s is None else local(s) for s in row) for row in rows],
+            steps,
+            group_index,
+            stream,
+            noise,
         )
-        mode = _plan.check_rounding(rounding)
-        entry = _Entry()
-        if device.type == "cuda":  # (the caller made the parameters' device current)
-            stream = _external_stream(device)
-            fused = _optim.FusedStep(
-                self._KIND,
-                mode,
-                plan.state_fmt,
-                plan.table,
-                plan.sizes,
-                _view(steps, False, "step").bits,
-                "cuda",
-                stream,
-            )
-            stream.synchronize()  # the table copy, before launches on another stream
-        else:
-            fused = _optim.FusedStep(
-                self._KIND,
-                mode,
-                plan.state_fmt,
-                plan.table,
-                plan.sizes,
-                _view(steps, False, "step").bits,
-                "cpu",
-            )
-        entry.key, entry.fused, entry.params, entry.device = key, fused, params, device
-        entry.written = [p for p in params if not p.is_inference()]
         if self._dtensors:
-            entry.written += [p for p in pieces if not p.is_inference()]
-        # FSDP2 / tensor parallel: ranks agree on an overflow (GradScaler's check_grads)
-        entry.groups = _dist.mesh_groups(params)
-        # the kernel writes through raw addresses: keep every buffer of the table alive
-        entry.buffers = [steps] + [
-            v for s in states for v in s.values() if isinstance(v, torch.Tensor)
-        ]
-        entry.defaults = {}
+            entry.written += [p for p in params if not p.is_inference()]
+            entry.buffers += list(params) + rows
+            entry.params = params  # (their .grad: torch's scaler protocol unscales them)
+            entry.groups = _dist.mesh_groups(params)
+        entry.key = key
         self._entry = entry
         return entry
 
@@ -324,36 +533,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Extra cache key: what changes which buffers exist (SGD: momentum on/off)."""
         return ()
 
-    # -- scalars ----------------------------------------------------------------------------
-
-    def _scalar_bits(self, value, name, entry, default_bits):
-        """uint32[1] float32 bits of ``value`` (None, a float, or a float32 tensor of 1 value
-        on the parameters' device) for the kernel."""
-        device = entry.device
-        if value is None or isinstance(value, (int, float, np.floating)):
-            host = default_bits if value is None else np.array([value], np.float32).view(np.uint32)
-            if device.type == "cpu":
-                return host
-            cached = entry.defaults.get(name) if value is None else None
-            if cached is None:
-                cached = torch.tensor(host.view(np.float32), device=device)
-                if value is None:
-                    entry.defaults[name] = cached
-            value = cached
-        if (
-            not isinstance(value, torch.Tensor)
-            or value.dtype != torch.float32
-            or value.numel() != 1
-        ):
-            raise TypeError(f"{name}: expected a float or a float32 tensor of 1 value")
-        if value.device != device:
-            raise ValueError(f"{name}: on {value.device}, but params are on {device}")
-        return _view(value.reshape(1), False, name).bits
-
     # -- step -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure=None, *, inv_scale=None, found_inf=None, check_grads=False):
+    def step(
+        self,
+        closure=None,
+        *,
+        inv_scale=None,
+        found_inf=None,
+        check_grads=False,
+        grad_scale=None,
+    ):
         """One fused step over every parameter that has a gradient.
 
         Args:
@@ -366,13 +557,29 @@ class _FusedOptimizer(torch.optim.Optimizer):
             check_grads: first set ``found_inf`` to 1 if any gradient is inf/NaN (one launch
                 over the cached table that reads the gradients and writes nothing): the loss
                 scaler's overflow check and step in one call (``GradScaler.step``).
+            grad_scale: torch's fused-optimizer protocol (``torch.amp.GradScaler`` sets the
+                ``grad_scale`` and ``found_inf`` attributes instead): the loss scale (float32
+                tensor of 1 value); the gradients are unscaled in place first, as torch's
+                fused optimizers leave them.
         """
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
         if check_grads and found_inf is None:
             raise ValueError("found_inf: needed with check_grads=True (the flag to set)")
+        if grad_scale is not None and inv_scale is not None:
+            raise ValueError("grad_scale, inv_scale: pass one of them")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.param_groups[0].get("amsgrad"):
+            self._amsgrad_step(inv_scale, found_inf, check_grads, grad_scale)
+            return loss
+        if torch.compiler.is_compiling():
+            self._traced_step(inv_scale, found_inf, check_grads, grad_scale)
+            return loss
         config = self._config()
         key = (self._key(), config, self._layout_key())
         entry = self._entry
@@ -382,29 +589,118 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 return loss
             with _on(params[0].device):
                 entry = self._build(params, group_index, key, config)
-        fused = entry.fused
+        if grad_scale is not None:
+            inv_scale = self._unscale_grads(entry, grad_scale, found_inf)
+        entry.fused.set_hyper(self._hyper())
         k0, k1 = split_seed(config[2])
-        with _on(entry.device):
-            if entry.device.type == "cuda":
-                fused.stream = _external_stream(entry.device)  # torch's current stream
-            found_bits = self._scalar_bits(found_inf, "found_inf", entry, _ZERO_BITS)
-            if check_grads:
-                fused.check_grads(found_bits)
-                _dist.all_reduce_max(found_inf, entry.groups)
-            fused.set_hyper(self._hyper())
-            fused.run(
-                self._scalar_bits(inv_scale, "inv_scale", entry, _ONE_BITS), found_bits, k0, k1
-            )
+        run_entry(entry, inv_scale, found_inf, check_grads, config[3], k0, k1)
         if entry.written:
             torch.autograd.graph.increment_version(entry.written)
         return loss
 
+    def _unscale_grads(self, entry, grad_scale, found_inf):
+        """torch's protocol: divide the gradients by ``grad_scale`` in place (one fused
+        launch; a flag of this pass that is not ``found_inf`` is discarded: torch's scaler
+        checked them before). Returns the step's ``inv_scale`` (None: 1)."""
+        from .amp import unscale_grads
+
+        if not isinstance(grad_scale, torch.Tensor):
+            grad_scale = torch.tensor([float(grad_scale)], device=entry.device)
+        inv = grad_scale.double().reciprocal().float().reshape(1)
+        scratch = torch.zeros(1, dtype=torch.float32, device=inv.device)
+        unscale_grads([p.grad for p in entry.params], inv, scratch)
+        return None
+
+    def _traced_step(self, inv_scale, found_inf, check_grads, grad_scale):
+        """The step under torch.compile: states at trace time (``_init_group``), then the
+        custom op."""
+        from ._ops import fused_step_op
+
+        params, grads, states1, states2, auxes, steps = [], [], [], [], [], []
+        meta = self._init_group(params, grads, states1, states2, auxes, steps)
+        if not params:
+            return
+        if grad_scale is not None:
+            inv_scale = grad_scale.double().reciprocal().float().reshape(1)
+            torch.ops.srround.unscale_and_check_(
+                grads, inv_scale, torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+            )
+            inv_scale = None
+        if found_inf is None:
+            found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
+        if isinstance(inv_scale, (int, float)):
+            inv_scale = torch.full((1,), float(inv_scale), device=params[0].device)
+        fused_step_op(
+            params, grads, states1, states2, auxes, steps, found_inf, inv_scale, *meta, check_grads
+        )
+
+    @torch.no_grad()
+    def _init_group(self, params, grads, states1, states2, auxes, steps):
+        """Runs eagerly when torch.compile traces ``step`` (torch's optimizer protocol):
+        validates, creates the states, fills the lists with the parameters that have
+        gradients, their gradients, states (``states1`` / ``states2`` / ``auxes``: only the
+        existing ones, located by the index lists returned) and 0-d step counters. Returns
+        the op's constant arguments: ``(kind, mode, state format, group index, state-1 index,
+        aux index, hyperparameters (flat), k0, k1, negate)``."""
+        config = self._config()
+        found, group_index = self._collect()
+        if not found:
+            return (self._KIND, 0, 0, [], [], [], [], 0, 0, False)
+        rows, flat = self._prepare(found, group_index, config)
+        s1_index, aux_index = [], []
+        for i, (p, (s1, s2, aux)) in enumerate(zip(found, rows)):
+            params.append(p)
+            grads.append(p.grad)
+            steps.append(self.state[p]["step"])
+            if s1 is not None:
+                s1_index.append(i)
+                states1.append(s1)
+            if s2 is not None:
+                states2.append(s2)
+            if aux is not None:
+                aux_index.append(i)
+                auxes.append(aux)
+        self._entry = None  # new step views: the eager table is rebuilt if used again
+        k0, k1 = split_seed(config[2])
+        return (
+            self._KIND,
+            _optim.MODES[config[0]],
+            0 if config[1] == torch.float32 else 1,
+            group_index,
+            s1_index,
+            aux_index,
+            [float(v) for v in self._hyper().reshape(-1)],
+            k0,
+            k1,
+            bool(config[3]),
+        )
+
     # -- state dict -------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's ``load_state_dict``, keeping srround's state dtypes (torch casts every
-        floating state to the parameter's dtype, which would round fp32 moments and master
-        weights of bf16 parameters, and turn int16 remainders into values)."""
+        """torch's ``load_state_dict``, also of a ``torch.optim`` optimizer's state dict: group
+        keys it lacks (``rounding``, ``state_dtype``, ``seed``, ...) come from this optimizer's
+        defaults, and every group is checked before anything is loaded. srround's state dtypes
+        are kept (torch casts every floating state to the parameter's dtype, which would round
+        fp32 moments and master weights of bf16 parameters, and turn int16 remainders into
+        values); a float ``step`` (torch's) becomes srround's int32 counter."""
+        groups = [dict(self.defaults, **g) for g in state_dict["param_groups"]]
+        for i, group in enumerate(groups):
+            where = f" (saved param group {i})"
+            _check_rounding(group["rounding"])
+            group["state_dtype"] = _check_state_dtype(group["state_dtype"])
+            check_seed(group["seed"], f"seed{where}")
+            _check_flags(group, where)
+            self._check_group(group, i)
+        first = groups[0] if groups else {}
+        for i, group in enumerate(groups):
+            for name in self._ONE_PER_OPTIMIZER:
+                if group[name] != first[name]:
+                    raise ValueError(
+                        f"state_dict: param group {i} has {name}={group[name]!r}, group 0"
+                        f" {first[name]!r} (one value per optimizer)"
+                    )
+        state_dict = dict(state_dict, param_groups=groups)
         super().load_state_dict(state_dict)
         saved = state_dict["state"]
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
@@ -422,6 +718,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         restored[name] = value.detach().to(device=p.device, copy=True)
                     else:
                         restored[name] = value
+                if "step" not in restored and restored:  # torch SGD: no count; not a first step
+                    restored["step"] = torch.ones((), dtype=torch.int32, device=p.device)
                 self.state[p] = restored
         self._entry = None  # new state tensors: rebuild the table at the next step
 
@@ -430,8 +728,15 @@ class AdamW(_FusedOptimizer):
     """torch.optim.AdamW (decoupled weight decay) as one fused srround step.
 
     Args:
-        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``amsgrad`` is not
-            supported).
+        params, lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``
+            (``maximize``: one value per optimizer).
+        amsgrad: one value per optimizer; ``True`` runs a slower per-tensor path (torch's
+            math with torch ops, then srround's write-back with the fused step's random
+            stream: ``_amsgrad_step``) with rounding ``"stochastic"``, ``"nearest"`` or
+            ``"master"`` and float32 states; state ``max_exp_avg_sq`` as torch's.
+        foreach, fused, capturable: accepted and stored (srround's step is always one fused
+            pass, keeps its step counts on the device and launches on the current stream);
+            ``differentiable=True`` is refused.
         rounding: how the fp32 result reaches bf16/fp16 parameters: ``"stochastic"`` (default,
             no extra memory), ``"nearest"``, ``"kahan"``, ``"master"`` (fp32 master weights) or
             ``"remainder"`` (bf16 only; exact fp32 weights in 2 extra bytes). fp32 parameters
@@ -440,12 +745,13 @@ class AdamW(_FusedOptimizer):
         seed: the random stream of the stochastic roundings (int in [0, 2**64)); None draws
             one from srround's generator. Stored in the param groups (and the state dict).
 
-    ``step(closure=None, *, inv_scale=None, found_inf=None)``; see the module docstring for
-    the cache, ``zero_grad`` and state layout.
+    ``step(closure=None, *, inv_scale=None, found_inf=None, check_grads=False,
+    grad_scale=None)``; see the module docstring for the cache, layouts and state layout.
     """
 
     _KIND = _optim.ADAMW
     _STATE_NAMES = ("exp_avg", "exp_avg_sq")
+    _ONE_PER_OPTIMIZER = (*_FusedOptimizer._ONE_PER_OPTIMIZER, "amsgrad")
 
     def __init__(
         self,
@@ -456,23 +762,51 @@ class AdamW(_FusedOptimizer):
         weight_decay=1e-2,
         amsgrad=False,
         *,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
         rounding="stochastic",
         state_dtype=torch.float32,
         seed=None,
     ):
-        if amsgrad:
-            raise ValueError("amsgrad: not supported by srround's AdamW")
-        if not 0.0 <= float(lr):
-            raise ValueError(f"lr: expected >= 0, got {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps: expected >= 0, got {eps}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"betas[{i}]: expected in [0, 1), got {beta}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay: expected >= 0, got {weight_decay}")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": bool(maximize),
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+        }
+        self._check_group(defaults, None)
         super().__init__(params, defaults, rounding, state_dtype, seed)
+
+    def _check_group(self, group, index):
+        where = "" if index is None else f" (param group {index})"
+        if group.get("amsgrad") and (
+            group.get("rounding") in ("kahan", "remainder")
+            or _STATE_DTYPE_NAMES.get(group.get("state_dtype", "float32")) != "float32"
+        ):
+            raise ValueError(
+                f"amsgrad{where}: the per-tensor AMSGrad path supports rounding 'stochastic',"
+                " 'nearest' or 'master' with float32 states, got"
+                f" {group.get('rounding')!r} / {group.get('state_dtype')}"
+            )
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        if isinstance(lr, torch.Tensor) or not 0.0 <= float(lr):
+            raise ValueError(f"lr{where}: expected a float >= 0, got {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"eps{where}: expected >= 0, got {eps}")
+        for i, beta in enumerate(group["betas"]):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"betas[{i}]{where}: expected in [0, 1), got {beta}")
+        if not 0.0 <= wd:
+            raise ValueError(f"weight_decay{where}: expected >= 0, got {wd}")
 
     def _hyper(self):
         return np.array(
@@ -483,12 +817,99 @@ class AdamW(_FusedOptimizer):
             np.float64,
         )
 
+    def _amsgrad_step(self, inv_scale, found_inf, check_grads, grad_scale):
+        """AMSGrad, the per-tensor path: torch.optim's single-tensor AdamW math with torch
+        ops in float32 (so fp32 parameters get torch's bits), then srround's write-back of
+        the result: stochastic rounding with the fused step's stream (element ``j`` of the
+        tensor starting at global element ``s``, at offset ``t * 2**36 + s + j``, memory
+        order), round to nearest, or the fp32 master weight. Slower than the fused step (a
+        few passes per tensor) and reads the step count and ``found_inf`` on the host."""
+        import srround
+
+        rounding, state_dtype, seed, maximize = self._config()
+        for i, g in enumerate(self.param_groups):
+            self._check_group(g, i)
+        params, group_index = self._collect()
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        check_pairs(params, grads, rounding)
+        if grad_scale is not None:
+            from .amp import unscale_grads
+
+            inv = torch.as_tensor(grad_scale, dtype=torch.float32, device=params[0].device)
+            scratch = torch.zeros(1, dtype=torch.float32, device=inv.device)
+            unscale_grads(grads, inv.double().reciprocal().float().reshape(1), scratch)
+        if check_grads:
+            from .amp import unscale_grads
+
+            one = torch.ones(1, dtype=torch.float32, device=found_inf.device)
+            unscale_grads(grads, one, found_inf)
+        if found_inf is not None and float(found_inf.reshape(())) != 0:
+            return
+        groups, start = self.param_groups, 0
+        for p, gi in zip(params, group_index):
+            group = groups[gi]
+            state = self._state_buffers(p, group, rounding, state_dtype)
+            like = _like(p)
+            if "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(like, dtype=torch.float32)
+            step = state.get("step")
+            if step is None:
+                step = state["step"] = torch.zeros((), dtype=torch.int32, device=p.device)
+            step += 1
+            t = int(step)
+            lr, (beta1, beta2), eps, wd = (
+                float(group["lr"]),
+                group["betas"],
+                group["eps"],
+                group["weight_decay"],
+            )
+            grad = p.grad.float() if p.grad.dtype != torch.float32 else p.grad.clone()
+            if inv_scale is not None:
+                grad.mul_(inv_scale)
+            if maximize:
+                grad.neg_()
+            if p.dtype == torch.float32 and _is_dense(p):
+                work = p.detach()
+            elif rounding == "master" and p.dtype != torch.float32:
+                work = state["master_weight"]
+            else:
+                work = torch.empty_like(like, dtype=torch.float32).copy_(p.detach())
+            exp_avg, exp_avg_sq, max_sq = (
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state["max_exp_avg_sq"],
+            )
+            work.mul_(1 - lr * wd)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            torch.maximum(max_sq, exp_avg_sq, out=max_sq)
+            bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+            denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            work.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**t)))
+            if work is p:
+                pass
+            elif p.dtype == torch.float32 or rounding != "stochastic":
+                p.detach().copy_(work)  # fp32 exactly; nearest and master: round to nearest
+            else:
+                flat = work.as_strided((work.numel(),), (1,))  # memory order
+                offset = (t << _optim.STEP_SHIFT) + start
+                fmt = "bfloat16" if p.dtype == torch.bfloat16 else "float16"
+                rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
+                p.detach().copy_(rounded.as_strided(work.shape, work.stride()))
+            start += p.numel()
+        self._entry = None
+        torch.autograd.graph.increment_version([p for p in params if not p.is_inference()])
+
 
 class SGD(_FusedOptimizer):
     """torch.optim.SGD (momentum, dampening, nesterov, weight decay) as one fused srround step.
 
     Args:
-        params, lr, momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
+        params, lr, momentum, dampening, weight_decay, nesterov, maximize: as
+            ``torch.optim.SGD`` (``maximize``: one value per optimizer).
+        foreach, fused, differentiable: as ``AdamW``.
         rounding, state_dtype, seed: as ``AdamW`` (``state_dtype``: the momentum buffers).
     """
 
@@ -504,26 +925,39 @@ class SGD(_FusedOptimizer):
         weight_decay=0.0,
         nesterov=False,
         *,
+        maximize=False,
+        foreach=None,
+        differentiable=False,
+        fused=None,
         rounding="stochastic",
         state_dtype=torch.float32,
         seed=None,
     ):
-        if not 0.0 <= float(lr):
-            raise ValueError(f"lr: expected >= 0, got {lr}")
-        if momentum < 0.0:
-            raise ValueError(f"momentum: expected >= 0, got {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"weight_decay: expected >= 0, got {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("nesterov: needs momentum > 0 and dampening == 0")
         defaults = {
             "lr": lr,
             "momentum": momentum,
             "dampening": dampening,
             "weight_decay": weight_decay,
             "nesterov": nesterov,
+            "maximize": bool(maximize),
+            "foreach": foreach,
+            "differentiable": differentiable,
+            "fused": fused,
         }
+        self._check_group(defaults, None)
         super().__init__(params, defaults, rounding, state_dtype, seed)
+
+    def _check_group(self, group, index):
+        where = "" if index is None else f" (param group {index})"
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) or not 0.0 <= float(lr):
+            raise ValueError(f"lr{where}: expected a float >= 0, got {lr}")
+        if group["momentum"] < 0.0:
+            raise ValueError(f"momentum{where}: expected >= 0, got {group['momentum']}")
+        if group["weight_decay"] < 0.0:
+            raise ValueError(f"weight_decay{where}: expected >= 0, got {group['weight_decay']}")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(f"nesterov{where}: needs momentum > 0 and dampening == 0")
 
     def _uses_state(self, group, name):
         return name == "momentum_buffer" and group["momentum"] != 0
@@ -533,9 +967,8 @@ class SGD(_FusedOptimizer):
 
     def _hyper(self):
         rows = []
-        for g in self.param_groups:
-            if g["nesterov"] and (g["momentum"] <= 0 or g["dampening"] != 0):
-                raise ValueError("nesterov: needs momentum > 0 and dampening == 0")
+        for i, g in enumerate(self.param_groups):
+            self._check_group(g, i)
             rows.append(
                 (
                     float(g["lr"]),

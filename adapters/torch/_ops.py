@@ -1,0 +1,220 @@
+"""srround's torch entry points as ``torch.library`` custom ops, so torch.compile traces them
+as opaque calls (Dynamo never looks into Numba) and functionalizes their in-place writes:
+
+* ``torch.ops.srround.stochastic_round(x, dtype, k0, k1, offset, saturate) -> Tensor``:
+  float32 ``x`` rounded to bf16/fp16 (``srround.stochastic_round`` with the seed ``k0 +
+  2**32 k1``); wrapper: ``srround.adapters.torch.stochastic_round``.
+* ``torch.ops.srround.unscale_and_check_(grads, inv_scale, found_inf)``: the loss scaler's
+  fused unscale and overflow check (``srround.unscale_and_check``), in place.
+* ``torch.ops.srround.fused_step(...)``: the fused optimizer step of
+  ``srround.adapters.torch.AdamW`` / ``SGD`` over lists of parameters, gradients, states and
+  step counters (what their ``step()`` calls under torch.compile).
+
+Each op runs the same kernels as the eager calls, so compiled code gives the eager bits. A
+``seed`` is a constant of the compiled graph: pass a different ``offset`` per call (a tensor
+argument is not needed: an int that changes makes Dynamo treat it as a dynamic size).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from srround._rng import check_seed, split_seed
+
+from .optim import build_entry, run_entry
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_CACHE: dict = {}  # fused_step: buffers' addresses -> entry (the few latest)
+_CACHE_SIZE = 4
+
+
+@torch.library.custom_op("srround::stochastic_round", mutates_args=())
+def _stochastic_round(
+    x: Tensor, dtype: str, k0: int, k1: int, offset: int, saturate: bool
+) -> Tensor:
+    import srround
+
+    return srround.stochastic_round(
+        x.contiguous(),
+        dtype=dtype,
+        seed=k0 | (k1 << 32),
+        offset=offset,
+        overflow="saturate" if saturate else "inf",
+    )
+
+
+@_stochastic_round.register_fake
+def _(x, dtype, k0, k1, offset, saturate):
+    return torch.empty(x.shape, dtype=_DTYPES[dtype], device=x.device)
+
+
+def stochastic_round(x, *, dtype="bfloat16", seed, offset=0, overflow="inf"):
+    """``srround.stochastic_round`` of a float32 tensor as a custom op (traceable by
+    torch.compile, same bits as the eager call). ``seed`` is required (an int in [0, 2**64)):
+    a seed drawn inside a compiled function would be a constant of the graph."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected 'bfloat16' or 'float16', got {dtype!r}")
+    if overflow not in ("inf", "saturate"):
+        raise ValueError(f"overflow: expected 'inf' or 'saturate', got {overflow!r}")
+    k0, k1 = split_seed(check_seed(seed, "seed"))
+    return torch.ops.srround.stochastic_round(x, dtype, k0, k1, offset, overflow == "saturate")
+
+
+@torch.library.custom_op("srround::unscale_and_check_", mutates_args=("grads", "found_inf"))
+def _unscale_and_check(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
+    from .amp import unscale_grads
+
+    unscale_grads(grads, inv_scale, found_inf)
+
+
+@_unscale_and_check.register_fake
+def _(grads, inv_scale, found_inf):
+    return None
+
+
+@torch.library.custom_op(
+    "srround::fused_step", mutates_args=("params", "states1", "states2", "auxes", "steps", "found")
+)
+def _fused_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states1: list[Tensor],
+    states2: list[Tensor],
+    auxes: list[Tensor],
+    steps: list[Tensor],
+    found: Tensor,
+    inv_scale: Tensor | None,
+    opt_kind: int,
+    weight_mode: int,
+    state_fmt: int,
+    group_index: list[int],
+    s1_index: list[int],
+    aux_index: list[int],
+    hyper: list[float],
+    k0: int,
+    k1: int,
+    negate: bool,
+    check_grads: bool,
+) -> None:
+    import numpy as np
+
+    from srround import _optim
+
+    count = len(params)
+    rows = [[None, None, None] for _ in range(count)]
+    for i, s in zip(s1_index, states1):
+        rows[i][0] = s
+    for i, s in enumerate(states2):
+        rows[i][1] = s
+    for i, s in zip(aux_index, auxes):
+        rows[i][2] = s
+    flat, consecutive = _flat_steps(steps)
+    tensors = [*params, *grads, *states1, *states2, *auxes]
+    key = (
+        opt_kind,
+        weight_mode,
+        state_fmt,
+        tuple(group_index),
+        tuple(s1_index),
+        tuple(aux_index),
+        tuple(t.data_ptr() for t in tensors),
+        tuple(t.dtype for t in tensors),
+        tuple(t.stride() for t in tensors),
+    )
+    entry = _CACHE.get(key)
+    if entry is None:
+        rounding = {code: name for name, code in _optim.MODES.items()}[weight_mode]
+        device = params[0].device
+        stream = None
+        if device.type == "cuda":
+            from ._views import _external_stream
+
+            stream = _external_stream(device)
+        entry = build_entry(
+            opt_kind, rounding, state_fmt, params, grads, rows, flat, group_index, stream
+        )
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = entry
+    else:
+        from ._views import _view
+
+        entry.fused.steps = _view(flat, False, "step").bits
+        entry.buffers[0] = flat
+    entry.fused.set_hyper(np.array(hyper, np.float64).reshape(-1, _optim.HYPER_COLUMNS))
+    run_entry(entry, inv_scale, found, check_grads, negate, k0, k1)
+    if not consecutive:
+        torch._foreach_copy_(steps, list(flat.unbind()))
+
+
+@_fused_step.register_fake
+def _(params, grads, states1, states2, auxes, steps, found, inv_scale, *args):
+    return None
+
+
+def _flat_steps(steps):
+    """``(int32[N] tensor, whether it is a view of the counters)``: the 0-d counters as one
+    flat tensor - a view when they are consecutive in one storage (srround's optimizers make
+    them so), else a stacked copy (copied back after the step)."""
+    first = steps[0]
+    item = first.element_size()
+    if all(
+        s.dtype == torch.int32
+        and s.device == first.device
+        and s.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and s.data_ptr() == first.data_ptr() + i * item
+        for i, s in enumerate(steps)
+    ):
+        return first.as_strided((len(steps),), (1,)), True
+    return torch.stack([s.reshape(()).to(torch.int32) for s in steps]), False
+
+
+def fused_step_op(
+    params,
+    grads,
+    states1,
+    states2,
+    auxes,
+    steps,
+    found_inf,
+    inv_scale,
+    kind,
+    mode,
+    state_fmt,
+    group_index,
+    s1_index,
+    aux_index,
+    hyper,
+    k0,
+    k1,
+    negate,
+    check_grads,
+):
+    """Call ``torch.ops.srround.fused_step`` (arguments in its order)."""
+    torch.ops.srround.fused_step(
+        params,
+        grads,
+        states1,
+        states2,
+        auxes,
+        steps,
+        found_inf,
+        inv_scale,
+        kind,
+        mode,
+        state_fmt,
+        group_index,
+        s1_index,
+        aux_index,
+        hyper,
+        k0,
+        k1,
+        negate,
+        check_grads,
+    )
+
+
+__all__ = ["stochastic_round"]

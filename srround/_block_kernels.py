@@ -1,0 +1,193 @@
+"""Kernels of the block-scaled formats (``_blocks.py`` has the rules): one-element and one-block
+bodies compiled for the CPU loops here and the CUDA kernels of ``_blocks_cuda.py``, and the CPU
+kernels (one ``prange`` iteration per block)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._rng import lane_bits16, random_block
+from ._scalar import FN, bits_to_f32, decode, encode_nearest, encode_stochastic, f32_to_bits
+
+_F32_ABS = 0x7FFFFFFF
+_F32_INF = 0x7F800000
+NVFP4_TENSOR_DIVISOR = 448.0 * 6.0  # float8_e4m3fn max * float4_e2m1fn max
+
+
+# -- scalar bodies (njit: compiled for the CPU loops and the CUDA kernels alike) -------------
+
+
+@njit(inline="always", cache=True)
+def pow2_bits(k):
+    """fp32 bits of ``2**k`` for k in [-149, 127] (subnormal below -126)."""
+    if k >= -126:
+        return (k + 127) << 23
+    return 1 << (k + 149)
+
+
+@njit(inline="always", cache=True)
+def mx_scale(amax, emax, max_mantissa, ceil):
+    """``(biased e8m0 scale, fp32 bits of the multiplier 1/scale)`` of a block whose largest
+    magnitude has fp32 bits ``amax`` (NaN bits when the block holds a NaN)."""
+    if amax > _F32_INF:
+        return 255, 0  # NaN scale: x / inf in torchao, i.e. x * 0 (finite -> +-0, else NaN)
+    k = (amax >> 23) - 127 - emax
+    if ceil and (amax >> 23) != 0 and (amax & 0x7FFFFF) > max_mantissa:
+        k += 1
+    k = min(max(k, -127), 128)
+    return k + 127, pow2_bits(-max(k, -126))
+
+
+@njit(inline="always", cache=True)
+def nv_tensor_scale(amax):
+    """fp32 bits of NVFP4's tensor scale ``amax / 2688`` (1.0 when amax is 0)."""
+    if amax == 0:
+        return 0x3F800000
+    return f32_to_bits(bits_to_f32(amax) / np.float32(NVFP4_TENSOR_DIVISOR))
+
+
+@njit(inline="always", cache=True)
+def nv_block_scale(amax, tensor_scale, ceil):
+    """``(e4m3 block scale, fp32 bits of the element multiplier)`` of an NVFP4 block."""
+    ts = bits_to_f32(tensor_scale)
+    scaled = (bits_to_f32(amax) / np.float32(6.0)) / ts
+    if scaled == scaled:  # torch.clamp keeps NaN
+        scaled = min(max(scaled, np.float32(0.015625)), np.float32(448.0))
+    u = f32_to_bits(scaled)
+    code = encode_nearest(u, 3, 4, True, FN)
+    if ceil and code < 0x7E and decode(code, 3, 4, FN) < u:  # positive: bits order as values
+        code += 1
+    s32 = bits_to_f32(decode(code, 3, 4, FN))
+    return code, f32_to_bits((np.float32(1.0) / ts) / s32)
+
+
+@njit(inline="always", cache=True)
+def block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind):
+    """The element pattern of fp32 bits ``u`` scaled by the fp32 ``multiplier`` (bits),
+    clamped to +-max (``max_bits``: the fp32 bits of the largest element) and rounded."""
+    y = f32_to_bits(bits_to_f32(u) * bits_to_f32(multiplier))
+    sign = y & 0x80000000
+    a = y & _F32_ABS
+    if a > _F32_INF:  # NaN: all ones (torch's fp8 casts); fp4 has no NaN: torchao's 0b0011
+        return (sign >> (31 - m - e)) | (((1 << (m + e)) - 1) if kind != 2 else 0x3)
+    if a > max_bits:
+        y = sign | max_bits
+    if stochastic:
+        return encode_stochastic(y, bits16, m, e, True, kind)
+    return encode_nearest(y, m, e, True, kind)
+
+
+@njit(inline="always", cache=True)
+def element_value(h, scale_bits, m, e, kind):
+    """fp32 bits of element pattern ``h`` times the fp32 scale (bits)."""
+    return f32_to_bits(bits_to_f32(decode(h, m, e, kind)) * bits_to_f32(scale_bits))
+
+
+@njit(inline="always", cache=True)
+def nv_scale_value(code, tensor_scale):
+    """fp32 bits of an NVFP4 block's scale: e4m3 ``code`` times the tensor scale (bits)."""
+    return f32_to_bits(bits_to_f32(decode(code, 3, 4, FN)) * bits_to_f32(tensor_scale))
+
+
+@njit(inline="always", cache=True)
+def mx_scale_value(code):
+    """fp32 bits of an e8m0 scale (NaN for 0xFF)."""
+    if code == 255:
+        return 0x7FC00000
+    return pow2_bits(code - 127)
+
+
+# -- CPU kernels ------------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True)
+def amax_bits_cpu(x):
+    """The largest of ``x & 0x7FFFFFFF`` over fp32 bits ``x`` (NaN bits exceed every number's,
+    so a NaN anywhere gives a NaN)."""
+    n = x.size
+    chunk = 1 << 16
+    parts = max((n + chunk - 1) // chunk, 1)
+    results = np.zeros(parts, np.uint32)
+    for p in prange(parts):
+        m = np.uint32(0)
+        for j in range(p * chunk, min(n, p * chunk + chunk)):
+            a = x[j] & np.uint32(_F32_ABS)
+            if a > m:
+                m = a
+        results[p] = m
+    return results.max()
+
+
+@njit(inline="always", cache=True)
+def quantize_block(x, data, scales, t, n, inner, block, tensor_scale, k0, k1, offset, params):
+    """Block ``t`` (row-major over ``(outer, n // block, inner)``): scale into ``scales[t]``,
+    elements into ``data``. ``params``: (m, e, kind, two_level, emax, max_mantissa, max_bits,
+    packed, stochastic, ceil)."""
+    m, e, kind, two_level, emax, max_mantissa, max_bits, packed, stochastic, ceil = params
+    nb = n // block
+    i = t % inner
+    blk = (t // inner) % nb
+    o = t // (inner * nb)
+    base = (o * n + blk * block) * inner + i
+    amax = 0
+    for k in range(block):
+        a = x[base + k * inner] & _F32_ABS
+        if a > amax:
+            amax = a
+    if two_level:
+        code, multiplier = nv_block_scale(amax, tensor_scale, ceil)
+    else:
+        code, multiplier = mx_scale(amax, emax, max_mantissa, ceil)
+    scales[t] = code
+    current = -1
+    x0 = x1 = 0
+    low = 0
+    for k in range(block):
+        idx = base + k * inner
+        bits16 = 0
+        if stochastic:
+            ctr = offset + idx
+            if (ctr >> 2) != current:
+                current = ctr >> 2
+                x0, x1 = random_block(k0, k1, current)
+            bits16 = lane_bits16(x0, x1, ctr & 3)
+        h = block_element(x[idx], multiplier, max_bits, bits16, stochastic, m, e, kind)
+        if packed:
+            if k & 1 == 0:
+                low = h
+            else:
+                data[(o * (n >> 1) + ((blk * block + k) >> 1)) * inner + i] = low | (h << 4)
+        else:
+            data[idx] = h
+
+
+@njit(parallel=True, cache=True)
+def quantize_blocks_cpu(x, data, scales, n, inner, block, tensor_scale, k0, k1, offset, params):
+    """Every block of fp32 bits ``x`` (see ``quantize_block``)."""
+    for t in prange(scales.size):
+        quantize_block(x, data, scales, t, n, inner, block, tensor_scale, k0, k1, offset, params)
+
+
+@njit(parallel=True, cache=True)
+def dequantize_blocks_cpu(data, scales, out, n, inner, block, tensor_scale, params):
+    """out (fp32 bits) = element * scale (NVFP4: scale = e4m3 block scale * tensor scale)."""
+    m, e, kind, two_level, packed = params
+    nb = n // block
+    for t in prange(scales.size):
+        i = t % inner
+        blk = (t // inner) % nb
+        o = t // (inner * nb)
+        base = (o * n + blk * block) * inner + i
+        if two_level:
+            scale = nv_scale_value(scales[t], tensor_scale)
+        else:
+            scale = mx_scale_value(scales[t])
+        for k in range(block):
+            idx = base + k * inner
+            if packed:
+                byte = data[(o * (n >> 1) + ((blk * block + k) >> 1)) * inner + i]
+                h = (byte >> (4 * (k & 1))) & 0xF
+            else:
+                h = data[idx]
+            out[idx] = element_value(h, scale, m, e, kind)

@@ -1,0 +1,97 @@
+"""Numba's threading layer, chosen once when srround is imported, so that its CPU kernels are
+safe from many threads and in forked children.
+
+Numba runs ``prange`` loops on one of three layers, picked at the first parallel launch of the
+process: ``tbb``, ``omp`` or ``workqueue``. Left to itself on Linux without TBB it takes GNU
+OpenMP, which kills a process forked after any parallel call ("Terminating: fork() called from
+a process already using GNU OpenMP") - a ``multiprocessing`` fork child or a torch
+``DataLoader`` worker. ``workqueue`` survives fork but aborts the process when two threads
+launch parallel work at once. ``tbb`` is safe for both, and nested use shares one pool of
+workers instead of multiplying threads.
+
+So, at import, unless the layer is already decided (``NUMBA_THREADING_LAYER`` set, a value in
+``numba.config.THREADING_LAYER``, or Numba's threads already launched):
+
+* ``tbb`` when Intel TBB (``TBB_INTERFACE_VERSION >= 12060``, the PyPI package ``tbb``) can be
+  loaded. pip installs ``libtbb.so.12`` into ``<prefix>/lib``, outside the dynamic loader's
+  search path, where Numba does not find it; it is loaded here by its full path first.
+* otherwise ``workqueue``, with ``launch_lock`` held around every srround CPU launch so that
+  threads take turns instead of aborting.
+
+The threads are launched right away (``numba.get_num_threads()``), so a later change of
+``NUMBA_*`` environment variables cannot switch the layer back to OpenMP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.metadata
+import os
+import sys
+import threading
+
+_TBB_LIBRARY = {"win32": "tbb12.dll", "darwin": "libtbb.12.dylib"}.get(sys.platform, "libtbb.so.12")
+_TBB_MIN_INTERFACE = 12060  # what Numba's tbb layer needs (TBB 2021.6)
+
+# Held around CPU kernel launches when the layer cannot take concurrent launches (workqueue);
+# a no-op context otherwise.
+launch_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
+
+
+def _load_tbb():
+    """The TBB runtime library as a ``ctypes.CDLL`` (from the loader's path, or from the
+    files of the ``tbb`` distribution), or ``None``."""
+    with contextlib.suppress(OSError):
+        return ctypes.CDLL(_TBB_LIBRARY)
+    try:
+        files = importlib.metadata.files("tbb") or ()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name == _TBB_LIBRARY:
+            with contextlib.suppress(OSError):
+                # RTLD_GLOBAL: Numba's tbbpool extension then finds it by its soname
+                return ctypes.CDLL(os.path.realpath(file.locate()), mode=ctypes.RTLD_GLOBAL)
+    return None
+
+
+def tbb_usable() -> bool:
+    """Whether a TBB runtime recent enough for Numba's ``tbb`` layer can be loaded."""
+    library = _load_tbb()
+    if library is None:
+        return False
+    try:
+        version = library.TBB_runtime_interface_version
+    except AttributeError:
+        return False
+    version.restype = ctypes.c_int
+    return version() >= _TBB_MIN_INTERFACE
+
+
+def select_threading_layer() -> str:
+    """Choose and start Numba's threading layer (see the module docstring); returns the layer
+    in use (``numba.threading_layer()``)."""
+    global launch_lock
+    import numba
+    from numba.np.ufunc import parallel
+
+    decided = (
+        getattr(parallel, "_is_initialized", False)
+        or os.environ.get("NUMBA_THREADING_LAYER")
+        or str(numba.config.THREADING_LAYER).lower() != "default"
+    )
+    if not decided:
+        numba.config.THREADING_LAYER = "tbb" if tbb_usable() else "workqueue"
+    numba.get_num_threads()  # launches the layer's threads: the choice is final from here
+    layer = numba.threading_layer()
+    if layer == "workqueue":
+        launch_lock = threading.Lock()
+        # a child forked while another thread held the lock would wait for it forever
+        os.register_at_fork(after_in_child=_new_lock)
+    return layer
+
+
+def _new_lock() -> None:
+    global launch_lock
+    launch_lock = threading.Lock()

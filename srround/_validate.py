@@ -1,0 +1,190 @@
+"""Checks of the scalar arguments of the functional API, in one place, run before any buffer is
+viewed or any kernel launched. Each error names the argument, says what was expected and what
+was given.
+
+The ranges are those of the torch classes the functions mirror (``torch.optim.AdamW``,
+``torch.optim.SGD``, ``torch.amp.GradScaler``), plus finiteness, which torch leaves to the
+user: a NaN learning rate writes NaN into every weight.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _describe(value) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is not None and not isinstance(value, np.generic):
+        return f"an array of shape {tuple(shape)} ({type(value).__module__}.{type(value).__name__})"
+    return f"{value!r} ({type(value).__name__})"
+
+
+def number(value, name: str) -> float:
+    """``value`` as a Python float: a real number (int, float, NumPy scalar; not bool, str,
+    array or complex), else a ``TypeError`` naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        fix = ""
+        if getattr(value, "shape", None) is not None:
+            fix = "; pass a Python float (e.g. float(x.item()) for a one-element array)"
+        raise TypeError(f"{name}: expected a real number, got {_describe(value)}{fix}")
+    return float(value)
+
+
+def real(
+    value,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    finite: bool = True,
+    float32: bool = True,
+) -> float:
+    """A real number in a range: ``number(value)``, finite (unless ``finite=False``), within
+    ``[low, high]`` (``low_open`` / ``high_open``: the bound itself excluded), and, with
+    ``float32``, finite as a float32 too (the kernels compute in float32). Returns the float."""
+    x = number(value, name)
+    if finite and not math.isfinite(x):
+        raise ValueError(f"{name}: expected a finite number, got {x!r}")
+    if math.isnan(x):
+        raise ValueError(f"{name}: expected a number, got nan")
+    if float32 and finite and abs(x) > _F32_MAX:
+        raise ValueError(f"{name}: {x!r} overflows float32 (largest finite: {_F32_MAX:.6g})")
+    too_low = low is not None and (x <= low if low_open else x < low)
+    too_high = high is not None and (x >= high if high_open else x > high)
+    if too_low or too_high:
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        lo = "-inf" if low is None else repr(low)
+        hi = "inf" if high is None else repr(high)
+        raise ValueError(f"{name}: expected a value in {left}{lo}, {hi}{right}, got {x!r}")
+    return x
+
+
+def integer(value, name: str, *, low: int, high: int | None = None) -> int:
+    """An int (Python or NumPy integer; not bool, not a float such as 2.5 or 2.0) in
+    ``[low, high)``. Returns the int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {_describe(value)}")
+    n = int(value)
+    if n < low or (high is not None and n >= high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name}: expected an int {bound}, got {n}")
+    return n
+
+
+def flag(value, name: str) -> bool:
+    """A bool (Python or NumPy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {_describe(value)}")
+    return bool(value)
+
+
+def inv_scale(value, name: str = "inv_scale") -> float:
+    """A host ``inv_scale``: positive and finite, also as a float32 (1e-50 rounds to 0)."""
+    x = real(value, name, low=0.0, low_open=True)
+    if np.float32(x) == 0:
+        raise ValueError(f"{name}: {x!r} rounds to 0 in float32; expected a positive scale")
+    return x
+
+
+def adamw(lr, betas, eps, weight_decay) -> tuple[float, float, float, float, float]:
+    """``(lr, beta1, beta2, eps, weight_decay)`` checked as ``torch.optim.AdamW`` does, and
+    finite: lr >= 0, 0 <= beta < 1, eps >= 0, weight_decay >= 0."""
+    lr = real(lr, "lr", low=0.0)
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise TypeError(f"betas: expected a pair (beta1, beta2), got {_describe(betas)}")
+    beta1 = real(betas[0], "betas[0]", low=0.0, high=1.0, high_open=True)
+    beta2 = real(betas[1], "betas[1]", low=0.0, high=1.0, high_open=True)
+    eps = real(eps, "eps", low=0.0)
+    weight_decay = real(weight_decay, "weight_decay", low=0.0)
+    return lr, beta1, beta2, eps, weight_decay
+
+
+def sgd(lr, momentum, dampening, weight_decay, nesterov) -> tuple[float, float, float, float, bool]:
+    """``(lr, momentum, dampening, weight_decay, nesterov)`` checked as ``torch.optim.SGD``
+    does, and finite: lr >= 0, momentum >= 0, weight_decay >= 0, nesterov a bool that needs
+    momentum > 0 and dampening == 0."""
+    lr = real(lr, "lr", low=0.0)
+    momentum = real(momentum, "momentum", low=0.0)
+    dampening = real(dampening, "dampening")
+    weight_decay = real(weight_decay, "weight_decay", low=0.0)
+    nesterov = flag(nesterov, "nesterov")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov: needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
+    return lr, momentum, dampening, weight_decay, nesterov
+
+
+def scale_update(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
+    """``update_scale``'s factors: growth_factor >= 1 and backoff_factor in (0, 1] (torch
+    GradScaler's > 1 and < 1, with 1 allowed for a static scale), int growth_interval and
+    hysteresis >= 1 (int32 counters), min_scale >= 0 finite, max_scale > 0 (inf allowed),
+    min_scale <= max_scale. Returns the checked values, the bounds as floats."""
+    growth_factor = real(growth_factor, "growth_factor", low=1.0)
+    backoff_factor = real(backoff_factor, "backoff_factor", low=0.0, high=1.0, low_open=True)
+    growth_interval = integer(growth_interval, "growth_interval", low=1, high=2**31)
+    hysteresis = integer(hysteresis, "hysteresis", low=1, high=2**31)
+    low = 0.0 if min_scale is None else real(min_scale, "min_scale", low=0.0)
+    high = math.inf
+    if max_scale is not None:
+        high = real(max_scale, "max_scale", low=0.0, low_open=True, finite=False)
+    if low > high:
+        raise ValueError(f"min_scale: {low!r} is above max_scale {high!r}")
+    return growth_factor, backoff_factor, growth_interval, hysteresis, low, high
+
+
+def no_overlap(buffers) -> None:
+    """Raise ``ValueError`` naming both arguments if two buffers share memory and at least one
+    of them is written (two read-only inputs may share memory).
+
+    ``buffers``: ``(name, address, nbytes, writes)`` per buffer (empty ones are skipped). The
+    ranges are sorted by start once; without any overlap (the usual case) the check is one
+    vectorised pass, a sweep finds the pair only when there is one.
+    """
+    items = [b for b in buffers if b[2] > 0]
+    if len(items) < 2:
+        return
+    starts = np.fromiter((b[1] for b in items), np.int64, len(items))
+    ends = starts + np.fromiter((b[2] for b in items), np.int64, len(items))
+    order = np.argsort(starts, kind="stable")
+    reach = np.maximum.accumulate(ends[order])
+    if np.all(starts[order][1:] >= reach[:-1]):
+        return
+    furthest_any = furthest_written = None  # (end, item) reaching furthest so far
+    for k in order:
+        name, start, _, writes = items[k]
+        for other in (furthest_any if writes else furthest_written,):
+            if other is not None and start < other[0]:
+                first, second = sorted((other[1][0], name), key=_argument_order(items))
+                raise ValueError(
+                    f"{second}: shares memory with {first}; srround reads and writes buffers in"
+                    " one pass, so overlapping arguments give wrong results - pass separate"
+                    " buffers (e.g. a copy)"
+                )
+        end = int(ends[k])
+        if furthest_any is None or end > furthest_any[0]:
+            furthest_any = (end, items[k])
+        if writes and (furthest_written is None or end > furthest_written[0]):
+            furthest_written = (end, items[k])
+
+
+def _argument_order(items):
+    rank = {item[0]: i for i, item in enumerate(items)}
+    return rank.__getitem__
+
+
+def list_spans(name: str, addresses, sizes, codes, widths, writes: bool, present=None):
+    """``no_overlap`` entries ``name[i]`` of a tensor list given by its table columns;
+    ``widths[code]``: bytes per element of a buffer code; ``present``: the indices that hold
+    a buffer (default: every one)."""
+    indices = range(len(addresses)) if present is None else present
+    return [
+        (f"{name}[{i}]", int(addresses[i]), int(sizes[i]) * int(widths[codes[i]]), writes)
+        for i in indices
+    ]

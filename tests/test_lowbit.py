@@ -1,0 +1,652 @@
+"""fp8 (e4m3fn, e5m2) and fp4 (e2m1fn, one value per byte): elementwise rounding against
+ml_dtypes and torch, bit for bit, and stochastic rounding against a NumPy reference."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import srround
+
+from .reference import neighbours, random16
+
+LOWBIT = ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"]
+FMT = {name: srround.FORMATS[name] for name in LOWBIT}
+ALL_PATTERNS = {name: np.arange(1 << FMT[name].bits, dtype=np.uint8) for name in LOWBIT}
+
+
+def _inputs():
+    """Every bf16 pattern with low halves {0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF}: every fp8/fp4
+    grid value, its fp32 neighbours, every midpoint (a tie) and both sides of it, the overflow
+    thresholds, fp32 subnormals, infinities and NaNs with payloads and both signs."""
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)
+    return (high[:, None] | low[None, :]).reshape(-1).view(np.float32)
+
+
+X = _inputs()
+
+
+def _u8(a):
+    return np.asarray(a).view(np.uint8)
+
+
+def _grid(name):
+    """The finite values of a format, as float32 (every pattern, NaNs dropped)."""
+    values = ALL_PATTERNS[name].view(FMT[name].numpy_dtype).astype(np.float32)
+    return values[np.isfinite(values)]
+
+
+# -- round to nearest ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+def test_round_nearest_is_ml_dtypes_cast(name):
+    """overflow="inf" (the default) is ml_dtypes' cast, bit for bit, on every input class -
+    NaN included for fp8; fp4 has no NaN: ml_dtypes writes a zero of the opposite sign for a
+    NaN, srround keeps the NaN's sign (documented)."""
+    got = _u8(srround.round_nearest(X, dtype=name))
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = _u8(X.astype(FMT[name].numpy_dtype))
+    keep = ~np.isnan(X) if name == "float4_e2m1fn" else slice(None)
+    np.testing.assert_array_equal(got[keep], want[keep])
+    if name == "float4_e2m1fn":
+        nan = np.isnan(X)
+        assert set(got[nan].tolist()) == {0, 8}
+        np.testing.assert_array_equal(got[nan] >> 3, np.signbit(X[nan]))
+
+
+def test_round_nearest_is_torch_cast():
+    """torch's casts in torch's mode: e4m3fn saturates (inf included), e5m2 does not. NaN: the
+    same pattern for e4m3fn; torch writes 0x7F/0xFF for an e5m2 NaN, srround ml_dtypes' 0x7E."""
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(X)
+    for name, dtype, overflow in (
+        ("float8_e4m3fn", torch.float8_e4m3fn, "saturate"),
+        ("float8_e5m2", torch.float8_e5m2, "inf"),
+    ):
+        got = srround.round_nearest(t, dtype=name, overflow=overflow)
+        assert got.dtype == dtype
+        want = t.to(dtype)
+        g, w = got.view(torch.uint8).numpy(), want.view(torch.uint8).numpy()
+        nan = np.isnan(X)
+        np.testing.assert_array_equal(g[~nan], w[~nan])
+        assert np.isnan(got[torch.from_numpy(nan)].float().numpy()).all()
+        np.testing.assert_array_equal(g[nan] >> 7, w[nan] >> 7)
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+def test_overflow_modes(name):
+    """What inf, NaN and a finite overflow become in each overflow mode (the table of
+    srround/_formats.py)."""
+    fmt = FMT[name]
+    x = np.float32([np.inf, -np.inf, np.nan, -np.nan, 1e30, -1e30])
+    top = 1 << (fmt.bits - 1)  # the sign bit
+    maximum = _u8(np.float32([fmt.max_finite]).astype(fmt.numpy_dtype))[0]
+    inf_mode = _u8(srround.round_nearest(x, dtype=name))
+    sat_mode = _u8(srround.round_nearest(x, dtype=name, overflow="saturate"))
+    if name == "float8_e5m2":
+        assert inf_mode.tolist() == [0x7C, 0xFC, 0x7E, 0xFE, 0x7C, 0xFC]
+        assert sat_mode.tolist() == [0x7C, 0xFC, 0x7E, 0xFE, 0x7B, 0xFB]
+    elif name == "float8_e4m3fn":
+        assert inf_mode.tolist() == [0x7F, 0xFF, 0x7F, 0xFF, 0x7F, 0xFF]
+        assert sat_mode.tolist() == [0x7E, 0xFE, 0x7F, 0xFF, 0x7E, 0xFE]
+    else:
+        assert inf_mode.tolist() == sat_mode.tolist() == [7, 15, 0, 8, 7, 15]
+    assert maximum | top in sat_mode
+
+
+# -- widening ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+def test_to_float32_every_pattern(name):
+    """Every pattern widens exactly: ml_dtypes' values, NaN payloads kept (torch's rule)."""
+    fmt = FMT[name]
+    patterns = ALL_PATTERNS[name]
+    got = srround.to_float32(patterns.view(fmt.numpy_dtype))
+    raw = srround.to_float32(patterns, dtype=name)
+    np.testing.assert_array_equal(got.view(np.uint32), raw.view(np.uint32))
+    want = patterns.view(fmt.numpy_dtype).astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    np.testing.assert_array_equal(got.view(np.uint32)[finite], want.view(np.uint32)[finite])
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    # round trip: every pattern but NaN comes back unchanged
+    back = _u8(srround.round_nearest(got, dtype=name))
+    np.testing.assert_array_equal(back[finite], patterns[finite])
+
+
+def test_to_float32_is_torch_widening():
+    """Bit for bit torch's widening, NaN payloads included, except e5m2's signalling NaNs
+    (0x7D, 0xFD), which torch quiets and srround widens with their payload as it is."""
+    torch = pytest.importorskip("torch")
+    for name, dtype in (("float8_e4m3fn", torch.float8_e4m3fn), ("float8_e5m2", torch.float8_e5m2)):
+        t = torch.arange(256, dtype=torch.uint8).view(dtype)
+        got = srround.to_float32(t)
+        assert got.dtype == torch.float32
+        g, w = got.view(torch.int32).numpy(), t.float().view(torch.int32).numpy()
+        signalling = [0x7D, 0xFD] if name == "float8_e5m2" else []
+        keep = np.setdiff1d(np.arange(256), signalling)
+        np.testing.assert_array_equal(g[keep], w[keep])
+        np.testing.assert_array_equal(g[signalling] | 0x400000, w[signalling])
+
+
+# -- stochastic rounding ----------------------------------------------------------------------
+
+
+def _reference_sr(x, name, seed, offset=0, saturate=False):
+    """Reference SR (reference.py's rule: up iff bits16 < floor(frac * 2**16)) with the
+    format's overflow rule, as float32 values (NaN for e4m3fn's overflow)."""
+    fmt = FMT[name]
+    down, up, frac = neighbours(x, fmt)
+    go_up = random16(seed, offset, x.size) < np.floor(frac * 65536.0)
+    value = np.where(go_up, up, down)
+    over = np.abs(value) > fmt.max_finite
+    if saturate or name == "float4_e2m1fn":
+        replacement = np.copysign(fmt.max_finite, value)
+    elif name == "float8_e4m3fn":
+        replacement = np.full_like(value, np.nan)
+    else:
+        replacement = np.copysign(np.inf, value)
+    value = np.where(over, replacement, value)
+    return np.where(value == 0, np.copysign(0.0, x), value).astype(np.float32)
+
+
+def _same(got_f32, want_f32):
+    g, w = np.asarray(got_f32, np.float32), np.asarray(want_f32, np.float32)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    ok = ~np.isnan(w)
+    np.testing.assert_array_equal(g.view(np.uint32)[ok], w.view(np.uint32)[ok])
+
+
+@pytest.mark.parametrize("saturate", [False, True])
+@pytest.mark.parametrize("name", LOWBIT)
+def test_stochastic_round_matches_reference(name, saturate):
+    """Bit for bit the reference SR, with the documented random stream: normals, subnormals,
+    values past the largest finite one, ties, fp32 subnormals (a sample of the input set)."""
+    rng = np.random.default_rng(1)
+    fmt = FMT[name]
+    x = X[np.isfinite(X)]
+    x = x[np.abs(x) < 4 * fmt.max_finite]
+    x = rng.choice(x, 3000, replace=False).astype(np.float32)
+    overflow = "saturate" if saturate else "inf"
+    got = srround.stochastic_round(x, dtype=name, seed=77, offset=5, overflow=overflow)
+    _same(got.astype(np.float32), _reference_sr(x, name, 77, 5, saturate))
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+def test_stochastic_round_neighbours_and_specials(name):
+    """Over every input class: the result is one of the two neighbours (NaN, inf as
+    round_nearest does); grid values come back unchanged."""
+    fmt = FMT[name]
+    got = srround.stochastic_round(X, dtype=name, seed=3).astype(np.float32)
+    nearest = srround.round_nearest(X, dtype=name).astype(np.float32)
+    special = ~np.isfinite(X)
+    _same(got[special], nearest[special])
+    finite = ~special & (np.abs(X) <= fmt.max_finite)
+    down, up, _ = neighbours(X[finite], fmt)
+    value = got[finite].astype(np.float64)
+    assert np.all((value == down) | (value == up))
+    grid = _grid(name)
+    np.testing.assert_array_equal(
+        _u8(srround.stochastic_round(grid, dtype=name, seed=9)), _u8(grid.astype(fmt.numpy_dtype))
+    )
+
+
+def _z_scores(name, xs, draws):
+    """z-score of the mean of ``draws`` stochastic roundings of each x against x."""
+    fmt = FMT[name]
+    scores = []
+    for k, x in enumerate(xs):
+        copies = np.full(draws, x, np.float32)
+        y = srround.stochastic_round(copies, dtype=name, seed=1000 + k).astype(np.float64)
+        down, up, frac = (float(v[0]) for v in neighbours(np.float32([x]), fmt))
+        spread = abs(up - down) * np.sqrt(frac * (1 - frac)) / np.sqrt(draws)
+        scores.append((y.mean() - float(x)) / spread)
+    return np.array(scores)
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+def test_stochastic_round_is_unbiased(name):
+    """E[SR(x)] = x (z-test): normal and subnormal values, both signs, fractions whose bits go
+    below the 16 random bits (their probability is floored to a multiple of 2**-16: a bias below
+    2**-16 of a quantum, far under what 40000 draws can see)."""
+    fmt = FMT[name]
+    sub = fmt.smallest_subnormal
+    xs = [
+        np.float32(1.0 + 0.3 * 2.0**-fmt.mantissa_bits),
+        np.float32(-(1.0 + 0.7 * 2.0**-fmt.mantissa_bits)),
+        np.float32(0.37 * sub),  # below the smallest subnormal
+        np.float32(-1.61 * sub),  # between subnormals
+        np.float32(fmt.max_finite * 0.9 + 0.1),
+        np.float32(1.0 + 2.0**-fmt.mantissa_bits / 3.0),
+    ]
+    z = _z_scores(name, xs, 40000)
+    assert np.all(np.abs(z) < 5), z
+
+
+def test_probability_resolution_of_16_bits():
+    """P(up) is exact to 2**-16: a fraction of 2**-17 of a quantum never rounds up, one of
+    2**-16 does for one random value in 2**16 (e4m3fn drops 20 bits of an fp32 in [1, 2))."""
+    x = np.full(1 << 18, 1.0 + 2.0**-3 * 2.0**-17, np.float32)
+    assert (_u8(srround.stochastic_round(x, dtype="float8_e4m3fn", seed=5)) == 0x38).all()
+    x = np.full(1 << 18, 1.0 + 2.0**-3 * 2.0**-16, np.float32)
+    ups = int((_u8(srround.stochastic_round(x, dtype="float8_e4m3fn", seed=5)) == 0x39).sum())
+    assert 0 < ups < 16
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+def test_stochastic_add(name):
+    """w <- SR(w + u) in place: the reference SR of the fp32 sum rounded once (the float64 sum
+    of these inputs is exact), on ml_dtypes arrays and raw uint8 patterns alike."""
+    fmt = FMT[name]
+    rng = np.random.default_rng(2)
+    grid = _grid(name)
+    w = rng.choice(grid, 2000).astype(fmt.numpy_dtype)
+    u = (rng.standard_normal(2000) * fmt.max_finite / 64).astype(np.float32)
+    total = (w.astype(np.float64) + u.astype(np.float64)).astype(np.float32)
+    want = _reference_sr(total, name, 11, 3)
+    raw = _u8(w).copy()
+    out = srround.stochastic_add(w, u, seed=11, offset=3)
+    assert out is w
+    _same(w.astype(np.float32), want)
+    srround.stochastic_add(raw, u, seed=11, offset=3, dtype=name)
+    np.testing.assert_array_equal(raw, _u8(w))
+
+
+# -- backends ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+def test_cuda_bits_equal_cpu_bits(name, small_cuda_launch):
+    """CUDA kernels (the simulator in CI) give the CPU kernels' bits, offsets not multiples of 4
+    and lengths across several grid-stride rounds included."""
+    from numba import cuda
+
+    if not cuda.is_available():
+        pytest.skip("no CUDA device and not simulated")
+    fmt = FMT[name]
+    rng = np.random.default_rng(4)
+    x = rng.choice(X, 203).astype(np.float32)
+    for overflow in ("inf", "saturate"):
+        cpu = _u8(srround.stochastic_round(x, dtype=name, seed=8, offset=6, overflow=overflow))
+        dev = srround.stochastic_round(
+            cuda.to_device(x), dtype=name, seed=8, offset=6, overflow=overflow
+        )
+        np.testing.assert_array_equal(_u8(dev.copy_to_host()), cpu)
+        cpu = _u8(srround.round_nearest(x, dtype=name, overflow=overflow))
+        dev = srround.round_nearest(cuda.to_device(x), dtype=name, overflow=overflow)
+        np.testing.assert_array_equal(_u8(dev.copy_to_host()), cpu)
+    h = ALL_PATTERNS[name]
+    cpu = srround.to_float32(h, dtype=name)
+    dev = srround.to_float32(cuda.to_device(h), dtype=name).copy_to_host()
+    np.testing.assert_array_equal(dev.view(np.uint32), cpu.view(np.uint32))
+    w = rng.choice(_grid(name), 203).astype(fmt.numpy_dtype)
+    u = (rng.standard_normal(203) * fmt.max_finite / 16).astype(np.float32)
+    w_dev = cuda.to_device(_u8(w).copy())
+    srround.stochastic_add(w_dev, cuda.to_device(u), alpha=0.5, seed=2, offset=1, dtype=name)
+    srround.stochastic_add(w, u, alpha=0.5, seed=2, offset=1)
+    np.testing.assert_array_equal(w_dev.copy_to_host(), _u8(w))
+
+
+def test_torch_dtypes_and_bits():
+    """torch: results in torch.float8_e4m3fn / float8_e5m2, fp4 as uint8 bit patterns; the
+    bits equal the NumPy path's; in-place stochastic_add on a float8 tensor."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(1000).astype(np.float32) * 30
+    for name, dtype in (
+        ("float8_e4m3fn", torch.float8_e4m3fn),
+        ("float8_e5m2", torch.float8_e5m2),
+        ("float4_e2m1fn", torch.uint8),
+    ):
+        got = srround.stochastic_round(torch.from_numpy(x), dtype=name, seed=6)
+        assert got.dtype == dtype
+        want = _u8(srround.stochastic_round(x, dtype=name, seed=6))
+        np.testing.assert_array_equal(got.view(torch.uint8).numpy(), want)
+        wide = srround.to_float32(got, dtype=name if dtype == torch.uint8 else None)
+        np.testing.assert_array_equal(wide.numpy(), srround.to_float32(want, dtype=name))
+        w = got.clone()
+        u = torch.from_numpy(x / 10)
+        srround.stochastic_add(w, u, seed=1, dtype=name if dtype == torch.uint8 else None)
+        w_np = want.copy()
+        srround.stochastic_add(w_np, x / 10, seed=1, dtype=name)
+        np.testing.assert_array_equal(w.view(torch.uint8).numpy(), w_np)
+
+
+def test_bad_dtypes_are_named():
+    x = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="y: expected a narrow float"):
+        srround.to_float32(np.zeros(4, np.uint8))
+    with pytest.raises(TypeError, match="w: expected a narrow float"):
+        srround.stochastic_add(np.zeros(4, np.uint16), x, dtype="float8_e4m3fn")
+    with pytest.raises(TypeError, match="does not match"):
+        srround.stochastic_add(np.zeros(4, ml_dtypes.float8_e5m2), x, dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match="dtype: unsupported"):
+        srround.stochastic_round(x, dtype="float8_e3m4")
+
+
+# -- block-scaled formats ---------------------------------------------------------------------
+
+BLOCK_FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"]
+
+
+def _block_inputs(rows=48, cols=64, seed=0):
+    """Rows of different magnitudes (1e-30 .. 1e30, fp32 subnormals), zero blocks, blocks whose
+    maximum is a power of two or just above the clipping threshold, and special values."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)) * 10.0 ** rng.uniform(-30, 30, (rows, 1))
+    x[1] = 0.0
+    x[2, :32] = 2.0**-140  # fp32 subnormals
+    x[3, 5] = 2.0**7
+    x[4, 7] = 1.8 * 2.0**3  # above 1.75 * 2**k: FLOOR clips it (fp8)
+    x[5, 9] = 7.0  # fp4: above 6 * 2**0
+    x[6, 3] = np.inf
+    x[7, 20] = -np.inf
+    x[8, 2] = np.nan
+    x[9] = rng.integers(-8, 8, cols) * 0.5  # on the fp4 grid
+    return x.astype(np.float32)
+
+
+def _torchao_reference(torch, x, name):
+    """(data bits, scale bits, tensor scale) of torchao on torch tensor ``x``."""
+    if name == "nvfp4":
+        from torchao.prototype.mx_formats.nvfp4_tensor import (
+            nvfp4_quantize,
+            per_tensor_amax_to_scale,
+        )
+
+        ts = per_tensor_amax_to_scale(torch.max(torch.abs(x)))
+        scales, data = nvfp4_quantize(x, 16, per_tensor_scale=ts)
+        return data.view(torch.uint8), scales.view(torch.uint8), ts
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    dtypes = {
+        "mxfp8_e4m3": torch.float8_e4m3fn,
+        "mxfp8_e5m2": torch.float8_e5m2,
+        "mxfp4": torch.float4_e2m1fn_x2,
+    }
+    scales, data = to_mx(x, dtypes[name], 32)
+    return data.view(torch.uint8), scales.view(torch.uint8), None
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_nearest_blocks_are_torchao_bits(name):
+    """rounding="nearest" (FLOOR scales for MX) gives torchao's data and scale bits, special
+    values and clipped block maxima included."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    x = _block_inputs()
+    if name == "nvfp4":  # one tensor scale: the specials would make every block NaN
+        x = np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        x = x / np.abs(x).max(axis=1, keepdims=True) * np.float32(3.0)
+        x = np.nan_to_num(x).astype(np.float32)
+        x[5, 9] = 1e4
+    t = torch.from_numpy(x)
+    data, scales, ts = _torchao_reference(torch, t, name)
+    q = srround.quantize_blocks(t, name, rounding="nearest")
+    np.testing.assert_array_equal(q.scales.view(torch.uint8).numpy(), scales.numpy())
+    np.testing.assert_array_equal(q.data.view(torch.uint8).numpy(), data.numpy())
+    if ts is not None:
+        assert q.tensor_scale.item() == ts.item()
+    # NumPy gives the same bits
+    qn = srround.quantize_blocks(x, name, rounding="nearest")
+    np.testing.assert_array_equal(_u8(qn.data), data.numpy())
+    np.testing.assert_array_equal(_u8(qn.scales), scales.numpy())
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_blocks_cuda_bits_equal_cpu_bits(name, small_cuda_launch):
+    """The CUDA kernels (simulator in CI) give the CPU bits, both roundings, axis 0 included."""
+    from numba import cuda
+
+    if not cuda.is_available():
+        pytest.skip("no CUDA device and not simulated")
+    x = _block_inputs(rows=10, cols=32, seed=3)
+    if name == "nvfp4":
+        x = np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)
+    for rounding, axis in (("nearest", -1), ("stochastic", -1), ("stochastic", 0)):
+        xs = x if axis == -1 else np.ascontiguousarray(x.T)
+        cpu = srround.quantize_blocks(xs, name, rounding=rounding, seed=4, offset=3, axis=axis)
+        dev = srround.quantize_blocks(
+            cuda.to_device(xs), name, rounding=rounding, seed=4, offset=3, axis=axis
+        )
+        np.testing.assert_array_equal(_u8(dev.data.copy_to_host()), _u8(cpu.data))
+        np.testing.assert_array_equal(_u8(dev.scales.copy_to_host()), _u8(cpu.scales))
+        if name == "nvfp4":
+            np.testing.assert_array_equal(dev.tensor_scale.copy_to_host(), cpu.tensor_scale)
+        back = srround.dequantize_blocks(dev).copy_to_host()
+        want = srround.dequantize_blocks(cpu)
+        np.testing.assert_array_equal(back.view(np.uint32), want.view(np.uint32))
+
+
+def _sr_blocks(name, block_row, copies, scale, seed=0):
+    """``copies`` stochastic quantizations of one block row (one call on the stacked rows:
+    every element gets its own stream position), dequantized, as float64 [copies, len]."""
+    x = np.tile(np.asarray(block_row, np.float32), (copies, 1))
+    q = srround.quantize_blocks(x, name, seed=seed, scale=scale)
+    return srround.dequantize_blocks(q).astype(np.float64)
+
+
+def _block_row(name, rng):
+    bf = srround._blocks.BLOCK_FORMATS[name]
+    row = rng.standard_normal(bf.block) * 3.0
+    row[0] = 1.9 * 2.0**2  # a block maximum that FLOOR clips (its significand exceeds 1.75)
+    if name == "nvfp4":
+        row[0] = 1.9 * 2.0**2
+    return row.astype(np.float32)
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_stochastic_blocks_are_unbiased(name):
+    """E[dequantize(quantize(x))] = x for every element under the default (non-clipping) scale
+    of rounding="stochastic" (z-test over 3000 draws); FLOOR scaling clips the block maximum:
+    its mean lies below x (measured in the README)."""
+    rng = np.random.default_rng(11)
+    row = _block_row(name, rng)
+    y = _sr_blocks(name, row, 3000, None)
+    mean, std = y.mean(axis=0), y.std(axis=0)
+    exact = std == 0
+    np.testing.assert_array_equal(mean[exact], row[exact].astype(np.float64))
+    z = (mean[~exact] - row[~exact]) / (std[~exact] / np.sqrt(y.shape[0]))
+    assert np.all(np.abs(z) < 5), z
+    if name != "nvfp4":  # NVFP4's e4m3 scale rounds to nearest: it clips only some maxima
+        floor = _sr_blocks(name, row, 3000, "floor")
+        assert floor[:, 0].max() < row[0]  # always clipped below the true value
+
+
+def test_floor_clips_and_ceil_does_not():
+    """nearest rounding: FLOOR (torchao's) maps 1.9 * 2**3 to the largest e4m3 element,
+    1.75 * 2**3; CEIL takes the next scale and keeps it within one quantum."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = 1.9 * 2.0**3
+    floor = srround.quantize_blocks(x, "mxfp8_e4m3", rounding="nearest")
+    ceil = srround.quantize_blocks(x, "mxfp8_e4m3", rounding="nearest", scale="ceil")
+    assert srround.dequantize_blocks(floor)[0, 0] == 1.75 * 2.0**3
+    assert srround.dequantize_blocks(ceil)[0, 0] == 1.875 * 2.0**3
+    assert _u8(ceil.scales)[0, 0] == _u8(floor.scales)[0, 0] + 1
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_blocks_layout_axis_and_stream(name):
+    """Blocks along any axis (same bits as the transposed array's last axis, rounding to
+    nearest); element i uses stream position offset + i (its row-major index in x); shapes
+    of data (fp4: axis halved), scales and the dtypes."""
+    bf = srround._blocks.BLOCK_FORMATS[name]
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 2 * bf.block, 5)).astype(np.float32)
+    q = srround.quantize_blocks(x, name, rounding="nearest", axis=1)
+    t = np.ascontiguousarray(np.moveaxis(x, 1, -1))
+    r = srround.quantize_blocks(t, name, rounding="nearest")
+    np.testing.assert_array_equal(_u8(q.scales), np.moveaxis(_u8(r.scales), -1, 1))
+    assert q.data.shape == (3, bf.block if bf.packed else 2 * bf.block, 5)
+    assert q.scales.shape == (3, 2, 5)
+    assert q.axis == 1 and q.format == name
+    assert q.scales.dtype == (
+        np.dtype(ml_dtypes.float8_e4m3fn) if bf.two_level else np.dtype(ml_dtypes.float8_e8m0fnu)
+    )
+    np.testing.assert_array_equal(
+        srround.dequantize_blocks(q), np.moveaxis(srround.dequantize_blocks(r), -1, 1)
+    )
+    if name == "nvfp4":
+        return  # the tensor scale of a part differs from the whole's
+    y = rng.standard_normal((4, 2 * bf.block)).astype(np.float32)
+    whole = srround.quantize_blocks(y, name, seed=5, offset=9)
+    part = srround.quantize_blocks(y[2:], name, seed=5, offset=9 + 2 * y.shape[1])
+    np.testing.assert_array_equal(_u8(whole.data)[2:], _u8(part.data))
+
+
+def test_blocks_grid_values_round_trip():
+    """Values on a block's grid come back exactly, whatever the rounding."""
+    x = np.float32([[6, -4, 3, 2, 1.5, 1, 0.5, 0] * 4]) * np.float32(2.0**-5)
+    for rounding in ("nearest", "stochastic"):
+        q = srround.quantize_blocks(x, "mxfp4", rounding=rounding, scale="floor")
+        np.testing.assert_array_equal(srround.dequantize_blocks(q), x)
+
+
+def test_blocks_errors_name_the_argument():
+    x = np.zeros((2, 48), np.float32)
+    with pytest.raises(ValueError, match=r"x: the length 48 of axis 1 is not a multiple of .*32"):
+        srround.quantize_blocks(x, "mxfp8_e4m3")
+    with pytest.raises(ValueError, match="format: expected one of"):
+        srround.quantize_blocks(x, "mxfp6")
+    with pytest.raises(ValueError, match="rounding:"):
+        srround.quantize_blocks(x, "nvfp4", rounding="up")
+    with pytest.raises(ValueError, match="scale:"):
+        srround.quantize_blocks(x, "nvfp4", scale="round")
+    with pytest.raises(ValueError, match="axis:"):
+        srround.quantize_blocks(x, "nvfp4", axis=2)
+    with pytest.raises(TypeError, match="x: expected a float32"):
+        srround.quantize_blocks(x.astype(np.float64), "nvfp4")
+    with pytest.raises(TypeError, match="q: expected a QuantizedBlocks"):
+        srround.dequantize_blocks((x, x, None))
+
+
+def test_nvfp4_all_zero_tensor():
+    """An all-zero tensor gets tensor scale 1 and zero data (torchao's formula divides 0/0)."""
+    q = srround.quantize_blocks(np.zeros((1, 16), np.float32), "nvfp4")
+    assert q.tensor_scale[0] == 1.0
+    assert not _u8(q.data).any()
+    assert not srround.dequantize_blocks(q).any()
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+@pytest.mark.parametrize("name", LOWBIT)
+def test_jax_bits_equal_numpy_bits(name, impl):
+    """JAX (jax.lax path under jit, and the callback path): the NumPy path's bits; fp8 results
+    in JAX's float8 dtypes, fp4 as uint8 patterns."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from srround.adapters import jax as sj
+
+    rng = np.random.default_rng(12)
+    x = rng.choice(X, 1001).astype(np.float32)
+    for overflow in ("inf", "saturate"):
+        want = _u8(srround.stochastic_round(x, dtype=name, seed=3, offset=2, overflow=overflow))
+        fn = jax.jit(
+            lambda v: sj.stochastic_round(
+                v, dtype=name, seed=3, offset=2, overflow=overflow, impl=impl
+            )
+        )
+        got = fn(jnp.asarray(x))
+        assert got.dtype == (
+            jnp.uint8 if name == "float4_e2m1fn" else jnp.dtype(FMT[name].numpy_dtype)
+        )
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want)
+        got = sj.round_nearest(jnp.asarray(x), dtype=name, overflow=overflow, impl=impl)
+        want = _u8(srround.round_nearest(x, dtype=name, overflow=overflow))
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want)
+    h = ALL_PATTERNS[name]
+    wide = sj.to_float32(jnp.asarray(h), dtype=name, impl=impl)
+    np.testing.assert_array_equal(
+        np.asarray(wide).view(np.uint32), srround.to_float32(h, dtype=name).view(np.uint32)
+    )
+    w = rng.choice(_grid(name), 1001).astype(FMT[name].numpy_dtype)
+    u = (rng.standard_normal(1001) * FMT[name].max_finite / 16).astype(np.float32)
+    new = sj.stochastic_add(
+        jnp.asarray(_u8(w)), jnp.asarray(u), alpha=0.5, seed=2, dtype=name, impl=impl
+    )
+    srround.stochastic_add(w, u, alpha=0.5, seed=2)
+    np.testing.assert_array_equal(np.asarray(new), _u8(w))
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e5m2", "nvfp4"])
+def test_jax_blocks_equal_numpy_blocks(name):
+    """JAX arrays (under jit, a key as the seed): the NumPy path's bits, dequantize included."""
+    jax = pytest.importorskip("jax")
+    key = jax.random.key(3)
+    x = np.random.default_rng(6).standard_normal((4, 64)).astype(np.float32)
+    seed = int(jax.random.key_data(key)[0]) | (int(jax.random.key_data(key)[1]) << 32)
+    want = srround.quantize_blocks(x, name, seed=seed, offset=5, axis=1)
+    q = jax.jit(lambda v, k: srround.quantize_blocks(v, name, seed=k, offset=5, axis=1))(
+        jax.numpy.asarray(x), key
+    )
+    assert q.axis == 1 and q.format == name
+    np.testing.assert_array_equal(np.asarray(q.data).view(np.uint8), _u8(want.data))
+    np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), _u8(want.scales))
+    np.testing.assert_array_equal(
+        np.asarray(srround.dequantize_blocks(q)), srround.dequantize_blocks(want)
+    )
+
+
+# -- audit ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_audit_fp8_range_and_lost_updates(name):
+    """``dtype=fp8``: the range counts are those of ml_dtypes' cast (overflow to NaN/inf, flush
+    to zero, subnormal), and the lost updates of the weights in range those of brute-force
+    round-to-nearest."""
+    from srround import audit
+
+    fmt = FMT[name]
+    rng = np.random.default_rng(8)
+    w = (rng.standard_normal(4000) * 10.0 ** rng.uniform(-6, 5, 4000)).astype(np.float32)
+    w[:4] = [464.0, 464.0001, 61440.0, fmt.smallest_subnormal / 2]
+    result = audit.audit_tensor(w, lr=1e-3, dtype=name)
+    r = result.fp16
+    with np.errstate(all="ignore"):
+        cast = w.astype(fmt.numpy_dtype).astype(np.float64)
+    assert r.dtype == name
+    assert r.overflow == int((~np.isfinite(cast)).sum())
+    assert r.flushed == int(((cast == 0) & (w != 0)).sum())
+    min_normal = 2.0 ** (1 - fmt.bias)
+    assert r.subnormal == int(((np.abs(w) < min_normal) & (w != 0) & (cast != 0)).sum())
+    # lost updates: q = RNE(w); a direction is lost when RNE(q +- lr) == q
+    ok = np.isfinite(cast)
+    q = cast[ok]
+    lost = 0.0
+    for sign in (1.0, -1.0):
+        with np.errstate(all="ignore"):
+            moved = (q + sign * 1e-3).astype(np.float32).astype(fmt.numpy_dtype).astype(np.float64)
+        lost += 0.5 * float((moved == q).sum())
+    in_range = audit.audit_tensor(w[ok], lr=1e-3, dtype=name).stagnation
+    assert in_range.lost_updates == lost
+    assert name in audit.fp16_verdict(r)
+
+
+def test_audit_cli_takes_fp8(tmp_path, capsys):
+    from srround import _cli
+
+    path = tmp_path / "w.npy"
+    np.save(path, np.float32([1.0, 500.0, 2.0**-12, 3.0]))
+    assert _cli.main(["audit", str(path), "--dtype", "float8_e4m3fn"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "float8_e4m3fn: not safe as is: 1 overflow to NaN and 1 flush to zero" in out
+
+
+def test_cupy_fp8_and_blocks(cupy_module):
+    """CuPy (its simulator stand-in in CI): fp8 results and block quantization, NumPy's bits."""
+    cupy = cupy_module
+    x = np.random.default_rng(9).standard_normal((2, 32)).astype(np.float32)
+    y = srround.stochastic_round(cupy.asarray(x), dtype="float8_e5m2", seed=1)
+    np.testing.assert_array_equal(
+        cupy.asnumpy(y).view(np.uint8),
+        _u8(srround.stochastic_round(x, dtype="float8_e5m2", seed=1)),
+    )
+    q = srround.quantize_blocks(cupy.asarray(x), "mxfp4", seed=2)
+    want = srround.quantize_blocks(x, "mxfp4", seed=2)
+    np.testing.assert_array_equal(cupy.asnumpy(q.data).view(np.uint8), _u8(want.data))
+    np.testing.assert_array_equal(cupy.asnumpy(q.scales).view(np.uint8), _u8(want.scales))

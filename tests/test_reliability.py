@@ -1,0 +1,615 @@
+"""What real programs do around the calls: threads, fork, DataLoader workers, aliased memory,
+hostile arguments, and loss scaling that flags what it produces.
+
+The thread and fork tests run in fresh subprocesses: a first call (adapter import, Numba
+compile or cache load, the threading layer's start) happens once per process, and a process
+killed by a runtime abort must not take the test run with it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import srround
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code: str, *, env: dict | None = None, timeout: float = 240):
+    """Run ``code`` in a fresh interpreter (CPU only); returns the CompletedProcess."""
+    environ = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", JAX_PLATFORMS="cpu", **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environ,
+        cwd=_ROOT,
+    )
+
+
+def _ok(result, expected_stdout="ok"):
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split()[-1:] == [expected_stdout], result.stdout + result.stderr
+
+
+# -- threads (finding 1) ------------------------------------------------------------------------
+
+_FIRST_CALLS = """
+import threading, numpy as np
+{setup}
+import srround
+N = {n}
+barrier = threading.Barrier(8)
+results, errors = {{}}, []
+
+def call(i):
+    {make}
+    barrier.wait()
+    try:
+        results[i] = {call}
+    except BaseException as e:
+        errors.append(repr(e))
+
+threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not errors, errors
+for i in range(8):  # the same call again, alone: the same bits
+    {make}
+    again = {call}
+    assert {same}, i
+print("ok")
+"""
+
+_CASES = {
+    "numpy": (
+        "",
+        "x = np.linspace(-1, 1, N, dtype=np.float32) * (i + 1)",
+        "srround.stochastic_round(x, seed=i).view(np.uint16)",
+        "np.array_equal(results[i], again)",
+    ),
+    "torch": (
+        "import torch",
+        "x = torch.linspace(-1, 1, N) * (i + 1)",
+        "srround.stochastic_round(x, seed=i).view(torch.int16)",
+        "torch.equal(results[i], again)",
+    ),
+    "jax": (
+        "import jax, jax.numpy as jnp",
+        "x = jnp.linspace(-1, 1, N, dtype=jnp.float32) * (i + 1)",
+        "np.asarray(srround.stochastic_round(x, seed=i)).view(np.uint16)",
+        "np.array_equal(results[i], again)",
+    ),
+    "unscale_and_check": (
+        "",
+        "g = [np.full(N, 2.0 ** i, np.float32), np.full(N // 3, np.inf if i % 2 else 1.0,"
+        " np.float32)]",
+        "(srround.unscale_and_check(g, 0.5)[0], g[0][0], g[1][0])",
+        "results[i] == (float(i % 2), 2.0 ** (i - 1), np.inf if i % 2 else 0.5)",
+    ),
+}
+
+
+@pytest.mark.parametrize("n", [1000, 1 << 17], ids=["serial", "parallel"])
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_first_calls_from_eight_threads(case, n):
+    """Eight threads make the process's first call at once (adapter import, kernel compile or
+    cache load, threading-layer start), three fresh processes each; every call succeeds and
+    gives the bits of the same call made alone."""
+    setup, make, call, same = _CASES[case]
+    if setup:
+        pytest.importorskip(setup.split()[1].rstrip(","))
+    code = _FIRST_CALLS.format(setup=setup, make=make, call=call, same=same, n=n)
+    for _ in range(3):
+        _ok(_python(code))
+
+
+def test_concurrent_parallel_calls_on_workqueue_take_turns():
+    """On Numba's workqueue layer (chosen by the user here; srround's fallback without TBB)
+    two threads launching parallel kernels at once used to abort the process; srround
+    serialises its launches there."""
+    code = """
+    import threading, numpy as np, numba, srround
+    assert numba.threading_layer() == "workqueue", numba.threading_layer()
+    x = np.linspace(-1, 1, 1 << 18, dtype=np.float32)
+    expected = srround.stochastic_round(x, seed=1).view(np.uint16)
+    bad = []
+    def work():
+        for _ in range(10):
+            if not np.array_equal(srround.stochastic_round(x, seed=1).view(np.uint16), expected):
+                bad.append(1)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    [t.start() for t in threads]; [t.join() for t in threads]
+    assert not bad
+    print("ok")
+    """
+    _ok(_python(code, env={"NUMBA_THREADING_LAYER": "workqueue"}))
+
+
+# -- fork and DataLoader workers (finding 2) ------------------------------------------------------
+
+_FORK = """
+import multiprocessing as mp, numpy as np, srround
+x = np.linspace(-1, 1, {n}, dtype=np.float32)
+parent = srround.stochastic_round(x, seed=3).view(np.uint16)
+
+def child(queue):
+    queue.put(srround.stochastic_round(x, seed=3).view(np.uint16).tobytes())
+
+ctx = mp.get_context("fork")
+queue = ctx.Queue()
+workers = [ctx.Process(target=child, args=(queue,)) for _ in range(2)]
+[w.start() for w in workers]
+got = [queue.get(timeout=120) for _ in workers]
+[w.join(30) for w in workers]
+assert [w.exitcode for w in workers] == [0, 0], [w.exitcode for w in workers]
+assert all(g == parent.tobytes() for g in got)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("n", [1000, 1 << 17], ids=["serial", "parallel"])
+def test_forked_child_gets_the_parents_bits(n):
+    """After the parent ran a kernel, ``multiprocessing`` fork children call srround and get
+    the parent's bits (GNU OpenMP killed them: "fork() called from a process already using GNU
+    OpenMP")."""
+    _ok(_python(_FORK.format(n=n)))
+
+
+def test_dataloader_workers_call_srround():
+    """A torch DataLoader with two forked workers whose collate function rounds the batch:
+    the bits the parent computes for the same batches."""
+    pytest.importorskip("torch")
+    code = """
+    import numpy as np, torch, srround
+    from torch.utils.data import DataLoader
+
+    def collate(items):
+        batch = torch.stack(items)
+        return srround.stochastic_round(batch, seed=int(batch[0, 0])).view(torch.int16)
+
+    data = [torch.full((1 << 15,), float(i)) + torch.linspace(0, 1, 1 << 15) for i in range(8)]
+    expected = [collate(data[i : i + 2]) for i in range(0, 8, 2)]  # the parent uses srround
+    loader = DataLoader(data, batch_size=2, num_workers=2, collate_fn=collate,
+                        multiprocessing_context="fork")
+    got = list(loader)
+    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, expected))
+    print("ok")
+    """
+    _ok(_python(code))
+
+
+def test_fork_while_other_threads_run_kernels():
+    """Threads keep launching parallel kernels while the main thread forks children that
+    call srround: no child dies or hangs, every result has the expected bits."""
+    code = """
+    import multiprocessing as mp, threading, numpy as np, srround
+    x = np.linspace(-1, 1, 1 << 17, dtype=np.float32)
+    expected = srround.stochastic_round(x, seed=5).view(np.uint16)
+    stop, bad = threading.Event(), []
+
+    def busy():
+        while not stop.is_set():
+            if not np.array_equal(srround.stochastic_round(x, seed=5).view(np.uint16), expected):
+                bad.append(1)
+
+    def child(queue):
+        queue.put(srround.stochastic_round(x, seed=5).view(np.uint16).tobytes())
+
+    threads = [threading.Thread(target=busy) for _ in range(3)]
+    [t.start() for t in threads]
+    ctx = mp.get_context("fork")
+    for _ in range(4):
+        queue = ctx.Queue()
+        p = ctx.Process(target=child, args=(queue,))
+        p.start()
+        assert queue.get(timeout=120) == expected.tobytes()
+        p.join(30)
+        assert p.exitcode == 0, p.exitcode
+    stop.set()
+    [t.join() for t in threads]
+    assert not bad
+    print("ok")
+    """
+    _ok(_python(code, env={"PYTHONWARNINGS": "ignore::DeprecationWarning"}))
+
+
+def test_nested_use_neither_deadlocks_nor_oversubscribes():
+    """srround from a thread pool while torch runs intra-op work and a user's own Numba
+    ``prange`` function runs in another thread, and from inside a JAX callback under ``jit``:
+    everything finishes, and the process holds no more threads than the pools it started
+    (Numba's one shared pool: threads do not multiply with the callers)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    code = """
+    import os, threading
+    from concurrent.futures import ThreadPoolExecutor
+    import numba, numpy as np, torch, jax, jax.numpy as jnp, srround, srround.adapters.jax
+
+    def os_threads():
+        return len(os.listdir("/proc/self/task"))
+
+    @numba.njit(parallel=True)
+    def user_kernel(a):
+        s = 0.0
+        for i in numba.prange(a.size):
+            s += a[i] * 0.5
+        return s
+
+    x = np.linspace(-1, 1, 1 << 17, dtype=np.float32)
+    expected = srround.stochastic_round(x, seed=2).view(np.uint16)
+    user_kernel(x)
+    torch.ones(1 << 16) @ torch.ones(1 << 16)
+    f = jax.jit(lambda v: srround.adapters.jax.stochastic_round(v, seed=2, impl="callback"))
+    np.asarray(f(jnp.asarray(x)))
+    baseline = os_threads()
+
+    def task(i):
+        if i % 2 == 0:
+            return user_kernel(x) is not None
+        t = torch.from_numpy(x.copy())
+        return torch.equal(srround.stochastic_round(t, seed=2).view(torch.int16),
+                           torch.from_numpy(expected.view(np.int16)))
+
+    def jax_calls(results):  # one thread: concurrent JAX callbacks can deadlock XLA's CPU pool
+        for _ in range(6):
+            results.append(np.array_equal(np.asarray(f(jnp.asarray(x))).view(np.uint16), expected))
+
+    def round_of_work():
+        jax_results = []
+        jax_thread = threading.Thread(target=jax_calls, args=(jax_results,))
+        jax_thread.start()
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(task, range(32)))
+        jax_thread.join()
+        assert jax_results == [True] * 6
+        return os_threads()
+
+    first = round_of_work()
+    second = round_of_work()
+    # worker pools may grow once to their size, not with the number of calling threads
+    assert first - baseline <= numba.get_num_threads() + torch.get_num_threads(), (baseline, first)
+    assert second <= first, (first, second)
+    print("ok")
+    """
+    _ok(_python(code, timeout=300))
+
+
+def test_threading_layer_is_chosen_for_threads_and_fork():
+    """Unless the user chose one, srround runs on a layer that is safe for both."""
+    result = _python("import numba, srround; print(numba.threading_layer())")
+    assert result.returncode == 0, result.stderr
+    layer = result.stdout.split()[-1]
+    assert layer in ("tbb", "workqueue")
+    from srround import _threads
+
+    if _threads.tbb_usable():
+        assert layer == "tbb"
+    chosen = _python(
+        "import numba, srround; print(numba.threading_layer())",
+        env={"NUMBA_THREADING_LAYER": "workqueue"},
+    )
+    assert chosen.stdout.split()[-1] == "workqueue", chosen.stderr
+
+
+# -- loss scaling flags what it produces (finding 4) ---------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, -math.inf, 1e-50, "0.5", True])
+def test_unusable_host_inv_scale_is_an_error_before_any_write(bad):
+    g = np.ones(8, np.float32)
+    with pytest.raises((TypeError, ValueError), match="inv_scale"):
+        srround.unscale_and_check(g, bad)
+    np.testing.assert_array_equal(g, np.ones(8, np.float32))
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, math.nan, math.inf])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_unusable_device_inv_scale_sets_found_inf(writable_backend, dtype, bad):
+    """An inv_scale held in an array cannot be checked on the host without a sync: the
+    kernel flags it (it used to zero or poison every gradient and leave the flag at 0)."""
+    from srround._formats import FORMATS
+
+    put, get = writable_backend.put, writable_backend.get
+    numpy_dtype = np.float32 if dtype == "float32" else FORMATS[dtype].numpy_dtype
+    host = np.linspace(-2, 2, 40, dtype=np.float32).astype(numpy_dtype)
+    grads = [put(host.copy()), put(host[:7].copy())]
+    found = srround.unscale_and_check(grads, put(np.float32([bad])))
+    assert get(found).tolist() == [1.0]
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf])
+def test_nan_or_inf_device_scale_per_tensor_flags_that_tensor(writable_backend, scale):
+    put, get = writable_backend.put, writable_backend.get
+    grads = [put(np.ones(5, np.float32)), put(np.ones(3, np.float32))]
+    found = srround.unscale_and_check(grads, put(np.float32([0.5, scale])), per_tensor=True)
+    assert get(found).tolist() == [0.0, 1.0]
+    assert get(grads[0]).tolist() == [0.5] * 5
+
+
+def test_found_inf_is_about_the_unscaled_gradient(writable_backend):
+    """fp16 gradients times an inv_scale > 1 that overflow become inf: flagged, since the
+    optimizer would read inf (the flag was computed from the inputs)."""
+    put, get = writable_backend.put, writable_backend.get
+    g = put(np.float16([60000.0, 1.0]))
+    assert get(srround.unscale_and_check(g, 2.0)).tolist() == [1.0]
+    assert np.isinf(get(g)[0])
+    fine = put(np.float16([30000.0, 1.0]))
+    assert get(srround.unscale_and_check(fine, 2.0)).tolist() == [0.0]
+    assert get(fine).tolist() == [60000.0, 2.0]
+
+
+def test_adamw_step_host_inv_scale_is_checked():
+    p, g = np.ones(4, np.float32), np.ones(4, np.float32)
+    m, v = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    for bad in (0.0, math.nan, -1.0, math.inf):
+        with pytest.raises(ValueError, match="inv_scale"):
+            srround.adamw_step(p, g, m, v, lr=1e-3, step=1, inv_scale=bad)
+    assert p.tolist() == [1.0] * 4 and m.tolist() == [0.0] * 4
+
+
+# -- hostile scalar arguments (finding 5) ---------------------------------------------------------
+
+
+def _adamw_buffers():
+    p = np.ones(6, np.float32)
+    return [p], [np.full(6, 0.5, np.float32)], [np.zeros(6, np.float32)], [np.zeros(6, np.float32)]
+
+
+_ADAMW_BAD = [
+    ({"lr": math.nan}, ValueError, "lr: expected a finite number"),
+    ({"lr": math.inf}, ValueError, "lr: expected a finite number"),
+    ({"lr": -1.0}, ValueError, r"lr: expected a value in \[0.0, inf\]"),
+    ({"lr": "1e-3"}, TypeError, "lr: expected a real number, got '1e-3'"),
+    ({"lr": np.float32([1e-3, 2e-3])}, TypeError, r"lr: expected a real number, got an array of"),
+    ({"lr": 1e39}, ValueError, "lr: .* overflows float32"),
+    ({"weight_decay": math.nan}, ValueError, "weight_decay: expected a finite"),
+    ({"weight_decay": -0.1}, ValueError, "weight_decay: expected a value"),
+    ({"eps": -1e-8}, ValueError, "eps: expected a value"),
+    ({"betas": (1.0, 1.0)}, ValueError, r"betas\[0\]: expected a value in \[0.0, 1.0\)"),
+    ({"betas": (0.9, 1.0)}, ValueError, r"betas\[1\]: expected a value in \[0.0, 1.0\)"),
+    ({"betas": (0.9, math.nan)}, ValueError, r"betas\[1\]: expected a finite"),
+    ({"betas": 0.9}, TypeError, "betas: expected a pair"),
+    ({"betas": (0.9, 0.99, 0.5)}, TypeError, "betas: expected a pair"),
+    ({"step": 2.5}, TypeError, "step: expected an int, got 2.5"),
+    ({"step": 0}, ValueError, "step: expected an int in"),
+    ({"step": True}, TypeError, "step: expected an int"),
+    ({"rounding": ["stochastic"]}, ValueError, "rounding: expected one of"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", _ADAMW_BAD, ids=lambda v: repr(v)[:40])
+def test_adamw_step_rejects_bad_hyperparameters_before_writing(bad, error, message):
+    p, g, m, v = _adamw_buffers()
+    kwargs = {"lr": 1e-3, "step": 1, **bad}
+    with pytest.raises(error, match=message):
+        srround.adamw_step(p, g, m, v, **kwargs)
+    assert p[0].tolist() == [1.0] * 6 and m[0].tolist() == [0.0] * 6 and v[0].tolist() == [0.0] * 6
+
+
+_SGD_BAD = [
+    ({"lr": math.nan}, ValueError, "lr: expected a finite"),
+    ({"lr": -0.1}, ValueError, "lr: expected a value"),
+    ({"momentum": -0.5}, ValueError, "momentum: expected a value"),
+    ({"momentum": math.inf}, ValueError, "momentum: expected a finite"),
+    ({"dampening": math.nan}, ValueError, "dampening: expected a finite"),
+    ({"weight_decay": -1.0}, ValueError, "weight_decay: expected a value"),
+    ({"nesterov": "yes"}, TypeError, "nesterov: expected a bool"),
+    ({"nesterov": True}, ValueError, "nesterov: needs momentum > 0"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", _SGD_BAD, ids=lambda v: repr(v)[:40])
+def test_sgd_step_rejects_bad_hyperparameters_before_writing(bad, error, message):
+    p, g = [np.ones(6, np.float32)], [np.ones(6, np.float32)]
+    with pytest.raises(error, match=message):
+        srround.sgd_step(p, g, [np.zeros(6, np.float32)], **{"lr": 0.1, "step": 1, **bad})
+    assert p[0].tolist() == [1.0] * 6
+
+
+_ALPHA_BAD = [
+    (np.float32([2, 3]), TypeError, "alpha: expected a real number, got an array"),
+    ([], TypeError, r"alpha: expected a real number, got \[\]"),
+    (math.nan, ValueError, "alpha: expected a finite"),
+    (-math.inf, ValueError, "alpha: expected a finite"),
+    (1e40, ValueError, "alpha: .* overflows float32"),
+    ("2", TypeError, "alpha: expected a real number"),
+    (1 + 2j, TypeError, "alpha: expected a real number"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", _ALPHA_BAD, ids=lambda v: repr(v)[:30])
+def test_stochastic_add_rejects_bad_alpha(bad, error, message):
+    w = np.ones(4, np.float16)
+    with pytest.raises(error, match=message):
+        srround.stochastic_add(w, np.ones(4, np.float32), alpha=bad, seed=0)
+    assert w.tolist() == [1.0] * 4
+
+
+_UPDATE_BAD = [
+    ({"backoff_factor": math.nan}, ValueError, "backoff_factor: expected a finite"),
+    ({"backoff_factor": 0.0}, ValueError, r"backoff_factor: expected a value in \(0.0, 1.0\]"),
+    ({"backoff_factor": 1.5}, ValueError, "backoff_factor: expected a value"),
+    ({"growth_factor": 0.0}, ValueError, r"growth_factor: expected a value in \[1.0, inf\]"),
+    ({"growth_factor": math.inf}, ValueError, "growth_factor: expected a finite"),
+    ({"growth_interval": 2.5}, TypeError, "growth_interval: expected an int, got 2.5"),
+    ({"growth_interval": 0}, ValueError, "growth_interval: expected an int in"),
+    ({"growth_interval": 2**31}, ValueError, "growth_interval: expected an int in"),
+    ({"hysteresis": 1.0}, TypeError, "hysteresis: expected an int"),
+    ({"min_scale": -1.0}, ValueError, "min_scale: expected a value"),
+    ({"max_scale": 0.0}, ValueError, "max_scale: expected a value"),
+    ({"max_scale": math.nan}, ValueError, "max_scale: expected a number, got nan"),
+    ({"min_scale": 4.0, "max_scale": 2.0}, ValueError, "min_scale: 4.0 is above max_scale"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", _UPDATE_BAD, ids=lambda v: repr(v)[:40])
+def test_update_scale_rejects_bad_factors_before_writing(bad, error, message):
+    scale, tracker = np.float32([8.0]), np.zeros(1, np.int32)
+    with pytest.raises(error, match=message):
+        srround.update_scale(scale, tracker, np.float32([1.0]), **bad)
+    assert scale.tolist() == [8.0] and tracker.tolist() == [0]
+
+
+def test_static_scale_and_unbounded_max_are_accepted():
+    scale, tracker = np.float32([8.0]), np.zeros(1, np.int32)
+    srround.update_scale(
+        scale,
+        tracker,
+        np.float32([0.0]),
+        growth_factor=1,
+        backoff_factor=1,
+        growth_interval=1,
+        max_scale=math.inf,
+    )
+    assert scale.tolist() == [8.0]
+
+
+def test_messages():
+    """Finding 9's messages: no "expected 1 or 1 values", manual_seed(None) does not offer None,
+    grads errors do not list int16."""
+    with pytest.raises(ValueError) as info:
+        srround.unscale_and_check(np.ones(2, np.float32), np.float32([1.0, 1.0]))
+    assert str(info.value) == "inv_scale: expected 1 value, got 2"
+    with pytest.raises(TypeError) as info:
+        srround.manual_seed(None)
+    assert "or None" not in str(info.value) and "got None" in str(info.value)
+    with pytest.raises(TypeError) as info:
+        srround.adamw_step(
+            np.ones(2, np.float32),
+            np.ones(2, np.float64),
+            np.zeros(2, np.float32),
+            np.zeros(2, np.float32),
+            lr=0.1,
+            step=1,
+        )
+    assert "int16" not in str(info.value) and str(info.value).startswith("grads[0]:")
+
+
+# -- aliased memory (finding 3) ----------------------------------------------------------------
+
+
+def test_out_overlapping_x_is_an_error():
+    """An ``out`` that shares bytes with ``x`` gave wrong bits silently (the kernel reads x
+    after writing out); any overlap is an error naming both, and nothing is written."""
+    buf = np.linspace(-1, 1, 1 << 12, dtype=np.float32)
+    keep = buf.copy()
+    out = buf.view(np.float16)[: buf.size]  # the first half of x's bytes
+    with pytest.raises(ValueError, match="out: shares memory with x"):
+        srround.stochastic_round(buf, dtype="float16", seed=0, out=out)
+    with pytest.raises(ValueError, match="out: shares memory with x"):
+        srround.round_nearest(buf, dtype="float16", out=out)
+    np.testing.assert_array_equal(buf, keep)
+    wide = np.zeros(1 << 12, np.float32)
+    narrow = wide.view(np.float16)[: 1 << 12]
+    with pytest.raises(ValueError, match="out: shares memory with y"):
+        srround.to_float32(narrow, out=wide)
+
+
+def test_stochastic_add_u_overlapping_w_is_an_error():
+    u = np.ones(64, np.float32)
+    w = u.view(np.float16)[32:96]
+    with pytest.raises(ValueError, match="u: shares memory with w"):
+        srround.stochastic_add(w, u, seed=0)
+    assert u.tolist() == [1.0] * 64
+
+
+def test_same_gradient_twice_is_an_error():
+    """The same tensor twice (or overlapping views) was unscaled twice."""
+    g = np.full(16, 4.0, np.float32)
+    with pytest.raises(ValueError, match=r"grads\[1\]: shares memory with grads\[0\]"):
+        srround.unscale_and_check([g, g], 0.5)
+    with pytest.raises(ValueError, match=r"grads\[2\]: shares memory with grads\[0\]"):
+        srround.unscale_and_check([g[:8], np.ones(3, np.float32), g[4:]], 0.5)
+    assert g.tolist() == [4.0] * 16
+    found = np.zeros(1, np.float32)
+    with pytest.raises(ValueError, match=r"found_inf: shares memory with grads\[0\]"):
+        srround.unscale_and_check([g], 0.5, found_inf=g[3:4])
+    # adjacent views do not overlap
+    srround.unscale_and_check([g[:8], g[8:]], 0.5, found_inf=found)
+    assert g.tolist() == [2.0] * 16 and found.tolist() == [0.0]
+
+
+def test_torch_views_of_one_storage():
+    torch = pytest.importorskip("torch")
+    flat = torch.ones(32)
+    with pytest.raises(ValueError, match=r"grads\[1\]: shares memory with grads\[0\]"):
+        srround.unscale_and_check([flat[:20], flat[10:]], 0.5)
+    assert flat.tolist() == [1.0] * 32
+    srround.unscale_and_check([flat[:16], flat[16:]], 0.5)
+    assert flat.tolist() == [0.5] * 32
+
+
+def test_adamw_step_overlapping_buffers_are_an_error():
+    flat = np.zeros(40, np.float32)
+    p, g = [np.ones(8, np.float32), np.ones(8, np.float32)], [np.ones(8, np.float32)] * 2
+    cases = [
+        (
+            [p[0], p[0]],
+            g,
+            [flat[:8], flat[8:16]],
+            [flat[16:24], flat[24:32]],
+            "params[1]",
+            "params[0]",
+        ),
+        (p, g, [flat[:8], flat[4:12]], [flat[16:24], flat[24:32]], "exp_avgs[1]", "exp_avgs[0]"),
+        (p, g, [flat[:8], flat[8:16]], [flat[8:16], flat[24:32]], "exp_avg_sqs[0]", "exp_avgs[1]"),
+        (
+            p,
+            [flat[:8], g[1]],
+            [flat[:8], flat[8:16]],
+            [flat[16:24], flat[24:32]],
+            "exp_avgs[0]",
+            "grads[0]",
+        ),
+    ]
+    for params, grads, m, v, second, first in cases:
+        with pytest.raises(
+            ValueError,
+            match=rf"{second}: shares memory with {first}".replace("[", r"\[").replace("]", r"\]"),
+        ):
+            srround.adamw_step(params, grads, m, v, lr=0.1, step=1)
+    assert flat.tolist() == [0.0] * 40 and p[0].tolist() == [1.0] * 8
+    # one gradient buffer read for two parameters is fine (reads only)
+    shared = np.ones(8, np.float32)
+    srround.adamw_step(
+        p, [shared, shared], [flat[:8], flat[8:16]], [flat[16:24], flat[24:32]], lr=0.1, step=1
+    )
+    assert shared.tolist() == [1.0] * 8 and p[0][0] < 1.0
+
+
+def test_no_overlap_sweep_matches_brute_force():
+    """The sorted sweep finds an offending pair exactly when a brute-force pairwise check
+    does."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from srround import _validate
+
+    span = st.tuples(st.integers(0, 60), st.integers(0, 12), st.booleans())
+
+    @given(st.lists(span, min_size=0, max_size=8))
+    def check(spans):
+        items = [(f"a[{i}]", s, n, w) for i, (s, n, w) in enumerate(spans)]
+        clash = any(
+            a[2] and b[2] and (a[3] or b[3]) and a[1] < b[1] + b[2] and b[1] < a[1] + a[2]
+            for i, a in enumerate(items)
+            for b in items[i + 1 :]
+        )
+        if clash:
+            with pytest.raises(ValueError, match="shares memory"):
+                _validate.no_overlap(items)
+        else:
+            _validate.no_overlap(items)
+
+    check()

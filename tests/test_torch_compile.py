@@ -1,0 +1,157 @@
+"""torch.compile with srround: the custom ops (``adapters/torch/_ops.py``) and ``opt.step()``
+inside a compiled function, traced with ``fullgraph=True`` (no graph break), same bits as
+eager; and the step path reading no device value on the host (what CUDA-graph capture needs).
+
+Compiles are slow on a small CI machine: tiny models, few steps, one inductor compile per
+test at most (the others use ``aot_eager``, which still functionalizes the custom ops)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import srround  # noqa: E402
+import srround.adapters.torch as st  # noqa: E402
+
+
+def _bits(t):
+    return t.detach().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    model[2].to(dtype)  # mixed: fp32 and bf16 parameters in one table
+    return model
+
+
+def _backward(model, step):
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+    h = model[1](model[0](x))
+    model[2](h.to(model[2].weight.dtype)).float().square().mean().backward()
+
+
+@pytest.mark.parametrize(
+    "make, backend",
+    [
+        (lambda ps: st.AdamW(ps, lr=1e-2, state_dtype=torch.bfloat16, seed=11), "inductor"),
+        (lambda ps: st.SGD(ps, lr=0.1, momentum=0.9, maximize=True, seed=11), "aot_eager"),
+    ],
+    ids=["adamw-inductor", "sgd-aot_eager"],
+)
+def test_compiled_step_matches_eager_bits(make, backend):
+    """Finding: Dynamo traced into Numba and died. ``opt.step()`` compiled with
+    fullgraph=True (states created at trace time) gives eager's parameters, states and step
+    counts, step after step."""
+    eager_model, compiled_model = _model(torch.bfloat16), _model(torch.bfloat16)
+    eager, compiled = make(list(eager_model.parameters())), make(list(compiled_model.parameters()))
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(opt):
+        opt.step()
+
+    for i in range(3):
+        for model, run in ((eager_model, eager.step), (compiled_model, lambda: step(compiled))):
+            _backward(model, i)
+            run()
+            model.zero_grad(set_to_none=False)
+    for p, q in zip(eager_model.parameters(), compiled_model.parameters()):
+        assert torch.equal(_bits(p), _bits(q))
+        for name, value in eager.state[p].items():
+            assert torch.equal(_bits(value), _bits(compiled.state[q][name])), name
+    assert int(compiled.state[q]["step"]) == 3
+
+
+def test_compiled_stochastic_round_and_unscale_match_eager():
+    x = torch.randn(64) * 3
+    grads = [torch.randn(5, 3), torch.randn(4).bfloat16()]
+    grads[0][1, 1] = float("inf")
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(x, grads, inv, found):
+        y = st.stochastic_round(x * 2, seed=5, offset=7)
+        torch.ops.srround.unscale_and_check_(grads, inv, found)
+        return y.float() + 1
+
+    compiled_grads = [g.clone() for g in grads]
+    found = torch.zeros(1)
+    out = f(x, compiled_grads, torch.full((1,), 0.25), found)
+    expected = srround.stochastic_round(x * 2, seed=5, offset=7).float() + 1
+    assert torch.equal(out, expected)
+    eager_found = srround.unscale_and_check(grads, 0.25)
+    assert float(found) == float(eager_found) == 1.0
+    for a, b in zip(compiled_grads, grads):
+        assert torch.equal(_bits(a), _bits(b))
+    with pytest.raises(TypeError, match="seed"):
+        st.stochastic_round(x, seed=None)
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """Fail on any read of a tensor's value into Python (``.item()``, ``bool()``, ...): on
+    CUDA each is a sync, and inside CUDA-graph capture an error."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor value was read on the host")
+
+    names = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, refuse)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.Tensor, n, fn)
+
+
+def test_step_reads_no_device_value_on_the_host():
+    """The capturable contract, checked on CPU: with step counts, found_inf and the loss
+    scale as tensors, neither the optimizer step nor the scaler's unscale/step/update reads a
+    value back (after the first step, which builds the table)."""
+    model = _model(torch.bfloat16)
+    opt = st.AdamW(model.parameters(), lr=1e-2, capturable=True, seed=2)
+    scaler = st.GradScaler("cpu", init_scale=2.0**8)
+    _backward(model, 0)
+    opt.step()
+    for i in range(2):
+        model.zero_grad(set_to_none=False)
+        scaler.scale(torch.ones(()))  # creates nothing new after the first iteration
+        _backward(model, i)
+        with _no_host_reads():
+            opt.step(found_inf=torch.zeros(1), inv_scale=torch.ones(1))
+            scaler.step(opt)
+            scaler.update()
+    assert int(opt.state[model[0].weight]["step"]) == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_capture_replays_the_step_with_fresh_noise():
+    """CUDA graphs (GPU only): with the table built by a warm-up step, ``opt.step()`` is
+    captured in ``torch.cuda.graph`` (no host sync, launches on the capture stream) and each
+    replay is one more eager step: fresh noise from the device step count, same bits."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(4096, generator=gen).bfloat16().cuda()
+    grad = torch.randn(4096, generator=gen).bfloat16().cuda()
+    p, q = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    p.grad, q.grad = grad.clone(), grad.clone()
+    captured = st.AdamW([p], lr=1e-2, capturable=True, seed=3)
+    eager = st.AdamW([q], lr=1e-2, seed=3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        captured.step()  # warm-up: builds the table and the cached device scalars
+    torch.cuda.current_stream().wait_stream(side)
+    eager.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured.step()
+    for _ in range(3):
+        graph.replay()
+        eager.step()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(p), _bits(q))
+    assert int(captured.state[p]["step"]) == int(eager.state[q]["step"]) == 4
