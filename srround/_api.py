@@ -88,6 +88,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     check_same_place(x=src, out=dst)
     if out is not None:
         _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
+    offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
     _launch(
         "stochastic_round",
         src,
@@ -189,6 +190,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     check_shape("u", src.shape, dst.shape, "w's")
     check_same_place(w=dst, u=src)
     _validate.no_overlap([_span("w", dst, True), _span("u", src, False)])
+    offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
     _launch(
         "stochastic_add",
         dst,
@@ -292,7 +294,8 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     count = len(grads) if per_tensor else 1
     scales = _scalar_buffer(adapter, inv_scale, "inv_scale", first, count)
     if found_inf is None:
-        flags = adapter.target(None, "found_inf", dataclasses.replace(first, shape=(count,)), None)
+        like = dataclasses.replace(first, shape=(count,), offset=None)  # not a piece of grads
+        flags = adapter.target(None, "found_inf", like, None)
         flags.bits[:] = 0
     else:
         flags = _scalar_buffer(adapter, found_inf, "found_inf", first, count, writable=True)
@@ -473,7 +476,7 @@ def _fused_step(
 def _step_counter(adapter, step, like: View, count: int) -> View:
     """The int32 step counters of the kernel: the caller's array (updated in place), or new
     ones holding ``step - 1`` for an int ``step`` (the kernel increments before use)."""
-    shaped = dataclasses.replace(like, shape=(count,))
+    shaped = dataclasses.replace(like, shape=(count,), offset=None)
     if _is_host_scalar(step) or step is None:
         step = _validate.integer(step, "step", low=1, high=_optim.MAX_STEPS)
         host = np.full(count, step - 1, np.int32).view(np.uint32)
