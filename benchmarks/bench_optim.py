@@ -491,7 +491,8 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
 def run_compile(torch, device: str, quick: bool, reps: int, notes: list) -> list[dict]:
     """A compiled training step (an MLP of bf16 weights: compiled forward, eager backward -
     Dynamo does not trace ``backward()`` by default - and ``opt.step()`` compiled with
-    ``fullgraph=True``), srround AdamW (stochastic) vs torch fused AdamW, each also eager.
+    ``fullgraph=True``; torch's fused step breaks the graph, so it is compiled without), srround
+    AdamW (stochastic) vs torch fused AdamW, each also eager.
     ``first_s`` of a compiled row is its first step: Dynamo + Inductor compile included."""
     import srround.adapters.torch as sat
 
@@ -513,7 +514,9 @@ def run_compile(torch, device: str, quick: bool, reps: int, notes: list) -> list
             if compiled:
                 torch._dynamo.reset()
                 forward = torch.compile(model)
-                step = torch.compile(opt.step, fullgraph=True)
+                # torch's fused AdamW breaks the graph under Dynamo (torch inserts
+                # graph_break() for fused=True): fullgraph only for srround's step
+                step = torch.compile(opt.step, fullgraph=label.startswith("srround"))
 
             def train_step(forward=forward, step=step, model=model, x=x):
                 forward(x).float().square().mean().backward()

@@ -63,7 +63,7 @@ from srround import _optim, _plan
 from srround._rng import check_seed, next_seed, split_seed
 
 from . import _dist, _views
-from ._views import _DATA_PTR, _external_stream, _view
+from ._views import _BUFFER_CODES, _DATA_PTR, _external_stream, _view
 
 __all__ = ["SGD", "AdamW"]
 
@@ -156,16 +156,15 @@ def _in_layout(buf, like, dtype):
 def check_pairs(params, grads, rounding) -> None:
     """Raise the error of the first (parameter, gradient) pair the step cannot take."""
     device = params[0].device if params else None
-    for i, (p, g) in enumerate(zip(params, grads)):
+    for i, p in enumerate(params):
         if p.dtype not in _PARAM_DTYPES:
             raise TypeError(
                 f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got {p.dtype}"
             )
-        if rounding == "remainder" and p.dtype == torch.float16:
-            raise ValueError(
-                "rounding: 'remainder' needs bfloat16 (or float32) parameters;"
-                f" params[{i}] is float16"
-            )
+    _plan.check_param_codes(
+        [_BUFFER_CODES[p.dtype] for p in params], _plan.check_rounding(rounding)
+    )
+    for i, (p, g) in enumerate(zip(params, grads)):
         if g.layout is not torch.strided:
             raise TypeError(
                 f"grads[{i}]: {g.layout} gradients are not supported; srround needs dense"
@@ -367,11 +366,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got"
                         f" {p.dtype} (float64 parameters are not supported)"
                     )
-                if group["rounding"] == "remainder" and p.dtype == torch.float16:
-                    raise ValueError(
-                        "rounding: 'remainder' needs bfloat16 (or float32) parameters;"
-                        f" params[{i}] is float16 (use 'master' or 'kahan')"
-                    )
+            codes = [_BUFFER_CODES[p.dtype] for p in group["params"]]
+            _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]))
         except Exception:
             self.param_groups.pop()
             raise
