@@ -647,9 +647,10 @@ def main(argv=None) -> int:
     p.add_argument(
         "--sections",
         nargs="+",
-        choices=("torch", "jax", "compile"),
+        choices=("torch", "jax", "compile", "dist"),
         default=["torch", "jax"],
-        help="compile: a torch.compile'd training step, srround vs torch fused AdamW",
+        help="compile: a torch.compile'd training step, srround vs torch fused AdamW; dist: FSDP2"
+        " on 2 gloo processes, srround vs torch fused AdamW (_dist_rows.py)",
     )
     p.add_argument(
         "--jax",
@@ -736,6 +737,25 @@ def main(argv=None) -> int:
             results += run_jax(total, args.jax_tensors, reps, notes, floor_device)
         except Unavailable as exc:
             notes.append(f"jax section skipped: {exc}")
+    if "dist" in args.sections and torch is not None:
+        try:
+            import _dist_rows
+
+            dist_total = int((args.params or (1.0 if args.quick else 8.0)) * 1e6)
+            shape_list = shapes(dist_total, 98)
+            print(
+                f"\n-- FSDP2, {_dist_rows.WORLD} gloo processes on CPU:"
+                f" {numel(shape_list):,} params in {len(shape_list)} tensors (params: per rank)--",
+                flush=True,
+            )
+            dist_rows = _dist_rows.run_dist(shape_list, args.reps or 5, notes)
+            for row in dist_rows:
+                print_row(row, False)
+            for line in _dist_rows.ratios(dist_rows):
+                print(line)
+            results += dist_rows
+        except Exception as exc:  # noqa: BLE001 - a section that fails is reported, not fatal
+            notes.append(f"dist section failed: {type(exc).__name__}: {exc}")
     print_targets(results)
     if any(
         (r.get("others_busy_cpus") or 0) > BUSY_MARK

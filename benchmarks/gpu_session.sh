@@ -24,6 +24,11 @@ for script in benchmarks/bench_*.py; do
     python "$script" "${args[@]}" 2>&1 | tee "$out/$name.log" | tail -40
     cp -f "benchmarks/results/${name}_gpu.json" "$out/results/" 2>/dev/null || true
 done
+# the torch.compile rows on the GPU (compiled step srround vs torch fused AdamW, compile time);
+# the CUDA-graph capture test runs in the pytest call above (tests/test_torch_compile.py)
+python benchmarks/bench_optim.py --device cuda --sections compile \
+    --json benchmarks/results/bench_optim_compile_gpu.json 2>&1 | tee "$out/bench_optim_compile.log" | tail -12
+cp -f benchmarks/results/bench_optim_compile_gpu.json "$out/results/" 2>/dev/null || true
 python benchmarks/results.py && cp -f benchmarks/RESULTS.md "$out/"
 # the lm demo's GPU configuration (a larger transformer, bf16 activations): table and PNG
 python -m srround demo --device cuda --out "$out" 2>&1 | tee "$out/demo_lm.log" | tail -12

@@ -126,3 +126,32 @@ def test_step_reads_no_device_value_on_the_host():
             scaler.step(opt)
             scaler.update()
     assert int(opt.state[model[0].weight]["step"]) == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_capture_replays_the_step_with_fresh_noise():
+    """CUDA graphs (GPU only): with the table built by a warm-up step, ``opt.step()`` is
+    captured in ``torch.cuda.graph`` (no host sync, launches on the capture stream) and each
+    replay is one more eager step: fresh noise from the device step count, same bits."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(4096, generator=gen).bfloat16().cuda()
+    grad = torch.randn(4096, generator=gen).bfloat16().cuda()
+    p, q = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    p.grad, q.grad = grad.clone(), grad.clone()
+    captured = st.AdamW([p], lr=1e-2, capturable=True, seed=3)
+    eager = st.AdamW([q], lr=1e-2, seed=3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        captured.step()  # warm-up: builds the table and the cached device scalars
+    torch.cuda.current_stream().wait_stream(side)
+    eager.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured.step()
+    for _ in range(3):
+        graph.replay()
+        eager.step()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(p), _bits(q))
+    assert int(captured.state[p]["step"]) == int(eager.state[q]["step"]) == 4

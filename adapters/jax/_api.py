@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from srround import _validate
 from srround._formats import FORMATS, Format, get_format, saturate_flag
 from srround._rng import check_offset, check_seed, next_seed, split_seed
 
@@ -149,6 +150,33 @@ def _key_words(seed):
     )
 
 
+# -- gradients ------------------------------------------------------------------------------
+
+
+def _straight_through(fn, *args):
+    """``fn(*args)`` with the straight-through gradient: the derivative of a rounding is taken
+    as 1 (``E[SR(x)] = x``, so for stochastic rounding it is exactly the derivative of the
+    expected value), the tangent cast to the result's dtype. ``fn``'s bit operations would
+    otherwise give a gradient of 0, silently. For ``stochastic_add``, ``fn(w, u, alpha)``
+    gets the tangent ``dw + alpha * du + u * dalpha`` of ``w + alpha * u``."""
+
+    @jax.custom_jvp
+    def rounded(*primals):
+        return fn(*primals)
+
+    @rounded.defjvp
+    def rounded_jvp(primals, tangents):
+        y = rounded(*primals)
+        if len(primals) == 1:
+            return y, tangents[0].astype(y.dtype)
+        w, u, alpha = primals
+        dw, du, dalpha = tangents
+        t = dw.astype(jnp.float32) + alpha * du + u * dalpha
+        return y, t.astype(y.dtype)
+
+    return rounded(*args)
+
+
 # -- the functional API ----------------------------------------------------------------------
 
 
@@ -189,7 +217,8 @@ def stochastic_round(
             (the native path partitions by itself).
 
     Returns:
-        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape (and sharding).
+        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape (and sharding). Under
+        ``jax.grad`` its derivative is 1 (straight-through, ``_straight_through``).
 
     Example::
 
@@ -203,22 +232,28 @@ def stochastic_round(
     impl = _impl(impl, x)
     k0, k1 = _key_words(seed)
     origin, global_shape = _layout(x, shard_spec, "x")
-    if impl == "native":
-        if x.size == 0:
-            return jnp.zeros(x.shape, _lax.result_dtype(fmt))
-        return _lax._native_stochastic_round(
-            x,
-            _u(k0),
-            _u(k1),
-            *_lax._first_block(offset),
-            origin,
-            lane0=offset & 3,
-            fmt_name=fmt.name,
-            saturate=saturate,
-            global_shape=global_shape,
-        )
 
-    return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow, origin, global_shape)
+    def rounded(x):
+        if impl == "native":
+            if x.size == 0:
+                return jnp.zeros(x.shape, _lax.result_dtype(fmt))
+            return _lax._native_stochastic_round(
+                x,
+                _u(k0),
+                _u(k1),
+                *_lax._first_block(offset),
+                origin,
+                lane0=offset & 3,
+                fmt_name=fmt.name,
+                saturate=saturate,
+                global_shape=global_shape,
+            )
+
+        return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow, origin, global_shape)
+
+    if not jnp.issubdtype(_lax.result_dtype(fmt), jnp.floating):  # packed fp4: no gradient
+        return rounded(x)
+    return _straight_through(rounded, x)
 
 
 def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
@@ -228,11 +263,18 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
     fmt = get_format(dtype)
     saturate = saturate_flag(overflow)
     x = _check_float32(x, "x")
-    if _impl(impl, x) == "native":
-        if x.size == 0:
-            return jnp.zeros(x.shape, _lax.result_dtype(fmt))
-        return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
-    return _callback.round_nearest(x, fmt, overflow)
+    impl = _impl(impl, x)
+
+    def rounded(x):
+        if impl == "native":
+            if x.size == 0:
+                return jnp.zeros(x.shape, _lax.result_dtype(fmt))
+            return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
+        return _callback.round_nearest(x, fmt, overflow)
+
+    if not jnp.issubdtype(_lax.result_dtype(fmt), jnp.floating):  # packed fp4: no gradient
+        return rounded(x)
+    return _straight_through(rounded, x)
 
 
 def to_float32(y, *, dtype=None, impl=None, out=None):
@@ -240,11 +282,17 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
     (NaN payloads kept)."""
     _no_out(out)
     y, fmt = _narrow(y, "y", None if dtype is None else get_format(dtype))
-    if _impl(impl, y) == "native":
-        if y.size == 0:
-            return jnp.zeros(y.shape, jnp.float32)
-        return _lax._native_to_float32(y, fmt_name=fmt.name)
-    return _callback.to_float32(y, fmt)
+
+    def widened(y):
+        if _impl(impl, y) == "native":
+            if y.size == 0:
+                return jnp.zeros(y.shape, jnp.float32)
+            return _lax._native_to_float32(y, fmt_name=fmt.name)
+        return _callback.to_float32(y, fmt)
+
+    if not jnp.issubdtype(y.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
+        return widened(y)
+    return _straight_through(widened, y)  # exact: the derivative is 1
 
 
 def stochastic_add(
@@ -281,31 +329,37 @@ def stochastic_add(
     k0, k1 = _key_words(seed)
     origin, global_shape = _layout(w, shard_spec, "w")
     if isinstance(alpha, (int, float, np.number)):
-        alpha = np.float32(alpha)
+        alpha = np.float32(_validate.real(alpha, "alpha"))
     else:
         alpha = _as_jax(alpha, "alpha")
         if alpha.shape != ():
             raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
         alpha = alpha.astype(jnp.float32)
-    if impl == "native":
-        if w.size == 0:
-            return w
-        return _lax._native_stochastic_add(
-            w,
-            u,
-            alpha,
-            _u(k0),
-            _u(k1),
-            *_lax._first_block(offset),
-            origin,
-            lane0=offset & 3,
-            fmt_name=fmt.name,
-            saturate=saturate,
-            global_shape=global_shape,
+
+    def added(w, u, alpha):
+        if impl == "native":
+            if w.size == 0:
+                return w
+            return _lax._native_stochastic_add(
+                w,
+                u,
+                alpha,
+                _u(k0),
+                _u(k1),
+                *_lax._first_block(offset),
+                origin,
+                lane0=offset & 3,
+                fmt_name=fmt.name,
+                saturate=saturate,
+                global_shape=global_shape,
+            )
+        return _callback.stochastic_add(
+            w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
         )
-    return _callback.stochastic_add(
-        w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
-    )
+
+    if not jnp.issubdtype(w.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
+        return added(w, u, alpha)
+    return _straight_through(added, w, u, jnp.asarray(alpha, jnp.float32))
 
 
 def quantize_blocks(
