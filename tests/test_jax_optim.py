@@ -154,7 +154,6 @@ def test_apply_updates_native_small_leaf_groups(monkeypatch, request, layout, st
     if layout is not None:
         monkeypatch.setattr(_jax_optim, "_SMALL", layout[0])
         monkeypatch.setattr(_jax_optim, "_GROUP", layout[1])
-        monkeypatch.setattr(_jax_optim, "_FLAT_BITS", False)  # the multi-device path
     # _native_apply's trace (keyed by shapes, dtypes and starts) is cached: the layout is read
     # when tracing
     _jax_optim._native_apply.clear_cache()
@@ -262,7 +261,6 @@ def test_adamw_native_small_leaf_groups(monkeypatch, rounding, state_dtype, layo
 
     monkeypatch.setattr(_jax_optim, "_SMALL", layout[0])
     monkeypatch.setattr(_jax_optim, "_GROUP", layout[1])
-    monkeypatch.setattr(_jax_optim, "_FLAT_BITS", False)  # the multi-device (per-leaf) path
     params = _params(DTYPES)
     got, state = _jax_run(params, 2, impl="native", rounding=rounding, state_dtype=state_dtype)
     _check_against_numpy(

@@ -210,29 +210,6 @@ def _group_bits16(k0, k1, t, stream: int, members):
     return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
 
 
-def _flat_bits16(k0, k1, t, stream: int, total: int):
-    """The random bits (uint16[total]) of global elements 0..total-1 of ``stream`` at step
-    ``t``: one Threefry block per four elements (counter block ``t * 2**34 + stream * 2**32 +
-    (e >> 2)``, lanes ``e & 3`` = low/high halves of ``x0``, ``x1``), one loop over the whole
-    tree - compiled once, whatever the number of leaves."""
-    blocks = (total + 3) // 4
-    hi = _u(t) * _U32(4) + _U32(stream)
-    x0, x1 = _threefry2x32(k0, k1, lax.iota(_U32, blocks), jnp.broadcast_to(hi, (blocks,)))
-    lanes = jnp.stack([x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], axis=1)
-    return lanes.astype(jnp.uint16).reshape(-1)[:total]
-
-
-def _use_flat_bits(layouts) -> bool:
-    """The whole tree's random bits in one loop (``_flat_bits16``) on a single-device process:
-    XLA then compiles the Threefry rounds once instead of once per leaf. With several devices
-    the leaves may be sharded (invisible while tracing), so every leaf computes its own bits
-    from its elements' global indices, which partitions with the leaf."""
-    return _FLAT_BITS and jax.device_count() == 1 and all(lay is None for lay in layouts)
-
-
-_FLAT_BITS = True
-
-
 @functools.partial(jax.jit, static_argnames=("update", "cfg", "global_shape"))
 def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg, global_shape):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf (``arrays[0]`` gives its shape) at
@@ -269,23 +246,6 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     per-leaf tuples."""
     outs = [None] * len(starts)
     layouts = layouts or [None] * len(starts)
-    if starts and _use_flat_bits(layouts):
-        total = max(start + x.size for start, x in zip(starts, columns[0]))
-        cache = {}
-
-        def flat_bits(stream):
-            if stream not in cache:
-                cache[stream] = _flat_bits16(k0, k1, t, stream, total)
-            return cache[stream]
-
-        for k, (start, x) in enumerate(zip(starts, columns[0])):
-
-            def bits(stream, start=start, n=x.size, shape=x.shape):
-                piece = lax.slice(flat_bits(stream), (start,), (start + n,))
-                return piece.reshape(shape).astype(_U32)
-
-            outs[k] = update(cfg, *(c[k] for c in columns), bits, *extra)
-        return outs
 
     def leaf(k):
         origin, global_shape = layouts[k] or (None, None)
