@@ -21,7 +21,7 @@ import cupy
 import numpy as np
 
 from srround._dispatch import View
-from srround._formats import FORMATS, Format
+from srround._formats import Format
 
 from ._common import (
     bits_of,
@@ -47,14 +47,14 @@ def _as_numba(a):
 
 
 @functools.cache
-def _result_dtype(fmt_name: str):
+def _result_dtype(fmt: Format):
     """The dtype of new narrow results: the format's own where this CuPy supports it, else
-    ``uint16`` bit patterns (bf16 before CuPy 14)."""
-    dtype = FORMATS[fmt_name].numpy_dtype
+    bit patterns of its width (``uint16`` for bf16 before CuPy 14, ``uint8`` for fp8/fp4)."""
+    dtype = fmt.numpy_dtype
     try:
         cupy.empty(0, dtype)
     except (TypeError, ValueError, NotImplementedError):
-        return np.dtype(np.uint16)
+        return fmt.bits_dtype
     return dtype
 
 
@@ -100,7 +100,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
     """A write view for the result: ``out`` validated, or a new array shaped like ``like`` on
     the current device. ``fmt=None`` means float32."""
     if out is None:
-        dtype = np.dtype(np.float32) if fmt is None else _result_dtype(fmt.name)
+        dtype = np.dtype(np.float32) if fmt is None else _result_dtype(fmt)
         out = cupy.empty(like.shape, dtype)
     else:
         a = _as_array(out, name)

@@ -390,10 +390,10 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
                 raise Unavailable("srround.adapters.jax.adamw not present")
             opt = sj.adamw(
                 LR,
-                0.9,
-                0.999,
-                1e-8,
-                1e-2,
+                b1=0.9,
+                b2=0.999,
+                eps=1e-8,
+                weight_decay=1e-2,
                 seed=SEED,
                 rounding="stochastic",
                 state_dtype=state_dtype,
@@ -466,6 +466,20 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
             row["copy_gbps"] = nbytes * n / floor / 1e9
         results.append(row)
         print_row(row, backend != "cpu")
+    base = {r["method"]: r for r in results}.get("optax.adamw bf16 params (RNE)")
+    if base:
+        print(
+            "   vs optax.adamw + optax.apply_updates on the same bf16 params, this run"
+            " (targets: first call <= 3x, step <= 1.2x):"
+        )
+        for r in results:
+            if r["method"].startswith("srround") or "srround" in r["method"]:
+                r["first_vs_optax"] = r["first_s"] / base["first_s"]
+                r["step_vs_optax"] = r["median_s"] / base["median_s"]
+                print(
+                    f"   {r['method']:<42} first call {r['first_vs_optax']:5.2f}x"
+                    f"   step {r['step_vs_optax']:5.2f}x"
+                )
     return results
 
 
@@ -636,9 +650,15 @@ def main(argv=None) -> int:
     p.add_argument(
         "--sections",
         nargs="+",
-        choices=("torch", "jax", "compile"),
+        choices=("torch", "jax", "compile", "dist"),
         default=["torch", "jax"],
-        help="compile: a torch.compile'd training step, srround vs torch fused AdamW",
+        help="compile: a torch.compile'd training step, srround vs torch fused AdamW; dist: FSDP2"
+        " on 2 gloo processes, srround vs torch fused AdamW (_dist_rows.py)",
+    )
+    p.add_argument(
+        "--jax",
+        action="store_true",
+        help="only the JAX section (--sections jax), 196 tensors unless --jax-tensors is given",
     )
     p.add_argument(
         "--params",
@@ -663,6 +683,10 @@ def main(argv=None) -> int:
     )
     add_json_argument(p)
     args = p.parse_args(argv)
+    if args.jax:
+        args.sections = ["jax"]
+        if "--jax-tensors" not in (argv if argv is not None else sys.argv):
+            args.jax_tensors = 196
     started = utc_now()
 
     notes: list[str] = []
@@ -716,6 +740,25 @@ def main(argv=None) -> int:
             results += run_jax(total, args.jax_tensors, reps, notes, floor_device)
         except Unavailable as exc:
             notes.append(f"jax section skipped: {exc}")
+    if "dist" in args.sections and torch is not None:
+        try:
+            import _dist_rows
+
+            dist_total = int((args.params or (1.0 if args.quick else 8.0)) * 1e6)
+            shape_list = shapes(dist_total, 98)
+            print(
+                f"\n-- FSDP2, {_dist_rows.WORLD} gloo processes on CPU:"
+                f" {numel(shape_list):,} params in {len(shape_list)} tensors (params: per rank)--",
+                flush=True,
+            )
+            dist_rows = _dist_rows.run_dist(shape_list, args.reps or 5, notes)
+            for row in dist_rows:
+                print_row(row, False)
+            for line in _dist_rows.ratios(dist_rows):
+                print(line)
+            results += dist_rows
+        except Exception as exc:  # noqa: BLE001 - a section that fails is reported, not fatal
+            notes.append(f"dist section failed: {type(exc).__name__}: {exc}")
     print_targets(results)
     if any(
         (r.get("others_busy_cpus") or 0) > BUSY_MARK

@@ -5,7 +5,7 @@ against what users write today (torch, torchao, JAX, ml_dtypes).
 Usage::
 
     python benchmarks/bench_round.py                 # CPU 2^20..2^26, GPU 2^20..2^28 if present
-    python benchmarks/bench_round.py --quick         # CPU 2^20..2^22, GPU 2^20..2^24, ~1 min
+    python benchmarks/bench_round.py --quick         # CPU 2^20..2^22, GPU 2^20..2^24
     python benchmarks/bench_round.py --device cpu --sizes 20 24 --json out.json
 
 What is measured

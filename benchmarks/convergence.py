@@ -4,7 +4,7 @@ reference, on a small teacher-student MLP with generated data (no downloads).
 
 Usage::
 
-    python benchmarks/convergence.py                     # ~1 min on 2 CPU cores (1500 steps)
+    python benchmarks/convergence.py                     # 1500 steps
     python benchmarks/convergence.py --quick --out /tmp/conv.png
     python benchmarks/convergence.py --steps 4000 --lrs 1e-5 3e-5 1e-4
 

@@ -32,3 +32,11 @@ cp -f benchmarks/results/bench_optim_compile_gpu.json "$out/results/" 2>/dev/nul
 python benchmarks/results.py && cp -f benchmarks/RESULTS.md "$out/"
 # the lm demo's GPU configuration (a larger transformer, bf16 activations): table and PNG
 python -m srround demo --device cuda --out "$out" 2>&1 | tee "$out/demo_lm.log" | tail -12
+# the JAX native path on the GPU: stochastic_round and the fused step vs copy bandwidth, and its
+# bits against the Numba CUDA kernels (JAX must see the GPU: a CUDA jaxlib)
+python benchmarks/jax_gpu_check.py --json "$out/jax_gpu_check.json" 2>&1 | tee "$out/jax_gpu_check.log" | tail -12
+# FSDP2 / DDP / ZeRO with srround (tests/test_torch_dist.py) run on CPU with gloo in the pytest
+# call above; NCCL needs 2 GPUs (not on a 1-GPU machine): with 2+, the FSDP2 row on CPU for the
+# record (2 gloo processes, srround vs torch fused AdamW)
+python benchmarks/bench_optim.py --device cpu --sections dist \
+    --json benchmarks/results/bench_optim_dist.json 2>&1 | tee "$out/bench_optim_dist.log" | tail -10

@@ -49,7 +49,7 @@ def _launch(kernel: str, view: View, *args) -> None:
 
 
 def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, overflow="inf"):
-    """Stochastically round float32 ``x`` to bf16 or fp16.
+    """Stochastically round float32 ``x`` to bf16, fp16, fp8 (e4m3fn, e5m2) or fp4 (e2m1fn).
 
     Each element rounds to one of its two neighbours in the target format, up with probability
     equal to the distance from the lower one in units of their spacing (16 random bits), so
@@ -58,7 +58,9 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
 
     Args:
         x: float32 array (any supported framework, C-contiguous, any shape).
-        dtype: target format, ``"bfloat16"`` (default) or ``"float16"``.
+        dtype: target format, ``"bfloat16"`` (default), ``"float16"``, ``"float8_e4m3fn"``,
+            ``"float8_e5m2"`` or ``"float4_e2m1fn"`` (one value per byte; what NaN, inf and
+            overflow become in each is in ``srround/_formats.py``).
         seed: int in [0, 2**64) makes the call a pure function of (x, seed, offset); ``None``
             draws a seed from the library generator (see ``srround.manual_seed``).
         offset: position of ``x[0]`` in the random stream (elements); rounding ``x[k:]`` with
@@ -86,6 +88,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     check_same_place(x=src, out=dst)
     if out is not None:
         _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
+    offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
     _launch(
         "stochastic_round",
         src,
@@ -104,7 +107,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
 
 
 def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
-    """Round float32 ``x`` to the nearest bf16/fp16 value, ties to even: bit for bit the cast
+    """Round float32 ``x`` to the nearest value of ``dtype``, ties to even: bit for bit the cast
     of ml_dtypes, NumPy and torch on every non-NaN input. Every NaN becomes the format's
     canonical quiet NaN with its sign (ml_dtypes' bf16 rule); NumPy's fp16 cast keeps payload
     bits, torch's CPU casts keep the top ones (fp16) or write 0xFFFF (vectorised bf16).
@@ -134,10 +137,11 @@ def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
 
 
 def to_float32(y, *, dtype=None, out=None):
-    """Widen a bf16/fp16 array to float32 exactly (NaN payloads kept).
+    """Widen a bf16/fp16/fp8/fp4 array to float32 exactly (NaN payloads kept).
 
     Args:
-        y: bf16 or fp16 array; a raw ``uint16`` bit-pattern array needs ``dtype=``.
+        y: narrow array; a raw ``uint16`` (16-bit formats) or ``uint8`` (fp8, fp4) bit-pattern
+            array needs ``dtype=``.
         dtype: the format of ``y`` when its dtype does not say it.
         out: optional float32 result array of ``y``'s shape.
     """
@@ -163,7 +167,8 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     stochastically to ``w``'s format with the stream of ``(seed, offset)``.
 
     Args:
-        w: bf16/fp16 array updated in place (writable, contiguous; ``uint16`` needs ``dtype=``).
+        w: narrow array updated in place (writable, contiguous; ``uint16``/``uint8`` bit
+            patterns need ``dtype=``).
         u: float32 update of ``w``'s shape, same framework and device.
         alpha: scale of ``u`` (rounded to float32).
         seed, offset, overflow: as ``stochastic_round``.
@@ -185,6 +190,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     check_shape("u", src.shape, dst.shape, "w's")
     check_same_place(w=dst, u=src)
     _validate.no_overlap([_span("w", dst, True), _span("u", src, False)])
+    offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
     _launch(
         "stochastic_add",
         dst,
@@ -288,7 +294,8 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
     count = len(grads) if per_tensor else 1
     scales = _scalar_buffer(adapter, inv_scale, "inv_scale", first, count)
     if found_inf is None:
-        flags = adapter.target(None, "found_inf", dataclasses.replace(first, shape=(count,)), None)
+        like = dataclasses.replace(first, shape=(count,), offset=None)  # not a piece of grads
+        flags = adapter.target(None, "found_inf", like, None)
         flags.bits[:] = 0
     else:
         flags = _scalar_buffer(adapter, found_inf, "found_inf", first, count, writable=True)
@@ -469,7 +476,7 @@ def _fused_step(
 def _step_counter(adapter, step, like: View, count: int) -> View:
     """The int32 step counters of the kernel: the caller's array (updated in place), or new
     ones holding ``step - 1`` for an int ``step`` (the kernel increments before use)."""
-    shaped = dataclasses.replace(like, shape=(count,))
+    shaped = dataclasses.replace(like, shape=(count,), offset=None)
     if _is_host_scalar(step) or step is None:
         step = _validate.integer(step, "step", low=1, high=_optim.MAX_STEPS)
         host = np.full(count, step - 1, np.int32).view(np.uint32)

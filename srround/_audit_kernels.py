@@ -191,11 +191,12 @@ def fp32_bf16_histogram_serial(bits, hist, stats):
 
 @njit(inline="always", cache=True)
 def _stats_rows(
-    w, w_table, counts, u, u_table, lr, mantissa_bits, exponent_bits, s, eh, rh, lo, hi
+    w, w_table, counts, u, u_table, lr, mantissa_bits, exponent_bits, limits, s, eh, rh, lo, hi
 ):
+    over_at, min_normal, flush_at, top_binade = limits
     bias = (1 << (exponent_bits - 1)) - 1
     emin = 1 - bias
-    emax = bias
+    emax = bias + top_binade  # fp8 e4m3fn: the all-ones exponent holds numbers
     top_k = np.int64(1) << (mantissa_bits + 1)
     first_k = np.int64(1) << mantissa_bits
     amax = 0.0
@@ -226,9 +227,9 @@ def _stats_rows(
             continue
         # fp16 range of the value as stored (branch-free: the data decide nothing)
         n_zero += c * (a == 0.0)
-        n_over += c * (a >= _F16_OVERFLOW)
-        n_flush += c * ((a > 0.0) & (a <= _F16_FLUSH))
-        n_sub += c * ((a > _F16_FLUSH) & (a < _F16_MIN_NORMAL))
+        n_over += c * (a >= over_at)
+        n_flush += c * ((a > 0.0) & (a <= flush_at))
+        n_sub += c * ((a > flush_at) & (a < min_normal))
         amin = min(amin, a if a > 0.0 else np.inf)
         amax = max(amax, a)
         # the value stored in the target format: q = k * spacing, k an integer
@@ -289,6 +290,7 @@ def value_stats(
     lr,
     mantissa_bits,
     exponent_bits,
+    limits,
     stats,
     exp_hist,
     ratio_hist,
@@ -304,6 +306,8 @@ def value_stats(
         u_table: decode table of ``u``, or None.
         lr: update magnitude (> 0) when ``u`` is None; both directions are counted.
         mantissa_bits, exponent_bits: the target format.
+        limits: ``range_limits`` of the range format: (overflow threshold, smallest normal,
+            flush threshold, 1 if the all-ones exponent holds numbers else 0).
     """
     n = w.size
     nt = stats.shape[0]
@@ -317,6 +321,7 @@ def value_stats(
             lr,
             mantissa_bits,
             exponent_bits,
+            limits,
             stats[t],
             exp_hist[t],
             ratio_hist[t],
@@ -327,7 +332,18 @@ def value_stats(
 
 @njit(cache=True)
 def value_stats_serial(
-    w, w_table, counts, u, u_table, lr, mantissa_bits, exponent_bits, stats, exp_hist, ratio_hist
+    w,
+    w_table,
+    counts,
+    u,
+    u_table,
+    lr,
+    mantissa_bits,
+    exponent_bits,
+    limits,
+    stats,
+    exp_hist,
+    ratio_hist,
 ):
     """``value_stats`` on the calling thread only, into row 0 (small tensors)."""
     _stats_rows(
@@ -339,6 +355,7 @@ def value_stats_serial(
         lr,
         mantissa_bits,
         exponent_bits,
+        limits,
         stats[0],
         exp_hist[0],
         ratio_hist[0],
@@ -350,6 +367,22 @@ def value_stats_serial(
 def threads() -> int:
     """Rows for a parallel kernel: Numba's current thread count."""
     return get_num_threads()
+
+
+def range_limits(fmt) -> tuple:
+    """``limits`` of ``value_stats`` for the range statistics in ``fmt``: magnitudes at or above
+    the first become inf/NaN under round-to-nearest (the largest finite value plus half a
+    spacing; just above it when that tie rounds down to an even largest value, as e4m3fn's
+    464), below the second are subnormal, at or below the third round to zero."""
+    top = fmt.max_finite
+    half = math.ldexp(1.0, math.frexp(top)[1] - 1 - fmt.mantissa_bits - 1)
+    over = top + half
+    mantissa_even = round(top / math.ldexp(1.0, math.frexp(top)[1] - 1 - fmt.mantissa_bits)) % 2
+    if mantissa_even == 0:  # the tie rounds to the (even) largest value
+        over = float(np.nextafter(over, np.inf))
+    min_normal = math.ldexp(1.0, 1 - fmt.bias)
+    flush = fmt.smallest_subnormal / 2
+    return over, min_normal, flush, 0 if fmt.specials == 0 else 1
 
 
 def new_buffers(exponent_bits: int, with_ratio: bool, rows: int):

@@ -226,6 +226,8 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
     )
     tensor = adapter.target(None, "tensor_scale", dataclasses.replace(src, shape=(1,)), None)
     params = (*_element_params(bf), stochastic, scale == "ceil")
+    if not src.bits.size and src.device == "cpu":
+        tensor.bits[0] = 0x3F800000  # an empty tensor's tensor scale: 1.0 (as an all-zero one)
     if src.bits.size:
         if src.device == "cpu":
             ts = nv_tensor_scale(int(amax_bits_cpu(src.bits))) if bf.two_level else 0

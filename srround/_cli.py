@@ -191,9 +191,14 @@ def _size(shape):
 
 
 def _short(dtype):
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(
-        dtype, dtype
-    )
+    return {
+        "bfloat16": "bf16",
+        "float16": "fp16",
+        "float32": "fp32",
+        "float64": "fp64",
+        "float8_e4m3fn": "e4m3",
+        "float8_e5m2": "e5m2",
+    }.get(dtype, dtype)
 
 
 def _print_table(report, show_all):
@@ -219,10 +224,13 @@ def _print_table(report, show_all):
             print(f"  ... {len(bad) - 10} more (--all)")
     shown = rows if show_all else rows[:20]
     width = max([6, *(len(r["name"]) for r in shown)])
+    ranged = {r["fp16"].get("dtype", "float16") for r in shown} | {"float16"}
+    fmt = "fp16" if ranged == {"float16"} else _short(sorted(ranged - {"float16"})[0])
+    over = "NaN" if fmt == _short("float8_e4m3fn") else "inf"
     header = (
         f"{'tensor':<{width}} {'dtype':>5} {'weights':>11} {'lost':>7} {'min upd p50':>11}"
-        f" {'lr x50%':>8} {'max|w|':>9} {'fp16 inf':>9} {'fp16 0':>8} {'fp16 sub':>9}"
-        f" {'rescale':>8}"
+        f" {'lr x50%':>8} {'max|w|':>9} {fmt + ' ' + over:>9} {fmt + ' 0':>8}"
+        f" {fmt + ' sub':>9} {'rescale':>8}"
     )
 
     def line(name, dtype, count, s, f):
@@ -407,8 +415,9 @@ def main(argv=None) -> int:
     audit.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "bfloat16", "float16"],
-        help="training storage format (default auto: the stored 16-bit format, bfloat16 for fp32)",
+        choices=["auto", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"],
+        help="training storage format (default auto: the stored 16-bit format, bfloat16 for"
+        " fp32); fp8: lost updates and the range (overflow, flush, rescale) in that format",
     )
     audit.add_argument(
         "--format",

@@ -32,6 +32,7 @@ from ._elements import (
     G_ADDR,
     G_FMT,
     GROUP,
+    NOISE,
     P_ADDR,
     P_FMT,
     S1_ADDR,
@@ -468,14 +469,14 @@ def _step_chunk(config, table, starts, hyper, steps, coefs, scale, k0, k1, lo, h
         w_bits = words[0].view(np.uint16)[:n]
         m_bits = words[1].view(np.uint16)[:n]
         v_bits = words[2].view(np.uint16)[:n]
-        step = steps[k]
+        step, noise = steps[k], row[NOISE]
         if mode == STOCHASTIC and p_fmt != F32:
-            offset = stream_offset(step, WEIGHT_STREAM, starts[k]) + j0
+            offset = stream_offset(step, WEIGHT_STREAM, noise) + j0
             w_bits = _random_bits(words[0], k0, k1, offset, n)
         if state_fmt != F32:
-            offset = stream_offset(step, STATE1_STREAM, starts[k]) + j0
+            offset = stream_offset(step, STATE1_STREAM, noise) + j0
             m_bits = _random_bits(words[1], k0, k1, offset, n)
-            offset = stream_offset(step, STATE2_STREAM, starts[k]) + j0
+            offset = stream_offset(step, STATE2_STREAM, noise) + j0
             v_bits = _random_bits(words[2], k0, k1, offset, n)
         buffers = (row[P_ADDR], row[G_ADDR], row[S1_ADDR], row[S2_ADDR], row[AUX_ADDR])
         has_state1 = row[S1_ADDR] != 0 if state1 == STATE1_SOME else state1 == STATE1_ALL

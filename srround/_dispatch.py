@@ -50,6 +50,11 @@ class View:
         result: what to hand back to the caller (the caller's type and dtype).
         stream: the CUDA stream to launch on (``None`` on the CPU).
         device_id: CUDA device ordinal, ``None`` on the CPU.
+        offset: stream position of ``bits[0]`` relative to the caller's ``offset=``: 0, or for
+            a local piece of a sharded array its first element's flat index in the full array
+            (so noise follows the global element); an exception when the piece has no such
+            single position (raised by ``stream_offset`` only where noise is drawn); ``None``
+            in a view describing another buffer (shape, device) rather than this array.
     """
 
     bits: Any
@@ -58,6 +63,13 @@ class View:
     result: Any
     stream: Any = None
     device_id: int | None = None
+    offset: Any = 0
+
+    def stream_offset(self) -> int:
+        """``offset`` (raising the exception it holds, if any)."""
+        if isinstance(self.offset, Exception):
+            raise self.offset
+        return self.offset
 
     @property
     def where(self) -> str:

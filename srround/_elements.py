@@ -102,11 +102,11 @@ def unscale_bits(bits, code, inv_scale):
     torch); ``finite``: whether the *result* - the unscaled gradient the optimizer reads - is
     finite, so a NaN or inf ``inv_scale``, or an fp16 product past 65504, is flagged too.
     ``inv_scale == 1`` keeps the bits."""
-    if inv_scale == 1.0:
-        new = bits
-    else:
-        new = narrow_nearest(f32_to_bits(bits_to_f32(widen(bits, code)) * inv_scale), code)
-    return new, (widen(new, code) & 0x7F800000) != 0x7F800000
+    wide = widen(bits, code)
+    scaled = narrow_nearest(f32_to_bits(bits_to_f32(wide) * inv_scale), code)
+    # x * 1 is x: with a scale of 1, ``scaled`` is ``bits`` up to a NaN's payload
+    finite = (widen(scaled, code) & 0x7F800000) != 0x7F800000
+    return (bits if inv_scale == 1.0 else scaled), finite
 
 
 @njit(inline="always", cache=True)
@@ -192,6 +192,8 @@ class Column(enum.IntEnum):
     S2_ADDR = 5  # second state (AdamW exp_avg_sq)
     AUX_ADDR = 6  # the weight mode's buffer (0: none)
     GROUP = 7  # row of the hyperparameter array
+    NOISE = 8  # stream start of the tensor's element 0 (the planner's default: its start in
+    # the table's element range; a sharded tensor's: its place in the full tensor)
 
 
 class Hyper(enum.IntEnum):
@@ -211,7 +213,7 @@ class Hyper(enum.IntEnum):
 ADAMW, SGD = int(Kind.ADAMW), int(Kind.SGD)
 STOCHASTIC, NEAREST, KAHAN, MASTER, REMAINDER = (int(m) for m in Mode)
 MODES = {mode.name.lower(): int(mode) for mode in Mode}
-P_ADDR, P_FMT, G_ADDR, G_FMT, S1_ADDR, S2_ADDR, AUX_ADDR, GROUP = (int(c) for c in Column)
+P_ADDR, P_FMT, G_ADDR, G_FMT, S1_ADDR, S2_ADDR, AUX_ADDR, GROUP, NOISE = (int(c) for c in Column)
 TABLE_COLUMNS = len(Column)
 HYPER_COLUMNS = len(Hyper)
 COEF_COLUMNS = 4  # float32 per-tensor coefficients of a step (``prepare_coefs``)

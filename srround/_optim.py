@@ -32,6 +32,7 @@ from ._elements import (  # noqa: F401  (re-exported: the optimizer's names)
     MAX_STEPS,
     MODES,
     NEAREST,
+    NOISE,
     P_ADDR,
     P_FMT,
     REMAINDER,
@@ -76,6 +77,8 @@ class FusedStep:
         self.total = int(starts[-1])
         if self.total >= MAX_ELEMENTS:
             raise ValueError(f"params: {self.total} elements, at most {MAX_ELEMENTS - 1} per step")
+        if len(table) and int((table[:, NOISE] + np.diff(starts)).max()) > MAX_ELEMENTS:
+            raise ValueError(f"params: noise starts past {MAX_ELEMENTS} elements")
         self.device, self.stream, self.steps = device, stream, steps
         coefs = np.zeros((len(table), COEF_COLUMNS), np.float32)
         self._hyper_host = None

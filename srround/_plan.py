@@ -18,6 +18,7 @@ from ._elements import (
     G_ADDR,
     G_FMT,
     GROUP,
+    NOISE,
     P_ADDR,
     P_FMT,
     S1_ADDR,
@@ -153,7 +154,7 @@ def _columns(adapter, arrays, name, sizes, place, allowed, expected=None):
     return addresses, codes
 
 
-def plan_step(adapter, rounding, params, grads, states, aux, groups=None) -> Plan:
+def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=None) -> Plan:
     """Validate the buffer lists of a fused step and build its pointer table.
 
     Args:
@@ -165,6 +166,8 @@ def plan_step(adapter, rounding, params, grads, states, aux, groups=None) -> Pla
         aux: the weight mode's buffers, one per parameter (``None`` for float32 parameters),
             or ``None`` for modes without one.
         groups: the parameter-group index of each parameter (default 0).
+        noise: the stream start of each parameter's element 0 (default: the prefix sums of
+            the sizes, each tensor's start in the table's element range).
 
     Raises:
         RoundingError: an unknown mode, or parameters the mode cannot write.
@@ -221,6 +224,9 @@ def plan_step(adapter, rounding, params, grads, states, aux, groups=None) -> Pla
     table[:, AUX_ADDR] = aux_addr
     if groups is not None:
         table[:, GROUP] = groups
+    if noise is None:
+        noise = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]]) if count else []
+    table[:, NOISE] = noise
     state = BufferCode.FLOAT32 if state_fmt is None else BufferCode(state_fmt)
     _validate.no_overlap(spans)  # sorted once per table: shared memory between any two buffers
     return Plan(table, sizes, state, place, spans)

@@ -102,6 +102,11 @@ def _check_lr(lr) -> float:
     return float(lr)
 
 
+def range_format(fmt: Format) -> Format:
+    """The format whose range is audited: fp8 targets their own, every other one fp16."""
+    return fmt if fmt.bits == 8 else FP16
+
+
 def _target(dtype, stored: str) -> Format:
     """The audited format: ``dtype``, or the stored one (bfloat16 for fp32/fp64 storage)."""
     if dtype is None or dtype == "auto":
@@ -117,6 +122,7 @@ class _Counts:
     half_hist: np.ndarray  # finite weights per log2(half spacing) + _HALF_OFFSET
     ratio_hist: np.ndarray | None  # per-weight updates: half spacing / |u|, kernel bins
     lr: float | None
+    range_dtype: str = "float16"  # the format of the range statistics (``range_format``)
 
     def __add__(self, other: _Counts) -> _Counts:
         stats = self.stats + other.stats
@@ -127,7 +133,7 @@ class _Counts:
         else:
             ratio = self.ratio_hist + other.ratio_hist
         lr = self.lr if self.lr == other.lr else None
-        return _Counts(stats, self.half_hist + other.half_hist, ratio, lr)
+        return _Counts(stats, self.half_hist + other.half_hist, ratio, lr, self.range_dtype)
 
     def __getitem__(self, stat: int) -> float:
         return float(self.stats[stat])
@@ -147,6 +153,7 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
             )
         u_table = _table(u_kind) if u_kind in _SIXTEEN_BIT else None
     parallel = w.size >= _PARALLEL_FROM
+    limits = _k.range_limits(range_format(fmt))
     with_ratio = update is not None
     kernel_lr = 1.0 if lr is None else lr
     with np.errstate(all="ignore"):
@@ -158,7 +165,7 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
             counts = hist.sum(0)
             present = np.flatnonzero(counts).astype(np.uint16)
             stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, 1)
-            args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
+            args = (fmt.mantissa_bits, fmt.exponent_bits, limits, stats, exp_hist, ratio_hist)
             table: np.ndarray | None = _table(stored)
             _k.value_stats_serial(present, table, counts[present], None, None, kernel_lr, *args)
         elif stored == "float32" and update is None and fmt.name == "bfloat16":
@@ -172,7 +179,7 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
             counts = hist.sum(0)
             present = np.flatnonzero(counts).astype(np.uint16)
             stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, 1)
-            args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
+            args = (fmt.mantissa_bits, fmt.exponent_bits, limits, stats, exp_hist, ratio_hist)
             table = _table("bfloat16")
             _k.value_stats_serial(present, table, counts[present], None, None, kernel_lr, *args)
             stats[0, : _k.STAT_AMAX] = values[:, : _k.STAT_AMAX].sum(0)
@@ -181,7 +188,7 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
         else:
             rows = _k.threads() if parallel else 1
             stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, rows)
-            args = (fmt.mantissa_bits, fmt.exponent_bits, stats, exp_hist, ratio_hist)
+            args = (fmt.mantissa_bits, fmt.exponent_bits, limits, stats, exp_hist, ratio_hist)
             table = _table(stored) if stored in _SIXTEEN_BIT else None
             kernel = _k.value_stats if parallel else _k.value_stats_serial
             kernel(w, table, None, u, u_table, kernel_lr, *args)
@@ -192,7 +199,9 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
     first = (1 - fmt.bias) - fmt.mantissa_bits - 1 + _HALF_OFFSET  # log2 half spacing at emin
     half_hist[first : first + exp_hist.shape[1]] = exp_hist.sum(0)
     ratio = ratio_hist.sum(0) if update is not None else None
-    return _Counts(total, half_hist, ratio, None if update is not None else lr), fmt, stored
+    counts = _Counts(total, half_hist, ratio, None if update is not None else lr)
+    counts.range_dtype = range_format(fmt).name
+    return counts, fmt, stored
 
 
 def _percentile(hist: np.ndarray, q: float) -> int:
@@ -316,7 +325,10 @@ def stagnation(weights, update=None, *, lr=None, dtype=None) -> Stagnation:
 
 @dataclasses.dataclass
 class Fp16Range:
-    """fp16 safety of one tensor's values (fractions are of the finite values).
+    """fp16 safety of one tensor's values (fractions are of the finite values). With an fp8
+    target (``dtype="float8_e4m3fn"`` / ``"float8_e5m2"``) the same for that format instead:
+    ``dtype`` names it, and its thresholds replace fp16's (e4m3fn: overflow above 464, to NaN;
+    subnormal below 2**-6; zero at or below 2**-10).
 
     Attributes:
         count: number of finite values; max_abs: largest finite magnitude.
@@ -343,6 +355,7 @@ class Fp16Range:
     min_nonzero: float = 0.0
     nan: int = 0
     inf: int = 0
+    dtype: str = "float16"
 
     @property
     def safe(self) -> bool:
@@ -351,18 +364,20 @@ class Fp16Range:
 
 
 def _fp16(c: _Counts) -> Fp16Range:
+    fmt = get_format(c.range_dtype)
+    top_value, min_normal = fmt.max_finite, 2.0 ** (1 - fmt.bias)
     finite = int(c[_k.STAT_COUNT] - c[_k.STAT_NAN] - c[_k.STAT_INF])
     top = c[_k.STAT_AMAX]
     low = c[_k.STAT_AMIN] if math.isfinite(c[_k.STAT_AMIN]) else 0.0
     rescale: float | None = 1.0
     if low > 0:
-        if top / low > FP16.max_finite / _FP16_MIN_NORMAL:
+        if top / low > top_value / min_normal:
             rescale = None
-        elif top > FP16.max_finite or low < _FP16_MIN_NORMAL:
+        elif top > top_value or low < min_normal:
             # the largest power of two that keeps the maximum finite
-            rescale = 2.0 ** math.floor(math.log2(FP16.max_finite / top))
-            if low * rescale < _FP16_MIN_NORMAL:
-                rescale = 2.0 ** math.ceil(math.log2(_FP16_MIN_NORMAL / low))
+            rescale = 2.0 ** math.floor(math.log2(top_value / top))
+            if low * rescale < min_normal:
+                rescale = 2.0 ** math.ceil(math.log2(min_normal / low))
     over, sub, flushed = (
         int(c[s]) for s in (_k.STAT_F16_OVERFLOW, _k.STAT_F16_SUBNORMAL, _k.STAT_F16_FLUSH)
     )
@@ -379,6 +394,7 @@ def _fp16(c: _Counts) -> Fp16Range:
         min_nonzero=low,
         nan=int(c[_k.STAT_NAN]),
         inf=int(c[_k.STAT_INF]),
+        dtype=fmt.name,
     )
 
 
@@ -447,8 +463,9 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
             Weights it lacks are audited for fp16 range only and listed under
             ``"missing_updates"``; its names that are no weight are listed under
             ``"unused_updates"``.
-        dtype: the training storage format, ``"bfloat16"`` or ``"float16"``; default: each
-            tensor's own 16-bit format, bfloat16 for fp32/fp64 tensors.
+        dtype: the training storage format, ``"bfloat16"``, ``"float16"``,
+            ``"float8_e4m3fn"`` or ``"float8_e5m2"`` (fp8: the range audit is of that format
+            instead of fp16); default: each tensor's own 16-bit format, bfloat16 for fp32/fp64.
 
     Returns:
         A JSON-ready dict: ``"tensors"`` (one row per weight, most lost first, with
@@ -567,22 +584,26 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
 
 
 def fp16_verdict(r: Fp16Range) -> str:
-    """One line on fp16 safety, with the counts it rests on."""
+    """One line on fp16 (or the fp8 target's) safety, with the counts it rests on."""
+    name = {"float16": "fp16"}.get(r.dtype, r.dtype)
+    over = "inf" if r.dtype != "float8_e4m3fn" else "NaN"
     if r.count == 0:
-        return "fp16: no finite weights"
+        return f"{name}: no finite weights"
     parts = []
     if r.overflow:
-        parts.append(f"{r.overflow:,} overflow to inf")
+        parts.append(f"{r.overflow:,} overflow to {over}")
     if r.flushed:
         parts.append(f"{r.flushed:,} flush to zero")
     sub = (
-        f"; {r.subnormal:,} land in fp16's subnormal range (less precision)" if r.subnormal else ""
+        f"; {r.subnormal:,} land in {name}'s subnormal range (less precision)"
+        if r.subnormal
+        else ""
     )
     if not parts:
-        return f"fp16: all {r.count:,} finite weights fit fp16 as they are{sub}"
+        return f"{name}: all {r.count:,} finite weights fit {name} as they are{sub}"
     fix = (
         "no single power-of-two rescale fits every weight"
         if r.rescale is None
         else f"a rescale by {r.rescale:g} fits every weight"
     )
-    return f"fp16: not safe as is: {' and '.join(parts)} of {r.count:,} weights{sub}; {fix}"
+    return f"{name}: not safe as is: {' and '.join(parts)} of {r.count:,} weights{sub}; {fix}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -21,8 +23,8 @@ from srround.adapters.jax.loss_scale import (  # noqa: E402
 def test_pytree_round_trip_keeps_every_field():
     scale = DynamicLossScale(
         jnp.float32(2.0**15),
-        jnp.int32(3),
-        jnp.int32(1),
+        growth_tracker=jnp.int32(3),
+        overflow_tracker=jnp.int32(1),
         growth_factor=4.0,
         backoff_factor=0.25,
         growth_interval=7,
@@ -31,13 +33,13 @@ def test_pytree_round_trip_keeps_every_field():
         max_scale=2.0**20,
     )
     leaves, treedef = jax.tree_util.tree_flatten(scale)
-    assert len(leaves) == 3
+    assert len(leaves) == 3  # jmp: 2 (no overflow tracker, min_loss_scale dropped)
     again = jax.tree_util.tree_unflatten(treedef, leaves)
     assert again == scale
     assert again.min_scale == 8.0 and again.hysteresis == 2
     for kind in (StaticLossScale(jnp.float32(4.0)), NoOpLossScale()):
         leaves, treedef = jax.tree_util.tree_flatten(kind)
-        assert type(jax.tree_util.tree_unflatten(treedef, leaves)) is type(kind)
+        assert jax.tree_util.tree_unflatten(treedef, leaves) == kind
 
 
 @pytest.mark.parametrize("hysteresis", [1, 2])
@@ -75,7 +77,7 @@ def test_scale_unscale_all_finite_select():
     assert float(ls.scale(jnp.float32(0.5))) == 512.0
     back = ls.unscale(jax.tree_util.tree_map(lambda g: g * 1024, grads))
     assert all(bool((v == 1).all()) for v in jax.tree_util.tree_leaves(back))
-    assert back["w"].dtype == jnp.bfloat16
+    assert back["w"].dtype == jnp.float32  # promoted, as jmp
     assert bool(jax.jit(all_finite)(grads))
     assert not bool(all_finite({"w": jnp.array([1.0, jnp.nan])}))
     picked = select_tree(jnp.bool_(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
@@ -86,3 +88,169 @@ def test_scale_unscale_all_finite_select():
 
 def test_reachable_as_documented():
     assert srround.adapters.jax.DynamicLossScale is DynamicLossScale  # lazy submodule access
+
+
+# -- jmp conventions (issue findings) ----------------------------------------------------------
+
+
+def test_jmp_positional_order_is_an_error_not_a_silent_third_order():
+    with pytest.raises(TypeError):
+        DynamicLossScale(jnp.float32(2.0), 0, 20, 2)  # jmp's (scale, counter, period, factor)
+    ls = DynamicLossScale(jnp.float32(2.0), growth_interval=20, growth_factor=2.0)
+    assert ls.growth_interval == 20
+
+
+@pytest.mark.parametrize("flags", [jnp.array([True, False]), np.array([True])])
+def test_adjust_and_select_tree_reject_vectors(flags):
+    ls = DynamicLossScale(jnp.float32(8.0))
+    with pytest.raises(ValueError, match="grads_finite: expected a bool scalar"):
+        ls.adjust(flags)
+    with pytest.raises(ValueError, match="pred: expected a bool scalar"):
+        select_tree(flags, {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
+    with pytest.raises(TypeError, match="pred: expected a bool scalar, got dtype"):
+        select_tree(jnp.float32(1.0), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
+    with pytest.raises(ValueError, match="grads_finite"):
+        jax.jit(lambda s, f: s.adjust(f))(ls, flags)
+
+
+def test_scale_multiplies_in_float32_as_jmp():
+    ls = DynamicLossScale(jnp.float32(65536.0))
+    loss = jnp.float16(2.0)
+    scaled = ls.scale(loss)
+    assert scaled.dtype == jnp.float32 and float(scaled) == 131072.0  # fp16 would be inf
+    tiny = DynamicLossScale(jnp.float32(2.0**20)).unscale(jnp.float16(2.0**-10))
+    assert tiny.dtype == jnp.float32 and float(tiny) == 2.0**-30  # fp16 would flush to 0
+    odd = StaticLossScale(3.0)
+    assert float(odd.scale(jnp.bfloat16(1.0))) == 3.0
+    assert odd.scale(jnp.int32(5)).dtype == jnp.float32  # not truncated
+    assert float(odd.scale(jnp.int32(5))) == 15.0
+    assert DynamicLossScale(2).loss_scale.dtype == np.float32  # a Python number: float32
+
+
+def test_default_min_scale_is_one():
+    ls = DynamicLossScale(jnp.float32(4.0))
+    for _ in range(10):
+        ls = ls.adjust(jnp.bool_(False))
+    assert float(ls.loss_scale) == 1.0
+
+
+def test_bad_settings_name_the_argument():
+    with pytest.raises(TypeError, match="loss_scale: expected a float scalar"):
+        DynamicLossScale(jnp.int32(1))
+    with pytest.raises(ValueError, match="loss_scale: expected a scalar"):
+        DynamicLossScale(jnp.ones(2))
+    with pytest.raises(ValueError, match="growth_interval"):
+        DynamicLossScale(jnp.float32(1.0), growth_interval=0)
+    with pytest.raises(ValueError, match="min_scale"):
+        DynamicLossScale(jnp.float32(1.0), min_scale=4.0, max_scale=2.0)
+
+
+# -- jmp's own tests (google-deepmind/jmp jmp/_src/loss_scale_test.py), adapted -----------------
+# Names: counter -> growth_tracker, period -> growth_interval, factor -> growth_factor (with
+# backoff_factor = 1 / factor), min_loss_scale -> min_scale (a static float). Differences:
+# DynamicLossScale has three leaves (the overflow tracker), an int scale is a TypeError (jmp
+# warns), and the settings are keyword-only.
+
+
+def _dynamic(init, period, factor, **kw):
+    return DynamicLossScale(
+        jnp.float32(init),
+        growth_tracker=jnp.int32(0),
+        growth_interval=period,
+        growth_factor=float(factor),
+        backoff_factor=1.0 / factor,
+        **kw,
+    )
+
+
+def test_jmp_no_op_loss_scale():
+    tree = {"a": jnp.ones([])}
+    assert NoOpLossScale().scale(tree) is tree
+    assert NoOpLossScale().unscale(tree) is tree
+
+
+@pytest.mark.parametrize("cls", [StaticLossScale, DynamicLossScale])
+@pytest.mark.parametrize("scale", [2, 3, 4])
+def test_jmp_static_loss_scale(cls, scale):
+    loss_scale = cls(scale)
+    tree = {"a": jnp.array(1.0)}
+    scaled = loss_scale.scale(tree)
+    assert float(scaled["a"]) == 1.0 * scale
+    assert float(loss_scale.unscale(scaled)["a"]) == 1.0
+
+
+@pytest.mark.parametrize("create", [NoOpLossScale, lambda: StaticLossScale(0)])
+def test_jmp_static_empty_trees(create):
+    assert jax.tree_util.tree_leaves(create()) == []
+
+
+def test_jmp_dynamic_loss_scale_no_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DynamicLossScale(2.0**15)
+
+
+def test_jmp_dynamic_loss_scale_tree():
+    scale, counter = jnp.ones([]), jnp.zeros([], jnp.int32)
+    ls = DynamicLossScale(scale, growth_tracker=counter, growth_interval=2000, growth_factor=2)
+    assert jax.tree_util.tree_leaves(ls)[:2] == [scale, counter]
+    assert jax.tree_util.tree_map(lambda x: x, ls) == ls
+
+
+@pytest.mark.parametrize(("period", "factor"), [(20, 2), (30, 3)])
+def test_jmp_adjust_increases_on_finite(period, factor):
+    finite = jnp.bool_(True)
+    ls = _dynamic(10, period, factor)
+    for i in range(1, period):
+        ls = ls.adjust(finite)
+        assert ls.loss_scale == 10 and ls.growth_tracker == i
+        assert ls.growth_interval == period and ls.growth_factor == factor
+    ls = ls.adjust(finite)  # wraps
+    assert ls.loss_scale == 10 * factor and ls.growth_tracker == 0
+
+
+@pytest.mark.parametrize(("period", "factor"), [(20, 2), (30, 3)])
+def test_jmp_adjust_reduce_on_non_finite(period, factor):
+    init = 10.0
+    ls = _dynamic(init, period, factor)
+    assert init / factor**100 < 1
+    for i in range(100):
+        ls = ls.adjust(jnp.bool_(False))
+        np.testing.assert_allclose(ls.loss_scale, max(1, init / factor ** (i + 1)), rtol=1e-5)
+        assert ls.growth_tracker == 0
+
+
+@pytest.mark.parametrize(
+    ("period", "factor", "floor"), [(20, 2, 0.3125), (30, 3, 0.37), (5, 2, 0.0)]
+)
+def test_jmp_explicit_min_loss_scale(period, factor, floor):
+    init = 10.0
+    ls = _dynamic(init, period, factor, min_scale=floor)
+    for i in range(100):
+        ls = ls.adjust(jnp.bool_(False))
+        np.testing.assert_allclose(ls.loss_scale, max(floor, init / factor ** (i + 1)), rtol=1e-5)
+        assert ls.growth_tracker == 0
+
+
+def test_jmp_int_loss_scale():
+    with pytest.raises(TypeError, match="loss_scale: expected a float"):  # jmp: a warning
+        DynamicLossScale(jnp.asarray(1, dtype=jnp.int32))
+
+
+@pytest.mark.parametrize("non_finite", [jnp.inf, jnp.nan])
+def test_jmp_all_finite(non_finite):
+    assert all_finite(None)
+    assert all_finite({})
+    assert not all_finite({"a": jnp.array(non_finite)})
+    assert not all_finite({"a": jnp.ones([]), "b": jnp.array(non_finite)})
+    assert not all_finite({"a": jnp.array(non_finite), "b": jnp.ones([])})
+    assert all_finite({"a": jnp.ones([]), "b": jnp.ones([])})
+
+
+def test_jmp_select_tree():
+    a = {"a": jnp.ones([]), "b": jnp.zeros([])}
+    b = {"a": jnp.zeros([]), "b": jnp.ones([])}
+    assert select_tree(jnp.bool_(True), None, None) is None
+    assert select_tree(jnp.bool_(False), None, None) is None
+    assert select_tree(jnp.bool_(True), a, b) == a
+    assert select_tree(jnp.bool_(False), a, b) == b

@@ -589,3 +589,64 @@ def test_jax_blocks_equal_numpy_blocks(name):
     np.testing.assert_array_equal(
         np.asarray(srround.dequantize_blocks(q)), srround.dequantize_blocks(want)
     )
+
+
+# -- audit ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_audit_fp8_range_and_lost_updates(name):
+    """``dtype=fp8``: the range counts are those of ml_dtypes' cast (overflow to NaN/inf, flush
+    to zero, subnormal), and the lost updates of the weights in range those of brute-force
+    round-to-nearest."""
+    from srround import audit
+
+    fmt = FMT[name]
+    rng = np.random.default_rng(8)
+    w = (rng.standard_normal(4000) * 10.0 ** rng.uniform(-6, 5, 4000)).astype(np.float32)
+    w[:4] = [464.0, 464.0001, 61440.0, fmt.smallest_subnormal / 2]
+    result = audit.audit_tensor(w, lr=1e-3, dtype=name)
+    r = result.fp16
+    with np.errstate(all="ignore"):
+        cast = w.astype(fmt.numpy_dtype).astype(np.float64)
+    assert r.dtype == name
+    assert r.overflow == int((~np.isfinite(cast)).sum())
+    assert r.flushed == int(((cast == 0) & (w != 0)).sum())
+    min_normal = 2.0 ** (1 - fmt.bias)
+    assert r.subnormal == int(((np.abs(w) < min_normal) & (w != 0) & (cast != 0)).sum())
+    # lost updates: q = RNE(w); a direction is lost when RNE(q +- lr) == q
+    ok = np.isfinite(cast)
+    q = cast[ok]
+    lost = 0.0
+    for sign in (1.0, -1.0):
+        with np.errstate(all="ignore"):
+            moved = (q + sign * 1e-3).astype(np.float32).astype(fmt.numpy_dtype).astype(np.float64)
+        lost += 0.5 * float((moved == q).sum())
+    in_range = audit.audit_tensor(w[ok], lr=1e-3, dtype=name).stagnation
+    assert in_range.lost_updates == lost
+    assert name in audit.fp16_verdict(r)
+
+
+def test_audit_cli_takes_fp8(tmp_path, capsys):
+    from srround import _cli
+
+    path = tmp_path / "w.npy"
+    np.save(path, np.float32([1.0, 500.0, 2.0**-12, 3.0]))
+    assert _cli.main(["audit", str(path), "--dtype", "float8_e4m3fn"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "float8_e4m3fn: not safe as is: 1 overflow to NaN and 1 flush to zero" in out
+
+
+def test_cupy_fp8_and_blocks(cupy_module):
+    """CuPy (its simulator stand-in in CI): fp8 results and block quantization, NumPy's bits."""
+    cupy = cupy_module
+    x = np.random.default_rng(9).standard_normal((2, 32)).astype(np.float32)
+    y = srround.stochastic_round(cupy.asarray(x), dtype="float8_e5m2", seed=1)
+    np.testing.assert_array_equal(
+        cupy.asnumpy(y).view(np.uint8),
+        _u8(srround.stochastic_round(x, dtype="float8_e5m2", seed=1)),
+    )
+    q = srround.quantize_blocks(cupy.asarray(x), "mxfp4", seed=2)
+    want = srround.quantize_blocks(x, "mxfp4", seed=2)
+    np.testing.assert_array_equal(cupy.asnumpy(q.data).view(np.uint8), _u8(want.data))
+    np.testing.assert_array_equal(cupy.asnumpy(q.scales).view(np.uint8), _u8(want.scales))

@@ -227,17 +227,27 @@ def test_fork_while_other_threads_run_kernels():
 def test_nested_use_neither_deadlocks_nor_oversubscribes():
     """srround from a thread pool while torch runs intra-op work and a user's own Numba
     ``prange`` function runs in another thread, and from inside a JAX callback under ``jit``:
-    everything finishes, and the process holds no more threads than the pools it started
-    (Numba's one shared pool: threads do not multiply with the callers)."""
+    everything finishes with the expected bits, and the thread count grows by less than the
+    number of callers and not again on a second round (Numba's one shared pool: workers do
+    not multiply with the callers)."""
     pytest.importorskip("torch")
     pytest.importorskip("jax")
     code = """
-    import os, threading
+    import os, threading, time
     from concurrent.futures import ThreadPoolExecutor
     import numba, numpy as np, torch, jax, jax.numpy as jnp, srround, srround.adapters.jax
 
     def os_threads():
         return len(os.listdir("/proc/self/task"))
+
+    def settled_threads():  # exiting threads (pool shutdowns) leave /proc a moment later
+        count = os_threads()
+        for _ in range(20):
+            time.sleep(0.1)
+            count, previous = os_threads(), count
+            if count == previous:
+                break
+        return count
 
     @numba.njit(parallel=True)
     def user_kernel(a):
@@ -252,7 +262,7 @@ def test_nested_use_neither_deadlocks_nor_oversubscribes():
     torch.ones(1 << 16) @ torch.ones(1 << 16)
     f = jax.jit(lambda v: srround.adapters.jax.stochastic_round(v, seed=2, impl="callback"))
     np.asarray(f(jnp.asarray(x)))
-    baseline = os_threads()
+    baseline = settled_threads()
 
     def task(i):
         if i % 2 == 0:
@@ -273,13 +283,13 @@ def test_nested_use_neither_deadlocks_nor_oversubscribes():
             assert all(pool.map(task, range(32)))
         jax_thread.join()
         assert jax_results == [True] * 6
-        return os_threads()
+        return settled_threads()
 
     first = round_of_work()
     second = round_of_work()
-    # worker pools may grow once to their size, not with the number of calling threads
-    assert first - baseline <= numba.get_num_threads() + torch.get_num_threads(), (baseline, first)
-    assert second <= first, (first, second)
+    # pools may grow once to their size; eight callers must not each bring their own workers
+    assert first - baseline < 8, (baseline, first)
+    assert second <= first + 1, (first, second)
     print("ok")
     """
     _ok(_python(code, timeout=300))
@@ -611,5 +621,125 @@ def test_no_overlap_sweep_matches_brute_force():
                 _validate.no_overlap(items)
         else:
             _validate.no_overlap(items)
+
+    check()
+
+
+# -- jax.grad through a rounding (finding 9) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+def test_jax_grad_is_straight_through(impl):
+    """``jax.grad`` through a stochastic round returned zeros silently; the derivative is now
+    1 (the derivative of ``E[SR(x)] = x``), also under ``jit``, and for ``stochastic_add``
+    ``dw + alpha du + u dalpha``."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from srround.adapters import jax as sj
+
+    x = jnp.linspace(-2, 2, 16, dtype=jnp.float32)
+
+    def loss(x):
+        y = sj.stochastic_round(x, seed=1, impl=impl).astype(jnp.float32)
+        return (y * jnp.arange(16, dtype=jnp.float32)).sum()
+
+    expected = np.arange(16, dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss)(x)), expected)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(loss))(x)), expected)
+    nearest = jax.grad(lambda x: sj.round_nearest(x, impl=impl).astype(jnp.float32).sum())(x)
+    np.testing.assert_array_equal(np.asarray(nearest), np.ones(16, np.float32))
+    w = x.astype(jnp.bfloat16)
+
+    def add(w, u, alpha):
+        return sj.stochastic_add(w, u, alpha=alpha, seed=2, impl=impl).astype(jnp.float32).sum()
+
+    dw, du, dalpha = jax.grad(add, argnums=(0, 1, 2))(w, x, jnp.float32(0.5))
+    assert np.asarray(dw.astype(jnp.float32)).tolist() == [1.0] * 16
+    assert np.asarray(du).tolist() == [0.5] * 16
+    assert float(dalpha) == pytest.approx(float(x.sum()), abs=1e-5)
+    # the values are those of the call without a gradient
+    plain = sj.stochastic_round(x, seed=1, impl=impl)
+    _, vjp = jax.vjp(lambda x: sj.stochastic_round(x, seed=1, impl=impl), x)
+    assert np.array_equal(
+        np.asarray(jax.jit(lambda x: sj.stochastic_round(x, seed=1))(x)), np.asarray(plain)
+    )
+
+
+# -- property: any arguments either raise before writing or give finite results -----------------
+
+
+def test_adamw_step_arguments_property():
+    """Over arbitrary hyperparameters (numbers of every size and sign, NaN, inf, strings,
+    arrays, bools) and finite arrays: a call either raises TypeError/ValueError naming an
+    argument with every buffer untouched, or succeeds with finite weights and states."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    anything = st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(-(2**70), 2**70),
+        st.booleans(),
+        st.text(max_size=3),
+        st.just(np.float32([0.1, 0.2])),
+        st.none(),
+    )
+    plausible = st.floats(-0.5, 1.5, allow_nan=False)
+    value = st.one_of(plausible, anything)
+    arrays = st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=9)
+
+    @settings(max_examples=150, deadline=None)
+    @given(value, value, value, value, value, arrays)
+    def check(lr, beta1, beta2, eps, weight_decay, values):
+        p = np.asarray(values, np.float32)
+        g = (p * 0.5).astype(np.float32)
+        m, v = np.zeros_like(p), np.zeros_like(p)
+        before = [a.copy() for a in (p, g, m, v)]
+        try:
+            srround.adamw_step(
+                p,
+                g,
+                m,
+                v,
+                lr=lr,
+                betas=(beta1, beta2),
+                eps=eps,
+                weight_decay=weight_decay,
+                step=1,
+                seed=0,
+            )
+        except (TypeError, ValueError) as e:
+            assert str(e).split(":")[0] in ("lr", "betas[0]", "betas[1]", "eps", "weight_decay")
+            for a, b in zip((p, g, m, v), before):
+                np.testing.assert_array_equal(a, b)
+            return
+        if eps == 0:  # torch's rule allows eps=0: 0/0 where a gradient is 0
+            return
+        assert np.isfinite(p).all() and np.isfinite(m).all() and np.isfinite(v).all()
+
+    check()
+
+
+def test_unscale_and_check_property():
+    """Over arbitrary float32 gradients (NaN and inf included) and scales: ``found_inf`` is
+    set exactly when an unscaled gradient is non-finite or the scale is not positive and
+    finite, and the gradients equal NumPy's float32 product."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.lists(floats, min_size=1, max_size=12), floats)
+    def check(values, scale):
+        g = np.asarray(values, np.float32)
+        with np.errstate(all="ignore"):
+            expected = g * np.float32(scale)
+        found = srround.unscale_and_check(g, np.float32([scale]))
+        usable = np.isfinite(scale) and scale > 0
+        flagged = not usable or not np.isfinite(expected).all()
+        assert found.tolist() == [float(flagged)]
+        if not flagged:
+            np.testing.assert_array_equal(g, expected)
 
     check()

@@ -1,6 +1,8 @@
-"""srround.adapters.torch.AdamW / SGD: torch.optim agreement, the weight modes' exact contracts,
-param groups and schedulers, fused loss scaling, state_dict resume, errors; plus a custom
-optimizer (Lion) built from the public primitives."""
+"""srround.adapters.torch.AdamW / SGD, what is torch's own: param groups and schedulers, autograd
+and version counters, the cached table, fused loss scaling with the GradScaler, state_dict
+resume, errors; plus a custom optimizer (Lion) built from the public primitives. The optimizer
+contract (torch.optim's math, the weight modes' bits, found_inf, CPU/CUDA identity) is tested
+once for every front end in tests/test_optim_contract.py."""
 
 from __future__ import annotations
 
@@ -57,185 +59,7 @@ def _ulp_close(actual, expected, ulps, msg=""):
 # -- fp32 math against torch.optim -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("rounding", ["master", "stochastic", "remainder"])
-def test_adamw_fp32_params_match_torch(rounding):
-    """fp32 parameters are updated exactly in every mode: torch.optim.AdamW within a few ulp
-    over 100 steps."""
-    ours, ref = _params(torch.float32), _params(torch.float32)
-    opt = AdamW(
-        ours, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, rounding=rounding, seed=1
-    )
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    for step in range(100):
-        grads = _grads(step)
-        _set_grads(ours, grads)
-        _set_grads(ref, grads)
-        opt.step()
-        ref_opt.step()
-    for p, r in zip(ours, ref):
-        _ulp_close(p, r, 4, "param")  # measured: <= 2 ulp
-        _ulp_close(opt.state[p]["exp_avg"], ref_opt.state[r]["exp_avg"], 2, "exp_avg")
-        _ulp_close(opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], 2, "exp_avg_sq")
-        assert int(opt.state[p]["step"]) == 100
-
-
-def test_adamw_master_weights_match_torch_fp32():
-    """bf16 parameters with rounding='master': the fp32 master weights follow torch.optim.AdamW
-    on fp32 parameters (same start, same gradients) within a few ulp over 100 steps, and the
-    bf16 parameters are their round-to-nearest."""
-    ours = _params(torch.bfloat16)
-    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    opt = AdamW(ours, lr=1e-2, weight_decay=0.1, rounding="master", seed=2)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
-    for step in range(100):
-        grads = _grads(step, dtype=torch.bfloat16)
-        _set_grads(ours, grads)
-        _set_grads(ref, grads)
-        opt.step()
-        ref_opt.step()
-    for p, r in zip(ours, ref):
-        master = opt.state[p]["master_weight"]
-        assert master.dtype == torch.float32
-        _ulp_close(master, r, 4, "master")
-        _assert_bits_equal(p, srround.round_nearest(master))
-
-
-SGD_CONFIGS = [
-    {"momentum": 0.0},
-    {"momentum": 0.9},
-    {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
-    {"momentum": 0.8, "dampening": 0.3, "weight_decay": 0.05},
-]
-
-
-@pytest.mark.parametrize("config", SGD_CONFIGS)
-def test_sgd_fp32_params_match_torch(config):
-    ours, ref = _params(torch.float32), _params(torch.float32)
-    opt = SGD(ours, lr=0.05, rounding="master", seed=3, **config)
-    ref_opt = torch.optim.SGD(ref, lr=0.05, **config)
-    for step in range(100):
-        grads = _grads(step)
-        _set_grads(ours, grads)
-        _set_grads(ref, grads)
-        opt.step()
-        ref_opt.step()
-    for p, r in zip(ours, ref):
-        _ulp_close(p, r, 2, "param")  # measured: bit-identical
-        if config["momentum"]:
-            _ulp_close(
-                opt.state[p]["momentum_buffer"],
-                ref_opt.state[r]["momentum_buffer"],
-                2,
-                "momentum_buffer",
-            )
-        else:
-            assert "momentum_buffer" not in opt.state[p]
-
-
-def test_sgd_master_bf16_matches_torch_fp32():
-    ours = _params(torch.bfloat16)
-    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    opt = SGD(
-        ours, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, rounding="master", seed=3
-    )
-    ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
-    for step in range(100):
-        grads = _grads(step, dtype=torch.bfloat16)
-        _set_grads(ours, grads)
-        _set_grads(ref, grads)
-        opt.step()
-        ref_opt.step()
-    for p, r in zip(ours, ref):
-        _ulp_close(opt.state[p]["master_weight"], r, 2, "master")
-
-
 # -- weight modes: exact contracts --------------------------------------------------------------
-
-
-def _shadow_run(rounding, steps=3, seed=11, kind="adamw", dtype=torch.bfloat16):
-    """Run ``rounding`` on narrow params next to an fp32 shadow optimizer whose parameters are
-    reset to the narrow weights before each step (same gradients, so the same states): the
-    shadow's result is the exact fp32 update the narrow parameter is rounded from."""
-    ours = _params(dtype)
-    shadow = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    if kind == "adamw":
-        make = lambda ps, r: AdamW(ps, lr=3e-2, weight_decay=0.1, rounding=r, seed=seed)
-    else:
-        make = lambda ps, r: SGD(ps, lr=0.1, momentum=0.9, rounding=r, seed=seed)
-    opt, shadow_opt = make(ours, rounding), make(shadow, "master")
-    for step in range(1, steps + 1):
-        grads = _grads(step, dtype=dtype)
-        with torch.no_grad():
-            for p, s in zip(ours, shadow):
-                s.copy_(p.float())
-        _set_grads(ours, grads)
-        _set_grads(shadow, grads)
-        opt.step()
-        shadow_opt.step()
-        yield step, ours, shadow, opt
-
-
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
-def test_nearest_is_rne_of_the_fp32_update(kind):
-    for _, ours, shadow, _ in _shadow_run("nearest", kind=kind):
-        for p, s in zip(ours, shadow):
-            _assert_bits_equal(p, srround.round_nearest(s))
-
-
-def test_nearest_fp16_params():
-    for _, ours, shadow, _ in _shadow_run("nearest", dtype=torch.float16):
-        for p, s in zip(ours, shadow):
-            _assert_bits_equal(p, srround.round_nearest(s, dtype="float16"))
-
-
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
-def test_stochastic_is_the_documented_stream(kind):
-    """Weight write-back == stochastic_round(fp32 update, seed, offset=t * 2**36 + start of the
-    tensor) exactly, and never leaves the two bf16 neighbours of the update."""
-    seed = 11
-    for step, ours, shadow, _ in _shadow_run("stochastic", seed=seed, kind=kind):
-        start = 0
-        for p, s in zip(ours, shadow):
-            expected = srround.stochastic_round(
-                s.detach(), seed=seed, offset=(step << STEP_SHIFT) + start
-            )
-            _assert_bits_equal(p, expected, f"step {step}")
-            down = srround.round_nearest(s.detach()).float()
-            value = p.detach().float()
-            lo = torch.where(
-                down <= s,
-                down,
-                torch.nextafter(
-                    down.bfloat16(), torch.tensor(-np.inf, dtype=torch.bfloat16)
-                ).float(),
-            )
-            hi = torch.where(
-                down >= s,
-                down,
-                torch.nextafter(
-                    down.bfloat16(), torch.tensor(np.inf, dtype=torch.bfloat16)
-                ).float(),
-            )
-            assert bool(((value == lo) | (value == hi)).all())
-            start += p.numel()
-
-
-def test_remainder_reconstructs_master_trajectory():
-    """(bf16 parameter, int16 remainder) hold exactly the fp32 weights of rounding='master'."""
-    master_p, rem_p = _params(), _params()
-    opt_m = AdamW(master_p, lr=1e-2, weight_decay=0.1, rounding="master", seed=5)
-    opt_r = AdamW(rem_p, lr=1e-2, weight_decay=0.1, rounding="remainder", seed=5)
-    for step in range(20):
-        grads = _grads(step, dtype=torch.bfloat16)
-        _set_grads(master_p, grads)
-        _set_grads(rem_p, grads)
-        opt_m.step()
-        opt_r.step()
-        for pm, pr in zip(master_p, rem_p):
-            rem = opt_r.state[pr]["remainder"]
-            assert rem.dtype == torch.int16
-            joined = (pr.detach().view(torch.int16).int() << 16) + rem.int()
-            assert torch.equal(joined, opt_m.state[pm]["master_weight"].view(torch.int32))
 
 
 def test_kahan_state_and_bf16_moments():
@@ -249,28 +73,6 @@ def test_kahan_state_and_bf16_moments():
         assert st["kahan_comp"].dtype == torch.bfloat16
         assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
         assert bool(torch.isfinite(p).all())
-
-
-def test_mixed_dtypes_one_table():
-    """bf16, fp16 and fp32 parameters in one optimizer (one fused step): the fp32 one is exact."""
-    gen = torch.Generator().manual_seed(0)
-    ps = [
-        torch.nn.Parameter(torch.randn(6, generator=gen).to(d))
-        for d in (torch.bfloat16, torch.float16, torch.float32)
-    ]
-    ref = torch.nn.Parameter(ps[2].detach().clone())
-    opt = AdamW(ps, lr=1e-2, rounding="master", seed=0)
-    ref_opt = AdamW([ref], lr=1e-2, rounding="master", seed=0)
-    for step in range(3):
-        g = torch.randn(6, generator=gen)
-        for p in ps:
-            p.grad = g.to(p.dtype)
-        ref.grad = g.clone()
-        opt.step()
-        ref_opt.step()
-    _assert_bits_equal(ps[2], ref)
-    assert "master_weight" not in opt.state[ps[2]]
-    assert opt.state[ps[1]]["master_weight"].dtype == torch.float32
 
 
 # -- groups, schedulers, autograd, caching ------------------------------------------------------
@@ -644,24 +446,6 @@ def test_lion_from_primitives_trains():
 
 
 # -- CUDA (real devices only: torch has no CUDA simulator) ------------------------------------
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rounding", ["stochastic", "master", "remainder"])
-def test_cuda_matches_cpu_bits(rounding):
-    runs = []
-    for device in ("cpu", "cuda"):
-        ps = _params(device=device)
-        opt = AdamW(ps, lr=1e-2, rounding=rounding, state_dtype=torch.bfloat16, seed=3)
-        scaler = GradScaler(device, init_scale=4.0)
-        for step in range(3):
-            opt.zero_grad()
-            loss = sum((p.float() * g.to(device)).sum() for p, g in zip(ps, _grads(step)))
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        runs.append([_bits(p) for p in ps])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 # -- host overhead (measured, not asserted) ----------------------------------------------------

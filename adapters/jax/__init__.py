@@ -2,8 +2,9 @@
 
 * ``stochastic_round``, ``round_nearest``, ``to_float32``, ``stochastic_add``: the functional
   API, jit-able on any backend (``srround.stochastic_round(jax_array)`` etc. delegate here).
-* ``apply_updates`` (a drop-in for ``optax.apply_updates`` with stochastic rounding) and
-  ``adamw`` (the fused AdamW, state ``AdamWState``).
+* ``apply_updates`` (``optax.apply_updates`` with stochastic rounding), ``adamw`` and ``sgd``
+  (fused optimizers that are optax ``GradientTransformation`` s, states ``AdamWState`` and
+  ``SGDState``).
 * ``DynamicLossScale``, ``StaticLossScale``, ``NoOpLossScale``, ``all_finite``,
   ``select_tree``: loss scaling with jmp's interface.
 """
@@ -16,18 +17,20 @@ from .loss_scale import (
     all_finite,
     select_tree,
 )
-from .optim import AdamWState, adamw, apply_updates
+from .optim import AdamWState, SGDState, adamw, apply_updates, sgd
 
 __all__ = [
     "AdamWState",
     "DynamicLossScale",
     "NoOpLossScale",
+    "SGDState",
     "StaticLossScale",
     "adamw",
     "all_finite",
     "apply_updates",
     "round_nearest",
     "select_tree",
+    "sgd",
     "stochastic_add",
     "stochastic_round",
     "to_float32",

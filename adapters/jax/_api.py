@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from srround import _validate
 from srround._formats import FORMATS, Format, get_format, saturate_flag
 from srround._rng import check_offset, check_seed, next_seed, split_seed
 
@@ -79,6 +80,11 @@ def _no_out(out) -> None:
 
 def _as_jax(x, name: str):
     if isinstance(x, jax.Array):  # includes tracers
+        if not isinstance(x, jax.core.Tracer) and x.is_deleted():
+            raise ValueError(
+                f"{name}: the array was deleted (its buffer was donated to an earlier jit call,"
+                " e.g. donate_argnums): use the array that call returned"
+            )
         return x
     try:
         return jnp.asarray(x)
@@ -144,11 +150,57 @@ def _key_words(seed):
     )
 
 
+# -- gradients ------------------------------------------------------------------------------
+
+
+def _straight_through(fn, *args):
+    """``fn(*args)`` with the straight-through gradient: the derivative of a rounding is taken
+    as 1 (``E[SR(x)] = x``, so for stochastic rounding it is exactly the derivative of the
+    expected value), the tangent cast to the result's dtype. ``fn``'s bit operations would
+    otherwise give a gradient of 0, silently. For ``stochastic_add``, ``fn(w, u, alpha)``
+    gets the tangent ``dw + alpha * du + u * dalpha`` of ``w + alpha * u``."""
+
+    @jax.custom_jvp
+    def rounded(*primals):
+        return fn(*primals)
+
+    @rounded.defjvp
+    def rounded_jvp(primals, tangents):
+        y = rounded(*primals)
+        if len(primals) == 1:
+            return y, tangents[0].astype(y.dtype)
+        w, u, alpha = primals
+        dw, du, dalpha = tangents
+        t = dw.astype(jnp.float32) + alpha * du + u * dalpha
+        return y, t.astype(y.dtype)
+
+    return rounded(*args)
+
+
 # -- the functional API ----------------------------------------------------------------------
 
 
+def _layout(x, shard_spec, name: str):
+    """``(origin, global_shape)`` of ``x``'s elements: the whole array, or this device's block
+    inside ``shard_map`` when ``shard_spec`` (its partition spec) is given."""
+    if shard_spec is None:
+        origin, global_shape = None, tuple(x.shape)
+    else:
+        origin, global_shape = _lax._shard_layout(x.shape, shard_spec, name)
+    _lax._check_count(int(np.prod(global_shape, dtype=np.int64)), name)
+    return origin, global_shape
+
+
 def stochastic_round(
-    x, *, dtype="bfloat16", seed=None, offset=0, overflow="inf", impl=None, out=None
+    x,
+    *,
+    dtype="bfloat16",
+    seed=None,
+    offset=0,
+    overflow="inf",
+    impl=None,
+    out=None,
+    shard_spec=None,
 ):
     """Stochastically round a float32 JAX array to bf16/fp16 (see ``srround.stochastic_round``).
 
@@ -159,9 +211,18 @@ def stochastic_round(
         offset: Python int, position of ``x``'s first element in the random stream.
         overflow: ``"inf"`` or ``"saturate"``.
         impl: ``"native"``, ``"callback"`` or ``None`` (default: ``"native"``).
+        shard_spec: inside ``shard_map`` only: the ``PartitionSpec`` of ``x`` in ``in_specs``;
+            the block then rounds with the noise of its elements' global indices, so the
+            result equals the unsharded call. Not needed under ``jit`` with sharded arrays
+            (the native path partitions by itself).
 
     Returns:
-        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape.
+        a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape (and sharding). Under
+        ``jax.grad`` its derivative is 1 (straight-through, ``_straight_through``).
+
+    Example::
+
+        y = stochastic_round(x, seed=jax.random.fold_in(key, step))
     """
     _no_out(out)
     fmt = get_format(dtype)
@@ -170,20 +231,29 @@ def stochastic_round(
     x = _check_float32(x, "x")
     impl = _impl(impl, x)
     k0, k1 = _key_words(seed)
-    if impl == "native":
-        if x.size == 0:
-            return jnp.zeros(x.shape, _lax.result_dtype(fmt))
-        return _lax._native_stochastic_round(
-            x,
-            _u(k0),
-            _u(k1),
-            *_lax._first_block(offset),
-            lane0=offset & 3,
-            fmt_name=fmt.name,
-            saturate=saturate,
-        )
+    origin, global_shape = _layout(x, shard_spec, "x")
 
-    return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow)
+    def rounded(x):
+        if impl == "native":
+            if x.size == 0:
+                return jnp.zeros(x.shape, _lax.result_dtype(fmt))
+            return _lax._native_stochastic_round(
+                x,
+                _u(k0),
+                _u(k1),
+                *_lax._first_block(offset),
+                origin,
+                lane0=offset & 3,
+                fmt_name=fmt.name,
+                saturate=saturate,
+                global_shape=global_shape,
+            )
+
+        return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow, origin, global_shape)
+
+    if not jnp.issubdtype(_lax.result_dtype(fmt), jnp.floating):  # packed fp4: no gradient
+        return rounded(x)
+    return _straight_through(rounded, x)
 
 
 def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
@@ -193,11 +263,18 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
     fmt = get_format(dtype)
     saturate = saturate_flag(overflow)
     x = _check_float32(x, "x")
-    if _impl(impl, x) == "native":
-        if x.size == 0:
-            return jnp.zeros(x.shape, _lax.result_dtype(fmt))
-        return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
-    return _callback.round_nearest(x, fmt, overflow)
+    impl = _impl(impl, x)
+
+    def rounded(x):
+        if impl == "native":
+            if x.size == 0:
+                return jnp.zeros(x.shape, _lax.result_dtype(fmt))
+            return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
+        return _callback.round_nearest(x, fmt, overflow)
+
+    if not jnp.issubdtype(_lax.result_dtype(fmt), jnp.floating):  # packed fp4: no gradient
+        return rounded(x)
+    return _straight_through(rounded, x)
 
 
 def to_float32(y, *, dtype=None, impl=None, out=None):
@@ -205,14 +282,31 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
     (NaN payloads kept)."""
     _no_out(out)
     y, fmt = _narrow(y, "y", None if dtype is None else get_format(dtype))
-    if _impl(impl, y) == "native":
-        if y.size == 0:
-            return jnp.zeros(y.shape, jnp.float32)
-        return _lax._native_to_float32(y, fmt_name=fmt.name)
-    return _callback.to_float32(y, fmt)
+
+    def widened(y):
+        if _impl(impl, y) == "native":
+            if y.size == 0:
+                return jnp.zeros(y.shape, jnp.float32)
+            return _lax._native_to_float32(y, fmt_name=fmt.name)
+        return _callback.to_float32(y, fmt)
+
+    if not jnp.issubdtype(y.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
+        return widened(y)
+    return _straight_through(widened, y)  # exact: the derivative is 1
 
 
-def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow="inf", impl=None):
+def stochastic_add(
+    w,
+    u,
+    *,
+    alpha=1.0,
+    seed=None,
+    offset=0,
+    dtype=None,
+    overflow="inf",
+    impl=None,
+    shard_spec=None,
+):
     """``SR(w + alpha * u)`` for a bf16/fp16 JAX array ``w`` and a float32 ``u`` of its shape:
     the sum in float32 with one rounding (``fma(alpha, u, w)``), then stochastically rounded to
     ``w``'s format. Returns the new ``w`` (same dtype); JAX arrays are immutable, so unlike the
@@ -222,7 +316,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
         w: bf16/fp16 array (or uint16 patterns with ``dtype=``).
         u: float32 array of ``w``'s shape.
         alpha: float32 scale of ``u`` (a Python number or a scalar array, may be traced).
-        seed, offset, overflow, impl: as ``stochastic_round``.
+        seed, offset, overflow, impl, shard_spec: as ``stochastic_round``.
         dtype: the format of ``w`` when its dtype does not say it.
     """
     w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
@@ -233,28 +327,39 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     offset = check_offset(offset)
     impl = _impl(impl, w)
     k0, k1 = _key_words(seed)
+    origin, global_shape = _layout(w, shard_spec, "w")
     if isinstance(alpha, (int, float, np.number)):
-        alpha = np.float32(alpha)
+        alpha = np.float32(_validate.real(alpha, "alpha"))
     else:
         alpha = _as_jax(alpha, "alpha")
         if alpha.shape != ():
             raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
         alpha = alpha.astype(jnp.float32)
-    if impl == "native":
-        if w.size == 0:
-            return w
-        return _lax._native_stochastic_add(
-            w,
-            u,
-            alpha,
-            _u(k0),
-            _u(k1),
-            *_lax._first_block(offset),
-            lane0=offset & 3,
-            fmt_name=fmt.name,
-            saturate=saturate,
+
+    def added(w, u, alpha):
+        if impl == "native":
+            if w.size == 0:
+                return w
+            return _lax._native_stochastic_add(
+                w,
+                u,
+                alpha,
+                _u(k0),
+                _u(k1),
+                *_lax._first_block(offset),
+                origin,
+                lane0=offset & 3,
+                fmt_name=fmt.name,
+                saturate=saturate,
+                global_shape=global_shape,
+            )
+        return _callback.stochastic_add(
+            w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
         )
-    return _callback.stochastic_add(w, u, alpha, fmt, k0, k1, offset, overflow)
+
+    if not jnp.issubdtype(w.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
+        return added(w, u, alpha)
+    return _straight_through(added, w, u, jnp.asarray(alpha, jnp.float32))
 
 
 def quantize_blocks(

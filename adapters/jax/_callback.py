@@ -40,26 +40,65 @@ def _callback(fn, result_shape, *args):
     return jax.pure_callback(on_host, result_shape, *args, vmap_method="sequential")
 
 
+def _runs(local_shape, origin, global_shape):
+    """Contiguous runs of a block (``origin`` in an array of ``global_shape``) as
+    ``(local flat start, length, global flat start)``: one run for a whole array; a block
+    split in some dimension has a run per index of the dimensions before the last split one."""
+    local_shape = tuple(int(n) for n in local_shape)
+    if origin is None:
+        return [(0, int(np.prod(local_shape, dtype=np.int64)), 0)]
+    origin = [int(o) for o in np.asarray(origin).reshape(-1)]
+    ndim = len(local_shape)
+    k = ndim  # dims k.. are whole (so contiguous in the global array too)
+    while k > 0 and local_shape[k - 1] == global_shape[k - 1]:
+        k -= 1
+    if k == 0:
+        return [(0, int(np.prod(local_shape, dtype=np.int64)), 0)]
+    k -= 1  # the last split dimension: its run is local_shape[k:] long
+    strides = [int(np.prod(global_shape[d + 1 :], dtype=np.int64)) for d in range(ndim)]
+    length = int(np.prod(local_shape[k:], dtype=np.int64))
+    runs = []
+    for r, lead in enumerate(np.ndindex(*local_shape[:k])):
+        start = sum((origin[d] + i) * strides[d] for d, i in enumerate(lead))
+        runs.append((r * length, length, start + origin[k] * strides[k]))
+    return runs
+
+
+def _origin_arg(origin, ndim: int):
+    if origin is None:
+        return jnp.zeros((max(ndim, 1),), jnp.uint32)
+    return jnp.stack([_u(o) for o in origin]) if origin else jnp.zeros((1,), jnp.uint32)
+
+
 def _host(name: str):
     """srround's own API function ``name`` (the NumPy path, run on host arrays)."""
     return getattr(_srround_api, name)
 
 
-def stochastic_round(x, fmt: Format, k0, k1, offset: int, overflow: str):
-    """``srround.stochastic_round`` of float32 ``x`` on the host."""
+def stochastic_round(
+    x, fmt: Format, k0, k1, offset: int, overflow: str, origin=None, global_shape=None
+):
+    """``srround.stochastic_round`` of float32 ``x`` on the host; a block of a sharded array
+    (``origin`` traced inside ``shard_map``) rounds run by run at its global offsets."""
+    sharded = origin is not None
 
-    def host(xh, h0, h1):
-        y = _host("stochastic_round")(
-            np.asarray(xh, order="C"),
-            dtype=fmt.name,
-            seed=_seed_of(h0, h1),
-            offset=offset,
-            overflow=overflow,
-        )
-        return np.asarray(y).view(result_dtype(fmt)).reshape(xh.shape)
+    def host(xh, h0, h1, oh):
+        flat = np.asarray(xh, order="C").reshape(-1)
+        y = np.empty(flat.shape, result_dtype(fmt))
+        for lo, n, start in _runs(xh.shape, oh if sharded else None, global_shape):
+            y[lo : lo + n] = np.asarray(
+                _host("stochastic_round")(
+                    flat[lo : lo + n],
+                    dtype=fmt.name,
+                    seed=_seed_of(h0, h1),
+                    offset=offset + start,
+                    overflow=overflow,
+                )
+            ).view(result_dtype(fmt))
+        return y.reshape(xh.shape)
 
     shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
-    return _callback(host, shape, x, _u(k0), _u(k1))
+    return _callback(host, shape, x, _u(k0), _u(k1), _origin_arg(origin, x.ndim))
 
 
 def round_nearest(x, fmt: Format, overflow: str):
@@ -87,24 +126,31 @@ def to_float32(y, fmt: Format):
     return _callback(host, jax.ShapeDtypeStruct(y.shape, jnp.float32), y)
 
 
-def stochastic_add(w, u, alpha, fmt: Format, k0, k1, offset: int, overflow: str):
-    """``srround.stochastic_add`` on a host copy of ``w``; returns the new ``w``."""
+def stochastic_add(
+    w, u, alpha, fmt: Format, k0, k1, offset: int, overflow: str, origin=None, global_shape=None
+):
+    """``srround.stochastic_add`` on a host copy of ``w``; returns the new ``w`` (a block of a
+    sharded array: run by run at its global offsets, as ``stochastic_round``)."""
+    sharded = origin is not None
 
-    def host(wh, uh, ah, h0, h1):
-        target = np.array(wh)  # a writable copy: the callback's input is read-only
-        _host("stochastic_add")(
-            target,
-            np.asarray(uh, order="C"),
-            alpha=np.float32(ah),
-            seed=_seed_of(h0, h1),
-            offset=offset,
-            dtype=fmt.name,
-            overflow=overflow,
-        )
-        return target
+    def host(wh, uh, ah, h0, h1, oh):
+        target = np.array(wh).reshape(-1)  # a writable copy: the callback's input is read-only
+        flat_u = np.asarray(uh, order="C").reshape(-1)
+        for lo, n, start in _runs(wh.shape, oh if sharded else None, global_shape):
+            _host("stochastic_add")(
+                target[lo : lo + n],
+                flat_u[lo : lo + n],
+                alpha=np.float32(ah),
+                seed=_seed_of(h0, h1),
+                offset=offset + start,
+                dtype=fmt.name,
+                overflow=overflow,
+            )
+        return target.reshape(wh.shape)
 
     shape = jax.ShapeDtypeStruct(w.shape, w.dtype)
-    return _callback(host, shape, w, u, jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1))
+    alpha = jnp.asarray(alpha, jnp.float32)
+    return _callback(host, shape, w, u, alpha, _u(k0), _u(k1), _origin_arg(origin, w.ndim))
 
 
 def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):

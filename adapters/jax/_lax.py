@@ -321,21 +321,94 @@ def _threefry2x32(k0, k1, c0, c1):
     return x0, x1
 
 
-def _random16(k0, k1, first_lo, first_hi, lane0: int, n: int):
-    """The 16 random bits (uint32[n]) of elements 0..n-1 of a call (``_rng.py``'s stream):
-    element i is lane ``(lane0 + i) & 3`` of Threefry block ``first + (lane0 + i) >> 2``
-    (``first = offset >> 2`` as traced uint32 words, so a new offset does not recompile;
-    ``lane0 = offset & 3``). Elementwise in i, so it fuses into the rounding that consumes it:
-    each element computes its block (4x the rounds, but a materialized array of blocks would be
-    a temporary - a pass over memory, and fresh pages every call on XLA's CPU backend)."""
+def _element_index(shape, origin=None, global_shape=None):
+    """Row-major linear index (uint32, of ``shape``) of every element of a block of ``shape``
+    at ``origin`` (per-dimension uint32 scalars, possibly traced; ``None``: zeros) in an array
+    of ``global_shape`` (default ``shape``). Built from ``broadcasted_iota`` in the array's own
+    shape - no reshape to 1-D - so it is elementwise: XLA's SPMD partitioner gives each shard
+    the global indices of its elements (any mesh, any partition spec, uneven splits), and the
+    random bits of an element depend only on its global index."""
+    global_shape = tuple(shape) if global_shape is None else tuple(global_shape)
+    index, stride = None, 1
+    for d in reversed(range(len(shape))):
+        i = lax.broadcasted_iota(_U32, tuple(shape), d)
+        if origin is not None:
+            i = i + _u(origin[d])
+        term = i if stride == 1 else i * _U32(stride)
+        index = term if index is None else index + term
+        stride *= int(global_shape[d])
+    return jnp.zeros(tuple(shape), _U32) if index is None else index
+
+
+def _check_count(n: int, name: str = "x") -> None:
     if n > (1 << 32) - 4:
-        raise ValueError(f"x: {n} elements in one call, at most 2**32 - 4 are supported")
-    i = lax.iota(_U32, n) + _U32(lane0)
+        raise ValueError(f"{name}: {n} elements in one call, at most 2**32 - 4 are supported")
+
+
+def _random16(k0, k1, first_lo, first_hi, lane0: int, index):
+    """The 16 random bits (uint32, ``index``'s shape) of the elements at linear positions
+    ``index`` of a call (``_rng.py``'s stream): element i is lane ``(lane0 + i) & 3`` of
+    Threefry block ``first + (lane0 + i) >> 2`` (``first = offset >> 2`` as traced uint32
+    words, so a new offset does not recompile; ``lane0 = offset & 3``). Elementwise in i, so it
+    fuses into the rounding that consumes it: each element computes its block (4x the rounds,
+    but a materialized array of blocks would be a temporary - a pass over memory, and fresh
+    pages every call on XLA's CPU backend). An int ``index`` n means ``iota(n)``."""
+    if isinstance(index, int):
+        _check_count(index)
+        index = lax.iota(_U32, index)
+    i = index + _U32(lane0)
     j = i >> 2
     c_lo = first_lo + j
     c_hi = first_hi + (c_lo < j).astype(_U32)  # carry into the high counter word
     x0, x1 = _threefry2x32(k0, k1, c_lo, c_hi)
     return (jnp.where((i & 2) == 0, x0, x1) >> ((i & 1) << 4)) & 0xFFFF
+
+
+def _spec_axes(spec, ndim: int, name: str):
+    """Per dimension the mesh axis names (a tuple, empty if not split) of a ``PartitionSpec``."""
+    entries = tuple(spec) if spec is not None else ()
+    if len(entries) > ndim:
+        raise ValueError(
+            f"{name}: partition spec {spec} has {len(entries)} entries for an array of rank {ndim}"
+        )
+    axes = []
+    for entry in entries + (None,) * (ndim - len(entries)):
+        if entry is None:
+            axes.append(())
+        elif isinstance(entry, str):
+            axes.append((entry,))
+        else:
+            axes.append(tuple(entry))
+    return axes
+
+
+def _shard_layout(local_shape, spec, name: str = "x"):
+    """``(origin, global_shape)`` of this device's block inside ``shard_map`` for an array
+    split by ``spec`` (the partition spec given in ``shard_map``'s ``in_specs``): per dimension
+    ``origin = axis_index(axes) * local`` (traced) and ``global = local * axis_size(axes)``.
+    ``(None, local_shape)`` when nothing is split."""
+    axes = _spec_axes(spec, len(local_shape), name)
+    if not any(axes):
+        return None, tuple(local_shape)
+    origin, global_shape = [], []
+    for n, names in zip(local_shape, axes):
+        if not names:
+            origin.append(_U32(0))
+            global_shape.append(int(n))
+            continue
+        try:
+            size = 1
+            for axis in names:
+                size *= int(lax.axis_size(axis))
+            index = lax.axis_index(names if len(names) > 1 else names[0])
+        except NameError as exc:
+            raise ValueError(
+                f"{name}: shard_spec={spec} names mesh axes that are not bound here - call it"
+                f" inside shard_map over those axes ({exc})"
+            ) from None
+        origin.append(index.astype(_U32) * _U32(n))
+        global_shape.append(int(n) * size)
+    return tuple(origin), tuple(global_shape)
 
 
 def _to_narrow(patterns, fmt: Format, shape):
@@ -346,7 +419,8 @@ def _to_narrow(patterns, fmt: Format, shape):
 
 
 def _bits(x, dtype):
-    return lax.bitcast_convert_type(x, dtype).reshape(-1)
+    """Bit patterns of ``x`` in its own shape (elementwise: partitions with ``x``)."""
+    return lax.bitcast_convert_type(x, dtype)
 
 
 # -- native implementations ------------------------------------------------------------------
@@ -355,7 +429,9 @@ def _bits(x, dtype):
 # they run as one compiled program (not ~300 op-by-op dispatches), compiled once per shape.
 # Key words and alpha are arguments, so a new seed does not recompile.
 
-_static = functools.partial(jax.jit, static_argnames=("lane0", "fmt_name", "saturate"))
+_static = functools.partial(
+    jax.jit, static_argnames=("lane0", "fmt_name", "saturate", "global_shape")
+)
 
 
 def _first_block(offset: int):
@@ -365,10 +441,12 @@ def _first_block(offset: int):
 
 
 @_static
-def _native_stochastic_round(x, k0, k1, first_lo, first_hi, *, lane0, fmt_name, saturate):
+def _native_stochastic_round(
+    x, k0, k1, first_lo, first_hi, origin, *, lane0, fmt_name, saturate, global_shape
+):
     fmt = FORMATS[fmt_name]
-    n = x.size
-    y = _encode(_bits(x, _U32), fmt, saturate, _random16(k0, k1, first_lo, first_hi, lane0, n))
+    index = _element_index(x.shape, origin, global_shape)
+    y = _encode(_bits(x, _U32), fmt, saturate, _random16(k0, k1, first_lo, first_hi, lane0, index))
     return _to_narrow(y, fmt, x.shape)
 
 
@@ -386,13 +464,15 @@ def _native_to_float32(y, *, fmt_name):
 
 
 @_static
-def _native_stochastic_add(w, u, alpha, k0, k1, first_lo, first_hi, *, lane0, fmt_name, saturate):
+def _native_stochastic_add(
+    w, u, alpha, k0, k1, first_lo, first_hi, origin, *, lane0, fmt_name, saturate, global_shape
+):
     fmt = FORMATS[fmt_name]
-    n = w.size
+    index = _element_index(w.shape, origin, global_shape)
     wb = _bits(w, jnp.dtype(fmt.bits_dtype)).astype(_U32)
     ub = _bits(u, _U32)
     ab = lax.bitcast_convert_type(jnp.asarray(alpha, jnp.float32), _U32)
     total = _fma_bits(ab, ub, _decode(wb, fmt))
-    bits16 = _random16(k0, k1, first_lo, first_hi, lane0, n)
+    bits16 = _random16(k0, k1, first_lo, first_hi, lane0, index)
     out = _encode(total, fmt, saturate, bits16)
     return lax.bitcast_convert_type(out.astype(jnp.dtype(fmt.bits_dtype)), w.dtype).reshape(w.shape)

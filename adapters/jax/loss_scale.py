@@ -1,12 +1,22 @@
-"""Loss scales for JAX as immutable pytrees (the jmp interface), usable inside ``jit``.
+"""Loss scales for JAX as immutable pytrees (jmp's interface and dtype rules), usable inside ``jit``
+and ``shard_map``.
 
-``scale(tree)`` multiplies a loss (or any tree) by the scale, ``unscale(tree)`` multiplies
-gradients by its inverse, ``adjust(grads_finite)`` returns the next loss scale. Every field
-survives ``tree_flatten``/``tree_unflatten``: the arrays are children, the settings are the
+``scale(tree)`` multiplies a loss (or any tree) by the float32 scale, ``unscale(tree)`` multiplies
+gradients by its float32 inverse, ``adjust(grads_finite)`` returns the next loss scale. As in jmp,
+every leaf is multiplied by a float32 scalar and promoted as JAX promotes: bf16/fp16/int leaves
+become float32 (scaling an fp16 loss by 2**16 cannot overflow, unscaled fp16 gradients keep values
+below fp16's range), float32 stays float32 and float64 (under ``jax_enable_x64``) float64. Every
+field survives ``tree_flatten``/``tree_unflatten``: the arrays are children, the settings are the
 (static) auxiliary data - so a ``min_scale`` is never lost (jmp's flatten drops it).
 
-``DynamicLossScale.adjust`` is ``srround.update_scale``'s rule, so
-its trajectory equals ``torch.amp.GradScaler``'s for ``hysteresis=1``::
+Arguments after the scale are keyword-only: jmp's positional order ``(loss_scale, counter,
+period, factor)`` is a ``TypeError``, never a silent third order. ``grads_finite`` and
+``select_tree``'s ``pred`` must be bool scalars (``ValueError``/``TypeError`` otherwise; jmp
+asserts). The scale itself must be a float scalar (a Python number becomes float32).
+
+``DynamicLossScale.adjust`` is ``srround.update_scale``'s rule, so its trajectory equals
+``torch.amp.GradScaler``'s for ``hysteresis=1`` and ``min_scale=0`` - and jmp's for
+``backoff_factor = 1 / growth_factor`` and the default ``min_scale=1`` (jmp's minimum)::
 
     if not grads_finite:
         growth = 0; overflows += 1
@@ -17,6 +27,10 @@ its trajectory equals ``torch.amp.GradScaler``'s for ``hysteresis=1``::
             grown = scale * growth_factor                   # float32
             if isfinite(grown): scale = min(grown, max_scale)
             growth = 0
+
+Under ``shard_map``, ``all_finite(tree, axis_name=...)`` reduces over the named mesh axes, so
+every device sees the same flag and adjusts its (replicated) scale identically; under ``jit``
+with sharded arrays ``all_finite`` is a global reduction already.
 """
 
 from __future__ import annotations
@@ -25,15 +39,73 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def _is_placeholder(x) -> bool:
+    """JAX rebuilds pytrees with ``object()`` or ``None`` leaves to learn their structure: no
+    checks or conversions for those."""
+    return x is None or type(x) is object
+
+
+def _float_scale(x, name: str):
+    """A float scalar scale: Python/NumPy numbers become float32, arrays are checked."""
+    if _is_placeholder(x):
+        return x
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a float scalar, got a bool")
+    if isinstance(x, (int, float, np.integer, np.floating)):
+        return np.float32(x)
+    if isinstance(x, np.ndarray):
+        x = x.astype(np.float32) if np.issubdtype(x.dtype, np.number) else x
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{name}: expected a float scalar (float32 array or Python float), got"
+            f" {type(x).__name__} of dtype {dtype}"
+        )
+    if np.ndim(x) != 0:
+        raise ValueError(f"{name}: expected a scalar, got shape {tuple(np.shape(x))}")
+    return x
+
+
+def _bool_scalar(x, name: str):
+    """``x`` as a bool scalar array; a clear error for vectors and non-bool values (a vector of
+    flags would silently turn the scale into a vector)."""
+    if isinstance(x, (bool, np.bool_)):
+        return jnp.bool_(x)
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"{name}: expected a bool scalar, got {type(x).__name__}")
+    if np.ndim(x) != 0:
+        raise ValueError(
+            f"{name}: expected a bool scalar, got shape {tuple(np.shape(x))} (reduce the flags"
+            " first, e.g. with all_finite)"
+        )
+    if dtype != jnp.bool_:
+        raise TypeError(f"{name}: expected a bool scalar, got dtype {dtype}")
+    return x
+
+
+def _int_scalar(x, name: str):
+    if _is_placeholder(x):
+        return x
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        return np.int32(x)
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or np.ndim(x) != 0:
+        raise TypeError(f"{name}: expected an int scalar, got {type(x).__name__} {dtype}")
+    return x
 
 
 def _scale_tree(tree, factor):
-    return jax.tree_util.tree_map(lambda x: x * factor.astype(x.dtype), tree)
+    """Every leaf times the float32 scalar ``factor``, promoted as JAX promotes (jmp's rule)."""
+    return jax.tree_util.tree_map(lambda x: x * factor, tree)
 
 
-def _unscale_tree(tree, scale):
-    inverse = (1.0 / scale).astype(jnp.float32)
-    return jax.tree_util.tree_map(lambda g: (g.astype(jnp.float32) * inverse).astype(g.dtype), tree)
+def _inverse(scale):
+    return jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -41,29 +113,63 @@ def _unscale_tree(tree, scale):
 class DynamicLossScale:
     """Dynamic loss scale (a pytree).
 
+    Example::
+
+        ls = DynamicLossScale(jnp.float32(2.0**15), growth_interval=2000)
+        loss = ls.scale(loss)                   # float32
+        grads = ls.unscale(grads)               # float32 leaves
+        finite = all_finite(grads)
+        ls = ls.adjust(finite)
+
     Attributes:
-        loss_scale: float32 scalar array.
-        growth_tracker: int32 scalar, clean steps since the last change.
+        loss_scale: float32 scalar (a Python number is converted; anything after it is
+            keyword-only).
+        growth_tracker: int32 scalar, clean steps since the last change (jmp's ``counter``).
         overflow_tracker: int32 scalar, consecutive overflows (for ``hysteresis``).
-        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale:
-            the settings (torch GradScaler's, plus hysteresis and bounds).
+        growth_factor: float, the growth per ``growth_interval`` clean steps (jmp's ``factor``).
+        backoff_factor: float, the factor on an overflow (jmp: ``1 / factor``).
+        growth_interval: int >= 1 (jmp's ``period``).
+        hysteresis: int >= 1, overflows in a row before backing off.
+        min_scale: float >= 0, the floor of the scale (default 1, as jmp).
+        max_scale: float, the ceiling (default inf).
+
+    Raises:
+        TypeError: positional settings, a non-float scale, non-int trackers.
+        ValueError: a non-scalar scale or tracker, growth_interval/hysteresis < 1,
+            min_scale < 0 or > max_scale.
     """
 
     loss_scale: jax.Array
-    growth_tracker: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
-    overflow_tracker: jax.Array = dataclasses.field(default_factory=lambda: jnp.int32(0))
+    _: dataclasses.KW_ONLY
+    growth_tracker: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))
+    overflow_tracker: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     hysteresis: int = 1
-    min_scale: float = 0.0
+    min_scale: float = 1.0
     max_scale: float = float("inf")
 
     def __post_init__(self):
-        if self.growth_interval < 1 or self.hysteresis < 1:
+        set_ = object.__setattr__
+        set_(self, "loss_scale", _float_scale(self.loss_scale, "loss_scale"))
+        set_(self, "growth_tracker", _int_scalar(self.growth_tracker, "growth_tracker"))
+        set_(self, "overflow_tracker", _int_scalar(self.overflow_tracker, "overflow_tracker"))
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(
+                value, bool
+            ):
+                raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}")
+            set_(self, name, float(value))
+        if not 0.0 <= self.min_scale <= self.max_scale:
             raise ValueError(
-                "growth_interval and hysteresis: expected ints >= 1, got"
-                f" {self.growth_interval} and {self.hysteresis}"
+                f"min_scale, max_scale: expected 0 <= min_scale <= max_scale, got"
+                f" {self.min_scale} and {self.max_scale}"
             )
 
     def tree_flatten(self):
@@ -82,18 +188,34 @@ class DynamicLossScale:
     @classmethod
     def tree_unflatten(cls, settings, children):
         """Pytree protocol: rebuild from ``tree_flatten``'s output."""
-        return cls(*children, *settings)
+        names = (
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "hysteresis",
+            "min_scale",
+            "max_scale",
+        )
+        scale, growth, overflows = children
+        return cls(
+            scale,
+            growth_tracker=growth,
+            overflow_tracker=overflows,
+            **dict(zip(names, settings)),
+        )
 
     def scale(self, tree):
-        """``tree`` with every floating leaf multiplied by the loss scale."""
+        """``tree`` times the float32 scale (leaves promoted as JAX promotes)."""
         return _scale_tree(tree, jnp.asarray(self.loss_scale, jnp.float32))
 
     def unscale(self, tree):
-        """``tree`` with every floating leaf divided by the loss scale."""
-        return _unscale_tree(tree, jnp.asarray(self.loss_scale, jnp.float32))
+        """``tree`` times the float32 ``1 / scale`` (leaves promoted as JAX promotes)."""
+        return _scale_tree(tree, _inverse(self.loss_scale))
 
     def adjust(self, grads_finite) -> DynamicLossScale:
-        """The next loss scale after a step whose gradients were (not) all finite."""
+        """The next loss scale after a step whose gradients were (not) all finite
+        (``grads_finite``: a bool scalar)."""
+        grads_finite = _bool_scalar(grads_finite, "grads_finite")
         scale = jnp.asarray(self.loss_scale, jnp.float32)
         growth = jnp.asarray(self.growth_tracker, jnp.int32)
         overflows = jnp.asarray(self.overflow_tracker, jnp.int32)
@@ -125,30 +247,39 @@ class DynamicLossScale:
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
-    """A fixed loss scale (a pytree); ``adjust`` returns it unchanged."""
+    """A fixed loss scale; ``adjust`` returns it unchanged. A pytree with no leaves, as jmp's
+    (the scale is static: a Python float or a concrete float scalar)."""
 
-    loss_scale: jax.Array
+    loss_scale: float
+
+    def __post_init__(self):
+        value = _float_scale(self.loss_scale, "loss_scale")
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError("loss_scale: StaticLossScale needs a concrete scale, got a tracer")
+        if not _is_placeholder(value):
+            object.__setattr__(self, "loss_scale", np.float32(value))
 
     def tree_flatten(self):
         """Pytree protocol: (array leaves, static settings)."""
-        return (self.loss_scale,), None
+        return (), float(self.loss_scale)
 
     @classmethod
-    def tree_unflatten(cls, _, children):
+    def tree_unflatten(cls, scale, children):
         """Pytree protocol: rebuild from ``tree_flatten``'s output."""
-        return cls(*children)
+        del children
+        return cls(scale)
 
     def scale(self, tree):
-        """``tree`` with every floating leaf multiplied by the loss scale."""
-        return _scale_tree(tree, jnp.asarray(self.loss_scale, jnp.float32))
+        """``tree`` times the float32 scale (leaves promoted as JAX promotes)."""
+        return _scale_tree(tree, jnp.float32(self.loss_scale))
 
     def unscale(self, tree):
-        """``tree`` with every floating leaf divided by the loss scale."""
-        return _unscale_tree(tree, jnp.asarray(self.loss_scale, jnp.float32))
+        """``tree`` times the float32 ``1 / scale`` (leaves promoted as JAX promotes)."""
+        return _scale_tree(tree, _inverse(self.loss_scale))
 
     def adjust(self, grads_finite) -> StaticLossScale:
-        """The next loss scale: this one, whatever ``grads_finite`` says."""
-        del grads_finite
+        """``self``: a static scale does not change (``grads_finite``: a bool scalar)."""
+        _bool_scalar(grads_finite, "grads_finite")
         return self
 
 
@@ -159,7 +290,7 @@ class NoOpLossScale:
 
     @property
     def loss_scale(self):
-        """Always 1.0 (float32)."""
+        """1.0 (float32)."""
         return jnp.float32(1.0)
 
     def tree_flatten(self):
@@ -180,23 +311,36 @@ class NoOpLossScale:
         return tree
 
     def adjust(self, grads_finite) -> NoOpLossScale:
-        """The next loss scale: this one, whatever ``grads_finite`` says."""
-        del grads_finite
+        """``self``: a static scale does not change (``grads_finite``: a bool scalar)."""
+        _bool_scalar(grads_finite, "grads_finite")
         return self
 
 
-def all_finite(tree) -> jax.Array:
-    """A bool scalar: every element of every leaf of ``tree`` is finite."""
+def all_finite(tree, *, axis_name=None) -> jax.Array:
+    """A bool scalar: every element of every leaf of ``tree`` is finite (``True`` for an empty
+    tree). Under ``jit`` with sharded leaves the reduction is global. Inside ``shard_map`` pass
+    ``axis_name`` (a mesh axis name or a tuple of them, the axes the leaves are split over):
+    the local flags are combined with ``lax.pmin``, so every device returns the same value.
+    """
     leaves = jax.tree_util.tree_leaves(tree)
     if not leaves:
-        return jnp.bool_(True)
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+        finite = jnp.bool_(True)
+    else:
+        finite = jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+    if axis_name is not None:
+        finite = lax.pmin(finite.astype(jnp.int32), axis_name) == 1
+    return finite
 
 
 def select_tree(pred, on_true, on_false):
-    """``on_true`` where the scalar ``pred`` holds, else ``on_false`` (same structure), e.g.
-    to keep the old parameters and optimizer state on a step with non-finite gradients."""
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+    """``on_true`` where the bool scalar ``pred`` holds, else ``on_false`` (same structure),
+    e.g. to keep the old parameters and optimizer state on a step with non-finite gradients.
+
+    Raises:
+        ValueError: ``pred`` is not a scalar; TypeError: ``pred`` is not bool.
+    """
+    pred = _bool_scalar(pred, "pred")
+    return jax.tree_util.tree_map(lambda a, b: lax.select(pred, a, b), on_true, on_false)
 
 
 __all__ = ["DynamicLossScale", "NoOpLossScale", "StaticLossScale", "all_finite", "select_tree"]

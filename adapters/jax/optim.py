@@ -65,15 +65,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from srround import _optim
 from srround._formats import FORMATS
 
 from ._api import _key_words
-from ._callback import _callback, _host, _seed_of
-from ._lax import _decode, _encode, _random16, _threefry2x32, _u
+from ._callback import _callback, _host, _origin_arg, _runs, _seed_of
+from ._lax import _decode, _element_index, _encode, _random16, _shard_layout, _threefry2x32, _u
 
-__all__ = ["AdamWState", "adamw", "apply_updates"]
+__all__ = ["AdamWState", "SGDState", "adamw", "apply_updates", "sgd"]
 
 _U32 = jnp.uint32
 _NARROW = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
@@ -88,11 +89,14 @@ def _impl(impl) -> str:
     return impl
 
 
-def _starts(leaves) -> list[int]:
+def _starts(shapes) -> list[int]:
+    """Global element where each leaf starts (``shapes``: leaves or their global shapes)."""
     starts, total = [], 0
-    for leaf in leaves:
+    for shape in shapes:
         starts.append(total)
-        total += int(np.prod(np.shape(leaf), dtype=np.int64))
+        total += int(
+            np.prod(shape if isinstance(shape, tuple) else np.shape(shape), dtype=np.int64)
+        )
     if total >= _optim.MAX_ELEMENTS:
         raise ValueError(f"params: {total} elements, at most {_optim.MAX_ELEMENTS - 1} per step")
     return starts
@@ -206,24 +210,25 @@ def _group_bits16(k0, k1, t, stream: int, members):
     return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
 
 
-@functools.partial(jax.jit, static_argnames=("update", "cfg"))
-def _leaf_call(arrays, k0, k1, t, start_lo, lane0, extra, *, update, cfg):
+@functools.partial(jax.jit, static_argnames=("update", "cfg", "global_shape"))
+def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg, global_shape):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf (``arrays[0]`` gives its shape) at
     global element ``start = 4 start_lo + lane0`` (uint32 scalars), ``bits(stream)`` the random
     bits of its elements: jitted with the start traced, so leaves of the same shapes and dtypes
     are traced and lowered once (each call is inlined by XLA, which folds the constant start
-    back)."""
+    back). A block of a sharded leaf inside ``shard_map`` has its ``origin`` (traced) in the
+    leaf's ``global_shape``: its elements use the counters of their global indices."""
     shape = arrays[0].shape
     hi = _u(t) * _U32(4)
 
     def bits(stream):
-        n = int(np.prod(shape, dtype=np.int64))
-        return _random16(k0, k1, start_lo, hi + _U32(stream), lane0, n).reshape(shape)
+        index = _element_index(shape, origin, global_shape)
+        return _random16(k0, k1, start_lo, hi + _U32(stream), lane0, index)
 
     return update(cfg, *arrays, bits, *extra)
 
 
-def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
+def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=None):
     """``update(cfg, *arrays, bits, *extra)`` (a tuple of arrays or ``None``) for every leaf:
     ``columns`` holds per input a list of nonempty leaves (``None`` where absent), leaf ``k``
     at global element ``starts[k]``; ``bits(stream)`` gives the random bits of its elements
@@ -233,11 +238,17 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
     concatenation into a flat buffer and no slicing back (each a pass over memory, and on XLA's
     CPU backend a temporary paged in afresh every call). The program grows with the number of
     leaves (compile time too), except that a leaf's update is traced once per shape and dtypes
-    (``_leaf_call``) and small leaves (``_SMALL``) of the same dtypes are concatenated and
-    updated together. Returns the per-leaf tuples."""
+    (``_leaf_call``) and the random bits of small leaves (``_SMALL``) are computed together,
+    one Threefry loop per group, and sliced per leaf. Leaves are never concatenated, so
+    every output keeps its leaf's sharding under ``jit``.
+    ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
+    ``shard_map`` (``None``: the whole leaf); only whole leaves are grouped. Returns the
+    per-leaf tuples."""
     outs = [None] * len(starts)
+    layouts = layouts or [None] * len(starts)
 
     def leaf(k):
+        origin, global_shape = layouts[k] or (None, None)
         return _leaf_call(
             tuple(c[k] for c in columns),
             k0,
@@ -245,15 +256,17 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
             t,
             _u(starts[k] >> 2),
             _u(starts[k] & 3),
+            origin,
             extra,
             update=update,
             cfg=cfg,
+            global_shape=global_shape,
         )
 
     groups = {}  # dtypes -> [[leaf index, ...], ...] of small leaves
     sizes = [x.size for x in columns[0]]
     for k, size in enumerate(sizes):
-        if size <= _SMALL:
+        if size <= _SMALL and layouts[k] is None:
             key = tuple(None if c[k] is None else jnp.dtype(c[k].dtype) for c in columns)
             runs = groups.setdefault(key, [[]])
             if runs[-1] and sum(sizes[i] for i in runs[-1]) + size > _GROUP:
@@ -266,23 +279,21 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=()):
             outs[run[0]] = leaf(run[0])
             continue
         members = [(starts[k], sizes[k]) for k in run]
+        cache = {}
 
-        def bits(stream, members=members):
-            return _group_bits16(k0, k1, t, stream, members)
+        def group_bits(stream, members=members, cache=cache):
+            if stream not in cache:
+                cache[stream] = _group_bits16(k0, k1, t, stream, members)
+            return cache[stream]
 
-        def flat(leaves, run=run):
-            if leaves[run[0]] is None:
-                return None
-            return jnp.concatenate([jnp.reshape(leaves[k], (-1,)) for k in run])
-
-        new = update(cfg, *(flat(c) for c in columns), bits, *extra)
         offset = 0
         for k in run:
             n, shape = sizes[k], columns[0][k].shape
-            outs[k] = tuple(
-                None if x is None else lax.slice(x, (offset,), (offset + n,)).reshape(shape)
-                for x in new
-            )
+
+            def bits(stream, offset=offset, n=n, shape=shape):
+                return lax.slice(group_bits(stream), (offset,), (offset + n,)).reshape(shape)
+
+            outs[k] = update(cfg, *(c[k] for c in columns), bits, *extra)
             offset += n
     return outs
 
@@ -306,33 +317,105 @@ def _apply_update(cfg, w, u, bits):
     return (_narrow_out(_encode(sums, fmt, False, bits(0)), w.dtype),)
 
 
-@functools.partial(jax.jit, static_argnames=("starts",))
-def _native_apply(ws, us, k0, k1, t, *, starts):
+@functools.partial(jax.jit, static_argnames=("starts", "global_shapes"))
+def _native_apply(ws, us, k0, k1, t, origins, *, starts, global_shapes):
     """``SR(w + u)`` of the nonempty narrow leaves ``ws`` (leaf k at global element
     ``starts[k]``): ``_apply_update`` leaf by leaf, small leaves of one dtype together
     (``_native_leaves``). Jitted: an eager call is one compiled program, under an outer ``jit``
     it is inlined."""
-    outs = _native_leaves(_apply_update, None, (ws, us), starts, k0, k1, t)
+    layouts = [None if o is None else (o, g) for o, g in zip(origins, global_shapes)]
+    outs = _native_leaves(_apply_update, None, (ws, us), starts, k0, k1, t, layouts=layouts)
     return [o[0] for o in outs]
 
 
-def apply_updates(params, updates, seed, *, step=None, impl=None):
+def _is_spec(x) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _leaf_specs(shard_specs, params, treedef, name="shard_specs"):
+    """Per leaf of ``params`` (``treedef``'s order) its partition spec or ``None``:
+    ``shard_specs`` is a spec, or a pytree prefix of ``params`` with specs (or ``None``) as
+    leaves, as ``shard_map``'s ``in_specs``."""
+    if shard_specs is None:
+        return [None] * treedef.num_leaves
+    try:
+        full = jax.tree.broadcast(shard_specs, params, is_leaf=_is_spec)
+        return treedef.flatten_up_to(full)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{name}: expected a PartitionSpec or a pytree prefix of params with PartitionSpec"
+            f" (or None) leaves, as shard_map's in_specs: {exc}"
+        ) from None
+
+
+def _layouts(leaves, specs, name="params"):
+    """Per leaf ``(origin, global_shape)`` inside ``shard_map`` (``None``: not split) and the
+    global shapes."""
+    layouts, global_shapes = [], []
+    for k, (x, spec) in enumerate(zip(leaves, specs)):
+        if x is None:
+            layouts.append(None)
+            global_shapes.append(None)
+            continue
+        origin, global_shape = _shard_layout(np.shape(x), spec, f"{name}[{k}]")
+        layouts.append(None if origin is None else (origin, global_shape))
+        global_shapes.append(global_shape)
+    return layouts, global_shapes
+
+
+def _check_arrays(leaves, name: str) -> None:
+    """Clear errors for donated (deleted) buffers and for concrete arrays on different meshes,
+    before anything is computed."""
+    mesh, first = None, None
+    for k, x in enumerate(leaves):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            continue
+        if x.is_deleted():
+            raise ValueError(
+                f"{name}[{k}]: the array was deleted (its buffer was donated to an earlier jit"
+                " call, e.g. donate_argnums): use the arrays that call returned"
+            )
+        sharding = x.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            if mesh is None:
+                mesh, first = sharding.mesh, k
+            elif sharding.mesh != mesh:
+                raise ValueError(
+                    f"{name}[{k}]: on mesh {dict(sharding.mesh.shape)} of devices"
+                    f" {sharding.mesh.device_ids.ravel().tolist()}, but {name}[{first}] is on"
+                    f" mesh {dict(mesh.shape)} of devices {mesh.device_ids.ravel().tolist()}:"
+                    " put every leaf on one mesh (jax.device_put with a NamedSharding)"
+                )
+
+
+def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=None):
     """``optax.apply_updates`` with stochastic rounding of the low-precision leaves.
 
     Args:
         params: a pytree of arrays (``None`` leaves are kept, as optax does).
-        updates: a pytree of the same structure (float32, or any float cast to float32).
+        updates: a pytree of the same structure; each leaf broadcasts to its param's shape as
+            in optax (a scalar update too); float32/bf16/fp16 (exactly widened to float32).
         seed: a JAX PRNG key or an int in [0, 2**64). With ``step=None`` pass a fresh key
             every step (``jax.random.fold_in(key, step)``): the same key gives the same noise.
         step: ``None``, or the 1-based step (int or traced int scalar, < 2**26): leaf ``k``
             then uses the weight stream of the fused optimizers at counter
             ``step * 2**36 + starts[k]``, so a fixed seed gives fresh noise every step.
         impl: ``"native"`` (default) or ``"callback"``; the same bits.
+        shard_specs: inside ``shard_map`` only: the partition specs of ``params`` (a spec or a
+            pytree prefix, as ``in_specs``). Each device then updates its blocks with the
+            noise of their global elements, equal to the unsharded call. Under ``jit`` with
+            sharded arrays nothing is needed (the native path partitions by itself).
 
     Returns:
-        the new params: bf16/fp16 leaves ``SR(p + u)`` (``stochastic_add(p, u, offset=...)``
-        with ``offset = starts[k]`` or ``step * 2**36 + starts[k]``), other leaves
-        ``(p + u).astype(p.dtype)``.
+        the new params (same shapes, dtypes and shardings): bf16/fp16 leaves ``SR(p + u)``
+        (``stochastic_add(p, u, offset=...)`` with ``offset = starts[k]`` or
+        ``step * 2**36 + starts[k]``, ``starts[k]`` the global element where leaf k starts),
+        other leaves ``(p + u).astype(p.dtype)`` as optax.
+
+    Raises:
+        ValueError: an update that does not broadcast to its param's shape, a deleted
+            (donated) array, leaves on different meshes, bad ``shard_specs``.
+        TypeError: a float64 (or non-float) update for a bf16/fp16 param (it would round twice).
     """
     impl = _impl(impl)
     _check_step(step)
@@ -341,8 +424,15 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
         return x is None
 
     p_leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_none)
-    u_leaves = treedef.flatten_up_to(updates)
-    present = [p for p in p_leaves if p is not None]
+    try:
+        u_leaves = treedef.flatten_up_to(updates)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"updates: not the structure of params: {exc}") from None
+    _check_arrays(p_leaves, "params")
+    _check_arrays(u_leaves, "updates")
+    specs = _leaf_specs(shard_specs, params, treedef)
+    layouts, global_shapes = _layouts(p_leaves, specs)
+    present = [g for g in global_shapes if g is not None]
     starts_present = _starts(present)
     starts, i = [], 0
     for p in p_leaves:
@@ -361,8 +451,22 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
             out[k] = jnp.asarray(p + u).astype(p.dtype)
             continue
         u = jnp.asarray(u)
+        if not jnp.issubdtype(u.dtype, jnp.floating) or jnp.dtype(u.dtype).itemsize > 4:
+            raise TypeError(
+                f"updates[{k}]: expected float32, bfloat16 or float16 for a {p.dtype} param,"
+                f" got {u.dtype} (float64 would round twice: compute the update in float32)"
+            )
         if u.shape != p.shape:
-            raise ValueError(f"updates: leaf {k} has shape {u.shape}, param {p.shape}")
+            try:
+                shape = jnp.broadcast_shapes(u.shape, p.shape)
+            except ValueError:
+                shape = None
+            if shape != p.shape:
+                raise ValueError(
+                    f"updates[{k}]: shape {u.shape} does not broadcast to its param's shape"
+                    f" {p.shape}"
+                )
+            u = jnp.broadcast_to(u, p.shape)
         u = u.astype(jnp.float32)
         if p.size == 0:
             out[k] = p
@@ -375,29 +479,36 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
             _u(k0),
             _u(k1),
             jnp.asarray(t, jnp.int32),
+            [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
             starts=tuple(starts[k] for k, *_ in narrow),
+            global_shapes=tuple(None if layouts[k] is None else layouts[k][1] for k, *_ in narrow),
         )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
     elif narrow:  # callback
         offsets = [starts[k] for k, *_ in narrow]
         names = [name for *_, name in narrow]
+        shaped = [layouts[k] for k, *_ in narrow]
 
         def host(h0, h1, t_host, *arrays):
-            n = len(arrays) // 2
+            n = len(narrow)
             base = int(t_host) << _optim.STEP_SHIFT
             results = []
-            for w, uh, off, name in zip(arrays[:n], arrays[n:], offsets, names):
-                target = np.array(w)
-                _host("stochastic_add")(
-                    target,
-                    np.asarray(uh, order="C"),
-                    alpha=1.0,
-                    seed=_seed_of(h0, h1),
-                    offset=base + off,
-                    dtype=name,
-                )
-                results.append(target)
+            ws, us, origins = arrays[:n], arrays[n : 2 * n], arrays[2 * n :]
+            for w, uh, oh, off, name, lay in zip(ws, us, origins, offsets, names, shaped):
+                target = np.array(w).reshape(-1)
+                flat_u = np.asarray(uh, order="C").reshape(-1)
+                runs = _runs(w.shape, None if lay is None else oh, lay and lay[1])
+                for lo, size, start in runs:
+                    _host("stochastic_add")(
+                        target[lo : lo + size],
+                        flat_u[lo : lo + size],
+                        alpha=1.0,
+                        seed=_seed_of(h0, h1),
+                        offset=base + off + start,
+                        dtype=name,
+                    )
+                results.append(target.reshape(w.shape))
             return tuple(results)
 
         shapes = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for _, p, _, _ in narrow)
@@ -409,6 +520,10 @@ def apply_updates(params, updates, seed, *, step=None, impl=None):
             jnp.asarray(t, jnp.int32),
             *[p for _, p, _, _ in narrow],
             *[u for _, _, u, _ in narrow],
+            *[
+                _origin_arg(None if lay is None else lay[0], p.ndim)
+                for lay, (_, p, _, _) in zip(shaped, narrow)
+            ],
         )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
@@ -461,15 +576,38 @@ def _coefs(t, lr, b1: float, b2: float, wd: float):
             decay = (1.0 - lr64 * wd).astype(jnp.float32)
         step_size = (lr64 / bc1).astype(jnp.float32)
         bc2_sqrt = jnp.sqrt(bc2).astype(jnp.float32)
-    return decay, step_size, bc2_sqrt
+        bc1_next = 1.0 - _power64(b1, t + 1)
+        # the optax variants (nesterov, eps_root): float32 lr, bc1, bc1(t + 1), bc2
+        extra = tuple(x.astype(jnp.float32) for x in (lr64, bc1, bc1_next, bc2))
+    return decay, step_size, bc2_sqrt, extra
 
 
-def _adamw_math(p, g, m, v, decay, step_size, bc2_sqrt, beta2, eps, omb1, omb2):
+def _no_decay(coefs):
+    """``coefs`` with the weight decay factor 1 (leaves outside optax's ``mask``)."""
+    return (jnp.float32(1.0),) + tuple(coefs[1:])
+
+
+def _adamw_math(p, g, m, v, coefs, constants, variant=(False, 0.0)):
     """``_optim.adamw_math`` on float32 arrays, the same operations in the same order (``p``,
-    ``g``, ``m``, ``v`` read from buffers)."""
+    ``g``, ``m``, ``v`` read from buffers). ``variant = (nesterov, eps_root)``: optax's
+    options, outside the kernels' math: ``denom = sqrt(v / bc2 + eps_root) + eps`` and the
+    Nesterov numerator ``b1 m / (1 - b1**(t+1)) + (1 - b1) g / (1 - b1**t)``."""
+    decay, step_size, bc2_sqrt, (lr32, bc1, bc1_next, bc2) = coefs
+    beta2, eps, omb1, omb2 = constants
+    nesterov, eps_root = variant
     p = p * decay
     m = _fma(omb1, g - m, m, exact=(True, False, True))
     v = _fma(omb2 * g, g, v * beta2, exact=(False, True, False))
+    if nesterov or eps_root:
+        if eps_root:
+            denom = jnp.sqrt(v / bc2 + jnp.float32(eps_root)) + eps
+        else:
+            denom = jnp.sqrt(v) / jnp.where(v >= 0, bc2_sqrt, -bc2_sqrt) + eps
+        if nesterov:
+            b1 = jnp.float32(1.0) - omb1
+            num = (b1 * m) / bc1_next + (omb1 * g) / bc1
+            return _fma(-lr32, num / denom, p, exact=(True, False, False)), m, v
+        return _fma(-step_size, m / denom, p, exact=(True, False, False)), m, v
     # XLA's algebraic simplifier rewrites x / broadcast(c) into x * broadcast(1 / c) (not
     # correctly rounded: 1-ulp differences); an elementwise divisor it cannot see through
     # keeps the IEEE division. Where v < 0 or NaN, sqrt(v) is NaN and so is the quotient.
@@ -521,14 +659,15 @@ def _weight_write(mode, fmt, old_bits, new_bits, aux_bits, bits16):
 
 def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     """The update of one leaf (or of a concatenation of small leaves): ``bits(stream)`` gives
-    the random bits of its elements; ``cfg`` = (rounding, state_dtype, constants). Returns
-    (p, m, v, aux)."""
-    mode, state_dtype, (beta2, eps, omb1, omb2) = cfg
+    the random bits of its elements; ``cfg`` = (rounding, (mu dtype, nu dtype), constants,
+    variant). Returns (p, m, v, aux)."""
+    mode, dtypes, constants, variant = cfg
 
     def state_out(x, stream):
-        if state_dtype == jnp.float32:
+        dtype = dtypes[stream - 1]
+        if dtype == jnp.float32:
             return x
-        return _narrow_out(_encode(_b32(x), FORMATS["bfloat16"], False, bits(stream)), state_dtype)
+        return _narrow_out(_encode(_b32(x), FORMATS["bfloat16"], False, bits(stream)), dtype)
 
     name = _NARROW.get(jnp.dtype(p.dtype))
     p_bits = _widen_bits(p)
@@ -538,40 +677,88 @@ def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     if inv_scale is not None:
         g = g * inv_scale
     new, m_new, v_new = _adamw_math(
-        _f32(old), g, _f32(_widen_bits(m)), _f32(_widen_bits(v)), *coefs, beta2, eps, omb1, omb2
+        _f32(old), g, _f32(_widen_bits(m)), _f32(_widen_bits(v)), coefs, constants, variant
     )
     m_new, v_new = state_out(m_new, 1), state_out(v_new, 2)
+    p_new, a_new = _write_back(mode, p, a, aux_bits, old, new, bits)
+    return p_new, m_new, v_new, a_new
+
+
+def _write_back(mode, p, a, aux_bits, old, new, bits):
+    """(new param, new aux) of a leaf from its float32 update ``new`` (``_optim.weight_write``;
+    float32 leaves: ``new`` itself)."""
+    name = _NARROW.get(jnp.dtype(p.dtype))
     if name is None:
-        return new, m_new, v_new, a
+        return new, a
     bits16 = bits(0) if mode == "stochastic" else None
     written, aux_new = _weight_write(mode, FORMATS[name], old, _b32(new), aux_bits, bits16)
     if mode == "master":
         a = new
     elif aux_new is not None:
         a = _narrow_out(aux_new, p.dtype if mode == "kahan" else jnp.int16)
-    return _narrow_out(written, p.dtype), m_new, v_new, a
+    return _narrow_out(written, p.dtype), a
 
 
-def _native_step(
-    cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, k0, k1, coefs, inv_scale
-):
-    """The native fused step: ``_update`` leaf by leaf, small leaves of the same dtypes
-    together (``_native_leaves``). XLA's CPU backend emits one loop per output; the float32
-    moments end in an op of several arrays, which it writes once (into the state buffer) for
-    the parameter's loop to read - bf16 moments are recomputed there instead. Returns per-leaf
-    (p, m, v, aux)."""
-    starts = _starts(p_leaves)
-    outs = [(p, m, v, a) for p, m, v, a in zip(p_leaves, m_leaves, v_leaves, a_leaves)]
-    live = [k for k, p in enumerate(p_leaves) if p.size > 0]
-    columns = [
-        [leaves[k] for k in live] for leaves in (p_leaves, g_leaves, m_leaves, v_leaves, a_leaves)
-    ]
-    cfg = (cfg["rounding"], cfg["state_dtype"], cfg["constants"])
-    new = _native_leaves(
-        _update, cfg, columns, [starts[k] for k in live], k0, k1, t, (coefs, inv_scale)
+def _sgd_update(cfg, p, g, b, a, bits, coefs, inv_scale):
+    """``_optim.sgd_math`` (dampening 0, no weight decay: optax's ``sgd``) of one leaf, the
+    same float32 operations: ``buf = g`` at step 1 else ``fma(1, g, buf * momentum)``;
+    ``d = fma(momentum, buf, g)`` (nesterov) or ``buf``; ``p = fma(-lr, d, p)``, then the
+    weight write-back. ``cfg`` = (rounding, momentum buffer dtype, momentum, nesterov)."""
+    mode, buf_dtype, momentum, nesterov = cfg
+    lr, first = coefs
+    name = _NARROW.get(jnp.dtype(p.dtype))
+    p_bits = _widen_bits(p)
+    aux_bits = _aux_bits(mode, a) if name and a is not None else None
+    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
+    g = _f32(_widen_bits(g))
+    if inv_scale is not None:
+        g = g * inv_scale
+    buf_new = None
+    if b is not None:
+        buf = _f32(_widen_bits(b))
+        buf_new = jnp.where(first, g, _fma(1.0, g, buf * momentum, exact=(True, True, False)))
+        d = _fma(momentum, buf_new, g, exact=(True, False, True)) if nesterov else buf_new
+        if buf_dtype != jnp.float32:
+            encoded = _encode(_b32(buf_new), FORMATS["bfloat16"], False, bits(1))
+            buf_new = _narrow_out(encoded, buf_dtype)
+    else:
+        d = g
+    new = _fma(-lr, d, _f32(old), exact=(True, False, True))
+    p_new, a_new = _write_back(mode, p, a, aux_bits, old, new, bits)
+    return p_new, buf_new, a_new
+
+
+def _native_step(update, cfg, columns, layouts, t, k0, k1, extras):
+    """The native fused step: ``update`` leaf by leaf (``_native_leaves``; small leaves share
+    their Threefry loop). ``columns``: per input (params, grads, states..., aux) the list of
+    leaves; ``extras[k]``: the extra arguments of leaf k (coefficients, inv_scale) - leaves
+    are updated in runs of equal extras (e.g. inside and outside optax's ``mask``). XLA's CPU
+    backend emits one loop per output; float32 states end in an op of several arrays, which
+    it writes once (into the state buffer) for the parameter's loop to read. Returns per-leaf
+    output tuples (params, states..., aux)."""
+    p_leaves = columns[0]
+    starts = _starts(
+        [tuple(p.shape) if lay is None else lay[1] for p, lay in zip(p_leaves, layouts)]
     )
-    for k, o in zip(live, new):
-        outs[k] = o
+    outs = [tuple(c[k] for i, c in enumerate(columns) if i != 1) for k in range(len(p_leaves))]
+    runs = {}
+    for k, p in enumerate(p_leaves):
+        if p.size > 0:
+            runs.setdefault(id(extras[k]), (extras[k], []))[1].append(k)
+    for extra, live in runs.values():
+        new = _native_leaves(
+            update,
+            cfg,
+            [[leaves[k] for k in live] for leaves in columns],
+            [starts[k] for k in live],
+            k0,
+            k1,
+            t,
+            extra,
+            [layouts[k] for k in live],
+        )
+        for k, o in zip(live, new):
+            outs[k] = o
     return outs
 
 
@@ -586,10 +773,10 @@ except ImportError:  # pragma: no cover - optax is optional
     _Base = _GT
 
 
-class FusedAdamW(_Base):
+class FusedOptimizer(_Base):
     """An ``optax.GradientTransformationExtraArgs`` (``init``, ``update``) with the fused
     ``step(grads, state, params, *, found_inf=None, inv_scale=None) -> (params, state)``
-    (module docstring). Made by ``adamw``."""
+    (module docstring). Made by ``adamw`` and ``sgd``; ``config`` holds the settings."""
 
     def __new__(cls, init, update, step, config):
         self = super().__new__(cls, init, update)
@@ -598,132 +785,124 @@ class FusedAdamW(_Base):
         return self
 
 
-def adamw(
-    learning_rate,
-    b1=0.9,
-    b2=0.999,
-    eps=1e-8,
-    weight_decay=1e-2,
-    *,
-    seed=0,
-    rounding="stochastic",
-    state_dtype=jnp.float32,
-    impl=None,
-) -> FusedAdamW:
-    """Fused AdamW (torch.optim.AdamW's math, decoupled weight decay) with srround's weight
-    write-back, bit for bit ``srround.adamw_step``.
+FusedAdamW = FusedOptimizer  # the name of earlier releases
 
-    Args:
-        learning_rate: a float, or an optax schedule (a function of the step count, called with
-            ``state.count`` = steps taken so far, as optax does; its float32 value is used).
-        b1: decay of the first moment, as ``optax.adamw`` / ``torch.optim.AdamW``.
-        b2: decay of the second moment.
-        eps: added outside the square root of the bias-corrected second moment.
-        weight_decay: decoupled weight decay, multiplied by the learning rate.
-        seed: int in [0, 2**64) or a JAX PRNG key, fixed for the run (steps move the stream).
-        rounding: ``"stochastic"``, ``"nearest"``, ``"kahan"``, ``"master"`` or
-            ``"remainder"`` (bf16 parameters only), for bf16/fp16 leaves; float32 leaves are
-            always updated exactly.
-        state_dtype: ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded moments).
-        impl: ``"native"`` (default) or ``"callback"`` (``srround.adamw_step`` on the host).
-    """
+
+def _state_dtype(dtype, name: str):
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise TypeError(f"{name}: expected float32 or bfloat16, got {dtype}")
+    return dtype
+
+
+def _aux_for(rounding, p):
+    name = _NARROW.get(jnp.dtype(p.dtype))
+    if name is None:
+        return None
+    if rounding == "master":
+        return p.astype(jnp.float32)
+    if rounding == "kahan":
+        return jnp.zeros_like(p)
+    if rounding == "remainder":
+        if name != "bfloat16":
+            raise TypeError("params: rounding='remainder' needs bfloat16 (or float32) params")
+        return jnp.zeros_like(p, dtype=jnp.int16)
+    return None
+
+
+def _check_params(leaves) -> None:
+    for i, p in enumerate(leaves):
+        if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.float32), *_NARROW):
+            extra = ""
+            if jnp.dtype(p.dtype) == jnp.float64:
+                extra = " (float64 under jax_enable_x64: cast the params to float32)"
+            raise TypeError(
+                f"params[{i}]: expected float32, bfloat16 or float16, got {p.dtype}{extra}"
+            )
+
+
+def _mask_leaves(mask, params, treedef):
+    """Per leaf whether weight decay applies (optax's ``mask``: a pytree of bools like
+    params, or a function of params returning one; ``None``: every leaf)."""
+    if mask is None:
+        return [True] * treedef.num_leaves
+    tree = mask(params) if callable(mask) else mask
+    try:
+        flags = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"mask: expected a pytree of bools like params: {exc}") from None
+    for i, f in enumerate(flags):
+        if not isinstance(f, (bool, np.bool_)):
+            raise TypeError(f"mask[{i}]: expected a Python bool, got {type(f).__name__}")
+    return [bool(f) for f in flags]
+
+
+def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, host):
+    """The optimizer object shared by ``adamw`` and ``sgd``.
+
+    ``states``: (name, dtype or None (absent), stream) per state buffer; ``native(t, lr,
+    inv_scale, params, treedef) -> (update, cfg, extras)``; ``host``: the NumPy step for the
+    callback path, ``host(ps, gs, states, aux, lr, t, seed, inv_scale)``."""
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding: expected one of {sorted(_ROUNDINGS)}, got {rounding!r}")
-    state_dtype = jnp.dtype(state_dtype)
-    if state_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise TypeError(f"state_dtype: expected float32 or bfloat16, got {state_dtype}")
     impl = _impl(impl)
     k0, k1 = _key_words(seed)
-    constants = tuple(np.float32(c) for c in (b2, eps, 1.0 - b1, 1.0 - b2))
-    cfg = dict(
-        rounding=rounding,
-        state_dtype=state_dtype,
-        constants=constants,
-        impl=impl,
-        lr=learning_rate,
-        b1=float(b1),
-        b2=float(b2),
-        eps=float(eps),
-        wd=float(weight_decay),
-        seed=seed,
-    )
-
-    def aux_for(p):
-        name = _NARROW.get(jnp.dtype(p.dtype))
-        if name is None:
-            return None
-        if rounding == "master":
-            return p.astype(jnp.float32)
-        if rounding == "kahan":
-            return jnp.zeros(p.shape, p.dtype)
-        if rounding == "remainder":
-            if name != "bfloat16":
-                raise TypeError("params: rounding='remainder' needs bfloat16 (or float32) params")
-            return jnp.zeros(p.shape, jnp.int16)
-        return None
+    state_type = {"adamw": AdamWState, "sgd": SGDState}[kind]
 
     def init(params):
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        for i, p in enumerate(leaves):
-            if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.float32), *_NARROW):
-                raise TypeError(
-                    f"params[{i}]: expected float32, bfloat16 or float16, got {p.dtype}"
+        _check_params(leaves)
+        _check_arrays(leaves, "params")
+        buffers = []
+        for _, dtype, _ in states:
+            if dtype is None:
+                buffers.append(jax.tree_util.tree_map(lambda p: None, params))
+            else:  # zeros_like keeps a sharded leaf's sharding
+                buffers.append(
+                    jax.tree_util.tree_map(lambda p, d=dtype: jnp.zeros_like(p, d), params)
                 )
-
-        def zeros(p):
-            return jnp.zeros(jnp.shape(p), state_dtype)
-
-        return AdamWState(
-            count=jnp.zeros((), jnp.int32),
-            exp_avg=jax.tree_util.tree_map(zeros, params),
-            exp_avg_sq=jax.tree_util.tree_map(zeros, params),
-            aux=jax.tree_util.tree_unflatten(treedef, [aux_for(p) for p in leaves]),
-        )
+        aux = jax.tree_util.tree_unflatten(treedef, [_aux_for(rounding, p) for p in leaves])
+        return state_type(jnp.zeros((), jnp.int32), *buffers, aux)
 
     def lr_at(count):
-        if callable(learning_rate):
-            return jnp.asarray(learning_rate(count), jnp.float32)
-        return float(learning_rate)
+        if callable(lr):
+            return jnp.asarray(lr(count), jnp.float32)
+        return float(lr)
 
     def compute(grads, state, params, inv_scale):
         p_leaves, treedef = jax.tree_util.tree_flatten(params)
-        g_leaves = treedef.flatten_up_to(grads)
-        m_leaves = treedef.flatten_up_to(state.exp_avg)
-        v_leaves = treedef.flatten_up_to(state.exp_avg_sq)
-        a_leaves = treedef.flatten_up_to(state.aux)
-        total = sum(int(p.size) for p in p_leaves)
+        try:
+            g_leaves = treedef.flatten_up_to(grads)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"grads: not the structure of params: {exc}") from None
+        s_leaves = [treedef.flatten_up_to(state[1 + i]) for i in range(len(states))]
+        a_leaves = treedef.flatten_up_to(state[-1])
+        specs = _leaf_specs(shard_specs, params, treedef)
+        layouts, _ = _layouts(p_leaves, specs)
         t = state.count + 1
-        lr = lr_at(state.count)
+        lr_t = lr_at(state.count)
+        if inv_scale is not None:
+            inv_scale = jnp.asarray(inv_scale, jnp.float32)
         if impl == "native":
-            coefs = _coefs(t, lr, cfg["b1"], cfg["b2"], cfg["wd"])
-            if inv_scale is not None:
-                inv_scale = jnp.asarray(inv_scale, jnp.float32)
-            outs = (
-                _native_step(
-                    cfg,
-                    p_leaves,
-                    g_leaves,
-                    m_leaves,
-                    v_leaves,
-                    a_leaves,
-                    t,
-                    _u(k0),
-                    _u(k1),
-                    coefs,
-                    inv_scale,
-                )
-                if total
-                else list(zip(p_leaves, m_leaves, v_leaves, a_leaves))
-            )
+            update, ucfg, extras = native(t, lr_t, inv_scale, params, treedef)
+            columns = [p_leaves, g_leaves, *s_leaves, a_leaves]
+            outs = _native_step(update, ucfg, columns, layouts, t, _u(k0), _u(k1), extras)
         else:
+            if any(lay is not None for lay in layouts):
+                raise ValueError(
+                    "shard_specs: impl='callback' runs srround's NumPy step on whole leaves;"
+                    " inside shard_map with split leaves use impl='native'"
+                )
             outs = _callback_step(
-                cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr, k0, k1, inv_scale
+                host, p_leaves, g_leaves, s_leaves, a_leaves, t, lr_t, k0, k1, inv_scale
             )
 
         def unflat(i):
             return jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
 
-        new_state = AdamWState(t, unflat(1), unflat(2), unflat(3))
+        new_state = state_type(
+            t, *(unflat(1 + i) for i in range(len(states))), unflat(1 + len(states))
+        )
         return unflat(0), new_state
 
     def step(grads, state, params, *, found_inf=None, inv_scale=None):
@@ -737,15 +916,228 @@ def adamw(
             lambda: compute(grads, state, params, inv_scale),
         )
 
+    jitted = jax.jit(step)  # an eager call is one compiled program; inlined under an outer jit
+
+    def checked_step(grads, state, params, *, found_inf=None, inv_scale=None):
+        p_leaves = jax.tree_util.tree_leaves(params)
+        _check_params(p_leaves)
+        _check_arrays(p_leaves, "params")
+        _check_arrays(jax.tree_util.tree_leaves(grads), "grads")
+        _check_arrays(jax.tree_util.tree_leaves(state), "state")
+        return jitted(grads, state, params, found_inf=found_inf, inv_scale=inv_scale)
+
     def update(updates, state, params=None, **extra_args):
         if params is None:
-            raise ValueError("adamw (srround): update needs params (the fused step writes them)")
+            raise ValueError(f"{kind} (srround): update needs params (the fused step writes them)")
         found_inf = extra_args.get("found_inf")
-        new_params, new_state = step(updates, state, params, found_inf=found_inf)
+        new_params, new_state = checked_step(updates, state, params, found_inf=found_inf)
         return jax.tree_util.tree_map(_exact_update, new_params, params), new_state
 
-    step = jax.jit(step)  # an eager call is one compiled program; inlined under an outer jit
-    return FusedAdamW(init, update, step, cfg)
+    return FusedOptimizer(
+        init, update, checked_step, dict(cfg, kind=kind, impl=impl, seed=seed, rounding=rounding)
+    )
+
+
+def adamw(
+    learning_rate,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    eps_root=0.0,
+    mu_dtype=None,
+    weight_decay=1e-4,
+    mask=None,
+    *,
+    nesterov=False,
+    seed=0,
+    rounding="stochastic",
+    state_dtype=jnp.float32,
+    impl=None,
+    shard_specs=None,
+) -> FusedOptimizer:
+    """Fused AdamW with srround's weight write-back: ``optax.adamw``'s signature and
+    defaults, an ``optax.GradientTransformationExtraArgs``. With ``eps_root=0`` and
+    ``nesterov=False`` its math is torch.optim.AdamW's and bit for bit ``srround.adamw_step``.
+
+    Args:
+        learning_rate: a float, or an optax schedule (a function of the step count, called with
+            ``state.count`` = steps taken so far, as optax does; its float32 value is used).
+        b1: decay of the first moment, as ``optax.adamw``.
+        b2: decay of the second moment.
+        eps: added outside the square root of the bias-corrected second moment.
+        eps_root: added inside that square root (optax's; native only when nonzero).
+        weight_decay: decoupled weight decay, multiplied by the learning rate (default 1e-4,
+            as optax).
+        mu_dtype: dtype of the first moment, float32 or bfloat16 (default: ``state_dtype``).
+        mask: as optax: a pytree of bools like params (or a function of params giving one);
+            weight decay applies where True. Native only.
+        nesterov: optax's Nesterov momentum. Native only.
+        seed: int in [0, 2**64) or a JAX PRNG key, fixed for the run: step ``t`` derives its
+            noise from the counter ``t * 2**36 + ...``, so no key is threaded by hand.
+        rounding: ``"stochastic"``, ``"nearest"``, ``"kahan"``, ``"master"`` or
+            ``"remainder"`` (bf16 parameters only), for bf16/fp16 leaves; float32 leaves are
+            always updated exactly.
+        state_dtype: ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded moments).
+        impl: ``"native"`` (default) or ``"callback"`` (``srround.adamw_step`` on the host).
+        shard_specs: when the step runs inside ``shard_map``: the partition specs of the
+            params (a spec or a pytree prefix, as ``in_specs``; grads and states split alike),
+            so every block uses the noise of its global elements (equal to the unsharded step).
+            Native only. Not needed under ``jit`` with sharded arrays.
+
+    Returns:
+        ``tx`` with ``tx.init(params) -> AdamWState``, ``tx.update(grads, state, params) ->
+        (updates, state)`` (float32 updates that ``optax.apply_updates`` turns into the
+        stochastically rounded params) and the fused ``tx.step(grads, state, params) ->
+        (params, state)``.
+    """
+    state_dtype = _state_dtype(state_dtype, "state_dtype")
+    mu_dtype = state_dtype if mu_dtype is None else _state_dtype(mu_dtype, "mu_dtype")
+    impl_ = _impl(impl)
+    variant = (bool(nesterov), float(eps_root))
+    if impl_ == "callback" and (mask is not None or any(variant) or mu_dtype != state_dtype):
+        raise ValueError(
+            "impl='callback' runs srround.adamw_step (torch's AdamW): mask, nesterov, eps_root"
+            " and a mu_dtype other than state_dtype need impl='native'"
+        )
+    constants = tuple(np.float32(c) for c in (b2, eps, 1.0 - b1, 1.0 - b2))
+    b1, b2, wd = float(b1), float(b2), float(weight_decay)
+
+    def native(t, lr_t, inv_scale, params, treedef):
+        coefs = _coefs(t, lr_t, b1, b2, wd)
+        with_decay = (coefs, inv_scale)
+        without = (_no_decay(coefs), inv_scale)
+        flags = _mask_leaves(mask, params, treedef)
+        extras = [with_decay if f else without for f in flags]
+        return _update, (rounding, (mu_dtype, state_dtype), constants, variant), extras
+
+    def host(ps, gs, sts, aux, lr_h, t_h, seed_h, scale_h):
+        _host("adamw_step")(
+            ps,
+            gs,
+            sts[0],
+            sts[1],
+            lr=lr_h,
+            betas=(b1, b2),
+            eps=float(eps),
+            weight_decay=wd,
+            step=t_h,
+            rounding=rounding,
+            aux=aux,
+            seed=seed_h,
+            inv_scale=scale_h,
+        )
+
+    cfg = dict(
+        lr=learning_rate,
+        b1=b1,
+        b2=b2,
+        eps=float(eps),
+        eps_root=float(eps_root),
+        wd=wd,
+        nesterov=bool(nesterov),
+        mu_dtype=mu_dtype,
+        state_dtype=state_dtype,
+    )
+    return _fused(
+        "adamw",
+        lr=learning_rate,
+        seed=seed,
+        rounding=rounding,
+        impl=impl,
+        shard_specs=shard_specs,
+        states=(("exp_avg", mu_dtype, 1), ("exp_avg_sq", state_dtype, 2)),
+        cfg=cfg,
+        native=native,
+        host=host,
+    )
+
+
+class SGDState(NamedTuple):
+    """State of ``sgd`` (a pytree).
+
+    Attributes:
+        count: int32 scalar, steps taken.
+        momentum_buffer: pytree like params (``accumulator_dtype``; ``None`` leaves without
+            momentum), optax's trace.
+        aux: as ``AdamWState.aux``.
+    """
+
+    count: Any
+    momentum_buffer: Any
+    aux: Any
+
+
+def sgd(
+    learning_rate,
+    momentum=None,
+    nesterov=False,
+    accumulator_dtype=None,
+    *,
+    seed=0,
+    rounding="stochastic",
+    impl=None,
+    shard_specs=None,
+) -> FusedOptimizer:
+    """Fused SGD with srround's weight write-back: ``optax.sgd``'s signature, an
+    ``optax.GradientTransformationExtraArgs``; bit for bit ``srround.sgd_step`` (torch's SGD
+    with dampening 0 and no weight decay, which is optax's math with fused multiply-adds).
+
+    Args:
+        learning_rate: a float or an optax schedule (of ``state.count``).
+        momentum: ``None`` (plain SGD) or the trace decay (optax's ``trace``: ``buf = g +
+            momentum * buf``, ``buf = g`` at the first step as both optax and torch).
+        nesterov: Nesterov momentum (``d = g + momentum * buf``).
+        accumulator_dtype: float32 (default) or bfloat16 (stochastically rounded).
+        seed: as ``adamw``.
+        rounding: as ``adamw``.
+        impl: as ``adamw``.
+        shard_specs: as ``adamw``.
+    """
+    buf_dtype = _state_dtype(
+        jnp.float32 if accumulator_dtype is None else accumulator_dtype, "accumulator_dtype"
+    )
+    if nesterov and not momentum:
+        raise ValueError("nesterov: needs momentum > 0")
+    mom = 0.0 if momentum is None else float(momentum)
+    has_buf = momentum is not None and mom != 0.0
+
+    def native(t, lr_t, inv_scale, params, treedef):
+        coefs = (jnp.asarray(lr_t, jnp.float32), t == 1)
+        extra = (coefs, inv_scale)
+        return (
+            _sgd_update,
+            (rounding, buf_dtype, np.float32(mom), bool(nesterov)),
+            [extra] * treedef.num_leaves,
+        )
+
+    def host(ps, gs, sts, aux, lr_h, t_h, seed_h, scale_h):
+        _host("sgd_step")(
+            ps,
+            gs,
+            sts[0] if has_buf else None,
+            lr=lr_h,
+            momentum=mom,
+            nesterov=bool(nesterov),
+            step=t_h,
+            rounding=rounding,
+            aux=aux,
+            seed=seed_h,
+            inv_scale=scale_h,
+        )
+
+    cfg = dict(lr=learning_rate, momentum=mom, nesterov=bool(nesterov), accumulator_dtype=buf_dtype)
+    return _fused(
+        "sgd",
+        lr=learning_rate,
+        seed=seed,
+        rounding=rounding,
+        impl=impl,
+        shard_specs=shard_specs,
+        states=(("momentum_buffer", buf_dtype if has_buf else None, 1),),
+        cfg=cfg,
+        native=native,
+        host=host,
+    )
 
 
 def _exact_update(new, p):
@@ -760,38 +1152,33 @@ def _exact_update(new, p):
     return jnp.where((miss != n32) & (p32 + nudged == n32), nudged, u)
 
 
-def _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr, k0, k1, inv_scale):
-    """The fused step as one ``pure_callback`` into ``srround.adamw_step``."""
+def _callback_step(host_step, p_leaves, g_leaves, s_leaves, a_leaves, t, lr, k0, k1, inv_scale):
+    """The fused step as one ``pure_callback`` into srround's NumPy step (``host_step``) on
+    host copies; ``s_leaves``: per state buffer its leaves (``None`` leaves: absent)."""
     live = [i for i, p in enumerate(p_leaves) if p.size > 0]
     has_aux = [a_leaves[i] is not None for i in live]
     aux_in = [a_leaves[i] for i, h in zip(live, has_aux) if h]
-    n = len(live)
+    states = [col for col in s_leaves if any(col[i] is not None for i in live)]
+    n, ns = len(live), len(states)
     static_lr = None if not isinstance(lr, float) else lr
 
     def host(h0, h1, t_host, lr_host, scale_host, *arrays):
-        ps = [np.array(a) for a in arrays[:n]]
-        gs = [np.array(a) for a in arrays[n : 2 * n]]  # writable: the table wants it
-        ms = [np.array(a) for a in arrays[2 * n : 3 * n]]
-        vs = [np.array(a) for a in arrays[3 * n : 4 * n]]
-        rest = [np.array(a) for a in arrays[4 * n :]]
-        it = iter(rest)
+        arrays = [np.array(a) for a in arrays]  # writable copies: the callback's are read-only
+        ps, gs = arrays[:n], arrays[n : 2 * n]
+        sts = [arrays[(2 + j) * n : (3 + j) * n] for j in range(ns)]
+        it = iter(arrays[(2 + ns) * n :])
         aux = [next(it) if h else None for h in has_aux]
-        _host("adamw_step")(
+        host_step(
             ps,
             gs,
-            ms,
-            vs,
-            lr=static_lr if static_lr is not None else float(lr_host),
-            betas=(cfg["b1"], cfg["b2"]),
-            eps=cfg["eps"],
-            weight_decay=cfg["wd"],
-            step=int(t_host),
-            rounding=cfg["rounding"],
-            aux=aux if cfg["rounding"] in ("kahan", "master", "remainder") else None,
-            seed=_seed_of(h0, h1),
-            inv_scale=float(scale_host),
+            sts,
+            aux if any(has_aux) else None,
+            static_lr if static_lr is not None else float(lr_host),
+            int(t_host),
+            _seed_of(h0, h1),
+            float(scale_host),
         )
-        return tuple(ps + ms + vs + [a for a in aux if a is not None])
+        return tuple(ps + [x for st in sts for x in st] + [a for a in aux if a is not None])
 
     def sds(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -799,8 +1186,9 @@ def _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr,
     def pick(leaves):
         return [leaves[i] for i in live]
 
-    ins = pick(p_leaves) + pick(g_leaves) + pick(m_leaves) + pick(v_leaves) + aux_in
-    shapes = tuple(sds(x) for x in pick(p_leaves) + pick(m_leaves) + pick(v_leaves) + aux_in)
+    state_in = [x for col in states for x in pick(col)]
+    ins = pick(p_leaves) + pick(g_leaves) + state_in + aux_in
+    shapes = tuple(sds(x) for x in pick(p_leaves) + state_in + aux_in)
     scale = jnp.float32(1.0) if inv_scale is None else jnp.asarray(inv_scale, jnp.float32)
     lr_arg = jnp.asarray(0.0 if static_lr is not None else lr, jnp.float32)
     results = (
@@ -810,10 +1198,15 @@ def _callback_step(cfg, p_leaves, g_leaves, m_leaves, v_leaves, a_leaves, t, lr,
         if n
         else []
     )
-    outs = [list(x) for x in zip(p_leaves, m_leaves, v_leaves, a_leaves)]
-    it = iter(results[3 * n :])
+    outs = [
+        [p, *(col[k] for col in s_leaves), a] for k, (p, a) in enumerate(zip(p_leaves, a_leaves))
+    ]
+    it = iter(results[(1 + ns) * n :])
+    state_cols = [c for c, col in enumerate(s_leaves) if any(col[i] is not None for i in live)]
     for j, i in enumerate(live):
-        outs[i][0], outs[i][1], outs[i][2] = results[j], results[n + j], results[2 * n + j]
+        outs[i][0] = results[j]
+        for c_pos, c in enumerate(state_cols):
+            outs[i][1 + c] = results[(1 + c_pos) * n + j]
         if has_aux[j]:
-            outs[i][3] = next(it)
+            outs[i][-1] = next(it)
     return [tuple(o) for o in outs]

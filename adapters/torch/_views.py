@@ -47,6 +47,7 @@ from .._common import (
     check_target,
 )
 from ..numba import external_stream
+from . import _dist
 
 MUTABLE = True  # the adapter protocol of srround._dispatch: views of the caller's memory
 _FIX = ".contiguous()"
@@ -129,7 +130,17 @@ def _cuda_view(t, flat, bits_dtype, name: str) -> View:
 
 def _view(t, narrow: bool, name: str) -> View:
     """Zero-copy flat bit view of contiguous ``t``: unsigned words of its element width (fp32
-    as uint32, bf16/fp16 as uint16)."""
+    as uint32, bf16/fp16 as uint16). A DTensor: a view of its local piece, with the piece's
+    place in the full tensor as the view's stream offset (``_dist.py``) and the DTensor as the
+    result."""
+    if _dist.is_dtensor(t):
+        view = _view(t._local_tensor, narrow, name)
+        try:
+            view.offset = _dist.global_start(t, name)
+        except ValueError as error:  # only an error where noise is drawn
+            view.offset = error
+        view.result = t
+        return view
     width = t.element_size()
     if t.is_cpu:
         # float32 converts to NumPy as it is, narrow data as int16 (NumPy has no bf16); the
@@ -158,24 +169,43 @@ def source(
     """A read view of ``x``: float32 data (``narrow=False``) or narrow data (``narrow=True``,
     format from the dtype or ``fmt``). Returns ``(view, format)``."""
     t = _as_tensor(x, name)
-    fmt, _ = check_source(t.dtype, t.is_contiguous(), name, fmt, narrow, f"{name}{_FIX}", _DTYPES)
+    piece = _dist.local(t)
+    fmt, _ = check_source(
+        t.dtype, piece.is_contiguous(), name, fmt, narrow, f"{name}{_FIX}", _DTYPES
+    )
     return _view(t, narrow, name), fmt
 
 
 def target(out, name: str, like: View, fmt: Format | None) -> View:
     """A write view for the result: ``out`` validated, or a new tensor shaped like ``like`` on
-    its device. ``fmt=None`` means float32."""
+    its device. ``fmt=None`` means float32. For a DTensor input the result is a DTensor of its
+    mesh and placements (``out`` must be one too)."""
     narrow = fmt is not None
+    like_dtensor = like.offset is not None and _dist.is_dtensor(like.result)
     if out is None:
         dtype = _RESULT_DTYPES[fmt.name] if narrow else torch.float32
         if like.device == "cpu":
-            return _view(torch.empty(like.shape, dtype=dtype), narrow, name)
-        return _view(torch.empty(like.shape, dtype=dtype, device=like.result.device), narrow, name)
+            new = torch.empty(like.shape, dtype=dtype)
+        else:
+            new = torch.empty(like.shape, dtype=dtype, device=like.result.device)
+        if like_dtensor:  # a DTensor of the input's mesh and placements
+            return _view(_dist.like_dtensor(new, like.result), narrow, name)
+        return _view(new, narrow, name)
     t = _as_tensor(out, name)
     fix = f"{name}{_FIX}"
-    check_target(t.dtype, tuple(t.shape), t.is_contiguous(), name, like.shape, fmt, fix, _DTYPES)
+    if like_dtensor or _dist.is_dtensor(t):
+        _dist.check_same_layout(t, like.result, name, "the input")
+        if tuple(t.shape) != tuple(like.result.shape):
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)} does not match the input's shape"
+                f" {tuple(like.result.shape)}"
+            )
+    piece = _dist.local(t)
+    check_target(
+        t.dtype, tuple(piece.shape), piece.is_contiguous(), name, like.shape, fmt, fix, _DTYPES
+    )
     view = _view(t, narrow, name)
-    _mark_written(t)
+    _mark_written(piece)
     return view
 
 
@@ -183,7 +213,7 @@ def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
     """A read-write view of a narrow tensor updated in place (``requires_grad`` allowed: the
     update acts as under ``torch.no_grad()``)."""
     view, fmt = source(w, name, fmt, narrow=True)
-    _mark_written(view.result)
+    _mark_written(_dist.local(view.result))
     return view, fmt
 
 
@@ -213,7 +243,8 @@ def buffer_table(tensors, name: str):
     """``(addresses, sizes, format codes, place)`` of tensors updated in place by a tensor-list
     kernel. A gradient list has hundreds of tensors: the per-tensor work is C-level ``map``
     calls, with only the checks that matter (dtype, contiguity, one device); the first bad
-    tensor is then found and named."""
+    tensor is then found and named. DTensors (all or none): their local pieces."""
+    tensors = _dist.locals_of(tensors, name)
     try:
         codes = list(map(_BUFFER_CODES.__getitem__, map(_DTYPE, tensors)))
         if not all(map(_IS_CONTIGUOUS, tensors)):

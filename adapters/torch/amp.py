@@ -50,10 +50,14 @@ lists, tuples and dicts); ``S`` keeps the activation gradients finite (otherwise
 skipped: lower ``init_scale``, or set ``S`` with ``update(new_scale)``). As with torch's full
 backward hooks, a module's forward must not modify its inputs in place (autograd raises).
 
-Several ranks (data parallel): reduce the flag before ``update`` so that every rank skips
-together - after ``scaler.unscale_(optimizer)`` call
-``torch.distributed.all_reduce(scaler.found_inf(optimizer), op=ReduceOp.MAX)``, then
-``step`` and ``update`` as usual (the gradients themselves are already all-reduced by DDP).
+Several ranks: with DTensor gradients (FSDP2, tensor parallel) each rank checks its local
+pieces, and the flag is all-reduced (MAX) over the gradients' device meshes on the device, no
+host sync (as torch's ``ShardedGradScaler``), in ``unscale_`` and in the fused step of srround's
+optimizers, so every rank skips together. DDP needs nothing: its gradients are all-reduced,
+so every rank finds the same flag. Other setups where ranks hold different plain gradients:
+after ``scaler.unscale_(optimizer)`` call
+``torch.distributed.all_reduce(scaler.found_inf(optimizer), op=ReduceOp.MAX)``, then ``step``
+and ``update`` as usual.
 In per-tensor mode the ranks' module scales must stay equal (DDP averages gradients scaled by
 them); they do when every rank checks the same all-reduced gradients, as under DDP.
 """
@@ -69,6 +73,7 @@ import torch
 
 import srround
 
+from . import _dist
 from .optim import _is_dense
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -84,7 +89,7 @@ def unscale_grads(grads, inv_scale, found_inf) -> None:
     device = found_inf.device
     fused: list = []
     others: dict = {}
-    for g in grads:
+    for g in _dist.locals_of(grads, "grads"):  # DTensors: their local pieces
         if g.layout is not torch.strided:
             g = g._values()  # sparse COO (fp16 ones coalesced by the caller, as torch does)
         elif g.dtype in _FUSED_DTYPES and g.device == device and _is_dense(g):
@@ -312,6 +317,10 @@ class GradScaler:
             if p.grad.layout is not torch.strided and p.grad.dtype == torch.float16:
                 p.grad = p.grad.coalesce()
         grads = [p.grad for p in params]
+        # DTensor gradients (FSDP2): each rank checks its local pieces, then one verdict for
+        # all ranks, all-reduced (MAX) on the device over the gradients' meshes
+        dist_groups = _dist.mesh_groups(grads)
+        grads = _dist.locals_of(grads, "grads")
         self._lazy_init(grads[0].device if grads else self._device)
         found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
         inv_scales = self._scales.double().reciprocal().float()
@@ -325,10 +334,12 @@ class GradScaler:
                 tensor_inv = inv_scales[slots]
                 for i, g in enumerate(grads):
                     unscale_grads([g], tensor_inv[i : i + 1], flags[i : i + 1])
+            _dist.all_reduce_max(flags, dist_groups)
             self._slot_found.index_add_(0, slots, flags)  # nonzero: a tensor overflowed
             torch.amax(flags, 0, keepdim=True, out=found)
         elif grads:
             unscale_grads(grads, inv_scales, found)
+            _dist.all_reduce_max(found, dist_groups)
         self._found[id(optimizer)] = found
         self._stage[id(optimizer)] = _UNSCALED
 

@@ -37,7 +37,8 @@ written with stochastic rounding); the weight mode's buffer for bf16/fp16 parame
 ``kahan_comp`` (parameter dtype), ``master_weight`` (float32) or ``remainder`` (int16); and
 ``step``: a 0-d int32 tensor (a view of one flat per-optimizer counter the kernel increments on
 the device; torch's optimizers keep a float32 tensor, and load this one). ``rounding``,
-``state_dtype`` and ``seed`` live in every param group (one value per optimizer), so
+``state_dtype`` (by name: ``"float32"``/``"bfloat16"``) and ``seed`` live in every param
+group (one value per optimizer), so
 ``state_dict()`` carries the random stream: ``load_state_dict`` then continues bit-identically.
 A ``torch.optim.AdamW`` / ``SGD`` state dict loads too (the srround keys come from the
 optimizer's defaults), and torch's optimizers load srround's.
@@ -61,7 +62,7 @@ import torch
 from srround import _optim, _plan
 from srround._rng import check_seed, next_seed, split_seed
 
-from . import _views
+from . import _dist, _views
 from ._views import _BUFFER_CODES, _DATA_PTR, _external_stream, _view
 
 __all__ = ["SGD", "AdamW"]
@@ -88,11 +89,23 @@ def _check_rounding(rounding):
     _plan.check_rounding(rounding)
 
 
-def _check_state_dtype(state_dtype):
-    if state_dtype not in _STATE_DTYPES:
+_STATE_DTYPE_NAMES = {t: str(t).removeprefix("torch.") for t in _STATE_DTYPES}
+_STATE_DTYPE_NAMES.update({name: name for name in list(_STATE_DTYPE_NAMES.values())})
+_STATE_DTYPE_OF = {str(t).removeprefix("torch."): t for t in _STATE_DTYPES}
+
+
+def _check_state_dtype(state_dtype) -> str:
+    """The name (``"float32"``/``"bfloat16"``) param groups store: a torch.dtype in a param
+    group stops the distributed state-dict helpers (``get_optimizer_state_dict`` with
+    ``full_state_dict=True``), which take only tensors and Python scalars there."""
+    name = (
+        _STATE_DTYPE_NAMES.get(state_dtype) if isinstance(state_dtype, (str, torch.dtype)) else None
+    )
+    if name is None:
         raise ValueError(
             f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype!r}"
         )
+    return name
 
 
 def _check_flags(group, where="") -> None:
@@ -182,10 +195,13 @@ class _Entry:
         "key",
         "params",
         "written",
+        "groups",
     )
 
 
-def build_entry(kind, rounding, state_fmt, params, grads, states, steps, group_index, stream):
+def build_entry(
+    kind, rounding, state_fmt, params, grads, states, steps, group_index, stream, noise=None
+):
     """A ``_optim.FusedStep`` over ``params`` (validated by ``check_pairs``) and their
     ``grads``; ``states``: per parameter ``(state 1, state 2, aux)`` (None where absent), in the
     parameter's working layout (``_like``); ``steps``: int32[N] contiguous counter tensor.
@@ -224,6 +240,7 @@ def build_entry(kind, rounding, state_fmt, params, grads, states, steps, group_i
         (("states1", flat([r[0] for r in states])), ("states2", flat([r[1] for r in states]))),
         flat(aux) if _plan.needs_aux(_plan.check_rounding(rounding)) else None,
         group_index,
+        noise,
     )
     fused = _optim.FusedStep(
         kind,
@@ -241,6 +258,7 @@ def build_entry(kind, rounding, state_fmt, params, grads, states, steps, group_i
     entry.fused, entry.params, entry.device = fused, params, device
     entry.copy_in, entry.copy_out = copy_in, copy_out
     entry.written = [p for p in params if not p.is_inference()]
+    entry.groups = []
     # the kernel writes through raw addresses: keep every buffer of the table alive
     entry.buffers = [steps, *works, *grad_bufs, *(s for row in states for s in row)]
     entry.defaults = {}
@@ -285,6 +303,8 @@ def run_entry(entry, inv_scale, found_inf, check_grads, negate, k0, k1) -> None:
         found_bits = scalar_bits(found_inf, "found_inf", entry, _ZERO_BITS)
         if check_grads:
             fused.check_grads(found_bits)
+            # FSDP2 / tensor parallel: one verdict for all ranks, on the device
+            _dist.all_reduce_max(found_inf, entry.groups)
         inv_bits = scalar_bits(inv_scale, "inv_scale", entry, _ONE_BITS, negate)
         fused.run(inv_bits, found_bits, k0, k1)
         for src, dst in entry.copy_out:
@@ -302,11 +322,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, rounding, state_dtype, seed):
         _check_rounding(rounding)
-        _check_state_dtype(state_dtype)
+        state_dtype = _check_state_dtype(state_dtype)
         _check_flags(defaults)
         seed = next_seed() if seed is None else check_seed(seed, "seed")
         defaults = dict(defaults, rounding=rounding, state_dtype=state_dtype, seed=seed)
         self._entry = None
+        self._dtensors = False  # any DTensor parameter (FSDP2, tensor parallel): _dist.py
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict) -> None:
@@ -322,8 +343,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         where = f" (param group {len(self.param_groups) - 1})"
         try:
+            group["state_dtype"] = _check_state_dtype(group["state_dtype"])
             _check_flags(group, where)
             self._check_group(group, len(self.param_groups) - 1)
+            self._dtensors |= _dist.check_group(group["params"])
             for name in self._ONE_PER_OPTIMIZER:
                 if group[name] != self.defaults[name]:
                     raise ValueError(
@@ -356,7 +379,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _config(self):
         """Per-optimizer settings, from param_groups (what load_state_dict restores)."""
         first = self.param_groups[0]
-        config = (first["rounding"], first["state_dtype"], first["seed"], first["maximize"])
+        state_dtype = _STATE_DTYPE_OF[_check_state_dtype(first["state_dtype"])]
+        config = (first["rounding"], state_dtype, first["seed"], first["maximize"])
         names = self._ONE_PER_OPTIMIZER
         for i, g in enumerate(self.param_groups):
             if any(g[n] != first[n] for n in names):
@@ -375,6 +399,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         groups = self.param_groups
         params = list(chain.from_iterable(g["params"] for g in groups))
         grads = list(map(_GRAD, params))
+        if self._dtensors:  # a DTensor's data_ptr() is 0: key on the local pieces
+            return _dist.cache_key(groups, params, grads)
         try:
             try:
                 grad_ptrs = list(map(_DATA_PTR, grads))
@@ -418,6 +444,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     state[name] = torch.zeros_like(like, dtype=dtype)
             else:
                 state[name] = _in_layout(buf.detach(), like, dtype)
+        if self._dtensors:  # a full plain state (a state dict saved unsharded): its piece
+            for name in list(state):
+                if name != "step" and isinstance(state[name], torch.Tensor):
+                    state[name] = _dist.shard_like(state[name], p, name)
         return state
 
     def _row(self, state, group, p, rounding):
@@ -432,6 +462,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Validate, then create or cast the states; ``(states rows, flat int32 steps)`` with
         ``state["step"]`` views of the flat counter."""
         rounding, state_dtype = config[0], config[1]
+        for i, p in enumerate(params):  # DTensor and plain parameters and gradients not mixed
+            _dist.check_grad(p, i)
         check_pairs(params, [p.grad for p in params], rounding)
         for gi in sorted(set(group_index)):
             self._check_group(self.param_groups[gi], gi)
@@ -461,17 +493,28 @@ class _FusedOptimizer(torch.optim.Optimizer):
         rows, steps = self._prepare(params, group_index, config)
         device = params[0].device
         stream = _external_stream(device) if device.type == "cuda" else None
+        # noise keyed to the parameter's identity and the piece's place in the full tensor
+        every = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        bases = _dist.stream_bases(every)
+        noise = [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
+        local = _dist.local  # DTensors (FSDP2): the kernel works on the local pieces
         entry = build_entry(
             self._KIND,
             config[0],
             0 if config[1] == torch.float32 else 1,
-            params,
-            [p.grad for p in params],
-            rows,
+            [local(p) for p in params],
+            [local(p.grad) for p in params],
+            [tuple(None if s is None else local(s) for s in row) for row in rows],
             steps,
             group_index,
             stream,
+            noise,
         )
+        if self._dtensors:
+            entry.written += [p for p in params if not p.is_inference()]
+            entry.buffers += list(params) + rows
+            entry.params = params  # (their .grad: torch's scaler protocol unscales them)
+            entry.groups = _dist.mesh_groups(params)
         entry.key = key
         self._entry = entry
         return entry
@@ -641,7 +684,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for i, group in enumerate(groups):
             where = f" (saved param group {i})"
             _check_rounding(group["rounding"])
-            _check_state_dtype(group["state_dtype"])
+            group["state_dtype"] = _check_state_dtype(group["state_dtype"])
             check_seed(group["seed"], f"seed{where}")
             _check_flags(group, where)
             self._check_group(group, i)
@@ -743,7 +786,7 @@ class AdamW(_FusedOptimizer):
         where = "" if index is None else f" (param group {index})"
         if group.get("amsgrad") and (
             group.get("rounding") in ("kahan", "remainder")
-            or group.get("state_dtype", torch.float32) != torch.float32
+            or _STATE_DTYPE_NAMES.get(group.get("state_dtype", "float32")) != "float32"
         ):
             raise ValueError(
                 f"amsgrad{where}: the per-tensor AMSGrad path supports rounding 'stochastic',"

@@ -1,0 +1,301 @@
+"""DTensor support (FSDP2, tensor parallel) and noise keyed to the global element.
+
+A ``torch.distributed.tensor.DTensor`` has no storage of its own (``data_ptr()`` is 0): every
+kernel works on its local piece (``to_local()``), and an element's place in the random stream
+is its place in the full, unsharded tensor, so the bits never depend on the rank, the shard
+shape or the optimizer partition:
+
+* the local piece of a DTensor must be one contiguous range of the full tensor's row-major
+  order (``Shard(0)``, as FSDP2 shards, uneven and empty pieces included; ``Replicate()``; a
+  ``Shard(d)`` whose leading dimensions are 1): its stream start is the flat index of its first
+  element, ``global row start * row size``, from ``compute_local_shape_and_global_offset``.
+  Other placements (``Shard(1)`` of a matrix, ``Partial``) raise ``ValueError``.
+* a replicated piece starts at 0 on every rank: replicas draw the same noise and never drift.
+
+Parameter identity in the optimizers (``stream_base``): parameter ``i`` of an optimizer's
+parameter order (every group, in order, with or without a gradient) starts at the sum of the
+full sizes (``numel()``) of parameters ``0..i-1``; ``assign_stream_offsets(params)`` sets that
+start on the parameter objects themselves, from a list the caller chooses (the model's
+``parameters()``), which an optimizer given only part of the model (a
+``ZeroRedundancyOptimizer`` partition) then uses. Keep the order and shapes of that list
+stable across a resume: the seed and step counts are in the state dict, the order is not.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+__all__ = ["assign_stream_offsets"]
+
+_TAG = "_srround_stream_offset"
+
+
+def dtensor_type():
+    """``DTensor`` if ``torch.distributed.tensor`` is imported (else no DTensor can exist)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def is_dtensor(t) -> bool:
+    kind = dtensor_type()
+    return kind is not None and isinstance(t, kind)
+
+
+def any_dtensor(tensors) -> bool:
+    kind = dtensor_type()
+    return kind is not None and any(isinstance(t, kind) for t in tensors)
+
+
+def local(t):
+    """The local piece of a DTensor (``to_local()`` without the autograd node), else ``t``."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def locals_of(tensors, name: str) -> list:
+    """Local pieces of a list that is all DTensors or all plain tensors (``ValueError``
+    naming the first odd one otherwise); ``None`` entries stay."""
+    kind = dtensor_type()
+    if kind is None:
+        return list(tensors)
+    tensors = list(tensors)
+    flags = [isinstance(t, kind) for t in tensors if t is not None]
+    if not any(flags):
+        return tensors
+    if not all(flags):
+        i = next(i for i, t in enumerate(tensors) if t is not None and not isinstance(t, kind))
+        raise ValueError(
+            f"{name}[{i}]: a plain tensor in a list of DTensors; pass all DTensors (one"
+            " sharded model) or all plain tensors"
+        )
+    return [None if t is None else t._local_tensor for t in tensors]
+
+
+def _mesh_text(t) -> str:
+    return f"{t.device_mesh} {tuple(t.placements)}"
+
+
+def global_start(t, name: str) -> int:
+    """Flat index, in the full tensor, of the first element of DTensor ``t``'s local piece
+    (0 for a plain tensor). ``ValueError`` if the piece is not one contiguous range of the full
+    tensor's row-major order or a placement is ``Partial`` (pending reduction)."""
+    if not is_dtensor(t):
+        return 0
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in t.placements:
+        if isinstance(placement, Partial):
+            raise ValueError(
+                f"{name}: a DTensor with a Partial placement ({_mesh_text(t)}) holds unreduced"
+                " values; redistribute it to Shard/Replicate first"
+            )
+    shape = tuple(t.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(
+        t.shape, t.device_mesh, t.placements
+    )
+    local_shape, offset = tuple(local_shape), tuple(offset)
+    if tuple(t._local_tensor.shape) != local_shape:
+        raise ValueError(
+            f"{name}: local piece of shape {tuple(t._local_tensor.shape)}, but its placements"
+            f" ({_mesh_text(t)}) give {local_shape}"
+        )
+    if math.prod(local_shape) == 0:
+        return 0
+    # contiguous in the full row-major order: full extent after the last split dimension,
+    # extent 1 before it
+    split = max((d for d in range(len(shape)) if local_shape[d] != shape[d]), default=0)
+    if any(local_shape[d] != 1 for d in range(split)):
+        raise ValueError(
+            f"{name}: the local piece of this DTensor ({_mesh_text(t)}, global shape"
+            f" {shape}, local {local_shape}) is not one contiguous range of the full tensor,"
+            " so its elements cannot be keyed to their global positions; shard on dim 0"
+            " (Shard(0), as FSDP2 does) or replicate"
+        )
+    start, stride = 0, 1
+    for d in reversed(range(len(shape))):
+        start += offset[d] * stride
+        stride *= shape[d]
+    return start
+
+
+def assign_stream_offsets(params) -> int:
+    """Key the optimizers' noise of ``params`` (e.g. ``model.parameters()``) to this order.
+
+    Parameter ``i`` gets stream start ``sum(params[j].numel() for j < i)`` (full, unsharded
+    sizes), stored on the parameter object; srround's optimizers then use it instead of their
+    own parameter order. Needed where an optimizer holds part of the model, as each rank's
+    partition of a ``ZeroRedundancyOptimizer``: every rank calls it with the same list, before
+    the first step. Call it again after ``fully_shard`` (which replaces the parameters).
+
+    Returns:
+        the total number of elements (the next free stream start).
+    """
+    start = 0
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params[{i}]: expected a tensor, got {type(p).__name__}")
+        setattr(p, _TAG, start)
+        start += p.numel()
+    return start
+
+
+def stream_bases(params) -> dict:
+    """``id(p) -> stream start`` of every parameter of an optimizer, in its parameter order
+    (``params``: all of them, every group): the ``assign_stream_offsets`` tags where every
+    parameter has one, else the prefix sums of the full sizes."""
+    tags = [getattr(p, _TAG, None) for p in params]
+    if all(t is not None for t in tags):
+        return {id(p): t for p, t in zip(params, tags)}
+    if any(t is not None for t in tags):
+        i = next(i for i, t in enumerate(tags) if t is None)
+        raise ValueError(
+            f"params[{i}]: has no stream offset, but other parameters of this optimizer do;"
+            " call assign_stream_offsets with a list that holds every parameter"
+        )
+    bases, start = {}, 0
+    for p in params:
+        bases.setdefault(id(p), start)
+        start += p.numel()
+    return bases
+
+
+def check_group(params, first_index: int = 0) -> bool:
+    """Check one param group: all DTensors on one device mesh, or all plain tensors (clear
+    ``ValueError`` otherwise). Returns whether they are DTensors."""
+    kind = dtensor_type()
+    if kind is None or not params:
+        return False
+    flags = [isinstance(p, kind) for p in params]
+    if not any(flags):
+        return False
+    if not all(flags):
+        i = flags.index(False)
+        raise ValueError(
+            f"params[{first_index + i}]: a plain tensor in a param group of DTensors; shard the"
+            " whole model (or none of it) or put it in another optimizer"
+        )
+    mesh = params[0].device_mesh
+    for i, p in enumerate(params):
+        if p.device_mesh != mesh:
+            raise ValueError(
+                f"params[{first_index + i}]: on device mesh {p.device_mesh}, but"
+                f" params[{first_index}] is on {mesh}; one mesh per param group"
+            )
+        global_start(p, f"params[{first_index + i}]")
+    return True
+
+
+def check_grad(p, i: int):
+    """The local gradient of parameter ``p`` (``i``: its index in the error message):
+    a DTensor gradient for a DTensor parameter with the same mesh and placements, a plain one
+    for a plain parameter."""
+    g = p.grad
+    p_dt, g_dt = is_dtensor(p), is_dtensor(g)
+    if g_dt and not p_dt:
+        raise ValueError(
+            f"grads[{i}]: a DTensor gradient ({_mesh_text(g)}) for a plain parameter;"
+            " the parameter and its gradient must both be DTensors or both plain"
+        )
+    if p_dt and not g_dt:
+        raise ValueError(
+            f"grads[{i}]: a plain gradient for a DTensor parameter ({_mesh_text(p)});"
+            " the parameter and its gradient must both be DTensors or both plain"
+        )
+    if not p_dt:
+        return g
+    if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+        raise ValueError(
+            f"grads[{i}]: placed as {_mesh_text(g)}, its parameter as {_mesh_text(p)};"
+            " redistribute the gradient to the parameter's placements"
+        )
+    return g._local_tensor
+
+
+def mesh_groups(tensors) -> list:
+    """The process groups of every dimension of the device meshes of DTensors ``tensors``
+    (deduplicated, in order)."""
+    kind = dtensor_type()
+    if kind is None:
+        return []
+    groups, seen = [], set()
+    for t in tensors:
+        if isinstance(t, kind) and id(t.device_mesh) not in seen:
+            seen.add(id(t.device_mesh))
+            mesh = t.device_mesh
+            for d in range(mesh.ndim):
+                group = mesh.get_group(d)
+                if all(group is not g for g in groups):
+                    groups.append(group)
+    return groups
+
+
+def all_reduce_max(flags, groups) -> None:
+    """All-reduce ``flags`` (a float32 tensor) with MAX over every group in ``groups``, in
+    place and on the device: the ranks agree on an overflow without a host sync (as torch's
+    ``ShardedGradScaler``)."""
+    if not groups:
+        return
+    import torch.distributed as dist
+
+    for group in groups:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+
+
+def like_dtensor(local_tensor, like):
+    """A DTensor of ``like``'s mesh, placements, shape and stride around ``local_tensor``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local_tensor,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def check_same_layout(t, like, name: str, like_name: str) -> None:
+    """``t`` and ``like`` both DTensors with one mesh and placements, or both plain."""
+    t_dt, like_dt = is_dtensor(t), is_dtensor(like)
+    if t_dt != like_dt:
+        raise ValueError(
+            f"{name}: is a {'DTensor' if t_dt else 'plain tensor'} but {like_name} is a"
+            f" {'DTensor' if like_dt else 'plain tensor'}; pass both as DTensors or both plain"
+        )
+    if t_dt and (
+        t.device_mesh != like.device_mesh or tuple(t.placements) != tuple(like.placements)
+    ):
+        raise ValueError(
+            f"{name}: placed as {_mesh_text(t)}, but {like_name} as {_mesh_text(like)}"
+        )
+
+
+def shard_like(buf, p, name: str):
+    """State ``buf`` laid out as parameter ``p``: a full plain tensor (a state dict saved
+    without sharding) becomes ``p``'s local piece wrapped as a DTensor like ``p``; a DTensor
+    for a plain parameter is an error."""
+    if is_dtensor(p) == is_dtensor(buf):
+        return buf
+    if is_dtensor(buf):
+        raise ValueError(
+            f"{name}: a DTensor state ({_mesh_text(buf)}) for a plain parameter; load the"
+            " state dict with the parameters sharded as they were saved, or full_tensor() it"
+        )
+    if tuple(buf.shape) != tuple(p.shape):
+        raise ValueError(f"{name}: shape {tuple(buf.shape)}, its parameter {tuple(p.shape)}")
+    piece = p._local_tensor
+    start = global_start(p, name)
+    flat = buf.detach().reshape(-1)[start : start + piece.numel()]
+    return like_dtensor(flat.reshape(piece.shape).to(piece.device).clone(), p)
+
+
+def cache_key(groups, params, grads):
+    """The optimizers' table cache key for DTensor parameters: the parameter count of every
+    group, then the addresses of the local pieces of every parameter and gradient (0: none)."""
+    ptrs = [local(p).data_ptr() for p in params]
+    grad_ptrs = [0 if g is None else local(g).data_ptr() for g in grads]
+    return ([len(g["params"]) for g in groups], ptrs, grad_ptrs)

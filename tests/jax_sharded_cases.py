@@ -1,0 +1,333 @@
+"""Sharded checks of the JAX adapter on 8 forced CPU devices, run in a subprocess by
+``tests/test_jax_sharding.py`` (``XLA_FLAGS`` must be set before jax is imported):
+``python -m tests.jax_sharded_cases CASE``. Each case compares the sharded results (``jit``
+with ``NamedSharding``, and ``shard_map``) bit for bit with the unsharded call and checks that
+output shardings equal input shardings."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from srround.adapters import jax as sj  # noqa: E402
+
+KEY = jax.random.key(11)
+
+# (mesh shape, axis names, [(array shape, spec), ...]): 1, 2, 4, 8 devices, 1-D and 2-D
+# meshes, uneven splits (10 rows over 4 or 8 devices), replicated and split dimensions
+LAYOUTS = [
+    ((1,), ("x",), [((6, 5), P("x"))]),
+    ((2,), ("x",), [((6, 5), P("x")), ((4, 6), P(None, "x"))]),
+    ((4,), ("x",), [((10, 3), P("x")), ((5, 8), P(None, "x")), ((7,), P())]),
+    ((8,), ("x",), [((10, 3), P("x")), ((16,), P("x"))]),
+    ((2, 4), ("x", "y"), [((6, 8), P("x", "y")), ((10, 4), P("y", "x")), ((8, 2), P(("x", "y")))]),
+    ((4, 2), ("x", "y"), [((8, 6), P("x", None)), ((4, 4), P(None, ("y", "x")))]),
+]
+# shard_map needs even splits
+EVEN = [
+    ((1,), ("x",), [((6, 5), P("x"))]),
+    ((2,), ("x",), [((6, 5), P("x")), ((4, 6), P(None, "x"))]),
+    ((4,), ("x",), [((8, 3), P("x")), ((5, 8), P(None, "x")), ((7,), P())]),
+    ((8,), ("x",), [((16,), P("x"))]),
+    ((2, 4), ("x", "y"), [((6, 8), P("x", "y")), ((8, 4), P("y", "x")), ((8, 2), P(("x", "y")))]),
+]
+
+
+def _mesh(shape, names):
+    """A mesh with automatic (not explicit) axes: uneven splits are allowed under jit."""
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, names)
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view({4: np.uint32, 2: np.uint16}[a.dtype.itemsize])
+
+
+def _same(got, expected, what):
+    g, e = _bits(got), _bits(expected)
+    if g.shape != e.shape or not np.array_equal(g, e):
+        raise AssertionError(f"{what}: sharded bits differ from the unsharded call")
+
+
+def _same_sharding(out, x, what):
+    if not out.sharding.is_equivalent_to(x.sharding, x.ndim):
+        raise AssertionError(f"{what}: output sharding {out.sharding} != input {x.sharding}")
+
+
+_COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce")
+
+
+def _collectives(fn, *args):
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return {op: text.count(op + "(") + text.count(op + "-start(") for op in _COLLECTIVES}
+
+
+def _no_gather(fn, *args, what, reference=None):
+    """Nothing is gathered: the compiled program has no more collectives than ``reference``
+    (a plain cast under the same sharding constraints; none by default)."""
+    got = _collectives(fn, *args)
+    allowed = _collectives(reference, *args) if reference else dict.fromkeys(_COLLECTIVES, 0)
+    if any(got[op] > allowed[op] for op in _COLLECTIVES):
+        raise AssertionError(f"{what}: collectives {got}, a plain cast needs {allowed}")
+
+
+def _uneven(shape, spec, mesh) -> bool:
+    for n, entry in zip(shape, spec):
+        if entry is None:
+            continue
+        names = (entry,) if isinstance(entry, str) else entry
+        if n % int(np.prod([mesh.shape[a] for a in names])):
+            return True
+    return False
+
+
+def _put(x, sharding):
+    """``x`` with ``sharding``: committed with ``device_put``, or for an uneven split (which
+    ``device_put`` refuses) a jit input whose sharding is constrained inside the program."""
+    return jax.device_put(x, sharding)
+
+
+def _data(shape, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 3, shape)).astype(np.float32)
+
+
+def case_functional():
+    for mesh_shape, names, arrays in LAYOUTS:
+        mesh = _mesh(mesh_shape, names)
+        for i, (shape, spec) in enumerate(arrays):
+            what = f"mesh {mesh_shape} array {shape} {spec}"
+            x = _data(shape, i)
+            u = _data(shape, i + 50) * np.float32(1e-2)
+            w = jnp.asarray(x).astype(jnp.bfloat16)
+            sharding = NamedSharding(mesh, spec)
+            if _uneven(shape, spec, mesh):
+                _check_uneven(x, u, w, sharding, what)
+                continue
+            xs, us, ws = (jax.device_put(a, sharding) for a in (jnp.asarray(x), u, w))
+            fns = {
+                "stochastic_round": lambda a, k: sj.stochastic_round(a, seed=k, offset=5),
+                "round_nearest": lambda a, k: sj.round_nearest(a, dtype="float16"),
+                "to_float32": lambda a, k: sj.to_float32(a.astype(jnp.bfloat16)),
+            }
+            for name, fn in fns.items():
+                expected = jax.jit(fn)(jnp.asarray(x), KEY)
+                got = jax.jit(fn)(xs, KEY)
+                _same(got, expected, f"{name} {what}")
+                _same_sharding(got, xs, f"{name} {what}")
+                _no_gather(fn, xs, KEY, what=f"{name} {what}")
+
+            def add(w, u, k):
+                return sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3)
+
+            expected = jax.jit(add)(w, jnp.asarray(u), KEY)
+            got = jax.jit(add)(ws, us, KEY)
+            _same(got, expected, f"stochastic_add {what}")
+            _same_sharding(got, ws, f"stochastic_add {what}")
+    print("functional ok")
+
+
+def _check_uneven(x, u, w, sharding, what):
+    """An uneven split (padded shards) of an intermediate inside jit: the same bits, nothing
+    gathered."""
+
+    def rnd(a, k):
+        a = jax.lax.with_sharding_constraint(a, sharding)
+        return jax.lax.with_sharding_constraint(sj.stochastic_round(a, seed=k, offset=5), sharding)
+
+    def add(w, u, k):
+        w = jax.lax.with_sharding_constraint(w, sharding)
+        u = jax.lax.with_sharding_constraint(u, sharding)
+        out = sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3)
+        return jax.lax.with_sharding_constraint(out, sharding)
+
+    x, u = jnp.asarray(x), jnp.asarray(u)
+    _same(jax.jit(rnd)(x, KEY), sj.stochastic_round(x, seed=KEY, offset=5), f"uneven {what}")
+    expected = sj.stochastic_add(w, u, alpha=0.5, seed=KEY, offset=3)
+    _same(jax.jit(add)(w, u, KEY), expected, f"uneven add {what}")
+
+    def cast(a, k):
+        a = jax.lax.with_sharding_constraint(a, sharding)
+        return jax.lax.with_sharding_constraint(a.astype(jnp.bfloat16), sharding)
+
+    # the jit output of an uneven split is gathered at the end: no more than for a cast
+    _no_gather(rnd, x, KEY, what=f"uneven {what}", reference=cast)
+
+
+def case_shard_map():
+    for mesh_shape, names, arrays in EVEN:
+        mesh = _mesh(mesh_shape, names)
+        for i, (shape, spec) in enumerate(arrays):
+            what = f"mesh {mesh_shape} array {shape} {spec}"
+            x = jnp.asarray(_data(shape, i))
+            u = jnp.asarray(_data(shape, i + 50) * np.float32(1e-2))
+            w = x.astype(jnp.bfloat16)
+            for impl in ("native", "callback"):
+
+                def rnd(a, k, spec=spec, impl=impl):
+                    return sj.stochastic_round(a, seed=k, offset=5, shard_spec=spec, impl=impl)
+
+                def add(w, u, k, spec=spec, impl=impl):
+                    return sj.stochastic_add(
+                        w, u, alpha=0.5, seed=k, offset=3, shard_spec=spec, impl=impl
+                    )
+
+                smap = jax.jit(jax.shard_map(rnd, mesh=mesh, in_specs=(spec, P()), out_specs=spec))
+                _same(smap(x, KEY), sj.stochastic_round(x, seed=KEY, offset=5), f"round {what}")
+                smap = jax.jit(
+                    jax.shard_map(add, mesh=mesh, in_specs=(spec, spec, P()), out_specs=spec)
+                )
+                expected = sj.stochastic_add(w, u, alpha=0.5, seed=KEY, offset=3)
+                _same(smap(w, u, KEY), expected, f"add {impl} {what}")
+    print("shard_map ok")
+
+
+def _tree(mesh_shape, names, arrays, seed=0):
+    params = {f"p{i}": _data(s, seed + i).astype(jnp.bfloat16) for i, (s, _) in enumerate(arrays)}
+    params["f32"] = _data((3,), seed + 9)  # a float32 leaf, replicated
+    grads = {k: _data(np.shape(v), seed + 20 + i) for i, (k, v) in enumerate(params.items())}
+    specs = {f"p{i}": spec for i, (_, spec) in enumerate(arrays)}
+    specs["f32"] = P()
+    return params, grads, specs
+
+
+def case_optim():
+    for index, (mesh_shape, names, arrays) in enumerate(EVEN):
+        last = index == len(EVEN) - 1  # the 2-D mesh: every variant there, the basics elsewhere
+        even = True
+        mesh = _mesh(mesh_shape, names)
+        params, grads, specs = _tree(mesh_shape, names, arrays)
+        params = jax.tree.map(jnp.asarray, params)
+        grads = jax.tree.map(jnp.asarray, grads)
+        put = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+        ps = {k: jax.device_put(v, put[k]) for k, v in params.items()}
+        gs = {k: jax.device_put(v, put[k]) for k, v in grads.items()}
+        what = f"mesh {mesh_shape} {list(specs.values())}"
+        updates = jax.tree.map(lambda g: g * jnp.float32(1e-2), grads)
+        us = jax.tree.map(lambda g: g * jnp.float32(1e-2), gs)
+
+        def apply(p, u, k):
+            return sj.apply_updates(p, u, k, step=3)
+
+        expected = jax.jit(apply)(params, updates, KEY)
+        got = jax.jit(apply)(ps, us, KEY)
+        for k in params:
+            _same(got[k], expected[k], f"apply_updates {k} {what}")
+            _same_sharding(got[k], ps[k], f"apply_updates {k} {what}")
+        for state_dtype in (jnp.float32, jnp.bfloat16) if last else (jnp.float32,):
+            tx = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype)
+            state = tx.init(params)
+            e_params, e_state = jax.jit(tx.step)(grads, state, params)
+            s_state = tx.init(ps)  # the states take the params' shardings
+            g_params, g_state = jax.jit(tx.step)(gs, s_state, ps)
+            for k in params:
+                _same(g_params[k], e_params[k], f"adamw {k} {what}")
+                _same_sharding(g_params[k], ps[k], f"adamw {k} {what}")
+                _same(g_state.exp_avg[k], e_state.exp_avg[k], f"adamw m {k} {what}")
+                _same_sharding(g_state.exp_avg[k], ps[k], f"adamw m {k} {what}")
+            if not even:
+                continue
+            # inside shard_map with shard_specs
+            tx_s = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype, shard_specs=specs)
+            state_specs = type(state)(P(), specs, specs, specs)
+            fn = jax.shard_map(
+                tx_s.step,
+                mesh=mesh,
+                in_specs=(specs, state_specs, specs),
+                out_specs=(specs, state_specs),
+            )
+            m_params, m_state = jax.jit(fn)(gs, s_state, ps)
+            for k in params:
+                _same(m_params[k], e_params[k], f"adamw shard_map {k} {what}")
+                _same(m_state.exp_avg_sq[k], e_state.exp_avg_sq[k], f"shard_map v {k} {what}")
+        if even:
+            for impl in ("native", "callback") if last or index == 1 else ("native",):
+
+                def apply_s(p, u, k, impl=impl):
+                    return sj.apply_updates(p, u, k, step=3, impl=impl, shard_specs=specs)
+
+                fn = jax.shard_map(
+                    apply_s, mesh=mesh, in_specs=(specs, specs, P()), out_specs=specs
+                )
+                got = jax.jit(fn)(ps, us, KEY)
+                for k in params:
+                    _same(got[k], expected[k], f"apply_updates shard_map {impl} {k} {what}")
+    # an uneven split (padded shards) inside jit: the same bits as the unsharded update
+    mesh = _mesh((4,), ("x",))
+    shardings = {"a": NamedSharding(mesh, P("x")), "b": NamedSharding(mesh, P(None, "x"))}
+    params = {"a": jnp.asarray(_data((10, 3), 1)).astype(jnp.bfloat16)}
+    params["b"] = jnp.asarray(_data((3, 6), 2)).astype(jnp.bfloat16)
+    updates = {k: jnp.asarray(_data(v.shape, 7)) * 1e-2 for k, v in params.items()}
+
+    def apply_uneven(p, u, k):
+        p = jax.lax.with_sharding_constraint(p, shardings)
+        u = jax.lax.with_sharding_constraint(u, shardings)
+        return jax.lax.with_sharding_constraint(sj.apply_updates(p, u, k, step=2), shardings)
+
+    got = jax.jit(apply_uneven)(params, updates, KEY)
+    expected = sj.apply_updates(params, updates, KEY, step=2)
+    for k in params:
+        _same(got[k], expected[k], f"apply_updates uneven {k}")
+    print("optim ok")
+
+
+def case_loss_scale():
+    mesh = _mesh((4,), ("x",))
+    grads = {"a": jnp.ones((8, 2)), "b": jnp.ones(8).at[5].set(jnp.inf)}
+    spec = {"a": P("x"), "b": P("x")}
+    ls = sj.DynamicLossScale(jnp.float32(2.0**10))
+
+    def step(grads, ls):
+        finite = sj.all_finite(grads, axis_name="x")
+        return finite, ls.adjust(finite)
+
+    fn = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(spec, P()), out_specs=(P(), P()), check_vma=False)
+    )
+    finite, new = fn(grads, ls)
+    assert not bool(finite) and float(new.loss_scale) == 2.0**9, (finite, new)
+    gs = jax.device_put(grads, {k: NamedSharding(mesh, s) for k, s in spec.items()})
+    finite = jax.jit(sj.all_finite)(gs)
+    assert not bool(finite)
+    print("loss_scale ok")
+
+
+def case_errors():
+    """Leaves on different meshes: a clear error naming both, before anything runs."""
+    a = jax.device_put(jnp.ones(8, jnp.bfloat16), NamedSharding(_mesh((4,), ("x",)), P("x")))
+    devices = np.array(jax.devices()[4:]).reshape(4)
+    b = jax.device_put(
+        jnp.ones(8, jnp.bfloat16), NamedSharding(jax.sharding.Mesh(devices, ("x",)), P("x"))
+    )
+    try:
+        sj.apply_updates([a, b], [jnp.ones(8), jnp.ones(8)], 0)
+    except ValueError as exc:
+        assert "params[1]: on mesh" in str(exc) and "params[0]" in str(exc), exc
+    else:
+        raise AssertionError("no error for leaves on different meshes")
+    tx = sj.adamw(1e-3)
+    try:
+        tx.step([a, b], tx.init([a, a]), [a, a])
+    except ValueError as exc:
+        assert "grads[1]: on mesh" in str(exc), exc
+    else:
+        raise AssertionError("no error for grads on different meshes")
+    print("errors ok")
+
+
+if __name__ == "__main__":
+    assert len(jax.devices()) == 8, jax.devices()
+    for name in sys.argv[1:]:
+        globals()[f"case_{name}"]()

@@ -1,0 +1,196 @@
+"""optax conventions of the JAX optimizers: ``adamw`` and ``sgd`` are optax
+``GradientTransformation`` s with optax's signatures and defaults (optax's own update tests,
+adapted), the stochastic write-back is reachable through ``update`` + ``optax.apply_updates``,
+``apply_updates`` broadcasts like optax, and bad input gets clear errors."""
+
+from __future__ import annotations
+
+import inspect
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+
+import srround  # noqa: E402
+from srround.adapters import jax as sj  # noqa: E402
+
+SHAPES = [(33,), (7, 5), (3,)]
+SEED = 0x1234_5678_9ABC
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view({4: np.uint32, 2: np.uint16}[a.dtype.itemsize])
+
+
+def _same(got, expected):
+    assert np.asarray(got).dtype == np.asarray(expected).dtype
+    np.testing.assert_array_equal(_bits(got), _bits(expected))
+
+
+def _params(dtypes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(d) for s, d in zip(SHAPES, dtypes)]
+
+
+def _grads(t):
+    rng = np.random.default_rng(100 + t)
+    return [(rng.standard_normal(s) * 1e-1).astype(np.float32) for s in SHAPES]
+
+
+def test_signatures_and_defaults_are_optax():
+    for ours, theirs in ((sj.adamw, optax.adamw), (sj.sgd, optax.sgd)):
+        a, b = inspect.signature(ours).parameters, inspect.signature(theirs).parameters
+        for name, param in b.items():
+            assert name in a, name
+            assert a[name].default == param.default, name
+            assert a[name].kind == param.kind or param.kind == param.KEYWORD_ONLY, name
+        assert list(a)[: len(b)] == [n for n in b if b[n].kind != b[n].KEYWORD_ONLY] + [
+            n for n in b if b[n].kind == b[n].KEYWORD_ONLY
+        ]
+    tx = sj.adamw(1e-3)
+    assert isinstance(tx, optax.GradientTransformation)
+    assert tx.config["wd"] == 1e-4
+    state = tx.init([jnp.zeros(3)])
+    assert isinstance(state, tuple) and state._fields == ("count", "exp_avg", "exp_avg_sq", "aux")
+
+
+@pytest.mark.parametrize("kw", [{}, {"nesterov": True}, {"eps_root": 1e-8}])
+def test_adamw_float32_tracks_optax_adamw(kw):
+    """optax's own adamw test idea (optax/_src/alias_test.py): float32 params follow
+    optax.adamw within float32 rounding of the same math (another operation order), with
+    mask, nesterov and eps_root."""
+    params = {"w": jnp.asarray(_params([np.float32] * 3)[1]), "b": jnp.ones(3)}
+    mask = {"w": True, "b": False}
+    otx = optax.adamw(1e-2, weight_decay=0.1, mask=mask, **kw)
+    tx = sj.adamw(1e-2, weight_decay=0.1, mask=mask, **kw)
+    ostate, state = otx.init(params), tx.init(params)
+    ref, ours = params, params
+    for t in range(5):
+        g = {"w": jnp.asarray(_grads(t)[1]), "b": jnp.full(3, 0.5)}
+        u, ostate = otx.update(g, ostate, ref)
+        ref = optax.apply_updates(ref, u)
+        ours, state = tx.step(g, state, ours)
+    for k in params:
+        np.testing.assert_allclose(ours[k], ref[k], rtol=1e-5, atol=1e-6)
+    # the mask: "b" decays only through its gradient; without the mask it would differ
+    assert float(jnp.abs(ours["b"] - ref["b"]).max()) < 1e-6
+
+
+def test_adamw_update_then_optax_apply_updates_is_the_fused_step():
+    params = [jnp.asarray(p) for p in _params([ml_dtypes.bfloat16, np.float16, ml_dtypes.bfloat16])]
+    tx = sj.adamw(1e-2, seed=SEED)
+    state = tx.init(params)
+    grads = [jnp.asarray(g) for g in _grads(0)]
+    fused, _ = tx.step(grads, state, params)
+    chain = optax.chain(optax.clip_by_global_norm(1e9), tx)  # last in a chain
+    updates, _ = jax.jit(chain.update)(grads, chain.init(params), params)
+    for a, b in zip(optax.apply_updates(params, updates), fused):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+@pytest.mark.parametrize("state", ["none", "fp32", "bf16", "nesterov"])
+def test_sgd_is_sgd_step(impl, state):
+    dtypes = [ml_dtypes.bfloat16, np.float32, np.float16]
+    params = _params(dtypes)
+    momentum = None if state == "none" else 0.9
+    acc = jnp.bfloat16 if state == "bf16" else None
+    nesterov = state == "nesterov"
+    tx = sj.sgd(1e-1, momentum, nesterov, acc, seed=SEED, impl=impl)
+    ps = [jnp.asarray(p) for p in params]
+    st = tx.init(ps)
+    step = jax.jit(tx.step)
+    P = [p.copy() for p in params]
+    npd = ml_dtypes.bfloat16 if state == "bf16" else np.float32
+    B = None if momentum is None else [np.zeros(p.shape, npd) for p in P]
+    for t in range(3):
+        ps, st = step([jnp.asarray(g) for g in _grads(t)], st, ps)
+        srround.sgd_step(
+            P,
+            _grads(t),
+            B,
+            lr=1e-1,
+            momentum=momentum or 0.0,
+            nesterov=nesterov,
+            step=t + 1,
+            seed=SEED,
+        )
+    for a, b in zip(ps, P):
+        _same(a, b)
+    if B is not None:
+        for a, b in zip(st.momentum_buffer, B):
+            _same(a, b)
+    assert int(st.count) == 3
+
+
+def test_sgd_float32_tracks_optax_sgd():
+    params = [jnp.asarray(p) for p in _params([np.float32] * 3)]
+    otx, tx = optax.sgd(0.1, 0.9, True), sj.sgd(0.1, 0.9, True)
+    ostate, state = otx.init(params), tx.init(params)
+    ref, ours = params, params
+    for t in range(4):
+        g = [jnp.asarray(x) for x in _grads(t)]
+        u, ostate = otx.update(g, ostate, ref)
+        ref = optax.apply_updates(ref, u)
+        ours, state = tx.step(g, state, ours)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # fma vs multiply-add
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+def test_apply_updates_broadcasts_like_optax(impl):
+    params = {"w": jnp.ones((2, 3), jnp.bfloat16), "f": jnp.ones(3), "z": None}
+    updates = {"w": jnp.float32(1e-3), "f": jnp.float32(0.5), "z": None}  # scalars
+    out = sj.apply_updates(params, updates, jax.random.key(0), impl=impl)
+    ref = optax.apply_updates(params, updates)
+    assert jax.tree.structure(out) == jax.tree.structure(ref)
+    assert out["w"].shape == (2, 3) and out["w"].dtype == jnp.bfloat16
+    _same(out["f"], ref["f"])
+    full = sj.apply_updates(params, {**updates, "w": jnp.full((2, 3), 1e-3)}, jax.random.key(0))
+    _same(out["w"], full["w"])  # a broadcast update is the full one
+    row = sj.apply_updates(params, {**updates, "w": jnp.full((3,), 1e-3)}, jax.random.key(0))
+    _same(row["w"], full["w"])
+    with pytest.raises(ValueError, match=r"updates\[1\]: shape \(4,\) does not broadcast"):
+        sj.apply_updates(params, {**updates, "w": jnp.ones(4)}, 0)
+
+
+def test_bad_input_errors():
+    p = [jnp.ones(4, jnp.bfloat16)]
+    with pytest.raises(TypeError, match="seed: expected a single threefry PRNG key"):
+        sj.apply_updates(p, [jnp.ones(4)], jax.random.key(0, impl="rbg"))
+    with pytest.raises(TypeError, match="seed: expected a single threefry PRNG key"):
+        sj.stochastic_round(jnp.ones(4), seed=jax.random.split(jax.random.key(0)))
+    with pytest.raises(TypeError, match="seed: expected a PRNG key"):
+        sj.stochastic_round(jnp.ones(4), seed=jnp.zeros(4, jnp.uint32))
+    dead = jnp.ones(4, jnp.bfloat16)
+    dead.delete()
+    with pytest.raises(ValueError, match=r"params\[0\]: the array was deleted"):
+        sj.apply_updates([dead], [jnp.ones(4)], 0)
+    with pytest.raises(ValueError, match=r"params\[0\]: the array was deleted"):
+        sj.adamw(1e-3).init([dead])
+    gone = jnp.ones(4)
+    gone.delete()
+    with pytest.raises(ValueError, match="x: the array was deleted"):
+        sj.stochastic_round(gone)
+    tx = sj.adamw(1e-3)
+    state = tx.init(p)
+    with pytest.raises(ValueError, match=r"grads\[0\]: the array was deleted"):
+        tx.step([gone], state, p)
+    with jax.enable_x64(True):
+        with pytest.raises(TypeError, match="float64"):
+            sj.stochastic_round(jnp.ones(4, jnp.float64))
+        with pytest.raises(TypeError, match=r"updates\[0\]: .*float64"):
+            sj.apply_updates(p, [jnp.ones(4, jnp.float64)], 0)
+        with pytest.raises(TypeError, match=r"params\[0\]: .*float64"):
+            sj.adamw(1e-3).init([jnp.ones(4, jnp.float64)])
+    with pytest.raises(ValueError, match="need impl='native'"):
+        sj.adamw(1e-3, nesterov=True, impl="callback")
+    with pytest.raises(ValueError, match="mask"):
+        sj.adamw(1e-3, mask={"a": True}).step([jnp.ones(4)], tx.init(p), p)
+    with pytest.raises(ValueError, match="nesterov"):
+        sj.sgd(1e-3, nesterov=True)

@@ -1,0 +1,465 @@
+"""srround's torch optimizers, GradScaler and functional calls under torch.distributed: FSDP2
+(``fully_shard``, DTensor parameters), DDP and ZeroRedundancyOptimizer, for real - the gloo
+backend, 2 processes on CPU (``torch.multiprocessing.spawn``).
+
+One spawn runs every scenario (process start and imports dominate); each test then checks the
+results the ranks saved against a 1-process run of the same training here."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import srround  # noqa: E402
+from srround.adapters.torch import AdamW, GradScaler, assign_stream_offsets  # noqa: E402
+
+WORLD = 2
+STEPS = 3
+SEED = 1234
+
+
+# -- the training every scenario and its 1-process reference share ---------------------------
+
+
+def _model(dtype=torch.bfloat16):
+    """Uneven shards on 2 ranks: 5 rows -> 3 + 2, 3 -> 2 + 1, 1 -> 1 + 0 (an empty piece)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Linear(3, 1)
+    ).to(dtype)
+
+
+def _batch(step, dtype=torch.bfloat16, rank=0):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 3, generator=g).to(dtype)
+
+
+def _train_step(model, opt, step, rank=0):
+    opt.zero_grad()
+    model(_batch(step, rank=rank)).float().pow(2).mean().backward()
+    opt.step()
+
+
+def _adamw(params):
+    return AdamW(params, lr=1e-2, seed=SEED, state_dtype=torch.bfloat16)
+
+
+def _full(t):
+    """A tensor's full value (a DTensor gathered), float32 on the CPU, as a NumPy array."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().float().cpu().numpy()
+
+
+def _reference():
+    """The 1-process training: plain tensors, plain srround AdamW."""
+    model = _model()
+    opt = _adamw(model.parameters())
+    for step in range(STEPS):
+        _train_step(model, opt, step)
+    params = [_full(p) for p in model.parameters()]
+    states = [_full(opt.state[p]["exp_avg"]) for p in model.parameters()]
+    return params, states
+
+
+# -- scenarios (run on every rank) -------------------------------------------------------------
+
+
+def _sharded_model():
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for layer in (model[0], model[2], model[3]):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _fsdp(rank, world, tmp):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    model = _sharded_model()
+    opt = _adamw(model.parameters())
+    for step in range(STEPS):
+        _train_step(model, opt, step)
+    p = model[0].weight
+    state = opt.state[p]["exp_avg"]
+    full_sd = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    out = {
+        "params": [_full(q) for q in model.parameters()],
+        "states": [_full(opt.state[q]["exp_avg"]) for q in model.parameters()],
+        "local_shapes": [tuple(q.to_local().shape) for q in model.parameters()],
+        "state_is_dtensor": isinstance(state, DTensor)
+        and state.placements == p.placements
+        and state.device_mesh == p.device_mesh,
+        "full_sd_exp_avg": _full(full_sd["state"]["0.weight"]["exp_avg"]) if rank == 0 else None,
+    }
+    # distributed checkpoint: save, go on one step; a fresh model and optimizer loaded from
+    # the checkpoint take the same step to the same bits
+    model_sd, optim_sd = get_state_dict(model, opt)
+    path = os.path.join(tmp, "dcp")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    _train_step(model, opt, STEPS)
+    resumed = _sharded_model()
+    resumed_opt = AdamW(resumed.parameters(), lr=1e-2, seed=0, state_dtype=torch.bfloat16)
+    model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(
+        resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    _train_step(resumed, resumed_opt, STEPS)
+    out["continued"] = [_full(q) for q in model.parameters()]
+    out["resumed"] = [_full(q) for q in resumed.parameters()]
+    return out
+
+
+def _ddp(rank, world, tmp):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_model())
+    opt = _adamw(model.parameters())
+    for step in range(STEPS):  # each rank its own batch: DDP averages the gradients
+        _train_step(model, opt, step, rank=rank)
+    return {"params": [_full(p) for p in model.parameters()]}
+
+
+def _zero(rank, world, tmp):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = _model()
+    assign_stream_offsets(model.parameters())
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(),
+        optimizer_class=AdamW,
+        lr=1e-2,
+        seed=SEED,
+        state_dtype=torch.bfloat16,
+    )
+    held = len(opt.optim.param_groups[0]["params"])
+    for step in range(STEPS):
+        _train_step(model, opt, step)
+    return {"params": [_full(p) for p in model.parameters()], "held": held}
+
+
+def _scaler(rank, world, tmp):
+    """An inf in rank 1's piece only: both ranks skip (the flag is all-reduced), both back off;
+    through the fused path and through an explicit unscale_."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for explicit in (False, True):
+        model = _model(torch.float32)
+        fully_shard(model)
+        opt = _adamw(model.parameters())
+        scaler = GradScaler("cpu", init_scale=16.0)
+        before = [_full(p) for p in model.parameters()]
+        scaler.scale(model(_batch(0, torch.float32)).pow(2).mean()).backward()
+        if rank == 1:
+            model[0].weight.grad.to_local()[0, 0] = float("inf")
+        if explicit:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        after = [_full(p) for p in model.parameters()]
+        out[explicit] = {
+            "unchanged": all(np.array_equal(a, b) for a, b in zip(before, after)),
+            "scale": scaler.get_scale(),
+        }
+    return out
+
+
+def _functional(rank, world, tmp):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.linspace(-3, 3, 15, dtype=torch.float32).reshape(5, 3) / 7
+    out = {}
+    for label, placement in (("shard", Shard(0)), ("replicate", Replicate())):
+        xd = distribute_tensor(x, mesh, [placement])
+        y = srround.stochastic_round(xd, seed=7, offset=11)
+        out[f"round_{label}"] = (type(y).__name__, _full(y))
+        w = distribute_tensor(x.to(torch.bfloat16), mesh, [placement])
+        srround.stochastic_add(w, xd, alpha=1e-3, seed=8)
+        out[f"add_{label}"] = _full(w)
+    g = distribute_tensor(torch.full((5, 3), 4.0), mesh, [Shard(0)])
+    if rank == 1:
+        g.to_local()[0, 0] = float("inf")
+    found = srround.unscale_and_check([g], 0.25)
+    local = g.to_local().clone()
+    local[torch.isinf(local)] = 1.0
+    out["unscale"] = (float(found.item()), bool((local == 1.0).all()))
+    return out
+
+
+def _errors(rank, world, tmp):
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    sub = init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b"))["b"]
+    out = {}
+
+    def error(fn):
+        try:
+            fn()
+        except (TypeError, ValueError) as e:
+            return str(e)
+        return None
+
+    def param(t):
+        return torch.nn.Parameter(t)
+
+    a = param(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    b = param(distribute_tensor(torch.ones(4, 2), sub, [Shard(0)]))
+    plain = param(torch.ones(3))
+    out["two_meshes"] = error(lambda: AdamW([a, b], seed=0))
+    out["mixed_params"] = error(lambda: AdamW([a, plain], seed=0))
+    # a DTensor gradient for a plain parameter: nothing written, no state created
+    q = param(torch.ones(4, 2))
+    opt = AdamW([param(torch.ones(3)), q], seed=0)
+    first = opt.param_groups[0]["params"][0]
+    first.grad = torch.ones(3)
+    q.grad = torch.zeros(4, 2)
+    q.grad = None
+    try:
+        q.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+        out["dtensor_grad"] = error(opt.step)
+        out["dtensor_grad_nothing_written"] = (
+            bool((first == 1).all()) and bool((q == 1).all()) and not opt.state
+        )
+    except RuntimeError as e:  # torch refusing the assignment itself is fine too
+        out["dtensor_grad"] = f"torch: {e}"
+        out["dtensor_grad_nothing_written"] = True
+    # Shard(1) of a matrix: the local piece is not one range of the full tensor
+    c = param(distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)]))
+    out["shard1"] = error(lambda: AdamW([c], seed=0))
+    # functional: mixed lists, DTensor input with a plain out=
+    g = distribute_tensor(torch.full((4, 2), 4.0), mesh, [Shard(0)])
+    out["mixed_grads"] = error(lambda: srround.unscale_and_check([g, torch.ones(2)], 0.5))
+    out["mixed_grads_nothing_written"] = bool((g.to_local() == 4.0).all())
+    x = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    out["plain_out"] = error(
+        lambda: srround.stochastic_round(x, out=torch.empty(2, 2, dtype=torch.bfloat16))
+    )
+    return out
+
+
+SCENARIOS = {
+    "fsdp": _fsdp,
+    "ddp": _ddp,
+    "zero": _zero,
+    "scaler": _scaler,
+    "functional": _functional,
+    "errors": _errors,
+}
+
+
+def _worker(rank, world, port, tmp):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:
+        for name, scenario in SCENARIOS.items():
+            try:
+                results[name] = scenario(rank, world, tmp)
+            except Exception:  # reported by the test of this scenario
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _warm_kernels():
+    """Compile here, once, the kernel configurations the ranks run (Numba's disk cache then
+    serves both processes instead of each compiling them on the shared cores)."""
+    _reference()
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = _adamw([p])
+    scaler = GradScaler("cpu")
+    for explicit in (False, True):
+        if explicit:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    x = torch.ones(4)
+    srround.stochastic_round(x, seed=0)
+    srround.stochastic_add(x.to(torch.bfloat16), x, seed=0)
+    srround.unscale_and_check([x], 0.5)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Every scenario's results, one dict per rank."""
+    import torch.multiprocessing as mp
+
+    _warm_kernels()
+
+    tmp = str(tmp_path_factory.mktemp("dist"))
+    mp.spawn(_worker, args=(WORLD, _free_port(), tmp), nprocs=WORLD)
+    return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+def _results(ranks, name):
+    out = [r[name] for r in ranks]
+    for r in out:
+        if isinstance(r, dict) and "error" in r:
+            pytest.fail(r["error"])
+    return out
+
+
+def _same_bits(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+def test_fsdp2_two_ranks_match_one_process(ranks, reference):
+    params, states = reference
+    for r in _results(ranks, "fsdp"):
+        _same_bits(r["params"], params)
+        _same_bits(r["states"], states)
+        assert r["state_is_dtensor"]  # optimizer states share the parameter's placements
+        _same_bits(r["resumed"], r["continued"])  # DCP save/load continues bit-identically
+        assert not np.array_equal(r["continued"][0], r["params"][0])
+    # FSDP2's full optimizer state dict (the DCP helpers) gathers the sharded states
+    _same_bits([_results(ranks, "fsdp")[0]["full_sd_exp_avg"]], [states[0]])
+    shapes = [r["local_shapes"] for r in _results(ranks, "fsdp")]
+    assert shapes[0][4] == (1, 3) and shapes[1][4] == (0, 3)  # uneven, an empty piece
+
+
+def test_fsdp2_training_moves_params(reference):
+    """The comparison above is not vacuous: the steps changed every parameter tensor."""
+    model = _model()
+    for p, start in zip(reference[0], model.parameters()):
+        assert not np.array_equal(p, _full(start))
+
+
+def test_ddp_replicas_stay_bit_identical(ranks):
+    r0, r1 = _results(ranks, "ddp")
+    _same_bits(r0["params"], r1["params"])
+
+
+def test_zero_redundancy_optimizer_matches_plain_adamw(ranks, reference):
+    for r in _results(ranks, "zero"):
+        assert 0 < r["held"] < 6  # each rank's local optimizer holds a part of the model
+        _same_bits(r["params"], reference[0])
+
+
+def test_grad_scaler_all_reduces_found_inf(ranks):
+    for r in _results(ranks, "scaler"):
+        for explicit in (False, True):
+            assert r[explicit]["unchanged"], explicit  # both ranks skipped
+            assert r[explicit]["scale"] == 8.0
+
+
+def test_functional_calls_on_dtensors(ranks):
+    x = torch.linspace(-3, 3, 15, dtype=torch.float32).reshape(5, 3) / 7
+    rounded = _full(srround.stochastic_round(x, seed=7, offset=11))
+    w = x.to(torch.bfloat16)
+    srround.stochastic_add(w, x, alpha=1e-3, seed=8)
+    for r in _results(ranks, "functional"):
+        for label in ("shard", "replicate"):
+            kind, y = r[f"round_{label}"]
+            assert kind == "DTensor"
+            _same_bits([y], [rounded])  # noise keyed to the global element
+            _same_bits([r[f"add_{label}"]], [_full(w)])
+    (found0, scaled0), (found1, scaled1) = (r["unscale"] for r in _results(ranks, "functional"))
+    assert scaled0 and scaled1  # the local pieces were unscaled
+    assert (found0, found1) == (0.0, 1.0)  # the functional call flags its own pieces
+
+
+def test_bad_distributed_input(ranks):
+    for r in _results(ranks, "errors"):
+        assert "one mesh per param group" in r["two_meshes"]
+        assert "plain tensor in a param group of DTensors" in r["mixed_params"]
+        assert "DTensor" in r["dtensor_grad"]
+        assert r["dtensor_grad_nothing_written"]
+        assert "not one contiguous range" in r["shard1"]
+        assert "grads[1]: a plain tensor in a list of DTensors" in r["mixed_grads"]
+        assert r["mixed_grads_nothing_written"]
+        assert "out: is a plain tensor but the input is a DTensor" in r["plain_out"]
+
+
+# -- the identity rule, in one process ---------------------------------------------------------
+
+
+def _pair(seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.nn.Parameter(torch.randn(7, 3, generator=gen).to(torch.bfloat16))
+    b = torch.nn.Parameter(torch.randn(11, generator=gen).to(torch.bfloat16))
+    grads = [torch.randn(7, 3, generator=gen).to(torch.bfloat16) * 1e-2 for _ in range(1)]
+    grads.append(torch.randn(11, generator=gen).to(torch.bfloat16) * 1e-2)
+    return a, b, grads
+
+
+def test_a_parameter_without_gradient_keeps_the_others_noise():
+    """Identity is the place in the optimizer's parameter order, with or without a gradient
+    (before: the prefix over parameters that had one, so b's noise moved when a had none)."""
+    a1, b1, (ga, gb) = _pair()
+    a2, b2, _ = _pair()
+    b1.grad, b2.grad, a2.grad = gb.clone(), gb.clone(), ga.clone()
+    AdamW([a1, b1], lr=1e-2, seed=SEED).step()
+    AdamW([a2, b2], lr=1e-2, seed=SEED).step()
+    assert torch.equal(b1.view(torch.int16), b2.view(torch.int16))
+
+
+def test_assign_stream_offsets_keys_a_partial_optimizer_to_the_model_order():
+    """What ZeroRedundancyOptimizer relies on: an optimizer holding b alone draws b's noise of
+    an optimizer holding [a, b]; without the offsets it draws a's."""
+    a1, b1, (ga, gb) = _pair()
+    a2, b2, _ = _pair()
+    a3, b3, _ = _pair()
+    a1.grad, b1.grad, b2.grad, b3.grad = ga.clone(), gb.clone(), gb.clone(), gb.clone()
+    AdamW([a1, b1], lr=1e-2, seed=SEED).step()
+    assert assign_stream_offsets([a2, b2]) == 21 + 11
+    AdamW([b2], lr=1e-2, seed=SEED).step()
+    AdamW([b3], lr=1e-2, seed=SEED).step()
+    assert torch.equal(b1.view(torch.int16), b2.view(torch.int16))
+    assert not torch.equal(b1.view(torch.int16), b3.view(torch.int16))
+    a3.grad = ga.clone()  # a3 untagged beside a tagged b2: the two orders could overlap
+    before = a3.detach().clone()
+    with pytest.raises(ValueError, match=r"params\[1\]: has no stream offset"):
+        AdamW([b2, a3], lr=1e-2, seed=SEED).step()
+    assert torch.equal(a3, before)
+
+
+def test_state_dtype_is_stored_by_name():
+    """Param groups hold plain values (the distributed state-dict helpers take no dtype)."""
+    opt = AdamW([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.bfloat16, seed=0)
+    assert opt.param_groups[0]["state_dtype"] == "bfloat16"
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="state_dtype"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "state_dtype": 3})
