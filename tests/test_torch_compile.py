@@ -155,3 +155,16 @@ def test_cuda_graph_capture_replays_the_step_with_fresh_noise():
     torch.cuda.synchronize()
     assert torch.equal(_bits(p), _bits(q))
     assert int(captured.state[p]["step"]) == int(eager.state[q]["step"]) == 4
+
+
+def test_generic_srround_calls_break_the_graph_instead_of_failing():
+    """Finding: any compiled region calling srround died with "exception table entry start
+    instruction has no offset" (Dynamo inside Numba's dispatcher), even with fullgraph=False.
+    The generic calls now run eagerly at a graph break, with the eager bits."""
+
+    @torch.compile(backend="aot_eager")
+    def f(x):
+        return srround.stochastic_round(x * 2, seed=1, offset=3).float() + 1
+
+    x = torch.randn(16)
+    assert torch.equal(f(x), srround.stochastic_round(x * 2, seed=1, offset=3).float() + 1)

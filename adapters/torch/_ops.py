@@ -17,12 +17,20 @@ argument is not needed: an int that changes makes Dynamo treat it as a dynamic s
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 from srround._rng import check_seed, split_seed
 
 from .optim import build_entry, run_entry
+
+# Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
+# fullgraph=False): skipping numba's files makes an srround call that is not one of these ops
+# (``srround.stochastic_round(tensor)``) a graph break that runs eagerly
+with contextlib.suppress(Exception):  # a private hook: without it, use the ops below
+    torch._dynamo.trace_rules.add("numba")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _CACHE: dict = {}  # fused_step: buffers' addresses -> entry (the few latest)
