@@ -158,8 +158,8 @@ def buffer_code(dtype, name: str) -> BufferCode:
 
 def buffer_dtypes(name: str) -> str:
     """The dtypes a tensor-list argument may have, in words: int16 only for ``aux`` (the
-    remainders of ``rounding="remainder"``)."""
-    words = ["float32", *FORMATS]
+    remainders of ``rounding="remainder"``); tensor lists take float32 and the 16-bit formats."""
+    words = ["float32", *(name for name, fmt in FORMATS.items() if fmt.bits == 16)]
     if name.startswith("aux"):
         return f"a {', '.join(words)} or int16 (remainder mode)"
     return f"a {', '.join(words[:-1])} or {words[-1]}"

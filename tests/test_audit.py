@@ -370,7 +370,7 @@ def test_bench_audit_smoke(tmp_path, minilm_like):
         [sys.executable, bench, *args, str(out)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads(out.read_text())["results"]
     assert [r["checkpoint"] for r in rows] == ["synthetic bfloat16", "model.safetensors"]
     assert rows[0]["weights"] > 100_000 and rows[0]["peak_rss_bytes"] > 0
     assert all(r["weights_per_s"] > 0 for r in rows)

@@ -335,6 +335,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         rebuilt at the next step."""
         super().__setstate__(state)
         self._entry = None
+        self._dtensors = any(_dist.check_group(group["params"]) for group in self.param_groups)
 
     # -- groups -----------------------------------------------------------------------------
 
