@@ -40,7 +40,6 @@ from ._numba_cuda_compat import import_numba_cuda
 from ._rng import lane_bits16, random_block
 from ._scalar import (
     add_stochastic,
-    bits_to_f32,
     decode,
     encode_nearest,
     encode_stochastic,
@@ -418,7 +417,7 @@ def _optim_step8(
             t - bstarts[k],
             starts[k + 1] - starts[k],
             steps[k],
-            bits_to_f32(inv_scale[0]),
+            inv_scale[0],
             (coefs[k, 0], coefs[k, 1], coefs[k, 2]),
             (hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4]),
             (k0, k1),

@@ -120,7 +120,7 @@ def _bits16(k0, k1, ctr, current, x0, x1):
 
 
 @njit(inline="always", cache=True)
-def update_block8(mode, state_fmt, row, b, size, step, scale, coefs, hyper, key):
+def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper, key):
     """Block ``b`` of one tensor (elements ``[b * STATE_BLOCK, ...)``, ``size`` in all) of an
     AdamW step with fp8 states, in place: the body both backends run.
 
@@ -128,12 +128,13 @@ def update_block8(mode, state_fmt, row, b, size, step, scale, coefs, hyper, key)
         mode: the ``Mode``; state_fmt: the states' ``BufferCode`` (an fp8 code).
         row: the tensor's ``(p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr, aux_addr, noise,
             s1_scale_addr, s2_scale_addr)`` (``Column`` values).
-        step: the tensor's step count (after the increment); scale: float32 gradient
-            multiplier; coefs: float32 ``(c0, c1, c2)`` (``prepare_coefs``); hyper: the
+        step: the tensor's step count (after the increment); scale_bits: float32 bits of the
+            gradient multiplier; coefs: float32 ``(c0, c1, c2)`` (``prepare_coefs``); hyper: the
             group's hyperparameter columns 1-4; key: the Threefry key ``(k0, k1)``.
     """
     p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr, aux_addr, noise, s1_scales, s2_scales = row
     k0, k1 = key
+    scale = bits_to_f32(scale_bits)
     formats = (p_fmt, g_fmt, state_fmt)
     buffers = (p_addr, g_addr, s1_addr, s2_addr, aux_addr)
     coefs = (np.float32(coefs[0]), np.float32(coefs[1]), np.float32(coefs[2]))
@@ -197,7 +198,6 @@ def step8_cpu(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k0,
         coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
             ADAMW, steps[k], h[0], h[1], h[2], h[3], h[4]
         )
-    scale = bits_to_f32(inv_scale[0])
     for t in prange(bstarts[-1]):
         k = find_tensor(bstarts, t)
         r = table[k]
@@ -220,7 +220,7 @@ def step8_cpu(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k0,
             t - bstarts[k],
             starts[k + 1] - starts[k],
             steps[k],
-            scale,
+            inv_scale[0],
             (coefs[k, 0], coefs[k, 1], coefs[k, 2]),
             (h[1], h[2], h[3], h[4]),
             (k0, k1),
