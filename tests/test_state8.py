@@ -201,3 +201,61 @@ def test_fp8_state_errors_before_any_write():
     with pytest.raises(ValueError, match="overlap|share"):
         srround.adamw_step(params, grads, m, s, **{**good, "exp_avg_sq_scales": ms})
     assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(m, before))
+
+
+def test_torch_adamw_fp8_states_equal_the_functional_step():
+    """srround's torch AdamW with fp8 moments: the functional step's bits over two steps, the
+    scales in its state, a state dict that resumes bit-identically; SGD refuses fp8."""
+    torch = pytest.importorskip("torch")
+    from srround.adapters.torch import SGD, AdamW
+
+    params, grads, *_ = _problem(sizes=[300, 5])
+    p_np = [x.copy() for x in params]
+    m = [np.zeros(x.size, E4M3) for x in params]
+    s = [np.zeros(x.size, E4M3) for x in params]
+    ms = [np.zeros(_blocks(x.size), np.float32) for x in params]
+    vs = [np.zeros(_blocks(x.size), np.float32) for x in params]
+    tp = [
+        torch.nn.Parameter(torch.from_numpy(x.view(np.uint16).copy()).view(torch.bfloat16))
+        for x in params
+    ]
+    opt = AdamW(tp, **HYPER, state_dtype=torch.float8_e4m3fn, seed=SEED)
+    for p, g in zip(tp, grads):
+        p.grad = torch.from_numpy(g.view(np.uint16).copy()).view(torch.bfloat16)
+    for step in (1, 2):
+        if step == 2:  # a restored optimizer continues with the same bits
+            saved = opt.state_dict()
+            opt = AdamW(tp, **HYPER, state_dtype=torch.float8_e4m3fn, seed=0)
+            opt.load_state_dict(saved)
+        opt.step()
+        srround.adamw_step(
+            p_np,
+            grads,
+            m,
+            s,
+            **HYPER,
+            step=step,
+            seed=SEED,
+            exp_avg_scales=ms,
+            exp_avg_sq_scales=vs,
+        )
+    for i, p in enumerate(tp):
+        st = opt.state[p]
+        np.testing.assert_array_equal(
+            p.detach().view(torch.uint16).numpy(), p_np[i].view(np.uint16)
+        )
+        np.testing.assert_array_equal(st["exp_avg"].view(torch.uint8).numpy(), m[i].view(np.uint8))
+        np.testing.assert_array_equal(
+            st["exp_avg_sq"].view(torch.uint8).numpy(), s[i].view(np.uint8)
+        )
+        np.testing.assert_array_equal(st["exp_avg_scale"].numpy(), ms[i])
+        np.testing.assert_array_equal(st["exp_avg_sq_scale"].numpy(), vs[i])
+    with pytest.raises(ValueError, match="state_dtype: float8 states .* AdamW's only"):
+        SGD(tp, lr=0.1, momentum=0.9, state_dtype=torch.float8_e4m3fn)
+    fp32 = torch.optim.AdamW(tp, **HYPER)  # no state_dtype key: the optimizer's own (fp8)
+    fp32.step()
+    with pytest.raises(
+        ValueError, match=r"state_dtype: exp_avg of a parameter is torch\.bfloat16, and float8"
+    ):
+        opt.load_state_dict(fp32.state_dict())
+        opt.step()
