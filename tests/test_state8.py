@@ -259,3 +259,47 @@ def test_torch_adamw_fp8_states_equal_the_functional_step():
     ):
         opt.load_state_dict(fp32.state_dict())
         opt.step()
+
+
+def test_jax_adamw_fp8_states_equal_the_functional_step():
+    """The JAX AdamW (callback into the Numba step) with fp8 moments: the functional bits,
+    state leaves ``(moments, scales)``; the jax.lax path refuses fp8 states."""
+    jnp = pytest.importorskip("jax.numpy")
+    from srround.adapters import jax as sjax
+
+    params, grads, *_ = _problem(sizes=[300, 5])
+    p_np = [x.copy() for x in params]
+    m, s = ([np.zeros(x.size, E5M2) for x in params] for _ in range(2))
+    ms, vs = ([np.zeros(_blocks(x.size), np.float32) for x in params] for _ in range(2))
+    lr, (b1, b2), eps, wd = HYPER["lr"], HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]
+    tx = sjax.adamw(
+        lr, b1, b2, eps, weight_decay=wd, seed=SEED, state_dtype=jnp.float8_e5m2, impl="callback"
+    )
+    tree = {"a": jnp.asarray(params[0]), "b": jnp.asarray(params[1])}
+    gtree = {"a": jnp.asarray(grads[0]), "b": jnp.asarray(grads[1])}
+    state = tx.init(tree)
+    for step in (1, 2):
+        tree, state = tx.step(gtree, state, tree)
+        srround.adamw_step(
+            p_np,
+            grads,
+            m,
+            s,
+            **HYPER,
+            step=step,
+            seed=SEED,
+            exp_avg_scales=ms,
+            exp_avg_sq_scales=vs,
+        )
+    for i, key in enumerate("ab"):
+        np.testing.assert_array_equal(
+            np.asarray(tree[key]).view(np.uint16), p_np[i].view(np.uint16)
+        )
+        for (q, sc), want_q, want_s in (
+            (state.exp_avg[key], m[i], ms[i]),
+            (state.exp_avg_sq[key], s[i], vs[i]),
+        ):
+            np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
+            np.testing.assert_array_equal(np.asarray(sc), want_s)
+    with pytest.raises(ValueError, match="state_dtype: float8_e4m3fn .* need impl='callback'"):
+        sjax.adamw(lr, state_dtype=jnp.float8_e4m3fn)

@@ -67,7 +67,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from srround import _optim
+from srround import _optim, _state8
 from srround._formats import FORMATS
 
 from ._api import _key_words
@@ -788,11 +788,26 @@ class FusedOptimizer(_Base):
 FusedAdamW = FusedOptimizer  # the name of earlier releases
 
 
-def _state_dtype(dtype, name: str):
+_FP8_STATES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _state_dtype(dtype, name: str, fp8: bool = False):
     dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise TypeError(f"{name}: expected float32 or bfloat16, got {dtype}")
-    return dtype
+    if dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) or (fp8 and dtype in _FP8_STATES):
+        return dtype
+    extra = ", float8_e4m3fn or float8_e5m2" if fp8 else ""
+    raise TypeError(f"{name}: expected float32, bfloat16{extra}, got {dtype}")
+
+
+def _state_zeros(p, dtype):
+    """A zero state for leaf ``p``: an array like ``p`` (keeping a sharded leaf's sharding), or
+    for fp8 states the pair ``(moments, float32 block scales)`` (``srround.STATE_BLOCK``)."""
+    if dtype in _FP8_STATES:
+        return (
+            jnp.zeros(p.shape, dtype),
+            jnp.zeros((-(-p.size // _state8.STATE_BLOCK),), jnp.float32),
+        )
+    return jnp.zeros_like(p, dtype)
 
 
 def _aux_for(rounding, p):
@@ -857,9 +872,9 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
         for _, dtype, _ in states:
             if dtype is None:
                 buffers.append(jax.tree_util.tree_map(lambda p: None, params))
-            else:  # zeros_like keeps a sharded leaf's sharding
+            else:
                 buffers.append(
-                    jax.tree_util.tree_map(lambda p, d=dtype: jnp.zeros_like(p, d), params)
+                    jax.tree_util.tree_map(lambda p, d=dtype: _state_zeros(p, d), params)
                 )
         aux = jax.tree_util.tree_unflatten(treedef, [_aux_for(rounding, p) for p in leaves])
         return state_type(jnp.zeros((), jnp.int32), *buffers, aux)
@@ -893,9 +908,14 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
                     "shard_specs: impl='callback' runs srround's NumPy step on whole leaves;"
                     " inside shard_map with split leaves use impl='native'"
                 )
+            blocked = [col for col in s_leaves if col and isinstance(col[0], tuple)]
+            if blocked:  # fp8 states: (moments, scales) pairs as four columns, then paired
+                s_leaves = [[x[part] for x in col] for part in (0, 1) for col in s_leaves]
             outs = _callback_step(
                 host, p_leaves, g_leaves, s_leaves, a_leaves, t, lr_t, k0, k1, inv_scale
             )
+            if blocked:
+                outs = [(o[0], (o[1], o[3]), (o[2], o[4]), o[5]) for o in outs]
 
         def unflat(i):
             return jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
@@ -968,7 +988,8 @@ def adamw(
         eps_root: added inside that square root (optax's; native only when nonzero).
         weight_decay: decoupled weight decay, multiplied by the learning rate (default 1e-4,
             as optax).
-        mu_dtype: dtype of the first moment, float32 or bfloat16 (default: ``state_dtype``).
+        mu_dtype: dtype of the first moment, float32 or bfloat16 (default: ``state_dtype``;
+            fp8 states: ``state_dtype`` only).
         mask: as optax: a pytree of bools like params (or a function of params giving one);
             weight decay applies where True. Native only.
         nesterov: optax's Nesterov momentum. Native only.
@@ -977,7 +998,10 @@ def adamw(
         rounding: ``"stochastic"``, ``"nearest"``, ``"kahan"``, ``"master"`` or
             ``"remainder"`` (bf16 parameters only), for bf16/fp16 leaves; float32 leaves are
             always updated exactly.
-        state_dtype: ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded moments).
+        state_dtype: ``jnp.float32``, ``jnp.bfloat16`` or fp8 (``jnp.float8_e4m3fn``,
+            ``jnp.float8_e5m2``; ``impl="callback"``): stochastically rounded moments. An fp8
+            state leaf is the pair ``(moments, float32 block scales)``, the second moment in
+            the square-root domain (``docs/contracts.md``, "fp8 states").
         impl: ``"native"`` (default) or ``"callback"`` (``srround.adamw_step`` on the host).
         shard_specs: when the step runs inside ``shard_map``: the partition specs of the
             params (a spec or a pytree prefix, as ``in_specs``; grads and states split alike),
@@ -990,9 +1014,15 @@ def adamw(
         stochastically rounded params) and the fused ``tx.step(grads, state, params) ->
         (params, state)``.
     """
-    state_dtype = _state_dtype(state_dtype, "state_dtype")
+    state_dtype = _state_dtype(state_dtype, "state_dtype", fp8=True)
     mu_dtype = state_dtype if mu_dtype is None else _state_dtype(mu_dtype, "mu_dtype")
     impl_ = _impl(impl)
+    fp8 = state_dtype in _FP8_STATES
+    if fp8 and impl_ != "callback":
+        raise ValueError(
+            f"state_dtype: {state_dtype} (block-scaled) states need impl='callback' (the"
+            " jax.lax path takes float32 or bfloat16 states)"
+        )
     variant = (bool(nesterov), float(eps_root))
     if impl_ == "callback" and (mask is not None or any(variant) or mu_dtype != state_dtype):
         raise ValueError(
@@ -1011,11 +1041,13 @@ def adamw(
         return _update, (rounding, (mu_dtype, state_dtype), constants, variant), extras
 
     def host(ps, gs, sts, aux, lr_h, t_h, seed_h, scale_h):
+        scales = dict(exp_avg_scales=sts[2], exp_avg_sq_scales=sts[3]) if fp8 else {}
         _host("adamw_step")(
             ps,
             gs,
             sts[0],
             sts[1],
+            **scales,
             lr=lr_h,
             betas=(b1, b2),
             eps=float(eps),
