@@ -70,8 +70,10 @@ def block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind):
     y = f32_to_bits(bits_to_f32(u) * bits_to_f32(multiplier))
     sign = y & 0x80000000
     a = y & _F32_ABS
-    if a > _F32_INF:  # NaN: all ones (torch's fp8 casts); fp4 has no NaN: torchao's 0b0011
-        return (sign >> (31 - m - e)) | (((1 << (m + e)) - 1) if kind != 2 else 0x3)
+    if a > _F32_INF:  # NaN (a NaN ``u``, or inf * 0 in a NaN block): all ones (torch's fp8
+        # casts; fp4 has no NaN: torchao's 0b0011), with the sign of ``u`` - the sign of a
+        # NaN product differs between CPUs and GPUs
+        return ((u >> 31) << (m + e)) | (((1 << (m + e)) - 1) if kind != 2 else 0x3)
     if a > max_bits:
         y = sign | max_bits
     if stochastic:
@@ -81,8 +83,10 @@ def block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind):
 
 @njit(inline="always", cache=True)
 def element_value(h, scale_bits, m, e, kind):
-    """fp32 bits of element pattern ``h`` times the fp32 scale (bits)."""
-    return f32_to_bits(bits_to_f32(decode(h, m, e, kind)) * bits_to_f32(scale_bits))
+    """fp32 bits of element pattern ``h`` times the fp32 scale (bits); a NaN result is the
+    quiet NaN 0x7FC00000 (which NaN a product keeps differs between CPUs and GPUs)."""
+    v = f32_to_bits(bits_to_f32(decode(h, m, e, kind)) * bits_to_f32(scale_bits))
+    return v if (v & _F32_ABS) <= _F32_INF else 0x7FC00000
 
 
 @njit(inline="always", cache=True)
