@@ -96,6 +96,19 @@ def _run(problem, step, **kwargs):
     return params, m, s, ms, vs
 
 
+def _functional_two_steps(params, grads, dtype):
+    """``(params, m, s, m scales, s scales)`` after steps 1 and 2 of ``adamw_step`` from zero
+    fp8 states: the reference of the framework optimizers."""
+    zero = (
+        params,
+        grads,
+        *([np.zeros(x.size, dtype) for x in params] for _ in range(2)),
+        *([np.zeros(_blocks(x.size), np.float32) for x in params] for _ in range(2)),
+    )
+    first = _run(zero, 1)
+    return _run((first[0], grads, *first[1:]), 2)
+
+
 def _assert_same(got, want):
     for name, a, b in zip(("params", "exp_avgs", "exp_avg_sqs", "m scales", "v scales"), got, want):
         for i, (x, y) in enumerate(zip(a, b)):
@@ -210,11 +223,7 @@ def test_torch_adamw_fp8_states_equal_the_functional_step():
     from srround.adapters.torch import SGD, AdamW
 
     params, grads, *_ = _problem(sizes=[300, 5])
-    p_np = [x.copy() for x in params]
-    m = [np.zeros(x.size, E4M3) for x in params]
-    s = [np.zeros(x.size, E4M3) for x in params]
-    ms = [np.zeros(_blocks(x.size), np.float32) for x in params]
-    vs = [np.zeros(_blocks(x.size), np.float32) for x in params]
+    p_np, m, s, ms, vs = _functional_two_steps(params, grads, E4M3)
     tp = [
         torch.nn.Parameter(torch.from_numpy(x.view(np.uint16).copy()).view(torch.bfloat16))
         for x in params
@@ -228,17 +237,6 @@ def test_torch_adamw_fp8_states_equal_the_functional_step():
             opt = AdamW(tp, **HYPER, state_dtype=torch.float8_e4m3fn, seed=0)
             opt.load_state_dict(saved)
         opt.step()
-        srround.adamw_step(
-            p_np,
-            grads,
-            m,
-            s,
-            **HYPER,
-            step=step,
-            seed=SEED,
-            exp_avg_scales=ms,
-            exp_avg_sq_scales=vs,
-        )
     for i, p in enumerate(tp):
         st = opt.state[p]
         np.testing.assert_array_equal(
@@ -261,36 +259,24 @@ def test_torch_adamw_fp8_states_equal_the_functional_step():
         opt.step()
 
 
-def test_jax_adamw_fp8_states_equal_the_functional_step():
-    """The JAX AdamW (callback into the Numba step) with fp8 moments: the functional bits,
-    state leaves ``(moments, scales)``; the jax.lax path refuses fp8 states."""
+@pytest.mark.parametrize("impl", ["native", "callback"])
+def test_jax_adamw_fp8_states_equal_the_functional_step(impl):
+    """The JAX AdamW with fp8 moments (jax.lax, and the callback into the Numba step): the
+    functional bits, state leaves ``(moments, scales)``; combinations it refuses."""
     jnp = pytest.importorskip("jax.numpy")
     from srround.adapters import jax as sjax
 
     params, grads, *_ = _problem(sizes=[300, 5])
-    p_np = [x.copy() for x in params]
-    m, s = ([np.zeros(x.size, E5M2) for x in params] for _ in range(2))
-    ms, vs = ([np.zeros(_blocks(x.size), np.float32) for x in params] for _ in range(2))
+    p_np, m, s, ms, vs = _functional_two_steps(params, grads, E5M2)
     lr, (b1, b2), eps, wd = HYPER["lr"], HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]
     tx = sjax.adamw(
-        lr, b1, b2, eps, weight_decay=wd, seed=SEED, state_dtype=jnp.float8_e5m2, impl="callback"
+        lr, b1, b2, eps, weight_decay=wd, seed=SEED, state_dtype=jnp.float8_e5m2, impl=impl
     )
     tree = {"a": jnp.asarray(params[0]), "b": jnp.asarray(params[1])}
     gtree = {"a": jnp.asarray(grads[0]), "b": jnp.asarray(grads[1])}
     state = tx.init(tree)
-    for step in (1, 2):
+    for _ in range(2):
         tree, state = tx.step(gtree, state, tree)
-        srround.adamw_step(
-            p_np,
-            grads,
-            m,
-            s,
-            **HYPER,
-            step=step,
-            seed=SEED,
-            exp_avg_scales=ms,
-            exp_avg_sq_scales=vs,
-        )
     for i, key in enumerate("ab"):
         np.testing.assert_array_equal(
             np.asarray(tree[key]).view(np.uint16), p_np[i].view(np.uint16)
@@ -301,5 +287,6 @@ def test_jax_adamw_fp8_states_equal_the_functional_step():
         ):
             np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
             np.testing.assert_array_equal(np.asarray(sc), want_s)
-    with pytest.raises(ValueError, match="state_dtype: float8_e4m3fn .* need impl='callback'"):
-        sjax.adamw(lr, state_dtype=jnp.float8_e4m3fn)
+    for bad in (dict(nesterov=True), dict(mu_dtype=jnp.float32)):
+        with pytest.raises(ValueError, match="state_dtype: float8_e4m3fn .* states take neither"):
+            sjax.adamw(lr, state_dtype=jnp.float8_e4m3fn, impl=impl, **bad)

@@ -492,7 +492,7 @@ def _f32(bits):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _mul_bits(a, b):
+def mul_bits(a, b):
     """float32 bits of ``a * b`` (bits in, bits out), one rounding, subnormals kept."""
     return _fma_bits(a, b, jnp.full(jnp.broadcast_shapes(a.shape, b.shape), _NEG_ZERO, _U32))
 
@@ -532,12 +532,18 @@ def _nv_block_scale(amax, ts, ceil: bool):
     return code, lax.bitcast_convert_type(multiplier, _U32)
 
 
-def _block_element(u, multiplier, bf, bits16):
-    """Element patterns (``_block_kernels.block_element``): ``u * multiplier`` clamped to the
-    element format's +-max and rounded (saturating); NaN as the kernels write it."""
-    el = bf.element
+def element_value(h, scale, el: Format):
+    """fp32 patterns of element patterns ``h`` (format ``el``) times the fp32 ``scale``
+    patterns, NaN as 0x7FC00000 (``_block_kernels.element_value``)."""
+    out = mul_bits(_decode(h, el), scale)
+    return jnp.where((out & _ABS32) > _INF32, _U32(0x7FC00000), out)
+
+
+def block_element(u, multiplier, el: Format, bits16):
+    """Element patterns of format ``el`` (``_block_kernels.block_element``): ``u *
+    multiplier`` clamped to +-max and rounded (saturating); NaN as the kernels write it."""
     max_bits = int(np.float32(el.max_finite).view(np.uint32))
-    y = _mul_bits(u, multiplier)
+    y = mul_bits(u, multiplier)
     sign, a = y & _U32(0x80000000), y & _ABS32
     width = el.mantissa_bits + el.exponent_bits
     nan = ((u >> 31) << width) | _U32((1 << width) - 1 if el.specials != 2 else 0x3)
@@ -571,7 +577,7 @@ def native_quantize_blocks(
     if stochastic:
         index = _element_index(shape).reshape(blocked)
         bits16 = _random16(k0, k1, first_lo, first_hi, lane0, index)
-    h = _block_element(u, multiplier, bf, bits16)
+    h = block_element(u, multiplier, bf.element, bits16)
     scale_shape = shape[:axis] + (n // bf.block,) + shape[axis + 1 :]
     scales = code.astype(jnp.uint8).reshape(scale_shape)
     scales = lax.bitcast_convert_type(
@@ -611,9 +617,8 @@ def native_dequantize_blocks(data, scales, tensor, *, fmt_name, axis):
     code = _bits(scales, jnp.uint8).astype(_U32).reshape(outer, n // bf.block, 1, inner)
     if bf.two_level:
         ts = jnp.broadcast_to(_bits(tensor.reshape(()), _U32), code.shape)
-        scale = _mul_bits(_decode(code, _E4M3), ts)
+        scale = mul_bits(_decode(code, _E4M3), ts)
     else:
         scale = jnp.where(code == 255, _U32(0x7FC00000), _pow2_bits(code.astype(jnp.int32) - 127))
-    out = _mul_bits(_decode(h, bf.element), jnp.broadcast_to(scale, h.shape))
-    out = jnp.where((out & _ABS32) > _INF32, _U32(0x7FC00000), out)
+    out = element_value(h, jnp.broadcast_to(scale, h.shape), bf.element)
     return lax.bitcast_convert_type(out, jnp.float32).reshape(shape)

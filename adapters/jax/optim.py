@@ -72,7 +72,18 @@ from srround._formats import FORMATS
 
 from ._api import _key_words
 from ._callback import _callback, _host, _origin_arg, _runs, _seed_of
-from ._lax import _decode, _element_index, _encode, _random16, _shard_layout, _threefry2x32, _u
+from ._lax import (
+    _decode,
+    _element_index,
+    _encode,
+    _random16,
+    _shard_layout,
+    _threefry2x32,
+    _u,
+    block_element,
+    element_value,
+    mul_bits,
+)
 
 __all__ = ["AdamWState", "SGDState", "adamw", "apply_updates", "sgd"]
 
@@ -228,6 +239,13 @@ def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg
     return update(cfg, *arrays, bits, *extra)
 
 
+def _dtypes(x):
+    """The dtype of a leaf's buffer (a tuple of them for an fp8 state pair; None: absent)."""
+    if isinstance(x, tuple):
+        return tuple(jnp.dtype(e.dtype) for e in x)
+    return None if x is None else jnp.dtype(x.dtype)
+
+
 def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=None):
     """``update(cfg, *arrays, bits, *extra)`` (a tuple of arrays or ``None``) for every leaf:
     ``columns`` holds per input a list of nonempty leaves (``None`` where absent), leaf ``k``
@@ -267,7 +285,7 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     sizes = [x.size for x in columns[0]]
     for k, size in enumerate(sizes):
         if size <= _SMALL and layouts[k] is None:
-            key = tuple(None if c[k] is None else jnp.dtype(c[k].dtype) for c in columns)
+            key = tuple(_dtypes(c[k]) for c in columns)
             runs = groups.setdefault(key, [[]])
             if runs[-1] and sum(sizes[i] for i in runs[-1]) + size > _GROUP:
                 runs.append([])
@@ -684,6 +702,64 @@ def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     return p_new, m_new, v_new, a_new
 
 
+def _state8_scale(amax, max_bits: int):
+    """``(scale, 1 / scale)`` bits per block (``_state8.state_scale``)."""
+    k = (amax >> 23).astype(jnp.int32) - (max_bits >> 23)
+    k = k + ((amax & 0x7FFFFF) > (max_bits & 0x7FFFFF)).astype(jnp.int32)
+    k = jnp.clip(k, -126, 127)
+    return _u(k + 127) << 23, _u(127 - k) << 23
+
+
+def _update8(cfg, p, g, m, v, a, bits, coefs, inv_scale):
+    """One leaf of an AdamW step with fp8 states (``_state8.update_block8``): ``m``, ``v`` are
+    ``(moments, float32 block scales)``, the second moment stored as ``sqrt(v)``; ``cfg`` =
+    (rounding, state format name, constants). Returns (p, m, v, aux)."""
+    mode, fmt_name, constants = cfg
+    fmt = FORMATS[fmt_name]
+    n, block = p.size, _state8.STATE_BLOCK
+    nb = -(-n // block)
+
+    def blocks(x):  # flat, zero-padded, [blocks, STATE_BLOCK]
+        return jnp.pad(x.reshape(-1), (0, nb * block - n)).reshape(nb, block)
+
+    def per_block(scales):
+        return jnp.broadcast_to(scales.reshape(nb, 1), (nb, block))
+
+    def read(state):
+        h = lax.bitcast_convert_type(state[0], jnp.uint8).astype(_U32)
+        return element_value(blocks(h), per_block(_b32(state[1])), fmt)
+
+    def write(x_bits, stream):
+        a = x_bits & 0x7FFFFFFF
+        amax = jnp.max(jnp.where(a < 0x7F800000, a, _U32(0)), axis=1)
+        scale, multiplier = _state8_scale(amax, max_bits)
+        q = block_element(x_bits, per_block(multiplier), fmt, blocks(bits(stream)))
+        q = q.reshape(-1)[:n].astype(jnp.uint8).reshape(p.shape)
+        return lax.bitcast_convert_type(q, jnp.dtype(fmt.numpy_dtype)), _f32(scale)
+
+    max_bits = int(np.float32(fmt.max_finite).view(np.uint32))
+    name = _NARROW.get(jnp.dtype(p.dtype))
+    p_bits = _widen_bits(p)
+    aux_bits = _aux_bits(mode, a) if name and a is not None else None
+    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
+    g = _f32(_widen_bits(g))
+    if inv_scale is not None:
+        g = g * inv_scale
+    s_bits = read(v)
+    new, m_new, v_new = _adamw_math(
+        blocks(_f32(old)),
+        blocks(g),
+        _f32(read(m)),
+        _f32(mul_bits(s_bits, s_bits)),
+        coefs,
+        constants,
+    )
+    m_out, v_out = write(_b32(m_new), 1), write(_b32(jnp.sqrt(v_new)), 2)
+    new = new.reshape(-1)[:n].reshape(p.shape)
+    p_new, a_new = _write_back(mode, p, a, aux_bits, old, new, bits)
+    return p_new, m_out, v_out, a_new
+
+
 def _write_back(mode, p, a, aux_bits, old, new, bits):
     """(new param, new aux) of a leaf from its float32 update ``new`` (``_optim.weight_write``;
     float32 leaves: ``new`` itself)."""
@@ -999,7 +1075,8 @@ def adamw(
             ``"remainder"`` (bf16 parameters only), for bf16/fp16 leaves; float32 leaves are
             always updated exactly.
         state_dtype: ``jnp.float32``, ``jnp.bfloat16`` or fp8 (``jnp.float8_e4m3fn``,
-            ``jnp.float8_e5m2``; ``impl="callback"``): stochastically rounded moments. An fp8
+            ``jnp.float8_e5m2``; no nesterov, eps_root, shard_specs): stochastically rounded
+            moments. An fp8
             state leaf is the pair ``(moments, float32 block scales)``, the second moment in
             the square-root domain (``docs/contracts.md``, "fp8 states").
         impl: ``"native"`` (default) or ``"callback"`` (``srround.adamw_step`` on the host).
@@ -1018,12 +1095,12 @@ def adamw(
     mu_dtype = state_dtype if mu_dtype is None else _state_dtype(mu_dtype, "mu_dtype")
     impl_ = _impl(impl)
     fp8 = state_dtype in _FP8_STATES
-    if fp8 and impl_ != "callback":
-        raise ValueError(
-            f"state_dtype: {state_dtype} (block-scaled) states need impl='callback' (the"
-            " jax.lax path takes float32 or bfloat16 states)"
-        )
     variant = (bool(nesterov), float(eps_root))
+    if fp8 and (any(variant) or shard_specs is not None or mu_dtype != state_dtype):
+        raise ValueError(
+            f"state_dtype: {state_dtype} (block-scaled) states take neither nesterov, eps_root,"
+            " shard_specs nor another mu_dtype"
+        )
     if impl_ == "callback" and (mask is not None or any(variant) or mu_dtype != state_dtype):
         raise ValueError(
             "impl='callback' runs srround.adamw_step (torch's AdamW): mask, nesterov, eps_root"
@@ -1038,6 +1115,8 @@ def adamw(
         without = (_no_decay(coefs), inv_scale)
         flags = _mask_leaves(mask, params, treedef)
         extras = [with_decay if f else without for f in flags]
+        if fp8:
+            return _update8, (rounding, state_dtype.name, constants), extras
         return _update, (rounding, (mu_dtype, state_dtype), constants, variant), extras
 
     def host(ps, gs, sts, aux, lr_h, t_h, seed_h, scale_h):

@@ -32,12 +32,13 @@ column of a matrix) takes a slower path: a contiguous working copy, refreshed be
 back after each step, so it gets exactly the bits a contiguous parameter would.
 
 State per parameter (``optimizer.state[p]``): ``exp_avg``, ``exp_avg_sq`` (AdamW),
-``momentum_buffer`` (SGD with momentum), in ``state_dtype`` (float32 or bfloat16; bf16 states are
-written with stochastic rounding); the weight mode's buffer for bf16/fp16 parameters:
+``momentum_buffer`` (SGD with momentum), in ``state_dtype`` (float32 or bfloat16; AdamW also
+float8_e4m3fn / float8_e5m2, with ``exp_avg_scale`` / ``exp_avg_sq_scale`` block scales; narrow
+states are written with stochastic rounding); the weight mode's buffer for bf16/fp16 parameters:
 ``kahan_comp`` (parameter dtype), ``master_weight`` (float32) or ``remainder`` (int16); and
 ``step``: a 0-d int32 tensor (a view of one flat per-optimizer counter the kernel increments on
 the device; torch's optimizers keep a float32 tensor, and load this one). ``rounding``,
-``state_dtype`` (by name: ``"float32"``/``"bfloat16"``) and ``seed`` live in every param
+``state_dtype`` (by name: ``"float32"``, ``"bfloat16"``, ...) and ``seed`` live in every param
 group (one value per optimizer), so
 ``state_dict()`` carries the random stream: ``load_state_dict`` then continues bit-identically.
 A ``torch.optim.AdamW`` / ``SGD`` state dict loads too (the srround keys come from the
