@@ -63,6 +63,7 @@ from ._tensor_list import find_tensor, load_bits, store_bits
 STATE_BLOCK = 128  # elements per scale: 4 bytes of scale per 128 one-byte moments
 #: State buffer codes that take block scales.
 FP8_CODES = (BufferCode.FLOAT8_E4M3FN, BufferCode.FLOAT8_E5M2)
+E4M3 = int(BufferCode.FLOAT8_E4M3FN)
 _ABS, _INF = 0x7FFFFFFF, 0x7F800000
 
 
@@ -189,7 +190,9 @@ def step8_cpu(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k0,
     """One AdamW step with fp8 states over every tensor of ``table`` (``_elements.Column``):
     the prepare pass, then one ``prange`` iteration per block (``bstarts``: prefix sums of
     ``block_counts``); ``inv_scale``, ``found``: uint32[1] float32 patterns; a nonzero
-    ``found`` skips the step. ``mode`` and ``fmt`` are run-time values: one compiled kernel."""
+    ``found`` skips the step. ``mode`` and ``fmt`` are run-time values (one compiled kernel),
+    with one branch of constant formats for the common case: bf16 parameters and gradients,
+    e4m3fn states, stochastic rounding."""
     if found[0] & 0x7FFFFFFF:
         return
     for k in range(table.shape[0]):
@@ -198,30 +201,39 @@ def step8_cpu(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k0,
         coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
             ADAMW, steps[k], h[0], h[1], h[2], h[3], h[4]
         )
+    fast = mode == STOCHASTIC and fmt == E4M3
     for t in prange(bstarts[-1]):
         k = find_tensor(bstarts, t)
         r = table[k]
         h = hyper[r[GROUP]]
-        update_block8(
-            mode,
-            fmt,
-            (
-                r[P_ADDR],
-                r[P_FMT],
-                r[G_ADDR],
-                r[G_FMT],
-                r[S1_ADDR],
-                r[S2_ADDR],
-                r[AUX_ADDR],
-                r[NOISE],
-                r[S1_SCALE],
-                r[S2_SCALE],
-            ),
-            t - bstarts[k],
-            starts[k + 1] - starts[k],
-            steps[k],
-            inv_scale[0],
-            (coefs[k, 0], coefs[k, 1], coefs[k, 2]),
-            (h[1], h[2], h[3], h[4]),
-            (k0, k1),
+        b, size, scale = t - bstarts[k], starts[k + 1] - starts[k], inv_scale[0]
+        c, g, key = (coefs[k, 0], coefs[k, 1], coefs[k, 2]), (h[1], h[2], h[3], h[4]), (k0, k1)
+        row = (
+            r[P_ADDR],
+            r[P_FMT],
+            r[G_ADDR],
+            r[G_FMT],
+            r[S1_ADDR],
+            r[S2_ADDR],
+            r[AUX_ADDR],
+            r[NOISE],
+            r[S1_SCALE],
+            r[S2_SCALE],
         )
+        if fast and r[P_FMT] == BF16 and r[G_FMT] == BF16:  # constant formats, folded by
+            # LLVM (about 4x faster)
+            fixed = (
+                r[P_ADDR],
+                BF16,
+                r[G_ADDR],
+                BF16,
+                row[4],
+                row[5],
+                row[6],
+                row[7],
+                row[8],
+                row[9],
+            )
+            update_block8(STOCHASTIC, E4M3, fixed, b, size, steps[k], scale, c, g, key)
+        else:
+            update_block8(mode, fmt, row, b, size, steps[k], scale, c, g, key)
