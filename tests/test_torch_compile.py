@@ -45,9 +45,13 @@ def _backward(model, step):
 def test_compiled_step_matches_eager_bits(make, backend):
     """Finding: Dynamo traced into Numba and died. ``opt.step()`` compiled with
     fullgraph=True (states created at trace time) gives eager's parameters, states and step
-    counts, step after step."""
+    counts, step after step. The first parameter never has a gradient: the op keys noise to
+    the parameter's place in the optimizer's order as eager does (it used to restart the
+    stream at the first parameter with a gradient)."""
     eager_model, compiled_model = _model(torch.bfloat16), _model(torch.bfloat16)
-    eager, compiled = make(list(eager_model.parameters())), make(list(compiled_model.parameters()))
+    unused = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(2)]
+    eager = make([unused[0], *eager_model.parameters()])
+    compiled = make([unused[1], *compiled_model.parameters()])
 
     @torch.compile(fullgraph=True, backend=backend)
     def step(opt):

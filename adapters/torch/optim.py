@@ -494,10 +494,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         rows, steps = self._prepare(params, group_index, config)
         device = params[0].device
         stream = _external_stream(device) if device.type == "cuda" else None
-        # noise keyed to the parameter's identity and the piece's place in the full tensor
-        every = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        bases = _dist.stream_bases(every)
-        noise = [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
+        noise = self._noise(params)
         local = _dist.local  # DTensors (FSDP2): the kernel works on the local pieces
         entry = build_entry(
             self._KIND,
@@ -519,6 +516,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         entry.key = key
         self._entry = entry
         return entry
+
+    def _noise(self, params) -> list[int]:
+        """The stream start of each of ``params`` (those with gradients): keyed to the
+        parameter's identity (``_dist.stream_bases``) and the piece's place in the full
+        tensor, so a parameter without a gradient moves no other's noise."""
+        every = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        bases = _dist.stream_bases(every)
+        return [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
 
     def _needed_states(self, group):
         return [n for n in self._STATE_NAMES if self._uses_state(group, n)]
@@ -611,12 +616,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _traced_step(self, inv_scale, found_inf, check_grads, grad_scale):
         """The step under torch.compile: states at trace time (``_init_group``), then the
         custom op."""
-        from ._ops import fused_step_op
-
         params, grads, states1, states2, auxes, steps = [], [], [], [], [], []
         meta = self._init_group(params, grads, states1, states2, auxes, steps)
         if not params:
             return
+        if meta[-1]:  # DTensors (FSDP2): the op works on the local pieces
+            from torch.distributed.tensor import DTensor
+
+            params, grads, states1, states2, auxes = (
+                [t.to_local() if isinstance(t, DTensor) else t for t in ts]
+                for ts in (params, grads, states1, states2, auxes)
+            )
         if grad_scale is not None:
             inv_scale = grad_scale.double().reciprocal().float().reshape(1)
             torch.ops.srround.unscale_and_check_(
@@ -627,8 +637,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
             found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
         if isinstance(inv_scale, (int, float)):
             inv_scale = torch.full((1,), float(inv_scale), device=params[0].device)
-        fused_step_op(
-            params, grads, states1, states2, auxes, steps, found_inf, inv_scale, *meta, check_grads
+        torch.ops.srround.fused_step(
+            params,
+            grads,
+            states1,
+            states2,
+            auxes,
+            steps,
+            found_inf,
+            inv_scale,
+            *meta[:-1],
+            check_grads,
         )
 
     @torch.no_grad()
@@ -638,11 +657,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         gradients, their gradients, states (``states1`` / ``states2`` / ``auxes``: only the
         existing ones, located by the index lists returned) and 0-d step counters. Returns
         the op's constant arguments: ``(kind, mode, state format, group index, state-1 index,
-        aux index, hyperparameters (flat), k0, k1, negate)``."""
+        aux index, hyperparameters (flat), k0, k1, negate, stream starts, mesh process group
+        names, whether they are DTensors)``."""
         config = self._config()
         found, group_index = self._collect()
         if not found:
-            return (self._KIND, 0, 0, [], [], [], [], 0, 0, False)
+            return (self._KIND, 0, 0, [], [], [], [], 0, 0, False, [], "", False)
         rows, flat = self._prepare(found, group_index, config)
         s1_index, aux_index = [], []
         for i, (p, (s1, s2, aux)) in enumerate(zip(found, rows)):
@@ -670,6 +690,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             k0,
             k1,
             bool(config[3]),
+            self._noise(found),
+            "\n".join(g.group_name for g in _dist.mesh_groups(found)),
+            self._dtensors,
         )
 
     # -- state dict -------------------------------------------------------------------------
