@@ -132,6 +132,33 @@ def _fsdp(rank, world, tmp):
     return out
 
 
+def _amsgrad(params):
+    return AdamW(params, lr=1e-2, seed=SEED, amsgrad=True)
+
+
+def _compiled_and_amsgrad(rank, world, tmp):
+    """On FSDP2 parameters: ``opt.step()`` compiled (fullgraph; the custom op takes the local
+    pieces), and the per-tensor AMSGrad path."""
+    model = _sharded_model()
+    opt = _adamw(model.parameters())
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(opt):
+        opt.step()
+
+    for i in range(STEPS):
+        opt.zero_grad(set_to_none=False)
+        model(_batch(i)).float().pow(2).mean().backward()
+        step(opt)
+    out = {"compiled": [_full(p) for p in model.parameters()]}
+    model = _sharded_model()
+    opt = _amsgrad(model.parameters())
+    for i in range(STEPS):
+        _train_step(model, opt, i)
+    out["amsgrad"] = [_full(p) for p in model.parameters()]
+    return out
+
+
 def _ddp(rank, world, tmp):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -207,6 +234,11 @@ def _functional(rank, world, tmp):
     local = g.to_local().clone()
     local[torch.isinf(local)] = 1.0
     out["unscale"] = (float(found.item()), bool((local == 1.0).all()))
+    gs = [distribute_tensor(torch.full((5, 3), 4.0), mesh, [Shard(0)]) for _ in range(2)]
+    if rank == 0:
+        gs[1].to_local()[0, 0] = float("nan")
+    flags = srround.unscale_and_check(gs, torch.full((2,), 0.5), per_tensor=True)
+    out["per_tensor"] = flags.tolist()
     return out
 
 
@@ -264,6 +296,7 @@ def _errors(rank, world, tmp):
 
 SCENARIOS = {
     "fsdp": _fsdp,
+    "compiled_and_amsgrad": _compiled_and_amsgrad,
     "ddp": _ddp,
     "zero": _zero,
     "scaler": _scaler,
@@ -367,6 +400,25 @@ def test_fsdp2_training_moves_params(reference):
         assert not np.array_equal(p, _full(start))
 
 
+def test_compiled_step_on_fsdp2_matches_one_process(ranks, reference):
+    """A compiled ``opt.step()`` (aot_eager, fullgraph) on FSDP2 parameters: the op takes the
+    DTensors' local pieces with their global stream starts, so 2 ranks give the 1-process
+    eager bits (before: the op took no DTensors)."""
+    for r in _results(ranks, "compiled_and_amsgrad"):
+        _same_bits(r["compiled"], reference[0])
+
+
+def test_amsgrad_on_fsdp2_matches_one_process(ranks):
+    """The per-tensor AMSGrad path on FSDP2: local pieces, global stream starts."""
+    model = _model()
+    opt = _amsgrad(model.parameters())
+    for step in range(STEPS):
+        _train_step(model, opt, step)
+    expected = [_full(p) for p in model.parameters()]
+    for r in _results(ranks, "compiled_and_amsgrad"):
+        _same_bits(r["amsgrad"], expected)
+
+
 def test_ddp_replicas_stay_bit_identical(ranks):
     r0, r1 = _results(ranks, "ddp")
     _same_bits(r0["params"], r1["params"])
@@ -398,7 +450,15 @@ def test_functional_calls_on_dtensors(ranks):
             _same_bits([r[f"add_{label}"]], [_full(w)])
     (found0, scaled0), (found1, scaled1) = (r["unscale"] for r in _results(ranks, "functional"))
     assert scaled0 and scaled1  # the local pieces were unscaled
-    assert (found0, found1) == (0.0, 1.0)  # the functional call flags its own pieces
+
+
+def test_functional_unscale_and_check_all_reduces_found_inf(ranks):
+    """Finding: on DTensors each rank flagged only its own pieces (rank 0 went on to step
+    with rank 1's overflow unseen). The flags are all-reduced (MAX) over the mesh, per tensor
+    too."""
+    results = _results(ranks, "functional")
+    assert [r["unscale"][0] for r in results] == [1.0, 1.0]  # the inf was on rank 1 only
+    assert [r["per_tensor"] for r in results] == [[0.0, 1.0], [0.0, 1.0]]  # NaN: rank 0
 
 
 def test_bad_distributed_input(ranks):

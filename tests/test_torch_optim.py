@@ -811,17 +811,21 @@ def test_amsgrad_fp32_is_torch_bits(maximize):
 
 def test_amsgrad_bf16_stochastic_write_back_is_the_documented_stream():
     """bf16 parameters: the fp32 result of torch's math, stochastically rounded at offset
-    t * 2**36 + the tensor's start (the fused step's stream)."""
+    t * 2**36 + the tensor's start (the fused step's stream). The first parameter has no
+    gradient: the starts still count it, as the fused step's do (they used to restart at the
+    first parameter with a gradient)."""
     ours = _params(torch.bfloat16)
     shadow = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    opt = AdamW(ours, lr=1e-2, amsgrad=True, seed=8)
+    unused = torch.nn.Parameter(torch.zeros(6, dtype=torch.bfloat16))
+    opt = AdamW([unused, *ours], lr=1e-2, amsgrad=True, seed=8)
     ref = torch.optim.AdamW(shadow, lr=1e-2, amsgrad=True)
     grads = _grads(0, dtype=torch.bfloat16)
     _set_grads(ours, grads)
     _set_grads(shadow, grads)
     opt.step()
     ref.step()
-    start = 0
+    start = unused.numel()
+    assert unused not in opt.state
     for p, r in zip(ours, shadow):
         expected = srround.stochastic_round(r.detach(), seed=8, offset=(1 << STEP_SHIFT) + start)
         _assert_bits_equal(p, expected)

@@ -840,10 +840,12 @@ class AdamW(_FusedOptimizer):
     def _amsgrad_step(self, inv_scale, found_inf, check_grads, grad_scale):
         """AMSGrad, the per-tensor path: torch.optim's single-tensor AdamW math with torch
         ops in float32 (so fp32 parameters get torch's bits), then srround's write-back of
-        the result: stochastic rounding with the fused step's stream (element ``j`` of the
-        tensor starting at global element ``s``, at offset ``t * 2**36 + s + j``, memory
-        order), round to nearest, or the fp32 master weight. Slower than the fused step (a
-        few passes per tensor) and reads the step count and ``found_inf`` on the host."""
+        the result: stochastic rounding with the fused step's stream (element ``j`` of a
+        parameter's piece with stream start ``s`` - ``_noise``, the fused step's - at offset
+        ``t * 2**36 + s + j``, memory order), round to nearest, or the fp32 master weight.
+        DTensor parameters: their local pieces, ``found_inf`` all-reduced over the meshes.
+        Slower than the fused step (a few passes per tensor) and reads the step count and
+        ``found_inf`` on the host."""
         import srround
 
         rounding, state_dtype, seed, maximize = self._config()
@@ -852,28 +854,28 @@ class AdamW(_FusedOptimizer):
         params, group_index = self._collect()
         if not params:
             return
-        grads = [p.grad for p in params]
-        check_pairs(params, grads, rounding)
-        if grad_scale is not None:
-            from .amp import unscale_grads
+        grads = [_dist.check_grad(p, i) for i, p in enumerate(params)]  # local pieces
+        pieces = [_dist.local(p) for p in params]
+        check_pairs(pieces, grads, rounding)
+        noise = self._noise(params)
+        from .amp import unscale_grads
 
+        if grad_scale is not None:
             inv = torch.as_tensor(grad_scale, dtype=torch.float32, device=params[0].device)
             scratch = torch.zeros(1, dtype=torch.float32, device=inv.device)
             unscale_grads(grads, inv.double().reciprocal().float().reshape(1), scratch)
         if check_grads:
-            from .amp import unscale_grads
-
             one = torch.ones(1, dtype=torch.float32, device=found_inf.device)
             unscale_grads(grads, one, found_inf)
+            _dist.all_reduce_max(found_inf, _dist.mesh_groups(params))
         if found_inf is not None and float(found_inf.reshape(())) != 0:
             return
-        groups, start = self.param_groups, 0
-        for p, gi in zip(params, group_index):
+        groups = self.param_groups
+        for p, piece, grad, gi, start in zip(params, pieces, grads, group_index, noise):
             group = groups[gi]
             state = self._state_buffers(p, group, rounding, state_dtype)
-            like = _like(p)
             if "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = torch.zeros_like(like, dtype=torch.float32)
+                state["max_exp_avg_sq"] = torch.zeros_like(_like(p), dtype=torch.float32)
             step = state.get("step")
             if step is None:
                 step = state["step"] = torch.zeros((), dtype=torch.int32, device=p.device)
@@ -885,22 +887,20 @@ class AdamW(_FusedOptimizer):
                 group["eps"],
                 group["weight_decay"],
             )
-            grad = p.grad.float() if p.grad.dtype != torch.float32 else p.grad.clone()
+            grad = grad.float() if grad.dtype != torch.float32 else grad.clone()
             if inv_scale is not None:
                 grad.mul_(inv_scale)
             if maximize:
                 grad.neg_()
-            if p.dtype == torch.float32 and _is_dense(p):
-                work = p.detach()
-            elif rounding == "master" and p.dtype != torch.float32:
-                work = state["master_weight"]
-            else:
-                work = torch.empty_like(like, dtype=torch.float32).copy_(p.detach())
             exp_avg, exp_avg_sq, max_sq = (
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                state["max_exp_avg_sq"],
+                _dist.local(state[name]) for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
             )
+            if piece.dtype == torch.float32 and _is_dense(piece):
+                work = piece.detach()
+            elif rounding == "master" and piece.dtype != torch.float32:
+                work = _dist.local(state["master_weight"])
+            else:
+                work = torch.empty_like(exp_avg).copy_(piece.detach())
             work.mul_(1 - lr * wd)
             exp_avg.lerp_(grad, 1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -908,19 +908,19 @@ class AdamW(_FusedOptimizer):
             bias_correction2_sqrt = (1 - beta2**t) ** 0.5
             denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
             work.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**t)))
-            if work is p:
-                pass
-            elif p.dtype == torch.float32 or rounding != "stochastic":
-                p.detach().copy_(work)  # fp32 exactly; nearest and master: round to nearest
+            if work.data_ptr() == piece.data_ptr():
+                continue  # a dense fp32 parameter, updated in place
+            if piece.dtype == torch.float32 or rounding != "stochastic":
+                piece.detach().copy_(work)  # fp32 exactly; nearest and master: round to nearest
             else:
                 flat = work.as_strided((work.numel(),), (1,))  # memory order
                 offset = (t << _optim.STEP_SHIFT) + start
-                fmt = "bfloat16" if p.dtype == torch.bfloat16 else "float16"
+                fmt = "bfloat16" if piece.dtype == torch.bfloat16 else "float16"
                 rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
-                p.detach().copy_(rounded.as_strided(work.shape, work.stride()))
-            start += p.numel()
+                piece.detach().copy_(rounded.as_strided(work.shape, work.stride()))
         self._entry = None
-        torch.autograd.graph.increment_version([p for p in params if not p.is_inference()])
+        written = pieces + [p for p in params if _dist.is_dtensor(p)]
+        torch.autograd.graph.increment_version([t for t in written if not t.is_inference()])
 
 
 class SGD(_FusedOptimizer):
