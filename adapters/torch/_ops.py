@@ -8,7 +8,8 @@ as opaque calls (Dynamo never looks into Numba) and functionalizes their in-plac
   fused unscale and overflow check (``srround.unscale_and_check``), in place.
 * ``torch.ops.srround.fused_step(...)``: the fused optimizer step of
   ``srround.adapters.torch.AdamW`` / ``SGD`` over lists of parameters, gradients, states and
-  step counters (what their ``step()`` calls under torch.compile).
+  step counters (what their ``step()`` calls under torch.compile), with the eager step's
+  stream starts; DTensor parameters pass their local pieces.
 
 Each op runs the same kernels as the eager calls, so compiled code gives the eager bits. A
 ``seed`` is a constant of the compiled graph: pass a different ``offset`` per call (a tensor
