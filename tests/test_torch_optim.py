@@ -772,6 +772,70 @@ def test_suite_lr_scheduler_and_param_groups(make):
     assert opt.param_groups[1]["lr"] == pytest.approx(1e-2 * 0.5**3)
 
 
+# torch/testing/_internal/common_optimizers.py optim_error_inputs_func_adamw / _sgd (and the
+# generic ones of every optimizer): (optimizer, kwargs, error type, srround's message)
+ERROR_INPUTS = [
+    ("AdamW", {"lr": 1e-2, "weight_decay": -1}, ValueError, r"^weight_decay: .* got -1"),
+    ("AdamW", {"lr": -1}, ValueError, r"^lr: .* got -1"),
+    ("AdamW", {"lr": float("nan")}, ValueError, r"^lr: .* got nan"),
+    ("AdamW", {"eps": -1}, ValueError, r"^eps: .* got -1"),
+    ("AdamW", {"betas": (-1.0, 0.999)}, ValueError, r"^betas\[0\]: .* got -1.0"),
+    ("AdamW", {"betas": (0.9, 1.0)}, ValueError, r"^betas\[1\]: expected in \[0, 1\)"),
+    ("AdamW", {"betas": (torch.tensor(0.9), 0.99)}, ValueError, r"^betas\[0\]: a tensor"),
+    ("AdamW", {"lr": torch.tensor(1e-3), "foreach": True}, ValueError, r"^lr: a tensor"),
+    ("AdamW", {"lr": "0.1"}, TypeError, r"^lr: expected a float, got str"),
+    ("SGD", {"lr": 1e-2, "momentum": -0.5}, ValueError, r"^momentum: .* got -0.5"),
+    ("SGD", {"lr": 1e-2, "weight_decay": -0.5}, ValueError, r"^weight_decay: .* got -0.5"),
+    ("SGD", {"lr": -1}, ValueError, r"^lr: .* got -1"),
+    (
+        "SGD",
+        {"lr": 1e-2, "momentum": 0.9, "dampening": 0.5, "nesterov": True},
+        ValueError,
+        r"^nesterov: needs momentum > 0 and dampening == 0",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, error, message", ERROR_INPUTS)
+def test_suite_error_inputs(name, kwargs, error, message):
+    """torch's error inputs: srround raises the error type torch raises (a ValueError for
+    a bad value, naming the argument), at construction, before any state exists. Where torch
+    accepts the input (a tensor lr or betas) srround refuses it clearly: its hyperparameters
+    are host floats (README, deliberate differences)."""
+    params = _params(torch.float32)
+    ours = {"AdamW": AdamW, "SGD": SGD}[name]
+    theirs = getattr(torch.optim, name)
+    with pytest.raises(error, match=message):
+        ours(params, **kwargs)
+    tensor_hyper = any(
+        isinstance(v, torch.Tensor) for v in [*kwargs.values(), *kwargs.get("betas", ())]
+    )
+    if not tensor_hyper and not isinstance(kwargs.get("lr"), str):
+        with pytest.raises(error):
+            theirs(params, **kwargs)
+
+
+def test_suite_generic_error_inputs():
+    """The Optimizer base class's error inputs (inherited): a tensor instead of an iterable,
+    an empty list, a parameter in two groups; and a parameter twice in one group, which
+    torch only warns about and srround refuses (its fused pass would alias the tensor)."""
+    p = _params(torch.float32)
+    with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts"):
+        AdamW(p[0])
+    with pytest.raises(ValueError, match="empty parameter list"):
+        SGD([])
+    with pytest.raises(ValueError, match="some parameters appear in more than one"):
+        AdamW([{"params": p[:2]}, {"params": p[1:]}])
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        with pytest.raises(ValueError, match=r"params\[2\]: appears twice in param group 0"):
+            SGD([p[0], p[1], p[0]], lr=0.1)
+    opt = SGD(p[:1], lr=0.1)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        with pytest.raises(ValueError, match=r"params\[1\]: appears twice in param group 1"):
+            opt.add_param_group({"params": [p[1], p[1]]})
+    assert len(opt.param_groups) == 1  # the bad group was not kept
+
+
 def test_suite_documented_differences():
     """The deliberate differences from torch.optim listed in the README raise clear errors."""
     ps = _params(torch.float32)

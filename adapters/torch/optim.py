@@ -53,6 +53,7 @@ torch's optimizers given a float ``lr``).
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from itertools import chain
 
@@ -106,6 +107,21 @@ def _check_state_dtype(state_dtype) -> str:
             f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype!r}"
         )
     return name
+
+
+def _check_hyper(value, name: str, where: str, minimum: float = 0.0) -> float:
+    """A hyperparameter: a real number >= ``minimum`` (a tensor is refused: srround's
+    hyperparameters are host values, copied to the device only when they change)."""
+    if isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"{name}{where}: a tensor is not supported (srround's hyperparameters are host"
+            f" floats); pass a float, e.g. {name}.item()"
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}{where}: expected a float, got {type(value).__name__}")
+    if not value >= minimum:  # NaN too
+        raise ValueError(f"{name}{where}: expected a float >= {minimum}, got {value}")
+    return float(value)
 
 
 def _check_flags(group, where="") -> None:
@@ -355,6 +371,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         f" {len(self.param_groups) - 1} has {group[name]!r}, the"
                         f" optimizer {self.defaults[name]!r}"
                     )
+            seen: set = set()
+            for i, p in enumerate(group["params"]):
+                if id(p) in seen:  # torch only warns; the fused step would alias it
+                    raise ValueError(
+                        f"params[{i}]: appears twice in param group {len(self.param_groups) - 1}"
+                        " (one fused pass cannot update a tensor twice); pass it once"
+                    )
+                seen.add(id(p))
             devices = {p.device for g in self.param_groups for p in g["params"]}
             if len(devices) > 1:
                 raise ValueError(
@@ -817,16 +841,14 @@ class AdamW(_FusedOptimizer):
                 " 'nearest' or 'master' with float32 states, got"
                 f" {group.get('rounding')!r} / {group.get('state_dtype')}"
             )
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        if isinstance(lr, torch.Tensor) or not 0.0 <= float(lr):
-            raise ValueError(f"lr{where}: expected a float >= 0, got {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps{where}: expected >= 0, got {eps}")
-        for i, beta in enumerate(group["betas"]):
-            if not 0.0 <= beta < 1.0:
+        for name in ("lr", "eps", "weight_decay"):
+            _check_hyper(group[name], name, where)
+        betas = group["betas"]
+        if len(betas) != 2:
+            raise ValueError(f"betas{where}: expected 2 values, got {len(betas)}")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= _check_hyper(beta, f"betas[{i}]", where) < 1.0:
                 raise ValueError(f"betas[{i}]{where}: expected in [0, 1), got {beta}")
-        if not 0.0 <= wd:
-            raise ValueError(f"weight_decay{where}: expected >= 0, got {wd}")
 
     def _hyper(self):
         return np.array(
@@ -969,13 +991,9 @@ class SGD(_FusedOptimizer):
 
     def _check_group(self, group, index):
         where = "" if index is None else f" (param group {index})"
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) or not 0.0 <= float(lr):
-            raise ValueError(f"lr{where}: expected a float >= 0, got {lr}")
-        if group["momentum"] < 0.0:
-            raise ValueError(f"momentum{where}: expected >= 0, got {group['momentum']}")
-        if group["weight_decay"] < 0.0:
-            raise ValueError(f"weight_decay{where}: expected >= 0, got {group['weight_decay']}")
+        for name in ("lr", "momentum", "weight_decay"):
+            _check_hyper(group[name], name, where)
+        _check_hyper(group["dampening"], "dampening", where, minimum=-math.inf)
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"nesterov{where}: needs momentum > 0 and dampening == 0")
 
