@@ -172,3 +172,32 @@ def test_generic_srround_calls_break_the_graph_instead_of_failing():
 
     x = torch.randn(16)
     assert torch.equal(f(x), srround.stochastic_round(x * 2, seed=1, offset=3).float() + 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_step_on_cuda_matches_eager_bits():
+    """torch.compile on CUDA (GPU only): ``opt.step()`` compiled with inductor (fullgraph)
+    on CUDA parameters gives the eager CUDA bits, a parameter without a gradient included."""
+    models = [_model(torch.bfloat16).cuda() for _ in range(2)]
+    unused = [
+        torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16, device="cuda")) for _ in models
+    ]
+    eager, compiled = (
+        st.AdamW([u, *m.parameters()], lr=1e-2, state_dtype=torch.bfloat16, seed=11)
+        for u, m in zip(unused, models)
+    )
+
+    @torch.compile(fullgraph=True)
+    def step(opt):
+        opt.step()
+
+    for i in range(3):
+        for model, run in ((models[0], eager.step), (models[1], lambda: step(compiled))):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(i)).cuda()
+            h = model[1](model[0](x))
+            model[2](h.to(torch.bfloat16)).float().square().mean().backward()
+            run()
+            model.zero_grad(set_to_none=False)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(_bits(p), _bits(q))

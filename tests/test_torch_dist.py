@@ -473,6 +473,49 @@ def test_bad_distributed_input(ranks):
         assert "out: is a plain tensor but the input is a DTensor" in r["plain_out"]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp2_on_cuda_one_rank_matches_plain(tmp_path):
+    """DTensor on CUDA (GPU only; NCCL with 2 ranks needs 2 GPUs): FSDP2 over a 1-rank NCCL
+    group, eager and compiled ``opt.step()``, found_inf all-reduced on the device; same bits as
+    plain CUDA parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        runs = []
+        for sharded, compiled in ((False, False), (True, False), (True, True)):
+            model = _model().cuda()
+            if sharded:
+                fully_shard(model)
+            opt = _adamw(model.parameters())
+
+            @torch.compile(fullgraph=True, disable=not compiled)
+            def step(opt):
+                opt.step()
+
+            for i in range(STEPS):
+                opt.zero_grad(set_to_none=False)
+                model(_batch(i).cuda()).float().pow(2).mean().backward()
+                step(opt)
+            runs.append([_full(p) for p in model.parameters()])
+        for run in runs[1:]:
+            _same_bits(run, runs[0])
+        # an overflow: found_inf all-reduced over the 1-rank mesh (NCCL), the step skipped
+        scaler = GradScaler("cuda", init_scale=2.0**4)
+        opt.zero_grad(set_to_none=False)
+        scaler.scale(model(_batch(0).cuda()).float().sum()).backward()
+        model[0].weight.grad.to_local().view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 2.0**3
+        _same_bits([_full(p) for p in model.parameters()], runs[-1])
+    finally:
+        dist.destroy_process_group()
+
+
 # -- the identity rule, in one process ---------------------------------------------------------
 
 
