@@ -772,6 +772,29 @@ def test_suite_lr_scheduler_and_param_groups(make):
     assert opt.param_groups[1]["lr"] == pytest.approx(1e-2 * 0.5**3)
 
 
+@pytest.mark.parametrize("make", TORCH_SUITE[:1] + TORCH_SUITE[3:4])
+def test_suite_named_parameters_and_non_empty_state(make):
+    """test_can_load_from_to_named_state_dict and test_non_empty_state: an optimizer built
+    from ``named_parameters()`` saves ``param_names``; torch's optimizer loads that state dict
+    and srround's loads torch's; after a step every parameter with a gradient has state."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = make(model.named_parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    assert all(len(opt.state[p]) > 0 for p in model.parameters())
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["param_names"] == ["weight", "bias"]
+    theirs = (torch.optim.AdamW if isinstance(opt, AdamW) else torch.optim.SGD)(
+        model.named_parameters(), lr=1e-2
+    )
+    theirs.load_state_dict(sd)
+    assert theirs.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+    again = make(torch.nn.Linear(3, 2).named_parameters())
+    again.load_state_dict(theirs.state_dict())
+    assert again.param_groups[0]["param_names"] == ["weight", "bias"]
+
+
 # torch/testing/_internal/common_optimizers.py optim_error_inputs_func_adamw / _sgd (and the
 # generic ones of every optimizer): (optimizer, kwargs, error type, srround's message)
 ERROR_INPUTS = [

@@ -45,7 +45,8 @@ optimizer's defaults), and torch's optimizers load srround's.
 
 torch.compile: ``step()`` inside a compiled function traces without graph breaks: the states
 are created at trace time (``_init_group``, as torch's optimizers do) and the step is one call
-of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``), which gives the eager bits.
+of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``) with the eager stream starts
+(DTensor parameters: their local pieces), which gives the eager bits.
 Hyperparameters are constants of the compiled graph (changing ``lr`` recompiles, as with
 torch's optimizers given a float ``lr``).
 """
