@@ -138,19 +138,27 @@ def _amsgrad(params):
 
 def _compiled_and_amsgrad(rank, world, tmp):
     """On FSDP2 parameters: ``opt.step()`` compiled (fullgraph; the custom op takes the local
-    pieces), and the per-tensor AMSGrad path."""
+    pieces) with the overflow check, an inf on rank 1 in a last step; and the per-tensor
+    AMSGrad path."""
     model = _sharded_model()
     opt = _adamw(model.parameters())
 
     @torch.compile(fullgraph=True, backend="aot_eager")
-    def step(opt):
-        opt.step()
+    def step(opt, found):
+        opt.step(found_inf=found, check_grads=True)
 
-    for i in range(STEPS):
+    for i in range(STEPS + 1):
         opt.zero_grad(set_to_none=False)
         model(_batch(i)).float().pow(2).mean().backward()
-        step(opt)
-    out = {"compiled": [_full(p) for p in model.parameters()]}
+        if i == STEPS and rank == 1:
+            model[2].weight.grad.to_local()[0, 0] = float("inf")
+        found = torch.zeros(1)
+        step(opt, found)
+    out = {
+        "compiled": [_full(p) for p in model.parameters()],
+        "compiled_found": float(found),
+        "compiled_steps": int(opt.state[model[0].weight]["step"]),
+    }
     model = _sharded_model()
     opt = _amsgrad(model.parameters())
     for i in range(STEPS):
@@ -403,9 +411,11 @@ def test_fsdp2_training_moves_params(reference):
 def test_compiled_step_on_fsdp2_matches_one_process(ranks, reference):
     """A compiled ``opt.step()`` (aot_eager, fullgraph) on FSDP2 parameters: the op takes the
     DTensors' local pieces with their global stream starts, so 2 ranks give the 1-process
-    eager bits (before: the op took no DTensors)."""
+    eager bits (before: the op took no DTensors); its overflow check is all-reduced over the
+    mesh (an inf on rank 1 skips the step on both)."""
     for r in _results(ranks, "compiled_and_amsgrad"):
-        _same_bits(r["compiled"], reference[0])
+        _same_bits(r["compiled"], reference[0])  # the last step skipped on both ranks
+        assert r["compiled_found"] == 1.0 and r["compiled_steps"] == STEPS
 
 
 def test_amsgrad_on_fsdp2_matches_one_process(ranks):
