@@ -485,14 +485,14 @@ def test_bad_distributed_input(ranks):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fsdp2_on_cuda_one_rank_matches_plain(tmp_path):
+def test_fsdp2_on_cuda_one_rank_matches_plain(monkeypatch):
     """DTensor on CUDA (GPU only; NCCL with 2 ranks needs 2 GPUs): FSDP2 over a 1-rank NCCL
     group, eager and compiled ``opt.step()``, found_inf all-reduced on the device; same bits as
     plain CUDA parameters."""
     from torch.distributed.fsdp import fully_shard
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         runs = []
