@@ -66,7 +66,7 @@ def _value(a, i, table):
     """``a[i]`` as float64: through ``table`` (a 16-bit decode table) unless it is None."""
 
 
-@overload(_value, inline="always")
+@overload(_value, forceinline=True)
 def _value_impl(a, i, table):
     if isinstance(table, types.NoneType):
         return lambda a, i, table: np.float64(a[i])
@@ -77,39 +77,39 @@ def _weight(counts, i):
     """The multiplicity of element ``i``: ``counts[i]``, or 1 when ``counts`` is None."""
 
 
-@overload(_weight, inline="always")
+@overload(_weight, forceinline=True)
 def _weight_impl(counts, i):
     if isinstance(counts, types.NoneType):
         return lambda counts, i: 1.0
     return lambda counts, i: np.float64(counts[i])
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _exponent(a):
     """floor(log2(a)) of a positive float64 (-1023 for zero and float64 subnormals)."""
     return (np.float64(a).view(np.int64) >> 52) - 1023
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _pow2(e):
     """2.0**e for -1022 <= e <= 1023."""
     return np.int64((e + 1023) << 52).view(np.float64)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _round_half_even(v):
     """The integer nearest to ``v >= 0`` (ties to even), as int64."""
     r = np.int64(v + 0.5)
     return r - (((r - v) == 0.5) & ((r & 1) == 1))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _lost(d, half, even):
     """Whether an update of magnitude ``d`` is lost where half the spacing is ``half``."""
     return (d < half) | ((d == half) & even)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _histogram_rows(bits, row, lo, hi):
     for i in range(lo, hi):
         row[bits[i]] += 1
@@ -131,7 +131,7 @@ def pattern_histogram_serial(bits, hist):
     _histogram_rows(bits, hist[0], 0, bits.size)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _fp32_rows(bits, row, s, lo, hi):
     n_all = 0.0
     n_nan = 0.0
@@ -189,7 +189,7 @@ def fp32_bf16_histogram_serial(bits, hist, stats):
     _fp32_rows(bits, hist[0], stats[0], 0, bits.size)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _stats_rows(
     w, w_table, counts, u, u_table, lr, mantissa_bits, exponent_bits, limits, s, eh, rh, lo, hi
 ):

@@ -19,7 +19,7 @@ NVFP4_TENSOR_DIVISOR = 448.0 * 6.0  # float8_e4m3fn max * float4_e2m1fn max
 # -- scalar bodies (njit: compiled for the CPU loops and the CUDA kernels alike) -------------
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def pow2_bits(k):
     """fp32 bits of ``2**k`` for k in [-149, 127] (subnormal below -126)."""
     if k >= -126:
@@ -27,7 +27,7 @@ def pow2_bits(k):
     return 1 << (k + 149)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def mx_scale(amax, emax, max_mantissa, ceil):
     """``(biased e8m0 scale, fp32 bits of the multiplier 1/scale)`` of a block whose largest
     magnitude has fp32 bits ``amax`` (NaN bits when the block holds a NaN)."""
@@ -40,7 +40,7 @@ def mx_scale(amax, emax, max_mantissa, ceil):
     return k + 127, pow2_bits(-max(k, -126))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def nv_tensor_scale(amax):
     """fp32 bits of NVFP4's tensor scale ``amax / 2688`` (1.0 when amax is 0)."""
     if amax == 0:
@@ -48,7 +48,7 @@ def nv_tensor_scale(amax):
     return f32_to_bits(bits_to_f32(amax) / np.float32(NVFP4_TENSOR_DIVISOR))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def nv_block_scale(amax, tensor_scale, ceil):
     """``(e4m3 block scale, fp32 bits of the element multiplier)`` of an NVFP4 block."""
     ts = bits_to_f32(tensor_scale)
@@ -63,7 +63,7 @@ def nv_block_scale(amax, tensor_scale, ceil):
     return code, f32_to_bits((np.float32(1.0) / ts) / s32)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind):
     """The element pattern of fp32 bits ``u`` scaled by the fp32 ``multiplier`` (bits),
     clamped to +-max (``max_bits``: the fp32 bits of the largest element) and rounded."""
@@ -81,7 +81,7 @@ def block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind):
     return encode_nearest(y, m, e, True, kind)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def element_value(h, scale_bits, m, e, kind):
     """fp32 bits of element pattern ``h`` times the fp32 scale (bits); a NaN result is the
     quiet NaN 0x7FC00000 (which NaN a product keeps differs between CPUs and GPUs)."""
@@ -89,13 +89,13 @@ def element_value(h, scale_bits, m, e, kind):
     return v if (v & _F32_ABS) <= _F32_INF else 0x7FC00000
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def nv_scale_value(code, tensor_scale):
     """fp32 bits of an NVFP4 block's scale: e4m3 ``code`` times the tensor scale (bits)."""
     return f32_to_bits(bits_to_f32(decode(code, 3, 4, FN)) * bits_to_f32(tensor_scale))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def mx_scale_value(code):
     """fp32 bits of an e8m0 scale (NaN for 0xFF)."""
     if code == 255:
@@ -124,7 +124,7 @@ def amax_bits_cpu(x):
     return results.max()
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def quantize_block(x, data, scales, t, n, inner, block, tensor_scale, k0, k1, offset, params):
     """Block ``t`` (row-major over ``(outer, n // block, inner)``) of the fp32 patterns at
     address ``x``: its scale into the bytes at ``scales`` (element ``t``), its elements into
@@ -180,7 +180,7 @@ def quantize_blocks_cpu(
         quantize_block(x, data, scales, t, n, inner, block, tensor_scale, k0, k1, offset, params)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def dequantize_block(data, scales, out, t, n, inner, block, tensor_scale, params):
     """Block ``t`` (as in ``quantize_block``, addresses): out (fp32 patterns) = element *
     scale (NVFP4: scale = e4m3 block scale * tensor scale). ``params``: (m, e, kind,

@@ -72,7 +72,7 @@ def block_counts(sizes) -> np.ndarray:
     return -(-np.asarray(sizes, np.int64) // STATE_BLOCK)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def state_scale(amax, max_bits):
     """``(scale, 1 / scale)`` as float32 bits: the smallest power of two ``2**k``, ``k`` in
     [-126, 127], with ``amax / 2**k`` at most the format's largest finite value (float32 bits
@@ -84,7 +84,7 @@ def state_scale(amax, max_bits):
     return (k + 127) << 23, (127 - k) << 23
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _values8(mode, formats, buffers, j, scale, coefs, group, state_scales):
     """Element ``j`` read and updated in float32, nothing written: ``(old weight bits, aux
     bits, new weight, m, sqrt(v))``."""
@@ -110,7 +110,7 @@ def _values8(mode, formats, buffers, j, scale, coefs, group, state_scales):
     return old, aux_bits, new, m, np.float32(math.sqrt(v))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _bits16(k0, k1, ctr, current, x0, x1):
     """16 random bits of counter ``ctr``, reusing the Threefry block ``current`` (its words
     ``x0, x1``) when ``ctr`` falls in it; returns ``(bits, current, x0, x1)``."""
@@ -120,7 +120,7 @@ def _bits16(k0, k1, ctr, current, x0, x1):
     return lane_bits16(x0, x1, ctr & 3), current, x0, x1
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper, key):
     """Block ``b`` of one tensor (elements ``[b * STATE_BLOCK, ...)``, ``size`` in all) of an
     AdamW step with fp8 states, in place: the body both backends run.
