@@ -138,6 +138,35 @@ def test_concurrent_parallel_calls_on_workqueue_take_turns():
     _ok(_python(code, env={"NUMBA_THREADING_LAYER": "workqueue"}))
 
 
+def test_concurrent_audits_on_workqueue_take_turns():
+    """The audit's kernels launch behind the same lock: four threads auditing large tensors
+    at once on workqueue (the weights' pattern pass and the per-pattern statistics) used to
+    abort the process ("Terminating: Nested parallel kernel launch detected")."""
+    code = """
+    import threading, numpy as np, numba
+    from srround import audit
+    assert numba.threading_layer() == "workqueue", numba.threading_layer()
+    w = (np.random.default_rng(0).standard_normal((1 << 20) + 5) * 0.05).astype(np.float32)
+    def run():
+        r = audit.audit_tensor(w, lr=1e-4)
+        return r.stagnation, r.fp16
+    expected = run()
+    bad = []
+    def work():
+        for _ in range(5):
+            try:
+                if run() != expected:
+                    bad.append("differs")
+            except BaseException as e:
+                bad.append(repr(e))
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    [t.start() for t in threads]; [t.join() for t in threads]
+    assert not bad, bad
+    print("ok")
+    """
+    _ok(_python(code, env={"NUMBA_THREADING_LAYER": "workqueue"}, timeout=600))
+
+
 # -- fork and DataLoader workers (finding 2) ------------------------------------------------------
 
 _FORK = """
