@@ -269,7 +269,7 @@ def value_stats(
 
 # -- 16-bit targets: every statistic is a function of the weight's target pattern ------------
 
-T_LOST_IF_UP = 0  # rows of ``update_table``
+T_LOST_IF_UP = 0  # columns of ``update_table`` (one row of a cache line's half per pattern)
 T_LOST_IF_DOWN = 1
 T_HALF_UP = 2
 
@@ -277,7 +277,7 @@ T_HALF_UP = 2
 @njit(cache=True)
 def update_table(values, mantissa_bits, exponent_bits):
     """Per pattern of a 16-bit target (``values``: the float64 of the 65536 patterns): an
-    update ``v`` of a weight stored as that pattern is lost when ``|v|`` is below row
+    update ``v`` of a weight stored as that pattern is lost when ``|v|`` is below column
     ``T_LOST_IF_UP`` (``v > 0``) or ``T_LOST_IF_DOWN`` (``v < 0``): half the spacing in that
     direction, just above it when the pattern is even (ties go to even). ``T_HALF_UP``: half
     the spacing away from zero (``ratio_hist``); 0 for NaN and inf, which have no update
@@ -286,7 +286,7 @@ def update_table(values, mantissa_bits, exponent_bits):
     emin = 1 - bias
     top_k = np.int64(1) << (mantissa_bits + 1)
     first_k = np.int64(1) << mantissa_bits
-    table = np.zeros((3, values.size))
+    table = np.zeros((values.size, 4))  # column 3: padding to 32 bytes
     for p in range(values.size):
         x = values[p]
         a = abs(x)
@@ -300,49 +300,58 @@ def update_table(values, mantissa_bits, exponent_bits):
         down = np.int64(np.float64(half_down).view(np.int64) + tie).view(np.float64)
         away_if_up = (k == 0) | (x > 0.0)
         away_if_down = (k == 0) | (x < 0.0)
-        table[T_LOST_IF_UP, p] = up if away_if_up else down
-        table[T_LOST_IF_DOWN, p] = up if away_if_down else down
-        table[T_HALF_UP, p] = half_up
+        table[p, T_LOST_IF_UP] = up if away_if_up else down
+        table[p, T_LOST_IF_DOWN] = up if away_if_down else down
+        table[p, T_HALF_UP] = half_up
     return table
 
 
 @njit(inline="always", cache=True)
-def _update_counts(p, v, table, s, rh):
-    """The update statistics of one weight of target pattern ``p`` and update ``v``."""
-    half_up = table[T_HALF_UP, p]
-    if half_up == 0.0:  # a NaN or inf weight
-        return
+def _update_counts(p, v, table, rh):
+    """The update statistics of one weight of target pattern ``p`` and update ``v``: adds
+    to ``rh`` and returns ``(lost, updates, zero updates, non-finite updates)``."""
+    half_up = table[p, T_HALF_UP]
     d = abs(v)
+    if half_up == 0.0:  # a NaN or inf weight
+        return 0.0, 0.0, 0.0, 0.0
     if not d < np.inf:
-        s[STAT_U_NONFINITE] += 1.0
-    elif d == 0.0:
-        s[STAT_U_ZERO] += 1.0
-    else:
-        s[STAT_UPDATES] += 1.0
-        s[STAT_LOST] += d < table[T_LOST_IF_UP if v > 0.0 else T_LOST_IF_DOWN, p]
-        rh[_ratio_bin(half_up, d)] += 1.0
+        return 0.0, 0.0, 0.0, 1.0
+    if d == 0.0:
+        return 0.0, 0.0, 1.0, 0.0
+    rh[_ratio_bin(half_up, d)] += 1.0
+    lost = d < table[p, T_LOST_IF_UP if v > 0.0 else T_LOST_IF_DOWN]
+    return np.float64(lost), 1.0, 0.0, 0.0
 
 
-def _update_at(p, u, i, u_table, table, s, rh):
-    """``_update_counts`` of element ``i`` of the update array ``u``; nothing when it is None."""
+def _update_at(p, u, i, u_table, table, rh):
+    """``_update_counts`` of element ``i`` of the update array ``u``; zeros when it is None."""
 
 
 @overload(_update_at, inline="always")
-def _update_at_impl(p, u, i, u_table, table, s, rh):
+def _update_at_impl(p, u, i, u_table, table, rh):
     if isinstance(u, types.NoneType):
-        return lambda p, u, i, u_table, table, s, rh: None
-    return lambda p, u, i, u_table, table, s, rh: _update_counts(
-        p, _value(u, i, u_table), table, s, rh
-    )
+        return lambda p, u, i, u_table, table, rh: (0.0, 0.0, 0.0, 0.0)
+    return lambda p, u, i, u_table, table, rh: _update_counts(p, _value(u, i, u_table), table, rh)
+
+
+@njit(inline="always", cache=True)
+def _add_updates(s, lost, updates, zero, bad):
+    s[STAT_LOST] += lost
+    s[STAT_UPDATES] += updates
+    s[STAT_U_ZERO] += zero
+    s[STAT_U_NONFINITE] += bad
 
 
 @njit(inline="always", cache=True)
 def _u16_rows(w, mantissa_bits, u, u_table, table, row, s, rh, lo, hi):
     """Stored 16-bit patterns: counted as they are (``table`` indexed by them)."""
+    lost = updates = zero = bad = 0.0
     for i in range(lo, hi):
         p = w[i]
         row[p] += 1
-        _update_at(p, u, i, u_table, table, s, rh)
+        dl, du, dz, db = _update_at(p, u, i, u_table, table, rh)
+        lost, updates, zero, bad = lost + dl, updates + du, zero + dz, bad + db
+    _add_updates(s, lost, updates, zero, bad)
 
 
 @njit(inline="always", cache=True)
@@ -357,6 +366,7 @@ def _target_pattern(b, mantissa_bits):
 def _f32_rows(w, mantissa_bits, u, u_table, table, row, s, rh, lo, hi):
     """float32 bits: the value statistics counted on the way, then the target pattern."""
     n_all = n_nan = n_inf = n_zero = n_over = n_sub = n_flush = 0.0
+    lost = updates = zero = bad = 0.0
     amax = np.uint32(0)
     amin = np.uint32(_F32_INF)
     for i in range(lo, hi):
@@ -376,7 +386,9 @@ def _f32_rows(w, mantissa_bits, u, u_table, table, row, s, rh, lo, hi):
         amin = min(amin, a if a > 0 else np.uint32(_F32_INF))
         p = _target_pattern(b, mantissa_bits)
         row[p] += 1
-        _update_at(p, u, i, u_table, table, s, rh)
+        dl, du, dz, db = _update_at(p, u, i, u_table, table, rh)
+        lost, updates, zero, bad = lost + dl, updates + du, zero + dz, bad + db
+    _add_updates(s, lost, updates, zero, bad)
     counts = (n_all, n_nan, n_inf, n_zero, n_over, n_sub, n_flush)
     low = np.float64(np.uint32(amin).view(np.float32)) if amin < np.uint32(_F32_INF) else np.inf
     _add_values(s, counts, np.float64(np.uint32(amax).view(np.float32)), low)

@@ -146,7 +146,7 @@ def _run(kernel, rows: int, *args) -> None:
 
 
 _UPDATE_TABLES: dict = {}
-_NO_TABLE = np.zeros((3, 1))  # the table argument when there is no update array
+_NO_TABLE = np.zeros((1, 4))  # the table argument when there is no update array
 _VALUE_STATS = slice(_k.STAT_COUNT, _k.STAT_AMIN + 1)  # columns of the stored values
 _UPDATE_STATS = slice(_k.STAT_LOST, _k.N_STATS)  # columns of the update array
 
@@ -178,7 +178,7 @@ def _by_pattern(w, stored: str, fmt: Format, u, u_table, lr: float, limits, rows
         remap = _table(stored).astype(np.float32).astype(fmt.numpy_dtype).view(np.uint16)
     table = _NO_TABLE if u is None else _update_table(fmt)
     if remap is not None and u is not None:
-        table = np.ascontiguousarray(table[:, remap])  # indexed by the stored pattern
+        table = table[remap]  # indexed by the stored pattern
     hist = np.zeros((rows, 1 << 16), np.int64)
     counted, _, ratio = _k.new_buffers(fmt.exponent_bits, u is not None, rows)
     bits = w.view(np.uint32) if stored == "float32" else w
