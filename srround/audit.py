@@ -120,20 +120,33 @@ class _Counts:
 
     stats: np.ndarray
     half_hist: np.ndarray  # finite weights per log2(half spacing) + _HALF_OFFSET
-    ratio_hist: np.ndarray | None  # per-weight updates: half spacing / |u|, kernel bins
+    # per-weight updates: half spacing / |u|, the kernel's bins from ``ratio_first`` on (the
+    # occupied part of the 262144 bins: a few binades, cheap to add and to rank)
+    ratio_hist: np.ndarray | None
     lr: float | None
     range_dtype: str = "float16"  # the format of the range statistics (``range_format``)
+    ratio_first: int = 0
 
     def __add__(self, other: _Counts) -> _Counts:
         stats = self.stats + other.stats
         stats[_k.STAT_AMAX] = max(self.stats[_k.STAT_AMAX], other.stats[_k.STAT_AMAX])
         stats[_k.STAT_AMIN] = min(self.stats[_k.STAT_AMIN], other.stats[_k.STAT_AMIN])
-        if self.ratio_hist is None or other.ratio_hist is None:
-            ratio = self.ratio_hist if other.ratio_hist is None else other.ratio_hist
+        ratio, first = self.ratio_hist, self.ratio_first
+        if ratio is None or other.ratio_hist is None:
+            if ratio is None:
+                ratio, first = other.ratio_hist, other.ratio_first
         else:
-            ratio = self.ratio_hist + other.ratio_hist
+            first = min(first, other.ratio_first)
+            end = max(self.ratio_first + ratio.size, other.ratio_first + other.ratio_hist.size)
+            ratio = np.zeros(end - first)
+            for h, at in (
+                (self.ratio_hist, self.ratio_first),
+                (other.ratio_hist, other.ratio_first),
+            ):
+                ratio[at - first : at - first + h.size] += h
         lr = self.lr if self.lr == other.lr else None
-        return _Counts(stats, self.half_hist + other.half_hist, ratio, lr, self.range_dtype)
+        half = self.half_hist + other.half_hist
+        return _Counts(stats, half, ratio, lr, self.range_dtype, first)
 
     def __getitem__(self, stat: int) -> float:
         return float(self.stats[stat])
@@ -143,6 +156,11 @@ def _run(kernel, rows: int, *args) -> None:
     """``kernel(*args)`` through ``_cpu.run`` (behind the launch lock where the threading
     layer needs one); with one row of counts, on the calling thread alone."""
     _cpu.run(kernel, _config.CPU_SERIAL_BELOW if rows > 1 else 0, *args)
+
+
+def _rows_sum(rows: np.ndarray) -> np.ndarray:
+    """The sum of a kernel's per-thread rows (the row itself when there is one)."""
+    return rows[0] if rows.shape[0] == 1 else rows.sum(0)
 
 
 _UPDATE_TABLES: dict = {}
@@ -183,7 +201,7 @@ def _by_pattern(w, stored: str, fmt: Format, u, u_table, lr: float, limits, rows
     counted, _, ratio = _k.new_buffers(fmt.exponent_bits, u is not None, rows)
     bits = w.view(np.uint32) if stored == "float32" else w
     _run(_k.pattern_counts, rows, bits, fmt.mantissa_bits, u, u_table, table, hist, counted, ratio)
-    counts = hist.sum(0)
+    counts = _rows_sum(hist)
     target = counts if remap is None else np.bincount(remap, counts, 1 << 16).astype(np.int64)
     stats, exp_hist = _pattern_stats(target, fmt.name, fmt, lr, limits)
     if stored == "float32":  # the float32 values' own statistics, counted by the kernel
@@ -194,7 +212,7 @@ def _by_pattern(w, stored: str, fmt: Format, u, u_table, lr: float, limits, rows
         stats[_VALUE_STATS] = _pattern_stats(counts, stored, fmt, lr, limits)[0][_VALUE_STATS]
     if u is not None:
         stats[_UPDATE_STATS] = counted[:, _UPDATE_STATS].sum(0)
-    return stats, exp_hist, ratio.sum(0)
+    return stats, exp_hist, _rows_sum(ratio)
 
 
 def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, str]:
@@ -223,16 +241,21 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
             args = (fmt.mantissa_bits, fmt.exponent_bits, limits, stats, exp_hists, ratio_hist)
             table = _table(stored) if stored in _SIXTEEN_BIT else None
             _run(_k.value_stats, rows, w, table, None, u, u_table, kernel_lr, *args)
-            total, exp_hist, ratio = stats.sum(0), exp_hists.sum(0), ratio_hist.sum(0)
+            total, exp_hist, ratio = stats.sum(0), exp_hists.sum(0), _rows_sum(ratio_hist)
             total[_k.STAT_AMAX] = stats[:, _k.STAT_AMAX].max()
             total[_k.STAT_AMIN] = stats[:, _k.STAT_AMIN].min()
     half_hist = np.zeros(2 * _HALF_OFFSET)
     first = (1 - fmt.bias) - fmt.mantissa_bits - 1 + _HALF_OFFSET  # log2 half spacing at emin
     half_hist[first : first + exp_hist.size] = exp_hist
-    counts = _Counts(
-        total, half_hist, ratio if update is not None else None, None if update is not None else lr
-    )
-    counts.range_dtype = range_format(fmt).name
+    ratio_first = 0
+    if update is None:
+        ratio = None
+    else:  # keep the occupied bins
+        occupied = np.flatnonzero(ratio)
+        ratio_first = int(occupied[0]) if occupied.size else 0
+        ratio = ratio[ratio_first : occupied[-1] + 1 if occupied.size else 0].copy()
+    lr_of = None if update is not None else lr
+    counts = _Counts(total, half_hist, ratio, lr_of, range_format(fmt).name, ratio_first)
     return counts, fmt, stored
 
 
@@ -302,7 +325,9 @@ def _stagnation(c: _Counts, dtype: str) -> Stagnation:
     }
     if c.ratio_hist is not None:
         if c.ratio_hist.any():
-            scale = {p: _k.ratio_value(_percentile(c.ratio_hist, p)) for p in (50, 90)}
+            scale = {
+                p: _k.ratio_value(c.ratio_first + _percentile(c.ratio_hist, p)) for p in (50, 90)
+            }
         else:
             scale = {50: 1.0, 90: 1.0}
         updates = c[_k.STAT_UPDATES]

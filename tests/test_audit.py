@@ -408,15 +408,23 @@ def test_bench_audit_smoke(tmp_path, minilm_like):
     path, _, _ = minilm_like
     bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_audit.py")
     out = tmp_path / "bench.json"
-    args = ["--params", "200000", "--dtypes", "bfloat16", "--minilm", str(path), "--json"]
+    args = ["--params", "200000", "--dtypes", "bfloat16", "--minilm", str(path)]
+    args += ["--update-params", "100000", "--kernel-size", "4096", "--json"]
     result = subprocess.run(
         [sys.executable, bench, *args, str(out)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())["results"]
-    assert [r["checkpoint"] for r in rows] == ["synthetic bfloat16", "model.safetensors"]
+    names = [r["checkpoint"] for r in rows]
+    assert names[:3] == [
+        "synthetic bfloat16",
+        "synthetic bfloat16, --update float32",
+        "model.safetensors",
+    ]
+    assert len(names) == 10 and all(n.startswith("in memory: ") for n in names[3:])
     assert rows[0]["weights"] > 100_000 and rows[0]["peak_rss_bytes"] > 0
     assert all(r["weights_per_s"] > 0 for r in rows)
+    assert all(r["copy_GBps"] > 0 for r in rows[3:])
 
 
 def test_cli_npy_and_corrupt_safetensors(tmp_path):
