@@ -131,18 +131,12 @@ class _Counts:
         stats = self.stats + other.stats
         stats[_k.STAT_AMAX] = max(self.stats[_k.STAT_AMAX], other.stats[_k.STAT_AMAX])
         stats[_k.STAT_AMIN] = min(self.stats[_k.STAT_AMIN], other.stats[_k.STAT_AMIN])
-        ratio, first = self.ratio_hist, self.ratio_first
-        if ratio is None or other.ratio_hist is None:
-            if ratio is None:
-                ratio, first = other.ratio_hist, other.ratio_first
-        else:
-            first = min(first, other.ratio_first)
-            end = max(self.ratio_first + ratio.size, other.ratio_first + other.ratio_hist.size)
-            ratio = np.zeros(end - first)
-            for h, at in (
-                (self.ratio_hist, self.ratio_first),
-                (other.ratio_hist, other.ratio_first),
-            ):
+        parts = [(c.ratio_hist, c.ratio_first) for c in (self, other) if c.ratio_hist is not None]
+        ratio, first = parts[0] if parts else (None, 0)
+        if len(parts) == 2:
+            first = min(at for _, at in parts)
+            ratio = np.zeros(max(at + h.size for h, at in parts) - first)
+            for h, at in parts:
                 ratio[at - first : at - first + h.size] += h
         lr = self.lr if self.lr == other.lr else None
         half = self.half_hist + other.half_hist
