@@ -20,7 +20,8 @@ threads by the caller):
   (``2**-25 < |x| < 2**-14``), flushed to zero (``0 < |x| <= 2**-25``);
 * largest finite magnitude, smallest nonzero finite magnitude;
 * stagnation in the target format (``mantissa_bits``, ``exponent_bits``): each finite value is
-  first rounded to nearest-even in the target, then an update ``u`` is lost when
+  first rounded to nearest-even in the target (one that rounds past the largest binade has no
+  stagnation statistics, as an inf pattern has none), then an update ``u`` is lost when
   round-to-nearest of ``q + u`` gives ``q`` back. With a scalar ``lr`` (sign unknown) both
   directions are tried and ``STAT_LOST`` counts lost directions (0, 1 or 2 per weight); with an
   update array the update's own sign is used, zero and non-finite updates are counted apart;
@@ -191,6 +192,8 @@ def _stats_rows(
         amin = min(amin, a if a > 0.0 else np.inf)
         amax = max(amax, a)
         e, sp, k = _quantum(a, mantissa_bits, emin, emax, top_k)
+        if k >= top_k:  # rounds past the largest binade: inf (NaN) in the target, as a pattern
+            continue
         eh[e - emin] += c
         even = (k & 1) == 0
         half_up, half_down = _halves(e, sp, k, emin, first_k)
