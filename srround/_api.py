@@ -264,7 +264,9 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         found_inf: optional float32 array (1 value, or one per tensor) set to 1.0 where an
             *unscaled* gradient - what the optimizer reads - is non-finite (an inf/NaN input,
             an unusable scale, or an fp16 product past 65504); it is not cleared first, so one
-            array can accumulate over several calls. Allocated zeroed when omitted.
+            array can accumulate over several calls. Allocated zeroed when omitted. torch
+            DTensor gradients: all-reduced (MAX) over their meshes, on the device, so every
+            rank gets the same flags (a collective: every rank of the mesh calls).
         per_tensor: one scale and one flag per tensor (the per-layer scaling option).
 
     Returns:
@@ -319,6 +321,9 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
             total=table.total,
             stream=flags.stream,
         )
+    reduce = getattr(adapter, "reduce_flags", None)
+    if reduce is not None:  # sharded arrays (torch DTensors): one verdict on every rank
+        reduce(grads, flags.result)
     return flags.result
 
 

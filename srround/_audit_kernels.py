@@ -72,7 +72,7 @@ def _value(a, i, table):
     """``a[i]`` as float64: through ``table`` (a 16-bit decode table) unless it is None."""
 
 
-@overload(_value, inline="always")
+@overload(_value, forceinline=True)
 def _value_impl(a, i, table):
     if isinstance(table, types.NoneType):
         return lambda a, i, table: np.float64(a[i])
@@ -83,39 +83,39 @@ def _weight(counts, i):
     """The multiplicity of element ``i``: ``counts[i]``, or 1 when ``counts`` is None."""
 
 
-@overload(_weight, inline="always")
+@overload(_weight, forceinline=True)
 def _weight_impl(counts, i):
     if isinstance(counts, types.NoneType):
         return lambda counts, i: 1.0
     return lambda counts, i: np.float64(counts[i])
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _exponent(a):
     """floor(log2(a)) of a positive float64 (-1023 for zero and float64 subnormals)."""
     return (np.float64(a).view(np.int64) >> 52) - 1023
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _pow2(e):
     """2.0**e for -1022 <= e <= 1023."""
     return np.int64((e + 1023) << 52).view(np.float64)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _round_half_even(v):
     """The integer nearest to ``v >= 0`` (ties to even), as int64."""
     r = np.int64(v + 0.5)
     return r - (((r - v) == 0.5) & ((r & 1) == 1))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _lost(d, half, even):
     """Whether an update of magnitude ``d`` is lost where half the spacing is ``half``."""
     return (d < half) | ((d == half) & even)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _add_values(s, counts, amax, amin):
     """Add a row's value counts (``STAT_COUNT`` .. ``STAT_F16_FLUSH``, in column order) and
     its largest / smallest nonzero magnitude to the stats row ``s``."""
@@ -125,7 +125,7 @@ def _add_values(s, counts, amax, amin):
     s[STAT_AMIN] = min(s[STAT_AMIN], amin)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _quantum(a, mantissa_bits, emin, emax, top_k):
     """A finite magnitude ``a`` stored in the target by round-to-nearest-even: ``(e, sp, k)``
     with the stored magnitude ``k * sp``, ``sp`` the spacing of exponent ``e``."""
@@ -139,7 +139,7 @@ def _quantum(a, mantissa_bits, emin, emax, top_k):
     return e, sp, k
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _halves(e, sp, k, emin, first_k):
     """Half the spacing away from zero and toward zero of a stored ``k * sp``: toward zero
     from the first value of a binade the spacing below is half as wide."""
@@ -147,7 +147,7 @@ def _halves(e, sp, k, emin, first_k):
     return half_up, half_up * (0.5 if (k == first_k) & (e > emin) else 1.0)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _ratio_bin(half_up, d):
     """The ``ratio_hist`` bin of ``half_up / d``: its binade and top fraction bits."""
     r = np.float64(half_up / d).view(np.int64)
@@ -157,7 +157,7 @@ def _ratio_bin(half_up, d):
     return min(max(b, 0), RATIO_BINADES * RATIO_STEPS - 1)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _stats_rows(
     w, w_table, counts, u, u_table, lr, mantissa_bits, exponent_bits, limits, s, eh, rh, lo, hi
 ):
@@ -309,7 +309,7 @@ def update_table(values, mantissa_bits, exponent_bits):
     return table
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _update_counts(p, v, table, rh):
     """The update statistics of one weight of target pattern ``p`` and update ``v``: adds
     to ``rh`` and returns ``(lost, updates, zero updates, non-finite updates)``."""
@@ -330,14 +330,14 @@ def _update_at(p, u, i, u_table, table, rh):
     """``_update_counts`` of element ``i`` of the update array ``u``; zeros when it is None."""
 
 
-@overload(_update_at, inline="always")
+@overload(_update_at, forceinline=True)
 def _update_at_impl(p, u, i, u_table, table, rh):
     if isinstance(u, types.NoneType):
         return lambda p, u, i, u_table, table, rh: (0.0, 0.0, 0.0, 0.0)
     return lambda p, u, i, u_table, table, rh: _update_counts(p, _value(u, i, u_table), table, rh)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _add_updates(s, lost, updates, zero, bad):
     s[STAT_LOST] += lost
     s[STAT_UPDATES] += updates
@@ -345,7 +345,7 @@ def _add_updates(s, lost, updates, zero, bad):
     s[STAT_U_NONFINITE] += bad
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _u16_rows(w, mantissa_bits, u, u_table, table, row, s, rh, lo, hi):
     """Stored 16-bit patterns: counted as they are (``table`` indexed by them)."""
     lost = updates = zero = bad = 0.0
@@ -357,7 +357,7 @@ def _u16_rows(w, mantissa_bits, u, u_table, table, row, s, rh, lo, hi):
     _add_updates(s, lost, updates, zero, bad)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _target_pattern(b, mantissa_bits):
     """The bfloat16 or float16 round-to-nearest-even pattern of float32 bits ``b``."""
     if mantissa_bits == 7:
@@ -365,7 +365,7 @@ def _target_pattern(b, mantissa_bits):
     return encode_nearest(b, 10, 5, False)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _f32_rows(w, mantissa_bits, u, u_table, table, row, s, rh, lo, hi):
     """float32 bits: the value statistics counted on the way, then the target pattern."""
     n_all = n_nan = n_inf = n_zero = n_over = n_sub = n_flush = 0.0
@@ -401,7 +401,7 @@ def _rows(w, mantissa_bits, u, u_table, table, row, s, rh, lo, hi):
     """``_f32_rows`` for float32 bits (uint32), ``_u16_rows`` for 16-bit patterns."""
 
 
-@overload(_rows, inline="always")
+@overload(_rows, forceinline=True)
 def _rows_impl(w, mantissa_bits, u, u_table, table, row, s, rh, lo, hi):
     body = _f32_rows if w.dtype.bitwidth == 32 else _u16_rows
     return lambda w, mantissa_bits, u, u_table, table, row, s, rh, lo, hi: body(

@@ -53,7 +53,7 @@ cuda = import_numba_cuda()
 _ROUND, _ADD, _NEAREST, _WIDEN = range(4)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _narrow_op(op, old, u, alpha, bits16, mantissa_bits, exponent_bits, saturate, kind=0):
     """The narrow result of ``op`` for fp32 pattern ``u`` (and narrow ``old``, for _ADD);
     ``kind``: the format's ``specials`` code."""

@@ -45,9 +45,13 @@ def _backward(model, step):
 def test_compiled_step_matches_eager_bits(make, backend):
     """Finding: Dynamo traced into Numba and died. ``opt.step()`` compiled with
     fullgraph=True (states created at trace time) gives eager's parameters, states and step
-    counts, step after step."""
+    counts, step after step. The first parameter never has a gradient: the op keys noise to
+    the parameter's place in the optimizer's order as eager does (it used to restart the
+    stream at the first parameter with a gradient)."""
     eager_model, compiled_model = _model(torch.bfloat16), _model(torch.bfloat16)
-    eager, compiled = make(list(eager_model.parameters())), make(list(compiled_model.parameters()))
+    unused = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(2)]
+    eager = make([unused[0], *eager_model.parameters()])
+    compiled = make([unused[1], *compiled_model.parameters()])
 
     @torch.compile(fullgraph=True, backend=backend)
     def step(opt):
@@ -168,3 +172,32 @@ def test_generic_srround_calls_break_the_graph_instead_of_failing():
 
     x = torch.randn(16)
     assert torch.equal(f(x), srround.stochastic_round(x * 2, seed=1, offset=3).float() + 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_step_on_cuda_matches_eager_bits():
+    """torch.compile on CUDA (GPU only): ``opt.step()`` compiled with inductor (fullgraph)
+    on CUDA parameters gives the eager CUDA bits, a parameter without a gradient included."""
+    models = [_model(torch.bfloat16).cuda() for _ in range(2)]
+    unused = [
+        torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16, device="cuda")) for _ in models
+    ]
+    eager, compiled = (
+        st.AdamW([u, *m.parameters()], lr=1e-2, state_dtype=torch.bfloat16, seed=11)
+        for u, m in zip(unused, models)
+    )
+
+    @torch.compile(fullgraph=True)
+    def step(opt):
+        opt.step()
+
+    for i in range(3):
+        for model, run in ((models[0], eager.step), (models[1], lambda: step(compiled))):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(i)).cuda()
+            h = model[1](model[0](x))
+            model[2](h.to(torch.bfloat16)).float().square().mean().backward()
+            run()
+            model.zero_grad(set_to_none=False)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(_bits(p), _bits(q))

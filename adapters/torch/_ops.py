@@ -8,7 +8,8 @@ as opaque calls (Dynamo never looks into Numba) and functionalizes their in-plac
   fused unscale and overflow check (``srround.unscale_and_check``), in place.
 * ``torch.ops.srround.fused_step(...)``: the fused optimizer step of
   ``srround.adapters.torch.AdamW`` / ``SGD`` over lists of parameters, gradients, states and
-  step counters (what their ``step()`` calls under torch.compile).
+  step counters (what their ``step()`` calls under torch.compile), with the eager step's
+  stream starts; DTensor parameters pass their local pieces.
 
 Each op runs the same kernels as the eager calls, so compiled code gives the eager bits. A
 ``seed`` is a constant of the compiled graph: pass a different ``offset`` per call (a tensor
@@ -105,8 +106,13 @@ def _fused_step(
     k0: int,
     k1: int,
     negate: bool,
+    noise: list[int],
+    mesh_groups: str,
     check_grads: bool,
 ) -> None:
+    """The fused step over plain tensors (a DTensor parameter's local pieces); ``noise``: each
+    parameter's stream start (the eager step's), ``mesh_groups``: the names of the process
+    groups that all-reduce ``found`` after ``check_grads``, one a line (FSDP2)."""
     import numpy as np
 
     from srround import _optim
@@ -128,6 +134,8 @@ def _fused_step(
         tuple(group_index),
         tuple(s1_index),
         tuple(aux_index),
+        tuple(noise),
+        mesh_groups,
         tuple(t.data_ptr() for t in tensors),
         tuple(t.dtype for t in tensors),
         tuple(t.stride() for t in tensors),
@@ -142,8 +150,9 @@ def _fused_step(
 
             stream = _external_stream(device)
         entry = build_entry(
-            opt_kind, rounding, state_fmt, params, grads, rows, flat, group_index, stream
+            opt_kind, rounding, state_fmt, params, grads, rows, flat, group_index, stream, noise
         )
+        entry.groups = [_resolve_process_group(name) for name in mesh_groups.splitlines()]
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = entry
@@ -163,6 +172,12 @@ def _(params, grads, states1, states2, auxes, steps, found, inv_scale, *args):
     return None
 
 
+def _resolve_process_group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 def _flat_steps(steps):
     """``(int32[N] tensor, whether it is a view of the counters)``: the 0-d counters as one
     flat tensor - a view when they are consecutive in one storage (srround's optimizers make
@@ -178,51 +193,6 @@ def _flat_steps(steps):
     ):
         return first.as_strided((len(steps),), (1,)), True
     return torch.stack([s.reshape(()).to(torch.int32) for s in steps]), False
-
-
-def fused_step_op(
-    params,
-    grads,
-    states1,
-    states2,
-    auxes,
-    steps,
-    found_inf,
-    inv_scale,
-    kind,
-    mode,
-    state_fmt,
-    group_index,
-    s1_index,
-    aux_index,
-    hyper,
-    k0,
-    k1,
-    negate,
-    check_grads,
-):
-    """Call ``torch.ops.srround.fused_step`` (arguments in its order)."""
-    torch.ops.srround.fused_step(
-        params,
-        grads,
-        states1,
-        states2,
-        auxes,
-        steps,
-        found_inf,
-        inv_scale,
-        kind,
-        mode,
-        state_fmt,
-        group_index,
-        s1_index,
-        aux_index,
-        hyper,
-        k0,
-        k1,
-        negate,
-        check_grads,
-    )
 
 
 __all__ = ["stochastic_round"]

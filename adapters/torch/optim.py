@@ -45,7 +45,8 @@ optimizer's defaults), and torch's optimizers load srround's.
 
 torch.compile: ``step()`` inside a compiled function traces without graph breaks: the states
 are created at trace time (``_init_group``, as torch's optimizers do) and the step is one call
-of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``), which gives the eager bits.
+of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``) with the eager stream starts
+(DTensor parameters: their local pieces), which gives the eager bits.
 Hyperparameters are constants of the compiled graph (changing ``lr`` recompiles, as with
 torch's optimizers given a float ``lr``).
 """
@@ -106,6 +107,21 @@ def _check_state_dtype(state_dtype) -> str:
             f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype!r}"
         )
     return name
+
+
+def _check_hyper(value, name: str, where: str, minimum: float = 0.0) -> float:
+    """A hyperparameter: a real number >= ``minimum`` (a tensor is refused: srround's
+    hyperparameters are host values, copied to the device only when they change)."""
+    if isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"{name}{where}: a tensor is not supported (srround's hyperparameters are host"
+            f" floats); pass a float, e.g. {name}.item()"
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}{where}: expected a float, got {type(value).__name__}")
+    if not value >= minimum:  # NaN too
+        raise ValueError(f"{name}{where}: expected a float >= {minimum}, got {value}")
+    return float(value)
 
 
 def _check_flags(group, where="") -> None:
@@ -358,6 +374,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         f" {len(self.param_groups) - 1} has {group[name]!r}, the"
                         f" optimizer {self.defaults[name]!r}"
                     )
+            seen: set = set()
+            for i, p in enumerate(group["params"]):
+                if id(p) in seen:  # torch only warns; the fused step would alias it
+                    raise ValueError(
+                        f"params[{i}]: appears twice in param group {len(self.param_groups) - 1}"
+                        " (one fused pass cannot update a tensor twice); pass it once"
+                    )
+                seen.add(id(p))
             devices = {p.device for g in self.param_groups for p in g["params"]}
             if len(devices) > 1:
                 raise ValueError(
@@ -497,10 +521,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         rows, steps = self._prepare(params, group_index, config)
         device = params[0].device
         stream = _external_stream(device) if device.type == "cuda" else None
-        # noise keyed to the parameter's identity and the piece's place in the full tensor
-        every = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        bases = _dist.stream_bases(every)
-        noise = [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
+        noise = self._noise(params)
         local = _dist.local  # DTensors (FSDP2): the kernel works on the local pieces
         entry = build_entry(
             self._KIND,
@@ -522,6 +543,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         entry.key = key
         self._entry = entry
         return entry
+
+    def _noise(self, params) -> list[int]:
+        """The stream start of each of ``params`` (those with gradients): keyed to the
+        parameter's identity (``_dist.stream_bases``) and the piece's place in the full
+        tensor, so a parameter without a gradient moves no other's noise."""
+        every = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        bases = _dist.stream_bases(every)
+        return [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
 
     def _needed_states(self, group):
         return [n for n in self._STATE_NAMES if self._uses_state(group, n)]
@@ -617,12 +646,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _traced_step(self, inv_scale, found_inf, check_grads, grad_scale):
         """The step under torch.compile: states at trace time (``_init_group``), then the
         custom op."""
-        from ._ops import fused_step_op
-
         params, grads, states1, states2, auxes, steps = [], [], [], [], [], []
         meta = self._init_group(params, grads, states1, states2, auxes, steps)
         if not params:
             return
+        if meta[-1]:  # DTensors (FSDP2): the op works on the local pieces
+            from torch.distributed.tensor import DTensor
+
+            params, grads, states1, states2, auxes = (
+                [t.to_local() if isinstance(t, DTensor) else t for t in ts]
+                for ts in (params, grads, states1, states2, auxes)
+            )
         if grad_scale is not None:
             inv_scale = grad_scale.double().reciprocal().float().reshape(1)
             torch.ops.srround.unscale_and_check_(
@@ -633,8 +667,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
             found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
         if isinstance(inv_scale, (int, float)):
             inv_scale = torch.full((1,), float(inv_scale), device=params[0].device)
-        fused_step_op(
-            params, grads, states1, states2, auxes, steps, found_inf, inv_scale, *meta, check_grads
+        torch.ops.srround.fused_step(
+            params,
+            grads,
+            states1,
+            states2,
+            auxes,
+            steps,
+            found_inf,
+            inv_scale,
+            *meta[:-1],
+            check_grads,
         )
 
     @torch.no_grad()
@@ -644,11 +687,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         gradients, their gradients, states (``states1`` / ``states2`` / ``auxes``: only the
         existing ones, located by the index lists returned) and 0-d step counters. Returns
         the op's constant arguments: ``(kind, mode, state format, group index, state-1 index,
-        aux index, hyperparameters (flat), k0, k1, negate)``."""
+        aux index, hyperparameters (flat), k0, k1, negate, stream starts, mesh process group
+        names, whether they are DTensors)``."""
         config = self._config()
         found, group_index = self._collect()
         if not found:
-            return (self._KIND, 0, 0, [], [], [], [], 0, 0, False)
+            return (self._KIND, 0, 0, [], [], [], [], 0, 0, False, [], "", False)
         rows, flat = self._prepare(found, group_index, config)
         s1_index, aux_index = [], []
         for i, (p, (s1, s2, aux)) in enumerate(zip(found, rows)):
@@ -676,6 +720,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             k0,
             k1,
             bool(config[3]),
+            self._noise(found),
+            "\n".join(g.group_name for g in _dist.mesh_groups(found)),
+            self._dtensors,
         )
 
     # -- state dict -------------------------------------------------------------------------
@@ -800,16 +847,14 @@ class AdamW(_FusedOptimizer):
                 " 'nearest' or 'master' with float32 states, got"
                 f" {group.get('rounding')!r} / {group.get('state_dtype')}"
             )
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        if isinstance(lr, torch.Tensor) or not 0.0 <= float(lr):
-            raise ValueError(f"lr{where}: expected a float >= 0, got {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps{where}: expected >= 0, got {eps}")
-        for i, beta in enumerate(group["betas"]):
-            if not 0.0 <= beta < 1.0:
+        for name in ("lr", "eps", "weight_decay"):
+            _check_hyper(group[name], name, where)
+        betas = group["betas"]
+        if len(betas) != 2:
+            raise ValueError(f"betas{where}: expected 2 values, got {len(betas)}")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= _check_hyper(beta, f"betas[{i}]", where) < 1.0:
                 raise ValueError(f"betas[{i}]{where}: expected in [0, 1), got {beta}")
-        if not 0.0 <= wd:
-            raise ValueError(f"weight_decay{where}: expected >= 0, got {wd}")
 
     def _hyper(self):
         return np.array(
@@ -823,10 +868,12 @@ class AdamW(_FusedOptimizer):
     def _amsgrad_step(self, inv_scale, found_inf, check_grads, grad_scale):
         """AMSGrad, the per-tensor path: torch.optim's single-tensor AdamW math with torch
         ops in float32 (so fp32 parameters get torch's bits), then srround's write-back of
-        the result: stochastic rounding with the fused step's stream (element ``j`` of the
-        tensor starting at global element ``s``, at offset ``t * 2**36 + s + j``, memory
-        order), round to nearest, or the fp32 master weight. Slower than the fused step (a
-        few passes per tensor) and reads the step count and ``found_inf`` on the host."""
+        the result: stochastic rounding with the fused step's stream (element ``j`` of a
+        parameter's piece with stream start ``s`` - ``_noise``, the fused step's - at offset
+        ``t * 2**36 + s + j``, memory order), round to nearest, or the fp32 master weight.
+        DTensor parameters: their local pieces, ``found_inf`` all-reduced over the meshes.
+        Slower than the fused step (a few passes per tensor) and reads the step count and
+        ``found_inf`` on the host."""
         import srround
 
         rounding, state_dtype, seed, maximize = self._config()
@@ -835,32 +882,32 @@ class AdamW(_FusedOptimizer):
         params, group_index = self._collect()
         if not params:
             return
-        grads = [p.grad for p in params]
-        check_pairs(params, grads, rounding)
-        if grad_scale is not None:
-            from .amp import unscale_grads
+        grads = [_dist.check_grad(p, i) for i, p in enumerate(params)]  # local pieces
+        pieces = [_dist.local(p) for p in params]
+        check_pairs(pieces, grads, rounding)
+        noise = self._noise(params)
+        from .amp import unscale_grads
 
+        if grad_scale is not None:
             inv = torch.as_tensor(grad_scale, dtype=torch.float32, device=params[0].device)
             scratch = torch.zeros(1, dtype=torch.float32, device=inv.device)
             unscale_grads(grads, inv.double().reciprocal().float().reshape(1), scratch)
         if check_grads:
-            from .amp import unscale_grads
-
             one = torch.ones(1, dtype=torch.float32, device=found_inf.device)
             unscale_grads(grads, one, found_inf)
+            _dist.all_reduce_max(found_inf, _dist.mesh_groups(params))
         if isinstance(inv_scale, torch.Tensor) and not 0 < float(inv_scale.reshape(())) < math.inf:
             if found_inf is not None:  # an unusable scale: flagged and skipped, as the fused step
                 found_inf.fill_(1.0)
             return
         if found_inf is not None and float(found_inf.reshape(())) != 0:
             return
-        groups, start = self.param_groups, 0
-        for p, gi in zip(params, group_index):
+        groups = self.param_groups
+        for p, piece, grad, gi, start in zip(params, pieces, grads, group_index, noise):
             group = groups[gi]
             state = self._state_buffers(p, group, rounding, state_dtype)
-            like = _like(p)
             if "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = torch.zeros_like(like, dtype=torch.float32)
+                state["max_exp_avg_sq"] = torch.zeros_like(_like(p), dtype=torch.float32)
             step = state.get("step")
             if step is None:
                 step = state["step"] = torch.zeros((), dtype=torch.int32, device=p.device)
@@ -872,22 +919,20 @@ class AdamW(_FusedOptimizer):
                 group["eps"],
                 group["weight_decay"],
             )
-            grad = p.grad.float() if p.grad.dtype != torch.float32 else p.grad.clone()
+            grad = grad.float() if grad.dtype != torch.float32 else grad.clone()
             if inv_scale is not None:
                 grad.mul_(inv_scale)
             if maximize:
                 grad.neg_()
-            if p.dtype == torch.float32 and _is_dense(p):
-                work = p.detach()
-            elif rounding == "master" and p.dtype != torch.float32:
-                work = state["master_weight"]
-            else:
-                work = torch.empty_like(like, dtype=torch.float32).copy_(p.detach())
             exp_avg, exp_avg_sq, max_sq = (
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                state["max_exp_avg_sq"],
+                _dist.local(state[name]) for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
             )
+            if piece.dtype == torch.float32 and _is_dense(piece):
+                work = piece.detach()
+            elif rounding == "master" and piece.dtype != torch.float32:
+                work = _dist.local(state["master_weight"])
+            else:
+                work = torch.empty_like(exp_avg).copy_(piece.detach())
             work.mul_(1 - lr * wd)
             exp_avg.lerp_(grad, 1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -895,19 +940,19 @@ class AdamW(_FusedOptimizer):
             bias_correction2_sqrt = (1 - beta2**t) ** 0.5
             denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
             work.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**t)))
-            if work is p:
-                pass
-            elif p.dtype == torch.float32 or rounding != "stochastic":
-                p.detach().copy_(work)  # fp32 exactly; nearest and master: round to nearest
+            if work.data_ptr() == piece.data_ptr():
+                continue  # a dense fp32 parameter, updated in place
+            if piece.dtype == torch.float32 or rounding != "stochastic":
+                piece.detach().copy_(work)  # fp32 exactly; nearest and master: round to nearest
             else:
                 flat = work.as_strided((work.numel(),), (1,))  # memory order
                 offset = (t << _optim.STEP_SHIFT) + start
-                fmt = "bfloat16" if p.dtype == torch.bfloat16 else "float16"
+                fmt = "bfloat16" if piece.dtype == torch.bfloat16 else "float16"
                 rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
-                p.detach().copy_(rounded.as_strided(work.shape, work.stride()))
-            start += p.numel()
+                piece.detach().copy_(rounded.as_strided(work.shape, work.stride()))
         self._entry = None
-        torch.autograd.graph.increment_version([p for p in params if not p.is_inference()])
+        written = pieces + [p for p in params if _dist.is_dtensor(p)]
+        torch.autograd.graph.increment_version([t for t in written if not t.is_inference()])
 
 
 class SGD(_FusedOptimizer):
@@ -956,13 +1001,9 @@ class SGD(_FusedOptimizer):
 
     def _check_group(self, group, index):
         where = "" if index is None else f" (param group {index})"
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) or not 0.0 <= float(lr):
-            raise ValueError(f"lr{where}: expected a float >= 0, got {lr}")
-        if group["momentum"] < 0.0:
-            raise ValueError(f"momentum{where}: expected >= 0, got {group['momentum']}")
-        if group["weight_decay"] < 0.0:
-            raise ValueError(f"weight_decay{where}: expected >= 0, got {group['weight_decay']}")
+        for name in ("lr", "momentum", "weight_decay"):
+            _check_hyper(group[name], name, where)
+        _check_hyper(group["dampening"], "dampening", where, minimum=-math.inf)
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"nesterov{where}: needs momentum > 0 and dampening == 0")
 
