@@ -29,6 +29,7 @@ from ._elements import (
     S1_ADDR,
     S2_ADDR,
     prepare_coefs,
+    scale_usable,
     step_element,
     unscale_in_place,
     update_scale_one,
@@ -276,9 +277,13 @@ def update_scale(scale, growth_tracker, overflow_tracker, found, factors, *, str
 
 
 @cuda.jit(cache=True)
-def _optim_prepare(kind, table, hyper, steps, coefs, found):
+def _optim_prepare(kind, table, hyper, steps, coefs, inv_scale, sign, found):
     k = cuda.grid(1)
-    if k < steps.size and (found[0] & 0x7FFFFFFF) == 0:
+    if k >= steps.size:
+        return
+    if not scale_usable(inv_scale[0] ^ sign):  # every thread reads the same verdict
+        found[0] = 0x3F800000  # 1.0f: ``_optim_step`` then skips
+    elif (found[0] & 0x7FFFFFFF) == 0:
         steps[k] += 1
         g = table[k, GROUP]
         coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
@@ -334,12 +339,17 @@ def optim_step(
     k0,
     k1,
     *,
+    sign,
     total,
     stream,
 ):
-    """Both passes of one fused step over ``total`` elements; every array on the device."""
+    """Both passes of one fused step over ``total`` elements; every array on the device.
+    ``sign``: the sign bit an ``inv_scale`` must have (0, or 0x80000000 for a negated one),
+    else ``found`` is set to 1.0 and nothing changes."""
     grid = _grid(steps.size)
-    _optim_prepare[grid[0], grid[1], stream](kind, table, hyper, steps, coefs, found)
+    _optim_prepare[grid[0], grid[1], stream](
+        kind, table, hyper, steps, coefs, inv_scale, sign, found
+    )
     grid = _grid(total)
     _optim_step[grid[0], grid[1], stream](
         kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1
