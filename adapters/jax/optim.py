@@ -72,7 +72,7 @@ from srround._formats import FORMATS
 
 from ._api import _key_words
 from ._callback import _callback, _host, _origin_arg, _runs, _seed_of
-from ._lax import _decode, _element_index, _encode, _random16, _shard_layout, _threefry2x32, _u
+from ._lax import _decode, _element_index, _encode, _opaque, _random16, _shard_layout, _u
 
 __all__ = ["AdamWState", "SGDState", "adamw", "apply_updates", "sgd"]
 
@@ -190,34 +190,14 @@ def _narrow_out(patterns, dtype):
     return lax.bitcast_convert_type(patterns.astype(jnp.uint16), dtype)
 
 
-# Leaves of at most _SMALL elements (biases, norm scales) are updated together, concatenated into
-# groups of at most _GROUP elements: every leaf costs the compiler a loop per output, however
-# small, and concatenating and slicing back a few thousand elements costs next to nothing.
-_SMALL = 1 << 16
-_GROUP = 1 << 20
-
-
-def _group_bits16(k0, k1, t, stream: int, members):
-    """The random bits (uint32) of the leaves ``members`` ((start, size) pairs), concatenated:
-    element j of a member at counter ``t * 2**36 + stream * 2**34 + start + j``, the Threefry
-    counters of its elements as constants (block ``(start + j) >> 2``, lane ``(start + j) &
-    3``; ``t < 2**26`` and starts < 2**34, so the high word is ``4 t + stream``)."""
-    glob = np.concatenate([np.arange(n, dtype=np.int64) + start for start, n in members])
-    c_lo = jnp.asarray((glob >> 2).astype(np.uint32))  # < 2**32: starts < 2**34
-    lane = jnp.asarray((glob & 3).astype(np.uint32))
-    hi = _u(t) * _U32(4) + _U32(stream)
-    x0, x1 = _threefry2x32(k0, k1, c_lo, jnp.broadcast_to(hi, c_lo.shape))
-    return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
-
-
 @functools.partial(jax.jit, static_argnames=("update", "cfg", "global_shape"))
 def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg, global_shape):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf (``arrays[0]`` gives its shape) at
     global element ``start = 4 start_lo + lane0`` (uint32 scalars), ``bits(stream)`` the random
     bits of its elements: jitted with the start traced, so leaves of the same shapes and dtypes
-    are traced and lowered once (each call is inlined by XLA, which folds the constant start
-    back). A block of a sharded leaf inside ``shard_map`` has its ``origin`` (traced) in the
-    leaf's ``global_shape``: its elements use the counters of their global indices."""
+    are traced and lowered once. A block of a sharded leaf inside ``shard_map`` has its
+    ``origin`` (traced) in the leaf's ``global_shape``: its elements use the counters of their
+    global indices."""
     shape = arrays[0].shape
     hi = _u(t) * _U32(4)
 
@@ -234,67 +214,35 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     at global element ``starts[k]``; ``bits(stream)`` gives the random bits of its elements
     (counter ``t * 2**36 + stream * 2**34 + starts[k] + j``). Every output of a leaf is
     elementwise in the leaf's buffers (its random bits too, computed in the loop from the
-    global element indices), so XLA fuses it into a loop over the leaf's own buffers: no
-    concatenation into a flat buffer and no slicing back (each a pass over memory, and on XLA's
-    CPU backend a temporary paged in afresh every call). The program grows with the number of
-    leaves (compile time too), except that a leaf's update is traced once per shape and dtypes
-    (``_leaf_call``) and the random bits of small leaves (``_SMALL``) are computed together,
-    one Threefry loop per group, and sliced per leaf. Leaves are never concatenated, so
-    every output keeps its leaf's sharding under ``jit``.
+    global element indices), so XLA fuses it into a loop over the leaf's own buffers: nothing
+    is concatenated or sliced, and every output keeps its leaf's sharding under ``jit``.
+
+    Compile time: the leaf starts reach the loops as runtime scalars (``_lax._opaque``), so the
+    loops of leaves with the same shapes and dtypes are the same computation and XLA's CPU
+    backend compiles it once, not once per leaf (a start folded in as a constant makes every
+    leaf's loop a new kernel).
     ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
-    ``shard_map`` (``None``: the whole leaf); only whole leaves are grouped. Returns the
-    per-leaf tuples."""
-    outs = [None] * len(starts)
+    ``shard_map`` (``None``: the whole leaf). Returns the per-leaf tuples."""
     layouts = layouts or [None] * len(starts)
-
-    def leaf(k):
-        origin, global_shape = layouts[k] or (None, None)
-        return _leaf_call(
-            tuple(c[k] for c in columns),
-            k0,
-            k1,
-            t,
-            _u(starts[k] >> 2),
-            _u(starts[k] & 3),
-            origin,
-            extra,
-            update=update,
-            cfg=cfg,
-            global_shape=global_shape,
+    words = _opaque([w for s in starts for w in (s >> 2, s & 3)], (k0, k1, t))
+    outs = []
+    for k, layout in enumerate(layouts):
+        origin, global_shape = layout or (None, None)
+        outs.append(
+            _leaf_call(
+                tuple(c[k] for c in columns),
+                k0,
+                k1,
+                t,
+                words[2 * k],
+                words[2 * k + 1],
+                origin,
+                extra,
+                update=update,
+                cfg=cfg,
+                global_shape=global_shape,
+            )
         )
-
-    groups = {}  # dtypes -> [[leaf index, ...], ...] of small leaves
-    sizes = [x.size for x in columns[0]]
-    for k, size in enumerate(sizes):
-        if size <= _SMALL and layouts[k] is None:
-            key = tuple(None if c[k] is None else jnp.dtype(c[k].dtype) for c in columns)
-            runs = groups.setdefault(key, [[]])
-            if runs[-1] and sum(sizes[i] for i in runs[-1]) + size > _GROUP:
-                runs.append([])
-            runs[-1].append(k)
-        else:
-            outs[k] = leaf(k)
-    for run in (run for runs in groups.values() for run in runs):
-        if len(run) == 1:
-            outs[run[0]] = leaf(run[0])
-            continue
-        members = [(starts[k], sizes[k]) for k in run]
-        cache = {}
-
-        def group_bits(stream, members=members, cache=cache):
-            if stream not in cache:
-                cache[stream] = _group_bits16(k0, k1, t, stream, members)
-            return cache[stream]
-
-        offset = 0
-        for k in run:
-            n, shape = sizes[k], columns[0][k].shape
-
-            def bits(stream, offset=offset, n=n, shape=shape):
-                return lax.slice(group_bits(stream), (offset,), (offset + n,)).reshape(shape)
-
-            outs[k] = update(cfg, *(c[k] for c in columns), bits, *extra)
-            offset += n
     return outs
 
 
