@@ -44,10 +44,11 @@ Implementations (``impl``):
   ops are single IEEE ops. Bits can differ from the Numba kernels where a state, weight,
   gradient or intermediate is subnormal (|x| < 2**-126): XLA's CPU backend (and TPU) flushes
   float32 subnormals to zero. ``_fma`` and the bias corrections need IEEE float64 (traced under
-  ``jax.enable_x64``): CPU and GPU; TPU emulates float64 and may differ in the last bit. Leaves
-  of at most 2**16 elements with the same dtypes are updated together; XLA compiles each
-  larger leaf's loops on their own, so the first call's compile time grows with the number
-  of leaves.
+  ``jax.enable_x64``): CPU and GPU; TPU emulates float64 and may differ in the last bit. Each
+  leaf is a loop of its own that takes its start in the stream as a runtime value, so XLA
+  compiles one kernel per leaf shape and dtypes when the key or the step is traced (with a
+  constant key and step, one per leaf); the first call still does work per leaf (each loop's
+  Threefry rounds and exact sums are several times the ops of optax's update).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -257,7 +258,7 @@ def _check_step(step):
 
 
 def _apply_update(cfg, w, u, bits):
-    """``SR(w + u)`` of a narrow leaf (or of a concatenation of leaves of one dtype), the sum
+    """``SR(w + u)`` of a narrow leaf, the sum
     the exact ``fma(1, u, w)`` of ``stochastic_add``, rounded with ``bits(0)`` (the weight
     stream). ``cfg`` is unused (``_native_leaves``'s signature). Returns a 1-tuple."""
     sums = _b32(_add(u, _f32(_widen_bits(w))))
@@ -268,9 +269,8 @@ def _apply_update(cfg, w, u, bits):
 @functools.partial(jax.jit, static_argnames=("starts", "global_shapes"))
 def _native_apply(ws, us, k0, k1, t, origins, *, starts, global_shapes):
     """``SR(w + u)`` of the nonempty narrow leaves ``ws`` (leaf k at global element
-    ``starts[k]``): ``_apply_update`` leaf by leaf, small leaves of one dtype together
-    (``_native_leaves``). Jitted: an eager call is one compiled program, under an outer ``jit``
-    it is inlined."""
+    ``starts[k]``): ``_apply_update`` leaf by leaf (``_native_leaves``). Jitted: an eager
+    call is one compiled program, under an outer ``jit`` it is inlined."""
     layouts = [None if o is None else (o, g) for o, g in zip(origins, global_shapes)]
     outs = _native_leaves(_apply_update, None, (ws, us), starts, k0, k1, t, layouts=layouts)
     return [o[0] for o in outs]
@@ -605,10 +605,22 @@ def _weight_write(mode, fmt, old_bits, new_bits, aux_bits, bits16):
     return high, jnp.where(nan, _U32(0), low)
 
 
+def _read_leaf(mode, p, g, a, inv_scale):
+    """What both optimizers' updates start from: ``(aux_bits, old, g)`` - the fp32 patterns
+    of the leaf's aux buffer (``None`` without one), the fp32 patterns of the weight the update
+    starts from (``_weight_value``) and the float32 gradient times ``inv_scale``."""
+    p_bits = _widen_bits(p)
+    aux_bits = _aux_bits(mode, a) if _NARROW.get(jnp.dtype(p.dtype)) and a is not None else None
+    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
+    g = _f32(_widen_bits(g))
+    if inv_scale is not None:
+        g = g * inv_scale
+    return aux_bits, old, g
+
+
 def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
-    """The update of one leaf (or of a concatenation of small leaves): ``bits(stream)`` gives
-    the random bits of its elements; ``cfg`` = (rounding, (mu dtype, nu dtype), constants,
-    variant). Returns (p, m, v, aux)."""
+    """The AdamW update of one leaf: ``bits(stream)`` gives the random bits of its elements;
+    ``cfg`` = (rounding, (mu dtype, nu dtype), constants, variant). Returns (p, m, v, aux)."""
     mode, dtypes, constants, variant = cfg
 
     def state_out(x, stream):
@@ -617,13 +629,7 @@ def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
             return x
         return _narrow_out(_encode(_b32(x), FORMATS["bfloat16"], False, bits(stream)), dtype)
 
-    name = _NARROW.get(jnp.dtype(p.dtype))
-    p_bits = _widen_bits(p)
-    aux_bits = _aux_bits(mode, a) if name and a is not None else None
-    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
-    g = _f32(_widen_bits(g))
-    if inv_scale is not None:
-        g = g * inv_scale
+    aux_bits, old, g = _read_leaf(mode, p, g, a, inv_scale)
     new, m_new, v_new = _adamw_math(
         _f32(old), g, _f32(_widen_bits(m)), _f32(_widen_bits(v)), coefs, constants, variant
     )
@@ -654,13 +660,7 @@ def _sgd_update(cfg, p, g, b, a, bits, coefs, inv_scale):
     weight write-back. ``cfg`` = (rounding, momentum buffer dtype, momentum, nesterov)."""
     mode, buf_dtype, momentum, nesterov = cfg
     lr, first = coefs
-    name = _NARROW.get(jnp.dtype(p.dtype))
-    p_bits = _widen_bits(p)
-    aux_bits = _aux_bits(mode, a) if name and a is not None else None
-    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
-    g = _f32(_widen_bits(g))
-    if inv_scale is not None:
-        g = g * inv_scale
+    aux_bits, old, g = _read_leaf(mode, p, g, a, inv_scale)
     buf_new = None
     if b is not None:
         buf = _f32(_widen_bits(b))
@@ -677,13 +677,13 @@ def _sgd_update(cfg, p, g, b, a, bits, coefs, inv_scale):
 
 
 def _native_step(update, cfg, columns, layouts, t, k0, k1, extras):
-    """The native fused step: ``update`` leaf by leaf (``_native_leaves``; small leaves share
-    their Threefry loop). ``columns``: per input (params, grads, states..., aux) the list of
-    leaves; ``extras[k]``: the extra arguments of leaf k (coefficients, inv_scale) - leaves
-    are updated in runs of equal extras (e.g. inside and outside optax's ``mask``). XLA's CPU
-    backend emits one loop per output; float32 states end in an op of several arrays, which
-    it writes once (into the state buffer) for the parameter's loop to read. Returns per-leaf
-    output tuples (params, states..., aux)."""
+    """The native fused step: ``update`` leaf by leaf (``_native_leaves``). ``columns``: per
+    input (params, grads, states..., aux) the list of leaves; ``extras[k]``: the extra
+    arguments of leaf k (coefficients, inv_scale) - leaves are updated in runs of equal extras
+    (e.g. inside and outside optax's ``mask``). XLA's CPU backend emits one loop per output;
+    float32 states end in an op of several arrays, which it writes once (into the state
+    buffer) for the parameter's loop to read. Returns per-leaf output tuples (params,
+    states..., aux)."""
     p_leaves = columns[0]
     starts = _starts(
         [tuple(p.shape) if lay is None else lay[1] for p, lay in zip(p_leaves, layouts)]
@@ -790,7 +790,7 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
 
     ``states``: (name, dtype or None (absent), stream) per state buffer; ``native(t, lr,
     inv_scale, params, treedef) -> (update, cfg, extras)``; ``host``: the NumPy step for the
-    callback path, ``host(ps, gs, states, aux, lr, t, seed, inv_scale)``."""
+    callback path, ``host(ps, gs, states, *, aux, lr, step, seed, inv_scale)``."""
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding: expected one of {sorted(_ROUNDINGS)}, got {rounding!r}")
     impl = _impl(impl)
@@ -958,21 +958,9 @@ def adamw(
         extras = [with_decay if f else without for f in flags]
         return _update, (rounding, (mu_dtype, state_dtype), constants, variant), extras
 
-    def host(ps, gs, sts, aux, lr_h, t_h, seed_h, scale_h):
+    def host(ps, gs, sts, **step):
         _host("adamw_step")(
-            ps,
-            gs,
-            sts[0],
-            sts[1],
-            lr=lr_h,
-            betas=(b1, b2),
-            eps=float(eps),
-            weight_decay=wd,
-            step=t_h,
-            rounding=rounding,
-            aux=aux,
-            seed=seed_h,
-            inv_scale=scale_h,
+            ps, gs, *sts, betas=(b1, b2), eps=float(eps), weight_decay=wd, rounding=rounding, **step
         )
 
     cfg = dict(
@@ -1058,19 +1046,10 @@ def sgd(
             [extra] * treedef.num_leaves,
         )
 
-    def host(ps, gs, sts, aux, lr_h, t_h, seed_h, scale_h):
+    def host(ps, gs, sts, **step):
+        buf = sts[0] if has_buf else None
         _host("sgd_step")(
-            ps,
-            gs,
-            sts[0] if has_buf else None,
-            lr=lr_h,
-            momentum=mom,
-            nesterov=bool(nesterov),
-            step=t_h,
-            rounding=rounding,
-            aux=aux,
-            seed=seed_h,
-            inv_scale=scale_h,
+            ps, gs, buf, momentum=mom, nesterov=bool(nesterov), rounding=rounding, **step
         )
 
     cfg = dict(lr=learning_rate, momentum=mom, nesterov=bool(nesterov), accumulator_dtype=buf_dtype)
@@ -1120,11 +1099,11 @@ def _callback_step(host_step, p_leaves, g_leaves, s_leaves, a_leaves, t, lr, k0,
             ps,
             gs,
             sts,
-            aux if any(has_aux) else None,
-            static_lr if static_lr is not None else float(lr_host),
-            int(t_host),
-            _seed_of(h0, h1),
-            float(scale_host),
+            aux=aux if any(has_aux) else None,
+            lr=static_lr if static_lr is not None else float(lr_host),
+            step=int(t_host),
+            seed=_seed_of(h0, h1),
+            inv_scale=float(scale_host),
         )
         return tuple(ps + [x for st in sts for x in st] + [a for a in aux if a is not None])
 
