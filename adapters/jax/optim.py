@@ -73,7 +73,16 @@ from srround._formats import FORMATS
 
 from ._api import _key_words
 from ._callback import _callback, _host, _origin_arg, _runs, _seed_of
-from ._lax import _decode, _element_index, _encode, _opaque, _random16, _shard_layout, _u
+from ._lax import (
+    _decode,
+    _element_index,
+    _encode,
+    _opaque,
+    _random16,
+    _shard_layout,
+    _threefry2x32,
+    _u,
+)
 
 __all__ = ["AdamWState", "SGDState", "adamw", "apply_updates", "sgd"]
 
@@ -139,14 +148,32 @@ def _stand_in(x):
     return jnp.where(jnp.isfinite(x), jnp.sign(x), x).astype(jnp.float32)
 
 
+_SIGN = np.uint32(0x80000000)
+
+
 def _add(u, w):
     """``u + w`` of float32 arrays read from buffers, rounded once (to nearest even),
-    subnormals included: the bits of ``_fma(1, u, w)`` with fewer ops, as the float64 sum's
-    own rounding cannot change the float32 one (53 >= 2 * 24 + 2 bits). NaN/inf operands: the
-    float32 sum."""
-    with jax.enable_x64(True):
-        wu, ww = _wide(u, True), _wide(w, True)
-        return jnp.where(jnp.isfinite(wu) & jnp.isfinite(ww), _narrow(wu + ww), u + w)
+    subnormals included (the bits of ``_fma(1, u, w)``), in float32 and integer ops. Where the
+    larger magnitude is at least 2**-60 the float32 sum is right even with subnormals flushed
+    (XLA's CPU backend): a subnormal operand is below half an ulp of the other, and the sum
+    is 0 or normal. Below, both operands are scaled by 2**64 in integer ops (a subnormal's
+    quanta through an exact int -> float conversion), added - normal operands, and a sum
+    rounded as the unscaled one (normal) or exact (a multiple of 2**-85 below 2**-62) - and
+    scaled back in integer ops. NaN/inf operands: the float32 sum."""
+    ub, wb = _b32(u), _b32(w)
+    big = jnp.maximum(ub & 0x7FFFFFFF, wb & 0x7FFFFFFF) >= 0x21800000  # 2**-60
+
+    def scaled(b):  # b * 2**64 (finite |b| < 2**-60)
+        magnitude = b & 0x7FFFFFFF
+        quanta = magnitude.astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-85)
+        subnormal = _b32(quanta) | (b & _SIGN)
+        return _f32(jnp.where(magnitude < 0x00800000, subnormal, b + (64 << 23)))
+
+    total = _b32(scaled(ub) + scaled(wb))
+    magnitude = total & 0x7FFFFFFF
+    quanta = (_f32(magnitude) * np.float32(2.0**85)).astype(_U32)  # a sum below 2**-126
+    small = jnp.where(magnitude >= 0x20800000, total - (64 << 23), (total & _SIGN) | quanta)
+    return _f32(jnp.where(big, _b32(u + w), small))
 
 
 def _fma(a, b, c, exact=(True, True, True)):
@@ -209,22 +236,96 @@ def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg
     return update(cfg, *arrays, bits, *extra)
 
 
+@functools.partial(jax.jit, static_argnames=("update", "cfg"))
+def _shared_leaf_call(arrays, stream_bits, start, extra, *, update, cfg):
+    """``update(cfg, *arrays, bits, *extra)`` of one leaf at global element ``start`` (a
+    uint32 scalar), ``bits(stream)`` read from ``stream_bits[stream]``, the random numbers of
+    every position of the call (``_stream_bits``)."""
+    shape, size = arrays[0].shape, arrays[0].size
+
+    def bits(stream):
+        window = lax.dynamic_slice(stream_bits[stream], (start,), (size,))
+        return window.reshape(shape).astype(_U32)
+
+    return update(cfg, *arrays, bits, *extra)
+
+
+def _stream_bits(k0, k1, t, stream: int, total: int):
+    """The 16 random bits (uint16) of positions ``[0, total)`` of ``stream`` at step ``t``
+    (counter ``t * 2**36 + stream * 2**34 + position``): one Threefry block per four
+    positions. Kept out of its readers' loops (``optimization_barrier``): XLA would otherwise
+    copy the whole Threefry into every leaf's loop."""
+    blocks = -(-total // 4)
+    counters = lax.iota(_U32, blocks)
+    hi = jnp.broadcast_to(_u(t) * _U32(4) + _U32(stream), counters.shape)
+    x0, x1 = _threefry2x32(k0, k1, counters, hi)
+    lanes = jnp.stack([x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], axis=1)
+    return lax.optimization_barrier(lanes.astype(jnp.uint16).reshape(-1))
+
+
+def _streams(update, cfg, columns, extra) -> list[int]:
+    """The streams ``update`` draws random bits from, by an abstract trace of each kind of
+    leaf (its dtypes)."""
+    needed, kinds = set(), set()
+    for k in range(len(columns[0])):
+        arrays = tuple(c[k] for c in columns)
+        kind = tuple(None if a is None else jnp.dtype(a.dtype) for a in arrays)
+        if kind in kinds:
+            continue
+        kinds.add(kind)
+
+        def probe(arrays, extra):
+            def bits(stream):
+                needed.add(stream)
+                return jnp.zeros(arrays[0].shape, _U32)
+
+            return update(cfg, *arrays, bits, *extra)
+
+        jax.eval_shape(probe, arrays, extra)
+    return sorted(needed)
+
+
+def _on_one_device(leaves) -> bool:
+    """Whether no leaf is laid out over several devices (its abstract value's mesh: set under
+    ``jit`` with sharded arrays and inside ``shard_map``)."""
+    for x in leaves:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            return False
+    return True
+
+
 def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=None):
     """``update(cfg, *arrays, bits, *extra)`` (a tuple of arrays or ``None``) for every leaf:
     ``columns`` holds per input a list of nonempty leaves (``None`` where absent), leaf ``k``
     at global element ``starts[k]``; ``bits(stream)`` gives the random bits of its elements
-    (counter ``t * 2**36 + stream * 2**34 + starts[k] + j``). Every output of a leaf is
-    elementwise in the leaf's buffers (its random bits too, computed in the loop from the
-    global element indices), so XLA fuses it into a loop over the leaf's own buffers: nothing
-    is concatenated or sliced, and every output keeps its leaf's sharding under ``jit``.
+    (counter ``t * 2**36 + stream * 2**34 + starts[k] + j``). Each leaf is a loop of its own
+    over its buffers (nothing concatenated or sliced back), made in one of two ways (the same
+    bits).
+
+    * on one device: the random bits of all leaves are computed together, one Threefry block
+      per four elements (``_stream_bits``), and each leaf's loop reads its window of them.
+    * laid out over several devices (``jit`` with sharded arrays, ``shard_map``): every
+      leaf's loop computes its bits from the global element indices (``_leaf_call``), so it
+      stays elementwise and keeps its leaf's sharding.
 
     Compile time: the leaf starts reach the loops as runtime scalars (``_lax._opaque``), so the
-    loops of leaves with the same shapes and dtypes are the same computation and XLA's CPU
-    backend compiles it once, not once per leaf (a start folded in as a constant makes every
-    leaf's loop a new kernel).
+    loops of leaves with the same shapes and dtypes are one computation, which XLA's CPU
+    backend compiles once (a start folded in as a constant makes every leaf's loop a kernel of
+    its own); on one device no leaf's loop carries Threefry rounds.
     ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
     ``shard_map`` (``None``: the whole leaf). Returns the per-leaf tuples."""
     layouts = layouts or [None] * len(starts)
+    if all(lay is None for lay in layouts) and _on_one_device(columns[0]):
+        total = max(s + x.size for s, x in zip(starts, columns[0]))
+        bits = {s: _stream_bits(k0, k1, t, s, total) for s in _streams(update, cfg, columns, extra)}
+        words = _opaque(starts, (k0, k1, t))
+        return [
+            _shared_leaf_call(
+                tuple(c[k] for c in columns), bits, words[k], extra, update=update, cfg=cfg
+            )
+            for k in range(len(starts))
+        ]
     words = _opaque([w for s in starts for w in (s >> 2, s & 3)], (k0, k1, t))
     outs = []
     for k, layout in enumerate(layouts):
