@@ -395,12 +395,15 @@ def _optim_step8(
         )
 
 
-def optim_step8(mode, state_fmt, table, starts, bstarts, *args, blocks, stream):
-    """An AdamW step with fp8 states (``_state8``): the prepare pass, then one thread per
-    block of ``_state8.STATE_BLOCK`` elements (``blocks`` in all); every array on the
-    device; ``args``: ``(hyper, steps, coefs, inv_scale, found, k0, k1)``."""
-    hyper, steps, coefs, _, found = args[:5]
+def optim_step8(mode, state_fmt, table, starts, bstarts, *args, sign, blocks, stream):
+    """An AdamW step with fp8 states (``_state8``): the prepare pass (``sign`` as in
+    ``optim_step``), then one thread per block of ``_state8.STATE_BLOCK`` elements (``blocks``
+    in all); every array on the device; ``args``: ``(hyper, steps, coefs, inv_scale, found,
+    k0, k1)``."""
+    hyper, steps, coefs, inv_scale, found = args[:5]
     grid = _grid(steps.size)
-    _optim_prepare[grid[0], grid[1], stream](ADAMW, table, hyper, steps, coefs, found)
+    _optim_prepare[grid[0], grid[1], stream](
+        ADAMW, table, hyper, steps, coefs, inv_scale, sign, found
+    )
     grid = _grid(blocks)
     _optim_step8[grid[0], grid[1], stream](mode, state_fmt, table, starts, bstarts, *args)

@@ -180,6 +180,7 @@ class FusedStep:
                     *head,
                     self.bstarts,
                     *tail,
+                    sign=sign,
                     blocks=self.blocks,
                     stream=self.stream,
                 )
