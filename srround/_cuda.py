@@ -392,6 +392,7 @@ def _optim_step8(
             (coefs[k, 0], coefs[k, 1], coefs[k, 2]),
             (hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4]),
             (k0, k1),
+            0,  # no random words: drawn in the body
         )
 
 

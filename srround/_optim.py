@@ -163,7 +163,7 @@ class FusedStep:
             head, tail = args[:2], args[2:]
             if self.device == "cpu":
                 _cpu.run(
-                    _state8.step8_cpu,
+                    _cpu.optim_step8,
                     self.total,
                     *head,
                     self.bstarts,

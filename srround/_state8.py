@@ -15,26 +15,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ._block_kernels import block_element, element_value
 from ._elements import (
     ADAMW,
-    AUX_ADDR,
     BF16,
     F32,
-    G_ADDR,
-    G_FMT,
-    GROUP,
     KAHAN,
     MASTER,
-    NOISE,
-    P_ADDR,
-    P_FMT,
-    S1_ADDR,
-    S1_SCALE,
-    S2_ADDR,
-    S2_SCALE,
     STATE1_STREAM,
     STATE2_STREAM,
     STOCHASTIC,
@@ -42,7 +31,6 @@ from ._elements import (
     adamw_math,
     group_constants,
     load,
-    prepare_coefs,
     store,
     stream_offset,
     weight_value,
@@ -58,9 +46,10 @@ from ._formats import (
 )
 from ._rng import lane_bits16, random_block
 from ._scalar import bits_to_f32, f32_to_bits
-from ._tensor_list import find_tensor, load_bits, store_bits
+from ._tensor_list import load_bits, store_bits
 
 STATE_BLOCK = 128  # elements per scale: 4 bytes of scale per 128 one-byte moments
+STREAM_WORDS = 2 * (STATE_BLOCK // 4 + 1)  # uint32 random words of one stream of one block
 #: State buffer codes that take block scales.
 FP8_CODES = (BufferCode.FLOAT8_E4M3FN, BufferCode.FLOAT8_E5M2)
 E4M3 = int(BufferCode.FLOAT8_E4M3FN)
@@ -121,7 +110,7 @@ def _bits16(k0, k1, ctr, current, x0, x1):
 
 
 @njit(forceinline=True, cache=True)
-def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper, key):
+def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper, key, words):
     """Block ``b`` of one tensor (elements ``[b * STATE_BLOCK, ...)``, ``size`` in all) of an
     AdamW step with fp8 states, in place: the body both backends run.
 
@@ -132,6 +121,9 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
         step: the tensor's step count (after the increment); scale_bits: float32 bits of the
             gradient multiplier; coefs: float32 ``(c0, c1, c2)`` (``prepare_coefs``); hyper: the
             group's hyperparameter columns 1-4; key: the Threefry key ``(k0, k1)``.
+        words: address of the block's random words, ``STREAM_WORDS`` uint32 per stream
+            (weight, first, second state), each from the Threefry block of the stream's
+            first counter (the CPU loop fills them in a vectorized pass); 0: drawn here (CUDA).
     """
     p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr, aux_addr, noise, s1_scales, s2_scales = row
     k0, k1 = key
@@ -166,13 +158,20 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
     wb = mb = vb = -1
     w0 = w1 = m0 = m1 = v0 = v1 = 0
     aux_fmt = F32 if mode == MASTER else BF16
+    firsts = (4 * ((w_ctr + j0) >> 2), 4 * ((m_ctr + j0) >> 2), 4 * ((v_ctr + j0) >> 2))
     for j in range(j0, j1):
         old, aux, new, m, s = _values8(mode, formats, buffers, j, scale, coefs, group, old_scales)
         w16 = 0
-        if mode == STOCHASTIC and p_fmt != F32:
-            w16, wb, w0, w1 = _bits16(k0, k1, w_ctr + j, wb, w0, w1)
-        m16, mb, m0, m1 = _bits16(k0, k1, m_ctr + j, mb, m0, m1)
-        v16, vb, v0, v1 = _bits16(k0, k1, v_ctr + j, vb, v0, v1)
+        if words != 0:
+            if mode == STOCHASTIC and p_fmt != F32:
+                w16 = load_bits(words, w_ctr + j - firsts[0], 16)
+            m16 = load_bits(words + 4 * STREAM_WORDS, m_ctr + j - firsts[1], 16)
+            v16 = load_bits(words + 8 * STREAM_WORDS, v_ctr + j - firsts[2], 16)
+        else:
+            if mode == STOCHASTIC and p_fmt != F32:
+                w16, wb, w0, w1 = _bits16(k0, k1, w_ctr + j, wb, w0, w1)
+            m16, mb, m0, m1 = _bits16(k0, k1, m_ctr + j, mb, m0, m1)
+            v16, vb, v0, v1 = _bits16(k0, k1, v_ctr + j, vb, v0, v1)
         p_new, aux_new = weight_write(mode, p_fmt, old, f32_to_bits(new), aux, w16)
         store(p_addr, j, p_new, p_fmt)
         if p_fmt != F32 and mode >= KAHAN:
@@ -183,57 +182,3 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
         store_bits(s2_addr, j, v_q, 8)
     store_bits(s1_scales, b, m_scale, 32)
     store_bits(s2_scales, b, v_scale, 32)
-
-
-@njit(parallel=True, cache=True)
-def step8_cpu(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k0, k1, mode, fmt):
-    """One AdamW step with fp8 states over every tensor of ``table`` (``_elements.Column``):
-    the prepare pass, then one ``prange`` iteration per block (``bstarts``: prefix sums of
-    ``block_counts``); ``inv_scale``, ``found``: uint32[1] float32 patterns; a nonzero
-    ``found`` skips the step. ``mode`` and ``fmt`` are run-time values (one compiled kernel),
-    with one branch of constant formats for the common case: bf16 parameters and gradients,
-    e4m3fn states, stochastic rounding."""
-    if found[0] & 0x7FFFFFFF:
-        return
-    for k in range(table.shape[0]):
-        steps[k] += 1
-        h = hyper[table[k, GROUP]]
-        coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
-            ADAMW, steps[k], h[0], h[1], h[2], h[3], h[4]
-        )
-    fast = mode == STOCHASTIC and fmt == E4M3
-    for t in prange(bstarts[-1]):
-        k = find_tensor(bstarts, t)
-        r = table[k]
-        h = hyper[r[GROUP]]
-        b, size, scale = t - bstarts[k], starts[k + 1] - starts[k], inv_scale[0]
-        c, g, key = (coefs[k, 0], coefs[k, 1], coefs[k, 2]), (h[1], h[2], h[3], h[4]), (k0, k1)
-        row = (
-            r[P_ADDR],
-            r[P_FMT],
-            r[G_ADDR],
-            r[G_FMT],
-            r[S1_ADDR],
-            r[S2_ADDR],
-            r[AUX_ADDR],
-            r[NOISE],
-            r[S1_SCALE],
-            r[S2_SCALE],
-        )
-        if fast and r[P_FMT] == BF16 and r[G_FMT] == BF16:  # constant formats, folded by
-            # LLVM (about 4x faster)
-            fixed = (
-                r[P_ADDR],
-                BF16,
-                r[G_ADDR],
-                BF16,
-                row[4],
-                row[5],
-                row[6],
-                row[7],
-                row[8],
-                row[9],
-            )
-            update_block8(STOCHASTIC, E4M3, fixed, b, size, steps[k], scale, c, g, key)
-        else:
-            update_block8(mode, fmt, row, b, size, steps[k], scale, c, g, key)
