@@ -39,13 +39,15 @@ def _backward(model, step):
     [
         (lambda ps: st.AdamW(ps, lr=1e-2, state_dtype=torch.bfloat16, seed=11), "inductor"),
         (lambda ps: st.SGD(ps, lr=0.1, momentum=0.9, maximize=True, seed=11), "aot_eager"),
+        (lambda ps: st.AdamW(ps, lr=1e-2, amsgrad=True, maximize=True, seed=11), "aot_eager"),
     ],
-    ids=["adamw-inductor", "sgd-aot_eager"],
+    ids=["adamw-inductor", "sgd-aot_eager", "amsgrad-aot_eager"],
 )
 def test_compiled_step_matches_eager_bits(make, backend):
     """Finding: Dynamo traced into Numba and died. ``opt.step()`` compiled with
     fullgraph=True (states created at trace time) gives eager's parameters, states and step
-    counts, step after step. The first parameter never has a gradient: the op keys noise to
+    counts, step after step; AMSGrad too (before: its step read the step count on the host and
+    did not trace). The first parameter never has a gradient: the op keys noise to
     the parameter's place in the optimizer's order as eager does (it used to restart the
     stream at the first parameter with a gradient)."""
     eager_model, compiled_model = _model(torch.bfloat16), _model(torch.bfloat16)
@@ -70,23 +72,29 @@ def test_compiled_step_matches_eager_bits(make, backend):
 
 
 def test_compiled_stochastic_round_and_unscale_match_eager():
+    """Finding: ``srround.unscale_and_check`` in a compiled function did not trace (fullgraph:
+    Dynamo stopped in its argument checks). Dynamo now traces the custom op in its place:
+    eager bits and flag, and the eager error (naming the argument, nothing written)."""
     x = torch.randn(64) * 3
     grads = [torch.randn(5, 3), torch.randn(4).bfloat16()]
     grads[0][1, 1] = float("inf")
 
     @torch.compile(fullgraph=True, backend="aot_eager")
-    def f(x, grads, inv, found):
+    def f(x, grads, inv):
         y = st.stochastic_round(x * 2, seed=5, offset=7)
-        torch.ops.srround.unscale_and_check_(grads, inv, found)
-        return y.float() + 1
+        found = srround.unscale_and_check(grads, inv)
+        return y.float() + 1, found
 
     compiled_grads = [g.clone() for g in grads]
-    found = torch.zeros(1)
-    out = f(x, compiled_grads, torch.full((1,), 0.25), found)
+    out, found = f(x, compiled_grads, 0.25)
     expected = srround.stochastic_round(x * 2, seed=5, offset=7).float() + 1
     assert torch.equal(out, expected)
     eager_found = srround.unscale_and_check(grads, 0.25)
     assert float(found) == float(eager_found) == 1.0
+    for a, b in zip(compiled_grads, grads):
+        assert torch.equal(_bits(a), _bits(b))
+    with pytest.raises(ValueError, match="inv_scale"):
+        f(x, compiled_grads, -1.0)
     for a, b in zip(compiled_grads, grads):
         assert torch.equal(_bits(a), _bits(b))
     with pytest.raises(TypeError, match="seed"):
