@@ -470,9 +470,10 @@ def test_amsgrad_on_fsdp2_matches_one_process(ranks):
 
 def test_compiled_unscale_on_fsdp2_matches_eager(ranks):
     """Finding: ``srround.unscale_and_check`` and ``GradScaler.unscale_`` on DTensor gradients
-    inside a compiled function failed (the op had no DTensor sharding strategy; the functional
-    call did not trace at all). Compiled: the eager gradient bits and flags, all-reduced over
-    the mesh (the inf was on rank 1 only), the step skipped and the scale backed off."""
+    inside a compiled function failed (Dynamo stopped in their argument and layout checks;
+    the custom op had no DTensor sharding strategy). Compiled: the eager gradient bits and
+    flags, all-reduced over the mesh (the inf was on rank 1 only), the step skipped and the
+    scale backed off."""
     for r in _results(ranks, "compiled_unscale"):
         (eager_runs, eager_params, eager_scale) = r[False]
         (runs, params, scale) = r[True]
