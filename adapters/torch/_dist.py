@@ -236,6 +236,20 @@ def mesh_groups(tensors) -> list:
     return groups
 
 
+def group_names(groups) -> str:
+    """Process groups by name, one a line: how the custom ops take them (``resolve_groups``)."""
+    return "\n".join(g.group_name for g in groups)
+
+
+def resolve_groups(names: str) -> list:
+    """The process groups ``group_names`` named."""
+    if not names:
+        return []
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return [_resolve_process_group(name) for name in names.splitlines()]
+
+
 def all_reduce_max(flags, groups) -> None:
     """All-reduce ``flags`` (a float32 tensor) with MAX over every group in ``groups``, in
     place and on the device: the ranks agree on an overflow without a host sync (as torch's

@@ -102,7 +102,7 @@ def _unscale_and_check(
         srround.unscale_and_check(grads, scale, found_inf=found_inf, per_tensor=per_tensor)
     else:
         unscale_grads(grads, inv_scale, found_inf, per_tensor)
-    _dist.all_reduce_max(found_inf, [_resolve_process_group(n) for n in mesh_groups.splitlines()])
+    _dist.all_reduce_max(found_inf, _dist.resolve_groups(mesh_groups))
 
 
 @_unscale_and_check.register_fake
@@ -130,7 +130,7 @@ def _traceable_unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor
         return _eager_unscale_and_check(
             grads, inv_scale, found_inf=found_inf, per_tensor=per_tensor
         )
-    names = "\n".join(g.group_name for g in _dist.mesh_groups(items))
+    names = _dist.group_names(_dist.mesh_groups(items))
     pieces = [g.to_local() if d else g for g, d in zip(items, dtensors)]
     if found_inf is None:
         count = len(pieces) if per_tensor else 1
@@ -216,7 +216,7 @@ def _fused_step(
         entry = build_entry(
             opt_kind, rounding, state_fmt, params, grads, rows, flat, group_index, stream, noise
         )
-        entry.groups = [_resolve_process_group(name) for name in mesh_groups.splitlines()]
+        entry.groups = _dist.resolve_groups(mesh_groups)
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = entry
@@ -236,72 +236,26 @@ def _(params, grads, states1, states2, auxes, steps, found, inv_scale, *args):
     return None
 
 
-@torch.library.custom_op(
+# AdamW(amsgrad=True)'s per-tensor step over plain tensors (DTensors' local pieces)
+_amsgrad_step = torch.library.custom_op(
     "srround::amsgrad_step",
-    mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs", "auxes", "steps", "maxes", "found"),
+    amsgrad_update,
+    mutates_args=(
+        "params",
+        "grads",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "auxes",
+        "steps",
+        "maxes",
+        "found_inf",
+    ),
 )
-def _amsgrad_step(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    auxes: list[Tensor],
-    steps: list[Tensor],
-    maxes: list[Tensor],
-    found: Tensor,
-    inv_scale: Tensor | None,
-    grad_scale: Tensor | None,
-    check_grads: bool,
-    weight_mode: int,
-    state_fmt: int,
-    group_index: list[int],
-    s1_index: list[int],
-    aux_index: list[int],
-    hyper: list[float],
-    k0: int,
-    k1: int,
-    negate: bool,
-    noise: list[int],
-    mesh_groups: str,
-) -> None:
-    """``AdamW(amsgrad=True)``'s per-tensor step (``optim.amsgrad_update``) over plain tensors
-    (a DTensor parameter's local pieces); ``mesh_groups`` as ``fused_step``'s."""
-    groups = [_resolve_process_group(name) for name in mesh_groups.splitlines()]
-    amsgrad_update(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        auxes,
-        steps,
-        maxes,
-        found,
-        inv_scale,
-        grad_scale,
-        check_grads,
-        weight_mode,
-        state_fmt,
-        group_index,
-        s1_index,
-        aux_index,
-        hyper,
-        k0,
-        k1,
-        negate,
-        noise,
-        groups,
-    )
 
 
 @_amsgrad_step.register_fake
 def _(*args):
     return None
-
-
-def _resolve_process_group(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
 
 
 def _flat_steps(steps):

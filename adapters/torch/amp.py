@@ -124,9 +124,12 @@ def unscale_and_reduce(grads, inv_scale, found_inf, groups, per_tensor=False) ->
     the process groups ``groups`` (a DTensor's meshes). Under torch.compile one call of the
     custom op ``srround::unscale_and_check_``, which takes the groups by name."""
     if torch.compiler.is_compiling():
-        names = "\n".join(g.group_name for g in groups)
         torch.ops.srround.unscale_and_check_(
-            grads, inv_scale, found_inf, per_tensor=per_tensor, mesh_groups=names
+            grads,
+            inv_scale,
+            found_inf,
+            per_tensor=per_tensor,
+            mesh_groups=_dist.group_names(groups),
         )
         return
     unscale_grads(grads, inv_scale, found_inf, per_tensor)

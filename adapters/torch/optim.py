@@ -729,7 +729,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             k1,
             bool(config[3]),
             self._noise(found),
-            "\n".join(g.group_name for g in _dist.mesh_groups(found)),
+            _dist.group_names(_dist.mesh_groups(found)),
             self._dtensors,
         )
 
@@ -890,36 +890,35 @@ class AdamW(_FusedOptimizer):
             inv_scale,
             grad_scale,
             check_grads,
-            *meta[1:-2],
-            _dist.mesh_groups(params),
+            *meta[1:-1],
         )
         written = [_dist.local(p) for p in params] + [p for p in params if _dist.is_dtensor(p)]
         torch.autograd.graph.increment_version([t for t in written if not t.is_inference()])
 
 
 def amsgrad_update(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    auxes,
-    steps,
-    maxes,
-    found_inf,
-    inv_scale,
-    grad_scale,
-    check_grads,
-    weight_mode,
-    state_fmt,
-    group_index,
-    s1_index,
-    aux_index,
-    hyper,
-    k0,
-    k1,
-    maximize,
-    noise,
-    groups,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    auxes: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    maxes: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+    check_grads: bool,
+    weight_mode: int,
+    state_fmt: int,
+    group_index: list[int],
+    s1_index: list[int],
+    aux_index: list[int],
+    hyper: list[float],
+    k0: int,
+    k1: int,
+    maximize: bool,
+    noise: list[int],
+    mesh_groups: str,
 ) -> None:
     """AdamW with AMSGrad over plain tensors (DTensors' local pieces), one tensor at a time:
     torch.optim's single-tensor AdamW math with torch ops in float32 (so fp32 parameters get
@@ -927,8 +926,9 @@ def amsgrad_update(
     step's stream (element ``j`` of a parameter's piece with stream start ``noise[i]`` at
     offset ``t * 2**36 + noise[i] + j``, memory order), round to nearest, or the fp32 master
     weight (``auxes``). Arguments as ``_init_group`` lists them; ``found_inf`` (checked and
-    all-reduced over ``groups`` first with ``check_grads``) nonzero: nothing changes. Reads
-    the step counts and ``found_inf`` on the host."""
+    all-reduced over the process groups ``mesh_groups`` names first with ``check_grads``)
+    nonzero: nothing changes. Reads the step counts and ``found_inf`` on the host. Also the
+    custom op ``srround::amsgrad_step`` (``_ops.py``)."""
     import srround
 
     from .amp import unscale_grads
@@ -938,9 +938,8 @@ def amsgrad_update(
         scratch = torch.zeros(1, dtype=torch.float32, device=inv.device)
         unscale_grads(grads, inv.double().reciprocal().float().reshape(1), scratch)
     if check_grads:
-        one = torch.ones(1, dtype=torch.float32, device=found_inf.device)
-        unscale_grads(grads, one, found_inf)
-        _dist.all_reduce_max(found_inf, groups)
+        unscale_grads(grads, torch.ones_like(found_inf), found_inf)
+        _dist.all_reduce_max(found_inf, _dist.resolve_groups(mesh_groups))
     if found_inf is not None and float(found_inf.reshape(())) != 0:
         return
     rounding = {code: name for name, code in _optim.MODES.items()}[weight_mode]
