@@ -45,8 +45,9 @@ optimizer's defaults), and torch's optimizers load srround's.
 
 torch.compile: ``step()`` inside a compiled function traces without graph breaks: the states
 are created at trace time (``_init_group``, as torch's optimizers do) and the step is one call
-of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``) with the eager stream starts
-(DTensor parameters: their local pieces), which gives the eager bits.
+of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``; with AMSGrad
+``torch.ops.srround.amsgrad_step``) with the eager stream starts (DTensor parameters: their
+local pieces), which gives the eager bits.
 Hyperparameters are constants of the compiled graph (changing ``lr`` recompiles, as with
 torch's optimizers given a float ``lr``).
 """
@@ -790,7 +791,7 @@ class AdamW(_FusedOptimizer):
             (``maximize``: one value per optimizer).
         amsgrad: one value per optimizer; ``True`` runs a slower per-tensor path (torch's
             math with torch ops, then srround's write-back with the fused step's random
-            stream: ``_amsgrad_step``) with rounding ``"stochastic"``, ``"nearest"`` or
+            stream: ``amsgrad_update``) with rounding ``"stochastic"``, ``"nearest"`` or
             ``"master"`` and float32 states; state ``max_exp_avg_sq`` as torch's.
         foreach, fused, capturable: accepted and stored (srround's step is always one fused
             pass, keeps its step counts on the device and launches on the current stream);
