@@ -184,28 +184,39 @@ def test_generic_srround_calls_break_the_graph_instead_of_failing():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_step_on_cuda_matches_eager_bits():
-    """torch.compile on CUDA (GPU only): ``opt.step()`` compiled with inductor (fullgraph)
-    on CUDA parameters gives the eager CUDA bits, a parameter without a gradient included."""
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["fused", "amsgrad"])
+def test_compiled_step_on_cuda_matches_eager_bits(amsgrad):
+    """torch.compile on CUDA (GPU only): ``srround.unscale_and_check`` then ``opt.step()``
+    compiled with inductor (fullgraph) on CUDA parameters give the eager CUDA bits and flags,
+    a parameter without a gradient included; the fused step and AMSGrad's op."""
     models = [_model(torch.bfloat16).cuda() for _ in range(2)]
     unused = [
         torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16, device="cuda")) for _ in models
     ]
+    state_dtype = torch.float32 if amsgrad else torch.bfloat16
     eager, compiled = (
-        st.AdamW([u, *m.parameters()], lr=1e-2, state_dtype=torch.bfloat16, seed=11)
+        st.AdamW(
+            [u, *m.parameters()], lr=1e-2, amsgrad=amsgrad, state_dtype=state_dtype, seed=11
+        )
         for u, m in zip(unused, models)
     )
 
-    @torch.compile(fullgraph=True)
-    def step(opt):
-        opt.step()
+    def unscale_and_step(opt, grads):
+        found = srround.unscale_and_check(grads, 0.5)
+        opt.step(found_inf=found)
+        return found
 
+    step = torch.compile(unscale_and_step, fullgraph=True)
     for i in range(3):
-        for model, run in ((models[0], eager.step), (models[1], lambda: step(compiled))):
+        flags = []
+        for model, opt, run in ((models[0], eager, unscale_and_step), (models[1], compiled, step)):
             x = torch.randn(5, 8, generator=torch.Generator().manual_seed(i)).cuda()
             h = model[1](model[0](x))
             model[2](h.to(torch.bfloat16)).float().square().mean().backward()
-            run()
+            if i == 2:
+                model[0].bias.grad[0] = float("nan")
+            flags.append(float(run(opt, [p.grad for p in model.parameters()])))
             model.zero_grad(set_to_none=False)
+        assert flags == [float(i == 2)] * 2
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(_bits(p), _bits(q))
