@@ -195,9 +195,7 @@ def test_compiled_step_on_cuda_matches_eager_bits(amsgrad):
     ]
     state_dtype = torch.float32 if amsgrad else torch.bfloat16
     eager, compiled = (
-        st.AdamW(
-            [u, *m.parameters()], lr=1e-2, amsgrad=amsgrad, state_dtype=state_dtype, seed=11
-        )
+        st.AdamW([u, *m.parameters()], lr=1e-2, amsgrad=amsgrad, state_dtype=state_dtype, seed=11)
         for u, m in zip(unused, models)
     )
 

@@ -62,7 +62,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from srround import _optim, _plan
+from srround import _optim, _plan, _validate
 from srround._rng import check_seed, next_seed, split_seed
 
 from . import _dist, _views
@@ -75,7 +75,6 @@ AUX_NAMES = {"kahan": "kahan_comp", "master": "master_weight", "remainder": "rem
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ONE_BITS = np.array([1.0], np.float32).view(np.uint32)
-_MINUS_ONE_BITS = np.array([-1.0], np.float32).view(np.uint32)
 _ZERO_BITS = np.zeros(1, np.uint32)
 _GRAD = operator.attrgetter("grad")
 # the flags of torch.optim's constructors that select an implementation: srround has one
@@ -318,13 +317,16 @@ def run_entry(entry, inv_scale, found_inf, check_grads, negate, k0, k1) -> None:
         if entry.copy_in:
             dst, src = zip(*((d, s) for s, d in entry.copy_in))
             torch._foreach_copy_(list(dst), list(src))
+        if found_inf is None and isinstance(inv_scale, torch.Tensor):
+            # the step sets it when inv_scale is unusable: not the shared default
+            found_inf = torch.zeros(1, dtype=torch.float32, device=entry.device)
         found_bits = scalar_bits(found_inf, "found_inf", entry, _ZERO_BITS)
         if check_grads:
             fused.check_grads(found_bits)
             # FSDP2 / tensor parallel: one verdict for all ranks, on the device
             _dist.all_reduce_max(found_inf, entry.groups)
         inv_bits = scalar_bits(inv_scale, "inv_scale", entry, _ONE_BITS, negate)
-        fused.run(inv_bits, found_bits, k0, k1)
+        fused.run(inv_bits, found_bits, k0, k1, negated=negate)
         for src, dst in entry.copy_out:
             dst.copy_(src)
 
@@ -579,7 +581,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             closure: re-evaluates the model and returns the loss (as torch.optim).
             inv_scale: 1 / loss scale multiplied into the gradients inside the step (a float,
                 or a float32 tensor of 1 value on the parameters' device): the gradients are
-                read once and not modified.
+                read once and not modified. A float must be positive and finite
+                (``ValueError``); a tensor that is not sets ``found_inf`` and skips the step.
             found_inf: float32 tensor of 1 value; when nonzero the step changes nothing
                 (parameters, states, step counts), decided on the device without a sync.
             check_grads: first set ``found_inf`` to 1 if any gradient is inf/NaN (one launch
@@ -598,6 +601,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             raise ValueError("found_inf: needed with check_grads=True (the flag to set)")
         if grad_scale is not None and inv_scale is not None:
             raise ValueError("grad_scale, inv_scale: pass one of them")
+        if inv_scale is not None and not isinstance(inv_scale, torch.Tensor):
+            inv_scale = _validate.inv_scale(inv_scale)  # a tensor is checked by the step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -941,6 +946,10 @@ def amsgrad_update(
     if check_grads:
         unscale_grads(grads, torch.ones_like(found_inf), found_inf)
         _dist.all_reduce_max(found_inf, _dist.resolve_groups(mesh_groups))
+    if isinstance(inv_scale, torch.Tensor) and not 0 < float(inv_scale.reshape(())) < math.inf:
+        if found_inf is not None:  # an unusable scale: flagged and skipped, as the fused step
+            found_inf.fill_(1.0)
+        return
     if found_inf is not None and float(found_inf.reshape(())) != 0:
         return
     rounding = {code: name for name, code in _optim.MODES.items()}[weight_mode]
