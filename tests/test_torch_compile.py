@@ -49,7 +49,8 @@ def test_compiled_step_matches_eager_bits(make, backend):
     counts, step after step; AMSGrad too (before: its step read the step count on the host and
     did not trace). The first parameter never has a gradient: the op keys noise to
     the parameter's place in the optimizer's order as eager does (it used to restart the
-    stream at the first parameter with a gradient)."""
+    stream at the first parameter with a gradient). A float ``inv_scale`` traces too (the
+    eager host check of it did not)."""
     eager_model, compiled_model = _model(torch.bfloat16), _model(torch.bfloat16)
     unused = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(2)]
     eager = make([unused[0], *eager_model.parameters()])
@@ -57,10 +58,13 @@ def test_compiled_step_matches_eager_bits(make, backend):
 
     @torch.compile(fullgraph=True, backend=backend)
     def step(opt):
-        opt.step()
+        opt.step(inv_scale=0.5)
 
     for i in range(3):
-        for model, run in ((eager_model, eager.step), (compiled_model, lambda: step(compiled))):
+        for model, run in (
+            (eager_model, lambda: eager.step(inv_scale=0.5)),
+            (compiled_model, lambda: step(compiled)),
+        ):
             _backward(model, i)
             run()
             model.zero_grad(set_to_none=False)

@@ -582,7 +582,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             inv_scale: 1 / loss scale multiplied into the gradients inside the step (a float,
                 or a float32 tensor of 1 value on the parameters' device): the gradients are
                 read once and not modified. A float must be positive and finite
-                (``ValueError``); a tensor that is not sets ``found_inf`` and skips the step.
+                (``ValueError``; under torch.compile it becomes a tensor); a tensor that is
+                not sets ``found_inf`` and skips the step.
             found_inf: float32 tensor of 1 value; when nonzero the step changes nothing
                 (parameters, states, step counts), decided on the device without a sync.
             check_grads: first set ``found_inf`` to 1 if any gradient is inf/NaN (one launch
@@ -602,7 +603,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if grad_scale is not None and inv_scale is not None:
             raise ValueError("grad_scale, inv_scale: pass one of them")
         if inv_scale is not None and not isinstance(inv_scale, torch.Tensor):
-            inv_scale = _validate.inv_scale(inv_scale)  # a tensor is checked by the step
+            if not torch.compiler.is_compiling():  # compiled: _traced_step makes it a tensor
+                inv_scale = _validate.inv_scale(inv_scale)  # a tensor is checked by the step
         loss = None
         if closure is not None:
             with torch.enable_grad():
