@@ -327,7 +327,7 @@ def run_torch(
         finally:
             del params, opt
             release(device)
-        floor = copy_floor(device, nbytes * n, reps)
+        floor = copy_floor(device, int(nbytes * n), reps)
         gbps = nbytes * n / r["median_s"] / 1e9
         row = {
             "section": "torch",
