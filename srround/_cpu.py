@@ -364,31 +364,12 @@ def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor)
 
 
 @njit(cache=True)
-def update_scale(
-    scale,
-    growth_tracker,
-    overflow_tracker,
-    found,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-    min_scale,
-    max_scale,
-):
-    """``update_scale_one`` for every scale of ``scale`` (float32 patterns) in place."""
+def update_scale(scale, growth_tracker, overflow_tracker, found, factors):
+    """``update_scale_one`` for every scale of ``scale`` (float32 patterns) in place;
+    ``factors``: its last six arguments, as a tuple."""
     for k in range(scale.size):
         scale[k], growth_tracker[k], overflow_tracker[k] = update_scale_one(
-            scale[k],
-            growth_tracker[k],
-            overflow_tracker[k],
-            found[k],
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            min_scale,
-            max_scale,
+            scale[k], growth_tracker[k], overflow_tracker[k], found[k], *factors
         )
 
 

@@ -45,9 +45,12 @@ from ._scalar import (
     pack4,
     unpack,
 )
-from ._tensor_list import address
+from ._tensor_list import address, find_tensor
 
 cuda = import_numba_cuda()
+
+# the simulator cannot pass device arrays into njit functions: the same body as a device function
+_find_tensor = cuda.jit(device=True)(find_tensor.py_func)
 
 # the element-wise operations; each has a general and a vec4 kernel (``_make_kernels``)
 _ROUND, _ADD, _NEAREST, _WIDEN = range(4)
@@ -243,46 +246,18 @@ def to_float32(h, out, mantissa_bits, exponent_bits, kind=0, *, stream):
 def _unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, starts[starts.size - 1], stride):
-        # _tensor_list.find_tensor, written out: the simulator cannot pass device arrays into
-        # njit functions, and a device function here would need a GPU to compile PTX in tests
-        k, hi = 0, starts.size - 2
-        while k < hi:
-            mid = (k + hi + 1) >> 1
-            if starts[mid] <= i:
-                k = mid
-            else:
-                hi = mid - 1
+        k = _find_tensor(starts, i)
         slot = k if per_tensor else 0
         if not unscale_in_place(addresses[k], formats[k], i - starts[k], inv_scales[slot]):
             found[slot] = 0x3F800000  # 1.0f
 
 
 @cuda.jit(cache=True)
-def _update_scale(
-    scale,
-    growth_tracker,
-    overflow_tracker,
-    found,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-    min_scale,
-    max_scale,
-):
+def _update_scale(scale, growth_tracker, overflow_tracker, found, factors):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for k in range(start, scale.size, stride):
         scale[k], growth_tracker[k], overflow_tracker[k] = update_scale_one(
-            scale[k],
-            growth_tracker[k],
-            overflow_tracker[k],
-            found[k],
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            min_scale,
-            max_scale,
+            scale[k], growth_tracker[k], overflow_tracker[k], found[k], *factors
         )
 
 
@@ -293,11 +268,9 @@ def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor,
     _unscale_and_check[grid[0], grid[1], stream](*table, inv_scales, found, per_tensor)
 
 
-def update_scale(scale, growth_tracker, overflow_tracker, found, *factors, stream):
+def update_scale(scale, growth_tracker, overflow_tracker, found, factors, *, stream):
     grid = _grid(scale.size)
-    _update_scale[grid[0], grid[1], stream](
-        scale, growth_tracker, overflow_tracker, found, *factors
-    )
+    _update_scale[grid[0], grid[1], stream](scale, growth_tracker, overflow_tracker, found, factors)
 
 
 # -- fused optimizer steps (tables of _elements.Column) ---------------------------------------
@@ -326,13 +299,7 @@ def _optim_step(
         return
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, starts[starts.size - 1], stride):
-        k, hi = 0, starts.size - 2  # _tensor_list.find_tensor, written out (see above)
-        while k < hi:
-            mid = (k + hi + 1) >> 1
-            if starts[mid] <= i:
-                k = mid
-            else:
-                hi = mid - 1
+        k = _find_tensor(starts, i)
         g = table[k, GROUP]
         step_element(
             kind,

@@ -1,10 +1,11 @@
 """JAX optimizer layer, what is JAX's own: apply_updates (any optax optimizer), the native
-path's leaf grouping and coefficients, schedules and PRNG-key seeds, found_inf flags of any
+path's leaf loops (one kernel per leaf shape) and coefficients, schedules and PRNG-key seeds, found_inf flags of any
 kind, donated jit and the optax update path. The fused adamw's bits against ``adamw_step`` for
 every mode and state dtype, with found_inf and inv_scale, are in tests/test_optim_contract.py."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import ml_dtypes
@@ -143,21 +144,10 @@ GROUPED_DTYPES = [
 
 
 @pytest.mark.parametrize("step", [None, 3, "traced"])
-@pytest.mark.parametrize("layout", [(0, 0), (64, 100), None])
-def test_apply_updates_native_small_leaf_groups(monkeypatch, request, layout, step):
-    """The native apply_updates groups small leaves of the same dtype (one Threefry loop) (at most ``_SMALL``
-    elements each, ``_GROUP`` per group): the bits of ``stochastic_add`` per leaf with every
-    leaf on its own (0, 0), with smaller, split groups and with the defaults (one group per
-    dtype), for 0-d, empty, fp32 (plain add), bf16 and fp16 leaves and both streams."""
-    from srround.adapters.jax import optim as _jax_optim
-
-    if layout is not None:
-        monkeypatch.setattr(_jax_optim, "_SMALL", layout[0])
-        monkeypatch.setattr(_jax_optim, "_GROUP", layout[1])
-    # _native_apply's trace (keyed by shapes, dtypes and starts) is cached: the layout is read
-    # when tracing
-    _jax_optim._native_apply.clear_cache()
-    request.addfinalizer(_jax_optim._native_apply.clear_cache)
+def test_apply_updates_native_many_leaves(step):
+    """The native apply_updates on 0-d, empty, fp32 (plain add), bf16 and fp16 leaves, several of
+    one shape: the bits of ``stochastic_add`` per leaf at its start (every leaf's loop takes its
+    start as a runtime scalar, ``_lax._opaque``: a traced step makes it one)."""
     rng = np.random.default_rng(5)
     params = [rng.standard_normal(s).astype(d) for s, d in zip(GROUPED_SHAPES, GROUPED_DTYPES)]
     updates = [(rng.standard_normal(s) * 1e-2).astype(np.float32) for s in GROUPED_SHAPES]
@@ -183,6 +173,36 @@ def test_apply_updates_native_small_leaf_groups(monkeypatch, request, layout, st
         if w.size:
             srround.stochastic_add(w, u.reshape(-1), seed=SEED, offset=(t << 36) + int(start))
         _same(g, w.reshape(p.shape))
+
+
+def _distinct_kernels(fn, *args) -> int:
+    """Distinct fused computations of ``fn``'s compiled CPU program (names, parameter numbers
+    and metadata left out): what XLA's CPU backend compiles, identical fusions once."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    bodies = set()
+    for block in re.split(r"\n\s*\n", text):
+        block = block.strip()
+        if block.startswith("%fused_computation"):
+            block = re.sub(r", metadata=\{[^}]*\}", "", block)
+            bodies.add(re.sub(r"%?[\w.\-]+(?=[ :=,)])", "x", block))
+    return len(bodies)
+
+
+def test_apply_updates_leaves_of_one_shape_share_a_kernel():
+    """Leaves of one shape and dtype are one computation for XLA (each takes its start as a
+    runtime scalar), so the first call compiles as many kernels for 12 leaves as for 3; the
+    bits stay those of ``stochastic_add`` at each leaf's start
+    (``test_apply_updates_native_many_leaves``)."""
+
+    def step(p, u, key):
+        return sj.apply_updates(p, u, key, impl="native")
+
+    def kernels(n):
+        params = [jnp.full((64,), 1.0 + i, jnp.bfloat16) for i in range(n)]
+        updates = [jnp.full((64,), 1e-3, jnp.float32) for _ in range(n)]
+        return _distinct_kernels(step, params, updates, jax.random.key(1))
+
+    assert kernels(12) == kernels(3)
 
 
 def test_apply_updates_fresh_noise_per_step():
@@ -250,17 +270,11 @@ def _check_against_numpy(got, state, expected):
 DTYPES = [ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float16, ml_dtypes.bfloat16]
 
 
-@pytest.mark.parametrize("layout", [(0, 0), (64, 100)])
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
-def test_adamw_native_small_leaf_groups(monkeypatch, rounding, state_dtype, layout):
-    """The native step groups small leaves of the same dtypes (one Threefry loop) (at most ``_SMALL``
-    elements each, ``_GROUP`` per group): the same bits with every leaf on its own (0, 0) and
-    with smaller, split groups."""
-    from srround.adapters.jax import optim as _jax_optim
-
-    monkeypatch.setattr(_jax_optim, "_SMALL", layout[0])
-    monkeypatch.setattr(_jax_optim, "_GROUP", layout[1])
+def test_adamw_native_leaves(rounding, state_dtype):
+    """The native step leaf by leaf, every leaf's start a runtime scalar: the bits of
+    ``srround.adamw_step``."""
     params = _params(DTYPES)
     got, state = _jax_run(params, 2, impl="native", rounding=rounding, state_dtype=state_dtype)
     _check_against_numpy(

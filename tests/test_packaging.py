@@ -93,7 +93,7 @@ kernels = {
     "_to_float32_vec4": (u64, u64, f32, i64, i64, i64, i64, i64, b),
     "_to_float32_general": (u16, u32, f32, i64, i64, i64, i64, i64, b, i64),
     "_unscale_and_check": (t.int64[::1], t.int64[::1], t.int64[::1], u32, u32, b),
-    "_update_scale": (u32, u32, u32, u32, f32, f32, i64, i64, f32, f32),
+    "_update_scale": (u32, u32, u32, u32, t.Tuple((f32, f32, i64, i64, f32, f32))),
 }
 for name, sig in kernels.items():
     ptx, _ = compile_ptx(getattr(_cuda, name).py_func, sig, cc=(9, 0))

@@ -48,11 +48,12 @@ _FIRST_CALLS = """
 import threading, numpy as np
 {setup}
 import srround
-N = {n}
+SIZES = (1000, 1 << 17)  # even threads: one worker thread; odd ones start the parallel layer
 barrier = threading.Barrier(8)
 results, errors = {{}}, []
 
 def call(i):
+    N = SIZES[i % 2]
     {make}
     barrier.wait()
     try:
@@ -67,6 +68,7 @@ for t in threads:
     t.join()
 assert not errors, errors
 for i in range(8):  # the same call again, alone: the same bits
+    N = SIZES[i % 2]
     {make}
     again = {call}
     assert {same}, i
@@ -102,17 +104,17 @@ _CASES = {
 }
 
 
-@pytest.mark.parametrize("n", [1000, 1 << 17], ids=["serial", "parallel"])
 @pytest.mark.parametrize("case", sorted(_CASES))
-def test_first_calls_from_eight_threads(case, n):
+def test_first_calls_from_eight_threads(case):
     """Eight threads make the process's first call at once (adapter import, kernel compile or
-    cache load, threading-layer start), three fresh processes each; every call succeeds and
-    gives the bits of the same call made alone."""
+    cache load, threading-layer start: half of them on parallel sizes), in a fresh process;
+    every call succeeds and gives the bits of the same call made alone. torch, whose import
+    race showed in about 1 of 3 processes, gets three."""
     setup, make, call, same = _CASES[case]
     if setup:
         pytest.importorskip(setup.split()[1].rstrip(","))
-    code = _FIRST_CALLS.format(setup=setup, make=make, call=call, same=same, n=n)
-    for _ in range(3):  # the first process may compile the kernels cold: minutes on a busy CI
+    code = _FIRST_CALLS.format(setup=setup, make=make, call=call, same=same)
+    for _ in range(3 if case == "torch" else 1):  # a cold first compile: minutes on a busy CI
         _ok(_python(code, timeout=600))
 
 

@@ -137,33 +137,66 @@ def _amsgrad(params):
 
 
 def _compiled_and_amsgrad(rank, world, tmp):
-    """On FSDP2 parameters: ``opt.step()`` compiled (fullgraph; the custom op takes the local
-    pieces) with the overflow check, an inf on rank 1 in a last step; and the per-tensor
-    AMSGrad path."""
-    model = _sharded_model()
-    opt = _adamw(model.parameters())
+    """On FSDP2 parameters: ``opt.step()`` compiled (fullgraph; the custom ops take the local
+    pieces) with the overflow check, an inf on rank 1 in a last step, for the fused step and
+    for AMSGrad; and the eager per-tensor AMSGrad path."""
+    out = {}
+    for name, make in (("compiled", _adamw), ("compiled_amsgrad", _amsgrad)):
+        model = _sharded_model()
+        opt = make(model.parameters())
 
-    @torch.compile(fullgraph=True, backend="aot_eager")
-    def step(opt, found):
-        opt.step(found_inf=found, check_grads=True)
+        @torch.compile(fullgraph=True, backend="aot_eager")
+        def step(opt, found):
+            opt.step(found_inf=found, check_grads=True)
 
-    for i in range(STEPS + 1):
-        opt.zero_grad(set_to_none=False)
-        model(_batch(i)).float().pow(2).mean().backward()
-        if i == STEPS and rank == 1:
-            model[2].weight.grad.to_local()[0, 0] = float("inf")
-        found = torch.zeros(1)
-        step(opt, found)
-    out = {
-        "compiled": [_full(p) for p in model.parameters()],
-        "compiled_found": float(found),
-        "compiled_steps": int(opt.state[model[0].weight]["step"]),
-    }
+        for i in range(STEPS + 1):
+            opt.zero_grad(set_to_none=False)
+            model(_batch(i)).float().pow(2).mean().backward()
+            if i == STEPS and rank == 1:
+                model[2].weight.grad.to_local()[0, 0] = float("inf")
+            found = torch.zeros(1)
+            step(opt, found)
+        out[name] = [_full(p) for p in model.parameters()]
+        out[f"{name}_found"] = float(found)
+        out[f"{name}_steps"] = int(opt.state[model[0].weight]["step"])
     model = _sharded_model()
     opt = _amsgrad(model.parameters())
     for i in range(STEPS):
         _train_step(model, opt, i)
     out["amsgrad"] = [_full(p) for p in model.parameters()]
+    return out
+
+
+def _compiled_unscale(rank, world, tmp):
+    """``GradScaler.unscale_`` and ``srround.unscale_and_check`` on FSDP2 gradients in one
+    compiled function (aot_eager, fullgraph) and eagerly, an inf in rank 1's piece in the
+    second iteration: gradients, both flags, parameters and scale per run."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for compiled in (False, True):
+        model = _model(torch.float32)
+        fully_shard(model)
+        opt = _adamw(model.parameters())
+        scaler = GradScaler("cpu", init_scale=16.0)
+
+        @torch.compile(fullgraph=True, backend="aot_eager", disable=not compiled)
+        def unscale(opt, grads):
+            scaler.unscale_(opt)
+            return srround.unscale_and_check(grads, 0.5)
+
+        runs = []
+        for i in range(2):
+            opt.zero_grad(set_to_none=False)
+            scaler.scale(model(_batch(i, torch.float32)).pow(2).mean()).backward()
+            if i == 1 and rank == 1:
+                model[0].weight.grad.to_local()[0, 0] = float("inf")
+            grads = [p.grad for p in model.parameters()]
+            found = unscale(opt, grads)
+            runs.append(([_full(g) for g in grads], float(found), float(scaler.found_inf(opt))))
+            scaler.step(opt)
+            scaler.update()
+        out[compiled] = runs, [_full(p) for p in model.parameters()], scaler.get_scale()
     return out
 
 
@@ -305,6 +338,7 @@ def _errors(rank, world, tmp):
 SCENARIOS = {
     "fsdp": _fsdp,
     "compiled_and_amsgrad": _compiled_and_amsgrad,
+    "compiled_unscale": _compiled_unscale,
     "ddp": _ddp,
     "zero": _zero,
     "scaler": _scaler,
@@ -419,7 +453,10 @@ def test_compiled_step_on_fsdp2_matches_one_process(ranks, reference):
 
 
 def test_amsgrad_on_fsdp2_matches_one_process(ranks):
-    """The per-tensor AMSGrad path on FSDP2: local pieces, global stream starts."""
+    """The per-tensor AMSGrad path on FSDP2: local pieces, global stream starts; compiled too
+    (fullgraph: the custom op ``srround::amsgrad_step``; before: the step read the step count
+    and found_inf on the host and did not trace), its overflow check all-reduced (an inf on
+    rank 1 skips the last step on both)."""
     model = _model()
     opt = _amsgrad(model.parameters())
     for step in range(STEPS):
@@ -427,6 +464,25 @@ def test_amsgrad_on_fsdp2_matches_one_process(ranks):
     expected = [_full(p) for p in model.parameters()]
     for r in _results(ranks, "compiled_and_amsgrad"):
         _same_bits(r["amsgrad"], expected)
+        _same_bits(r["compiled_amsgrad"], expected)
+        assert r["compiled_amsgrad_found"] == 1.0 and r["compiled_amsgrad_steps"] == STEPS
+
+
+def test_compiled_unscale_on_fsdp2_matches_eager(ranks):
+    """Finding: ``srround.unscale_and_check`` and ``GradScaler.unscale_`` on DTensor gradients
+    inside a compiled function failed (Dynamo stopped in their argument and layout checks;
+    the custom op had no DTensor sharding strategy). Compiled: the eager gradient bits and
+    flags, all-reduced over the mesh (the inf was on rank 1 only), the step skipped and the
+    scale backed off."""
+    for r in _results(ranks, "compiled_unscale"):
+        (eager_runs, eager_params, eager_scale) = r[False]
+        (runs, params, scale) = r[True]
+        for (grads, found, scaler_found), (eager_grads, *eager_flags) in zip(runs, eager_runs):
+            _same_bits(grads, eager_grads)
+            assert [found, scaler_found] == eager_flags
+        assert [run[1:] for run in runs] == [(0.0, 0.0), (1.0, 1.0)]
+        _same_bits(params, eager_params)
+        assert scale == eager_scale == 8.0
 
 
 def test_ddp_replicas_stay_bit_identical(ranks):

@@ -191,6 +191,24 @@ def _layout(x, shard_spec, name: str):
     return origin, global_shape
 
 
+def _native_stream(native, arrays, stream, fmt: Format, saturate: bool):
+    """``native(*arrays, ...)``, a stochastic ``_lax._native_*`` function, at the stream
+    position ``stream = (k0, k1, offset, origin, global_shape)``: key words, offset in the
+    stream, and the block's origin and global shape (``_layout``)."""
+    k0, k1, offset, origin, global_shape = stream
+    return native(
+        *arrays,
+        _u(k0),
+        _u(k1),
+        *_lax._first_block(offset),
+        origin,
+        lane0=offset & 3,
+        fmt_name=fmt.name,
+        saturate=saturate,
+        global_shape=global_shape,
+    )
+
+
 def stochastic_round(
     x,
     *,
@@ -237,17 +255,8 @@ def stochastic_round(
         if impl == "native":
             if x.size == 0:
                 return jnp.zeros(x.shape, _lax.result_dtype(fmt))
-            return _lax._native_stochastic_round(
-                x,
-                _u(k0),
-                _u(k1),
-                *_lax._first_block(offset),
-                origin,
-                lane0=offset & 3,
-                fmt_name=fmt.name,
-                saturate=saturate,
-                global_shape=global_shape,
-            )
+            stream = (k0, k1, offset, origin, global_shape)
+            return _native_stream(_lax._native_stochastic_round, (x,), stream, fmt, saturate)
 
         return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow, origin, global_shape)
 
@@ -340,19 +349,8 @@ def stochastic_add(
         if impl == "native":
             if w.size == 0:
                 return w
-            return _lax._native_stochastic_add(
-                w,
-                u,
-                alpha,
-                _u(k0),
-                _u(k1),
-                *_lax._first_block(offset),
-                origin,
-                lane0=offset & 3,
-                fmt_name=fmt.name,
-                saturate=saturate,
-                global_shape=global_shape,
-            )
+            stream = (k0, k1, offset, origin, global_shape)
+            return _native_stream(_lax._native_stochastic_add, (w, u, alpha), stream, fmt, saturate)
         return _callback.stochastic_add(
             w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
         )

@@ -345,7 +345,7 @@ def _check_count(n: int, name: str = "x") -> None:
         raise ValueError(f"{name}: {n} elements in one call, at most 2**32 - 4 are supported")
 
 
-def _random16(k0, k1, first_lo, first_hi, lane0: int, index):
+def _random16(k0, k1, first_lo, first_hi, lane0, index):
     """The 16 random bits (uint32, ``index``'s shape) of the elements at linear positions
     ``index`` of a call (``_rng.py``'s stream): element i is lane ``(lane0 + i) & 3`` of
     Threefry block ``first + (lane0 + i) >> 2`` (``first = offset >> 2`` as traced uint32
@@ -356,12 +356,36 @@ def _random16(k0, k1, first_lo, first_hi, lane0: int, index):
     if isinstance(index, int):
         _check_count(index)
         index = lax.iota(_U32, index)
-    i = index + _U32(lane0)
+    i = index + _u(lane0)
     j = i >> 2
     c_lo = first_lo + j
     c_hi = first_hi + (c_lo < j).astype(_U32)  # carry into the high counter word
     x0, x1 = _threefry2x32(k0, k1, c_lo, c_hi)
     return (jnp.where((i & 2) == 0, x0, x1) >> ((i & 1) << 4)) & 0xFFFF
+
+
+def _opaque(values, probes):
+    """Python ints ``values`` (< 2**32) as uint32 scalars XLA cannot constant-fold: the
+    outputs of a while loop that runs once, its trip count unknown at compile time because it
+    depends on the traced ``probes`` (key words, step). A computation that takes such a value
+    as a parameter is the same for every value; with the values folded in as constants, each
+    would be a computation of its own (on XLA's CPU backend, a kernel of its own to compile).
+    When every probe is a constant there is nothing to hide the values behind: they are
+    returned as constants (the same results)."""
+    probes = [p for p in probes if not isinstance(p, (int, np.integer))]
+    if not probes:
+        return tuple(np.uint32(v) for v in values)
+    zero = None
+    for p in probes:
+        p = _u(p)
+        zero = p & ~p if zero is None else zero | (p & ~p)
+
+    def body(carry):
+        count, words = carry
+        return count + 1, tuple(w + zero for w in words)
+
+    words = tuple(jnp.asarray(np.uint32(v)) for v in values)
+    return lax.while_loop(lambda c: c[0] <= zero, body, (zero, words))[1]
 
 
 def _spec_axes(spec, ndim: int, name: str):

@@ -44,10 +44,11 @@ Implementations (``impl``):
   ops are single IEEE ops. Bits can differ from the Numba kernels where a state, weight,
   gradient or intermediate is subnormal (|x| < 2**-126): XLA's CPU backend (and TPU) flushes
   float32 subnormals to zero. ``_fma`` and the bias corrections need IEEE float64 (traced under
-  ``jax.enable_x64``): CPU and GPU; TPU emulates float64 and may differ in the last bit. Leaves
-  of at most 2**16 elements with the same dtypes are updated together; XLA compiles each
-  larger leaf's loops on their own, so the first call's compile time grows with the number
-  of leaves.
+  ``jax.enable_x64``): CPU and GPU; TPU emulates float64 and may differ in the last bit. Each
+  leaf is a loop of its own that takes its start in the stream as a runtime value, so XLA
+  compiles one kernel per leaf shape and dtypes when the key or the step is traced (with a
+  constant key and step, one per leaf); the first call still does work per leaf (each loop's
+  Threefry rounds and exact sums are several times the ops of optax's update).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -74,7 +75,16 @@ from srround._formats import FORMATS
 
 from ._api import _key_words
 from ._callback import _callback, _host, _origin_arg, _runs, _seed_of
-from ._lax import _decode, _element_index, _encode, _random16, _shard_layout, _threefry2x32, _u
+from ._lax import (
+    _decode,
+    _element_index,
+    _encode,
+    _opaque,
+    _random16,
+    _shard_layout,
+    _threefry2x32,
+    _u,
+)
 
 __all__ = ["AdamWState", "SGDState", "adamw", "apply_updates", "sgd"]
 
@@ -140,14 +150,32 @@ def _stand_in(x):
     return jnp.where(jnp.isfinite(x), jnp.sign(x), x).astype(jnp.float32)
 
 
+_SIGN = np.uint32(0x80000000)
+
+
 def _add(u, w):
     """``u + w`` of float32 arrays read from buffers, rounded once (to nearest even),
-    subnormals included: the bits of ``_fma(1, u, w)`` with fewer ops, as the float64 sum's
-    own rounding cannot change the float32 one (53 >= 2 * 24 + 2 bits). NaN/inf operands: the
-    float32 sum."""
-    with jax.enable_x64(True):
-        wu, ww = _wide(u, True), _wide(w, True)
-        return jnp.where(jnp.isfinite(wu) & jnp.isfinite(ww), _narrow(wu + ww), u + w)
+    subnormals included (the bits of ``_fma(1, u, w)``), in float32 and integer ops. Where the
+    larger magnitude is at least 2**-60 the float32 sum is right even with subnormals flushed
+    (XLA's CPU backend): a subnormal operand is below half an ulp of the other, and the sum
+    is 0 or normal. Below, both operands are scaled by 2**64 in integer ops (a subnormal's
+    quanta through an exact int -> float conversion), added - normal operands, and a sum
+    rounded as the unscaled one (normal) or exact (a multiple of 2**-85 below 2**-62) - and
+    scaled back in integer ops. NaN/inf operands: the float32 sum."""
+    ub, wb = _b32(u), _b32(w)
+    big = jnp.maximum(ub & 0x7FFFFFFF, wb & 0x7FFFFFFF) >= 0x21800000  # 2**-60
+
+    def scaled(b):  # b * 2**64 (finite |b| < 2**-60)
+        magnitude = b & 0x7FFFFFFF
+        quanta = magnitude.astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-85)
+        subnormal = _b32(quanta) | (b & _SIGN)
+        return _f32(jnp.where(magnitude < 0x00800000, subnormal, b + (64 << 23)))
+
+    total = _b32(scaled(ub) + scaled(wb))
+    magnitude = total & 0x7FFFFFFF
+    quanta = (_f32(magnitude) * np.float32(2.0**85)).astype(_U32)  # a sum below 2**-126
+    small = jnp.where(magnitude >= 0x20800000, total - (64 << 23), (total & _SIGN) | quanta)
+    return _f32(jnp.where(big, _b32(u + w), small))
 
 
 def _fma(a, b, c, exact=(True, True, True)):
@@ -192,34 +220,14 @@ def _narrow_out(patterns, dtype):
     return lax.bitcast_convert_type(patterns.astype(jnp.uint16), dtype)
 
 
-# Leaves of at most _SMALL elements (biases, norm scales) are updated together, concatenated into
-# groups of at most _GROUP elements: every leaf costs the compiler a loop per output, however
-# small, and concatenating and slicing back a few thousand elements costs next to nothing.
-_SMALL = 1 << 16
-_GROUP = 1 << 20
-
-
-def _group_bits16(k0, k1, t, stream: int, members):
-    """The random bits (uint32) of the leaves ``members`` ((start, size) pairs), concatenated:
-    element j of a member at counter ``t * 2**36 + stream * 2**34 + start + j``, the Threefry
-    counters of its elements as constants (block ``(start + j) >> 2``, lane ``(start + j) &
-    3``; ``t < 2**26`` and starts < 2**34, so the high word is ``4 t + stream``)."""
-    glob = np.concatenate([np.arange(n, dtype=np.int64) + start for start, n in members])
-    c_lo = jnp.asarray((glob >> 2).astype(np.uint32))  # < 2**32: starts < 2**34
-    lane = jnp.asarray((glob & 3).astype(np.uint32))
-    hi = _u(t) * _U32(4) + _U32(stream)
-    x0, x1 = _threefry2x32(k0, k1, c_lo, jnp.broadcast_to(hi, c_lo.shape))
-    return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
-
-
 @functools.partial(jax.jit, static_argnames=("update", "cfg", "global_shape"))
 def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg, global_shape):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf (``arrays[0]`` gives its shape) at
     global element ``start = 4 start_lo + lane0`` (uint32 scalars), ``bits(stream)`` the random
     bits of its elements: jitted with the start traced, so leaves of the same shapes and dtypes
-    are traced and lowered once (each call is inlined by XLA, which folds the constant start
-    back). A block of a sharded leaf inside ``shard_map`` has its ``origin`` (traced) in the
-    leaf's ``global_shape``: its elements use the counters of their global indices."""
+    are traced and lowered once. A block of a sharded leaf inside ``shard_map`` has its
+    ``origin`` (traced) in the leaf's ``global_shape``: its elements use the counters of their
+    global indices."""
     shape = arrays[0].shape
     hi = _u(t) * _U32(4)
 
@@ -230,73 +238,115 @@ def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg
     return update(cfg, *arrays, bits, *extra)
 
 
+@functools.partial(jax.jit, static_argnames=("update", "cfg"))
+def _shared_leaf_call(arrays, stream_bits, start, extra, *, update, cfg):
+    """``update(cfg, *arrays, bits, *extra)`` of one leaf at global element ``start`` (a
+    uint32 scalar), ``bits(stream)`` read from ``stream_bits[stream]``, the random numbers of
+    every position of the call (``_stream_bits``)."""
+    shape, size = arrays[0].shape, arrays[0].size
+
+    def bits(stream):
+        window = lax.dynamic_slice(stream_bits[stream], (start,), (size,))
+        return window.reshape(shape).astype(_U32)
+
+    return update(cfg, *arrays, bits, *extra)
+
+
+def _stream_bits(k0, k1, t, stream: int, total: int):
+    """The 16 random bits (uint16) of positions ``[0, total)`` of ``stream`` at step ``t``
+    (counter ``t * 2**36 + stream * 2**34 + position``): one Threefry block per four
+    positions. Kept out of its readers' loops (``optimization_barrier``): XLA would otherwise
+    copy the whole Threefry into every leaf's loop."""
+    blocks = -(-total // 4)
+    counters = lax.iota(_U32, blocks)
+    hi = jnp.broadcast_to(_u(t) * _U32(4) + _U32(stream), counters.shape)
+    x0, x1 = _threefry2x32(k0, k1, counters, hi)
+    lanes = jnp.stack([x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], axis=1)
+    return lax.optimization_barrier(lanes.astype(jnp.uint16).reshape(-1))
+
+
+def _streams(update, cfg, columns, extra) -> list[int]:
+    """The streams ``update`` draws random bits from, by an abstract trace of each kind of
+    leaf (its dtypes)."""
+    needed, kinds = set(), set()
+    for k in range(len(columns[0])):
+        arrays = tuple(c[k] for c in columns)
+        kind = tuple(None if a is None else jnp.dtype(a.dtype) for a in arrays)
+        if kind in kinds:
+            continue
+        kinds.add(kind)
+
+        def probe(arrays, extra):
+            def bits(stream):
+                needed.add(stream)
+                return jnp.zeros(arrays[0].shape, _U32)
+
+            return update(cfg, *arrays, bits, *extra)
+
+        jax.eval_shape(probe, arrays, extra)
+    return sorted(needed)
+
+
+def _on_one_device(leaves) -> bool:
+    """Whether no leaf is laid out over several devices (its abstract value's mesh: set under
+    ``jit`` with sharded arrays and inside ``shard_map``)."""
+    for x in leaves:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            return False
+    return True
+
+
 def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=None):
     """``update(cfg, *arrays, bits, *extra)`` (a tuple of arrays or ``None``) for every leaf:
     ``columns`` holds per input a list of nonempty leaves (``None`` where absent), leaf ``k``
     at global element ``starts[k]``; ``bits(stream)`` gives the random bits of its elements
-    (counter ``t * 2**36 + stream * 2**34 + starts[k] + j``). Every output of a leaf is
-    elementwise in the leaf's buffers (its random bits too, computed in the loop from the
-    global element indices), so XLA fuses it into a loop over the leaf's own buffers: no
-    concatenation into a flat buffer and no slicing back (each a pass over memory, and on XLA's
-    CPU backend a temporary paged in afresh every call). The program grows with the number of
-    leaves (compile time too), except that a leaf's update is traced once per shape and dtypes
-    (``_leaf_call``) and the random bits of small leaves (``_SMALL``) are computed together,
-    one Threefry loop per group, and sliced per leaf. Leaves are never concatenated, so
-    every output keeps its leaf's sharding under ``jit``.
+    (counter ``t * 2**36 + stream * 2**34 + starts[k] + j``). Each leaf is a loop of its own
+    over its buffers (nothing concatenated or sliced back), made in one of two ways (the same
+    bits).
+
+    * on one device: the random bits of all leaves are computed together, one Threefry block
+      per four elements (``_stream_bits``), and each leaf's loop reads its window of them.
+    * laid out over several devices (``jit`` with sharded arrays, ``shard_map``): every
+      leaf's loop computes its bits from the global element indices (``_leaf_call``), so it
+      stays elementwise and keeps its leaf's sharding.
+
+    Compile time: the leaf starts reach the loops as runtime scalars (``_lax._opaque``), so the
+    loops of leaves with the same shapes and dtypes are one computation, which XLA's CPU
+    backend compiles once (a start folded in as a constant makes every leaf's loop a kernel of
+    its own); on one device no leaf's loop carries Threefry rounds.
     ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
-    ``shard_map`` (``None``: the whole leaf); only whole leaves are grouped. Returns the
-    per-leaf tuples."""
-    outs = [None] * len(starts)
+    ``shard_map`` (``None``: the whole leaf). Returns the per-leaf tuples."""
     layouts = layouts or [None] * len(starts)
-
-    def leaf(k):
-        origin, global_shape = layouts[k] or (None, None)
-        return _leaf_call(
-            tuple(c[k] for c in columns),
-            k0,
-            k1,
-            t,
-            _u(starts[k] >> 2),
-            _u(starts[k] & 3),
-            origin,
-            extra,
-            update=update,
-            cfg=cfg,
-            global_shape=global_shape,
+    if all(lay is None for lay in layouts) and _on_one_device(columns[0]):
+        total = max(s + x.size for s, x in zip(starts, columns[0]))
+        bits = {s: _stream_bits(k0, k1, t, s, total) for s in _streams(update, cfg, columns, extra)}
+        words = _opaque(starts, (k0, k1, t))
+        return [
+            _shared_leaf_call(
+                tuple(c[k] for c in columns), bits, words[k], extra, update=update, cfg=cfg
+            )
+            for k in range(len(starts))
+        ]
+    words = _opaque([w for s in starts for w in (s >> 2, s & 3)], (k0, k1, t))
+    outs = []
+    for k, layout in enumerate(layouts):
+        origin, global_shape = layout or (None, None)
+        outs.append(
+            _leaf_call(
+                tuple(c[k] for c in columns),
+                k0,
+                k1,
+                t,
+                words[2 * k],
+                words[2 * k + 1],
+                origin,
+                extra,
+                update=update,
+                cfg=cfg,
+                global_shape=global_shape,
+            )
         )
-
-    groups = {}  # dtypes -> [[leaf index, ...], ...] of small leaves
-    sizes = [x.size for x in columns[0]]
-    for k, size in enumerate(sizes):
-        if size <= _SMALL and layouts[k] is None:
-            key = tuple(None if c[k] is None else jnp.dtype(c[k].dtype) for c in columns)
-            runs = groups.setdefault(key, [[]])
-            if runs[-1] and sum(sizes[i] for i in runs[-1]) + size > _GROUP:
-                runs.append([])
-            runs[-1].append(k)
-        else:
-            outs[k] = leaf(k)
-    for run in (run for runs in groups.values() for run in runs):
-        if len(run) == 1:
-            outs[run[0]] = leaf(run[0])
-            continue
-        members = [(starts[k], sizes[k]) for k in run]
-        cache = {}
-
-        def group_bits(stream, members=members, cache=cache):
-            if stream not in cache:
-                cache[stream] = _group_bits16(k0, k1, t, stream, members)
-            return cache[stream]
-
-        offset = 0
-        for k in run:
-            n, shape = sizes[k], columns[0][k].shape
-
-            def bits(stream, offset=offset, n=n, shape=shape):
-                return lax.slice(group_bits(stream), (offset,), (offset + n,)).reshape(shape)
-
-            outs[k] = update(cfg, *(c[k] for c in columns), bits, *extra)
-            offset += n
     return outs
 
 
@@ -311,7 +361,7 @@ def _check_step(step):
 
 
 def _apply_update(cfg, w, u, bits):
-    """``SR(w + u)`` of a narrow leaf (or of a concatenation of leaves of one dtype), the sum
+    """``SR(w + u)`` of a narrow leaf, the sum
     the exact ``fma(1, u, w)`` of ``stochastic_add``, rounded with ``bits(0)`` (the weight
     stream). ``cfg`` is unused (``_native_leaves``'s signature). Returns a 1-tuple."""
     sums = _b32(_add(u, _f32(_widen_bits(w))))
@@ -322,9 +372,8 @@ def _apply_update(cfg, w, u, bits):
 @functools.partial(jax.jit, static_argnames=("starts", "global_shapes"))
 def _native_apply(ws, us, k0, k1, t, origins, *, starts, global_shapes):
     """``SR(w + u)`` of the nonempty narrow leaves ``ws`` (leaf k at global element
-    ``starts[k]``): ``_apply_update`` leaf by leaf, small leaves of one dtype together
-    (``_native_leaves``). Jitted: an eager call is one compiled program, under an outer ``jit``
-    it is inlined."""
+    ``starts[k]``): ``_apply_update`` leaf by leaf (``_native_leaves``). Jitted: an eager
+    call is one compiled program, under an outer ``jit`` it is inlined."""
     layouts = [None if o is None else (o, g) for o, g in zip(origins, global_shapes)]
     outs = _native_leaves(_apply_update, None, (ws, us), starts, k0, k1, t, layouts=layouts)
     return [o[0] for o in outs]
@@ -659,10 +708,22 @@ def _weight_write(mode, fmt, old_bits, new_bits, aux_bits, bits16):
     return high, jnp.where(nan, _U32(0), low)
 
 
+def _read_leaf(mode, p, g, a, inv_scale):
+    """What both optimizers' updates start from: ``(aux_bits, old, g)`` - the fp32 patterns
+    of the leaf's aux buffer (``None`` without one), the fp32 patterns of the weight the update
+    starts from (``_weight_value``) and the float32 gradient times ``inv_scale``."""
+    p_bits = _widen_bits(p)
+    aux_bits = _aux_bits(mode, a) if _NARROW.get(jnp.dtype(p.dtype)) and a is not None else None
+    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
+    g = _f32(_widen_bits(g))
+    if inv_scale is not None:
+        g = g * inv_scale
+    return aux_bits, old, g
+
+
 def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
-    """The update of one leaf (or of a concatenation of small leaves): ``bits(stream)`` gives
-    the random bits of its elements; ``cfg`` = (rounding, (mu dtype, nu dtype), constants,
-    variant). Returns (p, m, v, aux)."""
+    """The AdamW update of one leaf: ``bits(stream)`` gives the random bits of its elements;
+    ``cfg`` = (rounding, (mu dtype, nu dtype), constants, variant). Returns (p, m, v, aux)."""
     mode, dtypes, constants, variant = cfg
 
     def state_out(x, stream):
@@ -671,13 +732,7 @@ def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
             return x
         return _narrow_out(_encode(_b32(x), FORMATS["bfloat16"], False, bits(stream)), dtype)
 
-    name = _NARROW.get(jnp.dtype(p.dtype))
-    p_bits = _widen_bits(p)
-    aux_bits = _aux_bits(mode, a) if name and a is not None else None
-    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
-    g = _f32(_widen_bits(g))
-    if inv_scale is not None:
-        g = g * inv_scale
+    aux_bits, old, g = _read_leaf(mode, p, g, a, inv_scale)
     new, m_new, v_new = _adamw_math(
         _f32(old), g, _f32(_widen_bits(m)), _f32(_widen_bits(v)), coefs, constants, variant
     )
@@ -708,13 +763,7 @@ def _sgd_update(cfg, p, g, b, a, bits, coefs, inv_scale):
     weight write-back. ``cfg`` = (rounding, momentum buffer dtype, momentum, nesterov)."""
     mode, buf_dtype, momentum, nesterov = cfg
     lr, first = coefs
-    name = _NARROW.get(jnp.dtype(p.dtype))
-    p_bits = _widen_bits(p)
-    aux_bits = _aux_bits(mode, a) if name and a is not None else None
-    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
-    g = _f32(_widen_bits(g))
-    if inv_scale is not None:
-        g = g * inv_scale
+    aux_bits, old, g = _read_leaf(mode, p, g, a, inv_scale)
     buf_new = None
     if b is not None:
         buf = _f32(_widen_bits(b))
@@ -731,13 +780,13 @@ def _sgd_update(cfg, p, g, b, a, bits, coefs, inv_scale):
 
 
 def _native_step(update, cfg, columns, layouts, t, k0, k1, extras):
-    """The native fused step: ``update`` leaf by leaf (``_native_leaves``; small leaves share
-    their Threefry loop). ``columns``: per input (params, grads, states..., aux) the list of
-    leaves; ``extras[k]``: the extra arguments of leaf k (coefficients, inv_scale) - leaves
-    are updated in runs of equal extras (e.g. inside and outside optax's ``mask``). XLA's CPU
-    backend emits one loop per output; float32 states end in an op of several arrays, which
-    it writes once (into the state buffer) for the parameter's loop to read. Returns per-leaf
-    output tuples (params, states..., aux)."""
+    """The native fused step: ``update`` leaf by leaf (``_native_leaves``). ``columns``: per
+    input (params, grads, states..., aux) the list of leaves; ``extras[k]``: the extra
+    arguments of leaf k (coefficients, inv_scale) - leaves are updated in runs of equal extras
+    (e.g. inside and outside optax's ``mask``). XLA's CPU backend emits one loop per output;
+    float32 states end in an op of several arrays, which it writes once (into the state
+    buffer) for the parameter's loop to read. Returns per-leaf output tuples (params,
+    states..., aux)."""
     p_leaves = columns[0]
     starts = _starts(
         [tuple(p.shape) if lay is None else lay[1] for p, lay in zip(p_leaves, layouts)]
@@ -844,7 +893,7 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
 
     ``states``: (name, dtype or None (absent), stream) per state buffer; ``native(t, lr,
     inv_scale, params, treedef) -> (update, cfg, extras)``; ``host``: the NumPy step for the
-    callback path, ``host(ps, gs, states, aux, lr, t, seed, inv_scale)``."""
+    callback path, ``host(ps, gs, states, *, aux, lr, step, seed, inv_scale)``."""
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding: expected one of {sorted(_ROUNDINGS)}, got {rounding!r}")
     impl = _impl(impl)
@@ -1019,21 +1068,9 @@ def adamw(
         extras = [with_decay if f else without for f in flags]
         return _update, (rounding, (mu_dtype, state_dtype), constants, variant), extras
 
-    def host(ps, gs, sts, aux, lr_h, t_h, seed_h, scale_h):
+    def host(ps, gs, sts, **step):
         _host("adamw_step")(
-            ps,
-            gs,
-            sts[0],
-            sts[1],
-            lr=lr_h,
-            betas=(b1, b2),
-            eps=float(eps),
-            weight_decay=wd,
-            step=t_h,
-            rounding=rounding,
-            aux=aux,
-            seed=seed_h,
-            inv_scale=scale_h,
+            ps, gs, *sts, betas=(b1, b2), eps=float(eps), weight_decay=wd, rounding=rounding, **step
         )
 
     cfg = dict(
@@ -1119,19 +1156,10 @@ def sgd(
             [extra] * treedef.num_leaves,
         )
 
-    def host(ps, gs, sts, aux, lr_h, t_h, seed_h, scale_h):
+    def host(ps, gs, sts, **step):
+        buf = sts[0] if has_buf else None
         _host("sgd_step")(
-            ps,
-            gs,
-            sts[0] if has_buf else None,
-            lr=lr_h,
-            momentum=mom,
-            nesterov=bool(nesterov),
-            step=t_h,
-            rounding=rounding,
-            aux=aux,
-            seed=seed_h,
-            inv_scale=scale_h,
+            ps, gs, buf, momentum=mom, nesterov=bool(nesterov), rounding=rounding, **step
         )
 
     cfg = dict(lr=learning_rate, momentum=mom, nesterov=bool(nesterov), accumulator_dtype=buf_dtype)
@@ -1190,11 +1218,11 @@ def _callback_step(host_step, p_leaves, g_leaves, s_leaves, a_leaves, t, lr, k0,
             ps,
             gs,
             sts,
-            aux if any(has_aux) else None,
-            static_lr if static_lr is not None else float(lr_host),
-            int(t_host),
-            _seed_of(h0, h1),
-            float(scale_host),
+            aux=aux if any(has_aux) else None,
+            lr=static_lr if static_lr is not None else float(lr_host),
+            step=int(t_host),
+            seed=_seed_of(h0, h1),
+            inv_scale=float(scale_host),
         )
         return tuple(ps + [x for st in sts for x in st] + [a for a in aux if a is not None])
 

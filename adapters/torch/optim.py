@@ -45,8 +45,9 @@ optimizer's defaults), and torch's optimizers load srround's.
 
 torch.compile: ``step()`` inside a compiled function traces without graph breaks: the states
 are created at trace time (``_init_group``, as torch's optimizers do) and the step is one call
-of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``) with the eager stream starts
-(DTensor parameters: their local pieces), which gives the eager bits.
+of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``; with AMSGrad
+``torch.ops.srround.amsgrad_step``) with the eager stream starts (DTensor parameters: their
+local pieces), which gives the eager bits.
 Hyperparameters are constants of the compiled graph (changing ``lr`` recompiles, as with
 torch's optimizers given a float ``lr``).
 """
@@ -581,7 +582,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             inv_scale: 1 / loss scale multiplied into the gradients inside the step (a float,
                 or a float32 tensor of 1 value on the parameters' device): the gradients are
                 read once and not modified. A float must be positive and finite
-                (``ValueError``); a tensor that is not sets ``found_inf`` and skips the step.
+                (``ValueError``; under torch.compile it becomes a tensor); a tensor that is
+                not sets ``found_inf`` and skips the step.
             found_inf: float32 tensor of 1 value; when nonzero the step changes nothing
                 (parameters, states, step counts), decided on the device without a sync.
             check_grads: first set ``found_inf`` to 1 if any gradient is inf/NaN (one launch
@@ -601,7 +603,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if grad_scale is not None and inv_scale is not None:
             raise ValueError("grad_scale, inv_scale: pass one of them")
         if inv_scale is not None and not isinstance(inv_scale, torch.Tensor):
-            inv_scale = _validate.inv_scale(inv_scale)  # a tensor is checked by the step
+            if not torch.compiler.is_compiling():  # compiled: _traced_step makes it a tensor
+                inv_scale = _validate.inv_scale(inv_scale)  # a tensor is checked by the step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -645,28 +648,34 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _traced_step(self, inv_scale, found_inf, check_grads, grad_scale):
         """The step under torch.compile: states at trace time (``_init_group``), then the
-        custom op."""
-        params, grads, states1, states2, auxes, steps = [], [], [], [], [], []
-        meta = self._init_group(params, grads, states1, states2, auxes, steps)
-        if not params:
+        custom op (``srround::fused_step``, or ``srround::amsgrad_step`` with AMSGrad)."""
+        lists = [[] for _ in range(7)]
+        meta = self._init_group(*lists)
+        if not lists[0]:
             return
         if meta[-1]:  # DTensors (FSDP2): the op works on the local pieces
             from torch.distributed.tensor import DTensor
 
-            params, grads, states1, states2, auxes = (
-                [t.to_local() if isinstance(t, DTensor) else t for t in ts]
-                for ts in (params, grads, states1, states2, auxes)
+            lists = [[t.to_local() if isinstance(t, DTensor) else t for t in ts] for ts in lists]
+        params, grads, states1, states2, auxes, steps, maxes = lists
+        device = params[0].device
+        if found_inf is None:
+            found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        if isinstance(inv_scale, (int, float)):
+            inv_scale = torch.full((1,), float(inv_scale), device=device)
+        if self.param_groups[0].get("amsgrad"):
+            if isinstance(grad_scale, (int, float)):
+                grad_scale = torch.full((1,), float(grad_scale), device=device)
+            torch.ops.srround.amsgrad_step(
+                *lists, found_inf, inv_scale, grad_scale, check_grads, *meta[1:-1]
             )
+            return
         if grad_scale is not None:
             inv_scale = grad_scale.double().reciprocal().float().reshape(1)
             torch.ops.srround.unscale_and_check_(
-                grads, inv_scale, torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+                grads, inv_scale, torch.zeros(1, dtype=torch.float32, device=device)
             )
             inv_scale = None
-        if found_inf is None:
-            found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
-        if isinstance(inv_scale, (int, float)):
-            inv_scale = torch.full((1,), float(inv_scale), device=params[0].device)
         torch.ops.srround.fused_step(
             params,
             grads,
@@ -681,24 +690,27 @@ class _FusedOptimizer(torch.optim.Optimizer):
         )
 
     @torch.no_grad()
-    def _init_group(self, params, grads, states1, states2, auxes, steps):
+    def _init_group(self, params, grads, states1, states2, auxes, steps, maxes):
         """Runs eagerly when torch.compile traces ``step`` (torch's optimizer protocol):
         validates, creates the states, fills the lists with the parameters that have
         gradients, their gradients, states (``states1`` / ``states2`` / ``auxes``: only the
-        existing ones, located by the index lists returned) and 0-d step counters. Returns
-        the op's constant arguments: ``(kind, mode, state format, group index, state-1 index,
-        aux index, hyperparameters (flat), k0, k1, negate, stream starts, mesh process group
-        names, whether they are DTensors)``."""
+        existing ones, located by the index lists returned; ``maxes``: AMSGrad's
+        ``max_exp_avg_sq``) and 0-d step counters. Returns the ops' constant arguments:
+        ``(kind, mode, state format, group index, state-1 index, aux index, hyperparameters
+        (flat), k0, k1, negate, stream starts, mesh process group names, whether they are
+        DTensors)``."""
         config = self._config()
         found, group_index = self._collect()
         if not found:
             return (self._KIND, 0, 0, [], [], [], [], 0, 0, False, [], "", False)
         rows, flat = self._prepare(found, group_index, config)
+        amsgrad = self.param_groups[0].get("amsgrad")
         s1_index, aux_index = [], []
         for i, (p, (s1, s2, aux)) in enumerate(zip(found, rows)):
             params.append(p)
             grads.append(p.grad)
-            steps.append(self.state[p]["step"])
+            state = self.state[p]
+            steps.append(state["step"])
             if s1 is not None:
                 s1_index.append(i)
                 states1.append(s1)
@@ -707,6 +719,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if aux is not None:
                 aux_index.append(i)
                 auxes.append(aux)
+            if amsgrad:
+                if "max_exp_avg_sq" not in state:
+                    state["max_exp_avg_sq"] = torch.zeros_like(_like(p), dtype=torch.float32)
+                maxes.append(state["max_exp_avg_sq"])
         self._entry = None  # new step views: the eager table is rebuilt if used again
         k0, k1 = split_seed(config[2])
         return (
@@ -721,7 +737,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             k1,
             bool(config[3]),
             self._noise(found),
-            "\n".join(g.group_name for g in _dist.mesh_groups(found)),
+            _dist.group_names(_dist.mesh_groups(found)),
             self._dtensors,
         )
 
@@ -782,7 +798,7 @@ class AdamW(_FusedOptimizer):
             (``maximize``: one value per optimizer).
         amsgrad: one value per optimizer; ``True`` runs a slower per-tensor path (torch's
             math with torch ops, then srround's write-back with the fused step's random
-            stream: ``_amsgrad_step``) with rounding ``"stochastic"``, ``"nearest"`` or
+            stream: ``amsgrad_update``) with rounding ``"stochastic"``, ``"nearest"`` or
             ``"master"`` and float32 states; state ``max_exp_avg_sq`` as torch's.
         foreach, fused, capturable: accepted and stored (srround's step is always one fused
             pass, keeps its step counts on the device and launches on the current stream);
@@ -866,93 +882,116 @@ class AdamW(_FusedOptimizer):
         )
 
     def _amsgrad_step(self, inv_scale, found_inf, check_grads, grad_scale):
-        """AMSGrad, the per-tensor path: torch.optim's single-tensor AdamW math with torch
-        ops in float32 (so fp32 parameters get torch's bits), then srround's write-back of
-        the result: stochastic rounding with the fused step's stream (element ``j`` of a
-        parameter's piece with stream start ``s`` - ``_noise``, the fused step's - at offset
-        ``t * 2**36 + s + j``, memory order), round to nearest, or the fp32 master weight.
-        DTensor parameters: their local pieces, ``found_inf`` all-reduced over the meshes.
-        Slower than the fused step (a few passes per tensor) and reads the step count and
-        ``found_inf`` on the host."""
-        import srround
-
-        rounding, state_dtype, seed, maximize = self._config()
-        for i, g in enumerate(self.param_groups):
-            self._check_group(g, i)
-        params, group_index = self._collect()
+        """AMSGrad, the per-tensor path (``amsgrad_update``) over the states ``_init_group``
+        creates; under torch.compile the custom op ``srround::amsgrad_step`` (``_ops.py``)."""
+        if torch.compiler.is_compiling():
+            self._traced_step(inv_scale, found_inf, check_grads, grad_scale)
+            return
+        lists = [[] for _ in range(7)]
+        meta = self._init_group(*lists)
+        params = lists[0]
         if not params:
             return
-        grads = [_dist.check_grad(p, i) for i, p in enumerate(params)]  # local pieces
-        pieces = [_dist.local(p) for p in params]
-        check_pairs(pieces, grads, rounding)
-        noise = self._noise(params)
-        from .amp import unscale_grads
-
-        if grad_scale is not None:
-            inv = torch.as_tensor(grad_scale, dtype=torch.float32, device=params[0].device)
-            scratch = torch.zeros(1, dtype=torch.float32, device=inv.device)
-            unscale_grads(grads, inv.double().reciprocal().float().reshape(1), scratch)
-        if check_grads:
-            one = torch.ones(1, dtype=torch.float32, device=found_inf.device)
-            unscale_grads(grads, one, found_inf)
-            _dist.all_reduce_max(found_inf, _dist.mesh_groups(params))
-        if isinstance(inv_scale, torch.Tensor) and not 0 < float(inv_scale.reshape(())) < math.inf:
-            if found_inf is not None:  # an unusable scale: flagged and skipped, as the fused step
-                found_inf.fill_(1.0)
-            return
-        if found_inf is not None and float(found_inf.reshape(())) != 0:
-            return
-        groups = self.param_groups
-        for p, piece, grad, gi, start in zip(params, pieces, grads, group_index, noise):
-            group = groups[gi]
-            state = self._state_buffers(p, group, rounding, state_dtype)
-            if "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = torch.zeros_like(_like(p), dtype=torch.float32)
-            step = state.get("step")
-            if step is None:
-                step = state["step"] = torch.zeros((), dtype=torch.int32, device=p.device)
-            step += 1
-            t = int(step)
-            lr, (beta1, beta2), eps, wd = (
-                float(group["lr"]),
-                group["betas"],
-                group["eps"],
-                group["weight_decay"],
-            )
-            grad = grad.float() if grad.dtype != torch.float32 else grad.clone()
-            if inv_scale is not None:
-                grad.mul_(inv_scale)
-            if maximize:
-                grad.neg_()
-            exp_avg, exp_avg_sq, max_sq = (
-                _dist.local(state[name]) for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-            )
-            if piece.dtype == torch.float32 and _is_dense(piece):
-                work = piece.detach()
-            elif rounding == "master" and piece.dtype != torch.float32:
-                work = _dist.local(state["master_weight"])
-            else:
-                work = torch.empty_like(exp_avg).copy_(piece.detach())
-            work.mul_(1 - lr * wd)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            torch.maximum(max_sq, exp_avg_sq, out=max_sq)
-            bias_correction2_sqrt = (1 - beta2**t) ** 0.5
-            denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-            work.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**t)))
-            if work.data_ptr() == piece.data_ptr():
-                continue  # a dense fp32 parameter, updated in place
-            if piece.dtype == torch.float32 or rounding != "stochastic":
-                piece.detach().copy_(work)  # fp32 exactly; nearest and master: round to nearest
-            else:
-                flat = work.as_strided((work.numel(),), (1,))  # memory order
-                offset = (t << _optim.STEP_SHIFT) + start
-                fmt = "bfloat16" if piece.dtype == torch.bfloat16 else "float16"
-                rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
-                piece.detach().copy_(rounded.as_strided(work.shape, work.stride()))
-        self._entry = None
-        written = pieces + [p for p in params if _dist.is_dtensor(p)]
+        amsgrad_update(
+            *([_dist.local(t) for t in ts] for ts in lists),
+            found_inf,
+            inv_scale,
+            grad_scale,
+            check_grads,
+            *meta[1:-1],
+        )
+        written = [_dist.local(p) for p in params] + [p for p in params if _dist.is_dtensor(p)]
         torch.autograd.graph.increment_version([t for t in written if not t.is_inference()])
+
+
+def amsgrad_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    auxes: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    maxes: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+    check_grads: bool,
+    weight_mode: int,
+    state_fmt: int,
+    group_index: list[int],
+    s1_index: list[int],
+    aux_index: list[int],
+    hyper: list[float],
+    k0: int,
+    k1: int,
+    maximize: bool,
+    noise: list[int],
+    mesh_groups: str,
+) -> None:
+    """AdamW with AMSGrad over plain tensors (DTensors' local pieces), one tensor at a time:
+    torch.optim's single-tensor AdamW math with torch ops in float32 (so fp32 parameters get
+    torch's bits), then srround's write-back of the result: stochastic rounding with the fused
+    step's stream (element ``j`` of a parameter's piece with stream start ``noise[i]`` at
+    offset ``t * 2**36 + noise[i] + j``, memory order), round to nearest, or the fp32 master
+    weight (``auxes``). Arguments as ``_init_group`` lists them; ``found_inf`` (checked and
+    all-reduced over the process groups ``mesh_groups`` names first with ``check_grads``)
+    nonzero: nothing changes. Reads the step counts and ``found_inf`` on the host. Also the
+    custom op ``srround::amsgrad_step`` (``_ops.py``)."""
+    import srround
+
+    from .amp import unscale_grads
+
+    if grad_scale is not None:
+        inv = torch.as_tensor(grad_scale, dtype=torch.float32, device=params[0].device)
+        scratch = torch.zeros(1, dtype=torch.float32, device=inv.device)
+        unscale_grads(grads, inv.double().reciprocal().float().reshape(1), scratch)
+    if check_grads:
+        unscale_grads(grads, torch.ones_like(found_inf), found_inf)
+        _dist.all_reduce_max(found_inf, _dist.resolve_groups(mesh_groups))
+    if isinstance(inv_scale, torch.Tensor) and not 0 < float(inv_scale.reshape(())) < math.inf:
+        if found_inf is not None:  # an unusable scale: flagged and skipped, as the fused step
+            found_inf.fill_(1.0)
+        return
+    if found_inf is not None and float(found_inf.reshape(())) != 0:
+        return
+    rounding = {code: name for name, code in _optim.MODES.items()}[weight_mode]
+    masters = dict(zip(aux_index, auxes))
+    rows = np.array(hyper, np.float64).reshape(-1, _optim.HYPER_COLUMNS)
+    seed = k0 | (k1 << 32)
+    for i, (piece, grad, gi, start) in enumerate(zip(params, grads, group_index, noise)):
+        lr, beta1, beta2, eps, wd = (float(v) for v in rows[gi])
+        step = steps[i]
+        step += 1
+        t = int(step)
+        grad = grad.float() if grad.dtype != torch.float32 else grad.clone()
+        if inv_scale is not None:
+            grad.mul_(inv_scale)
+        if maximize:
+            grad.neg_()
+        exp_avg, exp_avg_sq, max_sq = exp_avgs[i], exp_avg_sqs[i], maxes[i]
+        if piece.dtype == torch.float32 and _is_dense(piece):
+            work = piece
+        elif rounding == "master" and piece.dtype != torch.float32:
+            work = masters[i]
+        else:
+            work = torch.empty_like(exp_avg).copy_(piece)
+        work.mul_(1 - lr * wd)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        torch.maximum(max_sq, exp_avg_sq, out=max_sq)
+        bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+        denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        work.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**t)))
+        if work.data_ptr() == piece.data_ptr():
+            continue  # a dense fp32 parameter, updated in place
+        if piece.dtype == torch.float32 or rounding != "stochastic":
+            piece.copy_(work)  # fp32 exactly; nearest and master: round to nearest
+        else:
+            flat = work.as_strided((work.numel(),), (1,))  # memory order
+            offset = (t << _optim.STEP_SHIFT) + start
+            fmt = "bfloat16" if piece.dtype == torch.bfloat16 else "float16"
+            rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
+            piece.copy_(rounded.as_strided(work.shape, work.stride()))
 
 
 class SGD(_FusedOptimizer):
