@@ -237,30 +237,37 @@ def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg
 
 
 @functools.partial(jax.jit, static_argnames=("update", "cfg"))
-def _shared_leaf_call(arrays, stream_bits, start, extra, *, update, cfg):
+def _shared_leaf_call(arrays, stream_blocks, start, extra, *, update, cfg):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf at global element ``start`` (a
-    uint32 scalar), ``bits(stream)`` read from ``stream_bits[stream]``, the random numbers of
-    every position of the call (``_stream_bits``)."""
+    uint32 scalar), ``bits(stream)`` read from ``stream_blocks[stream]``, the Threefry blocks
+    of every position of the call (``_stream_blocks``): the leaf's window of blocks, split into
+    four 16-bit lanes per block, from lane ``start & 3`` on."""
     shape, size = arrays[0].shape, arrays[0].size
+    window = size // 4 + 2  # blocks that hold positions start .. start + size - 1
 
     def bits(stream):
-        window = lax.dynamic_slice(stream_bits[stream], (start,), (size,))
-        return window.reshape(shape).astype(_U32)
+        blocks = lax.dynamic_slice(stream_blocks[stream], (start >> 2,), (window,))
+        index = _element_index(shape) + (start & 3)
+        with jax.enable_x64(True):
+            word = blocks[index >> 2] >> ((index & 3) * 16).astype(jnp.uint64)
+            return (word & 0xFFFF).astype(_U32)
 
     return update(cfg, *arrays, bits, *extra)
 
 
-def _stream_bits(k0, k1, t, stream: int, total: int):
-    """The 16 random bits (uint16) of positions ``[0, total)`` of ``stream`` at step ``t``
-    (counter ``t * 2**36 + stream * 2**34 + position``): one Threefry block per four
-    positions. Kept out of its readers' loops (``optimization_barrier``): XLA would otherwise
-    copy the whole Threefry into every leaf's loop."""
-    blocks = -(-total // 4)
+def _stream_blocks(k0, k1, t, stream: int, total: int):
+    """The Threefry blocks (uint64 ``x0 | x1 << 32``: four 16-bit lanes) of positions
+    ``[0, total)`` of ``stream`` at step ``t`` (counter ``t * 2**36 + stream * 2**34 +
+    position``, block ``position >> 2``), two more past the end for the windows of
+    ``_shared_leaf_call``. One loop computes each block once; it is kept out of its readers'
+    loops (``optimization_barrier``), which would otherwise each compute the Threefry again."""
+    blocks = total // 4 + 2
     counters = lax.iota(_U32, blocks)
     hi = jnp.broadcast_to(_u(t) * _U32(4) + _U32(stream), counters.shape)
     x0, x1 = _threefry2x32(k0, k1, counters, hi)
-    lanes = jnp.stack([x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], axis=1)
-    return lax.optimization_barrier(lanes.astype(jnp.uint16).reshape(-1))
+    with jax.enable_x64(True):
+        packed = x0.astype(jnp.uint64) | (x1.astype(jnp.uint64) << 32)
+    return lax.optimization_barrier(packed)
 
 
 def _streams(update, cfg, columns, extra) -> list[int]:
@@ -304,7 +311,7 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     bits).
 
     * on one device: the random bits of all leaves are computed together, one Threefry block
-      per four elements (``_stream_bits``), and each leaf's loop reads its window of them.
+      per four elements (``_stream_blocks``), and each leaf's loop reads its window of them.
     * laid out over several devices (``jit`` with sharded arrays, ``shard_map``): every
       leaf's loop computes its bits from the global element indices (``_leaf_call``), so it
       stays elementwise and keeps its leaf's sharding.
@@ -318,7 +325,8 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     layouts = layouts or [None] * len(starts)
     if all(lay is None for lay in layouts) and _on_one_device(columns[0]):
         total = max(s + x.size for s, x in zip(starts, columns[0]))
-        bits = {s: _stream_bits(k0, k1, t, s, total) for s in _streams(update, cfg, columns, extra)}
+        streams = _streams(update, cfg, columns, extra)
+        bits = {s: _stream_blocks(k0, k1, t, s, total) for s in streams}
         words = _opaque(starts, (k0, k1, t))
         return [
             _shared_leaf_call(
