@@ -39,16 +39,19 @@ data ``(w0, w1)`` equals the int seed ``w0 | w1 << 32``).
 Implementations (``impl``):
 
 * ``"native"`` (default): ``jax.lax`` only, jit-able on any backend, with the Threefry stream
-  and rounding of ``_lax.py``. Every fma of the AdamW math (and the sum of ``apply_updates``)
-  is exact (``_fma``: float64 ops rounded to odd, subnormals in integer ops); the other float32
-  ops are single IEEE ops. Bits can differ from the Numba kernels where a state, weight,
-  gradient or intermediate is subnormal (|x| < 2**-126): XLA's CPU backend (and TPU) flushes
-  float32 subnormals to zero. ``_fma`` and the bias corrections need IEEE float64 (traced under
-  ``jax.enable_x64``): CPU and GPU; TPU emulates float64 and may differ in the last bit. Each
-  leaf is a loop of its own that takes its start in the stream as a runtime value, so XLA
-  compiles one kernel per leaf shape and dtypes when the key or the step is traced (with a
-  constant key and step, one per leaf); the first call still does work per leaf (each loop's
-  Threefry rounds and exact sums are several times the ops of optax's update).
+  and rounding of ``_lax.py``. Every fma of the AdamW math is exact (``_fma``: float64 ops
+  rounded to odd, subnormals in integer ops), and so is the sum of ``apply_updates`` (``_add``:
+  float32 and integer ops); the other float32 ops are single IEEE ops. Bits can differ from
+  the Numba kernels where a state, weight, gradient or intermediate is subnormal
+  (|x| < 2**-126): XLA's CPU backend (and TPU) flushes float32 subnormals to zero. ``_fma``
+  and the bias corrections need IEEE float64 (traced under ``jax.enable_x64``): CPU and GPU;
+  TPU emulates float64 and may differ in the last bit. Each leaf is a loop of its own that
+  takes its start in the stream as a runtime value, so XLA compiles one kernel per leaf shape
+  and dtypes (when the key or the step is traced; with both constant, one per leaf). On one
+  device the Threefry blocks of all leaves are computed in one loop and each leaf gathers its
+  bits from them; laid out over several devices each leaf computes its own bits from its
+  elements' global indices (it stays elementwise and keeps its sharding). The same bits
+  either way (``_native_leaves``).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -311,7 +314,7 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     bits).
 
     * on one device: the random bits of all leaves are computed together, one Threefry block
-      per four elements (``_stream_blocks``), and each leaf's loop reads its window of them.
+      per four elements (``_stream_blocks``), and each leaf's loop gathers its lanes from them.
     * laid out over several devices (``jit`` with sharded arrays, ``shard_map``): every
       leaf's loop computes its bits from the global element indices (``_leaf_call``), so it
       stays elementwise and keeps its leaf's sharding.
