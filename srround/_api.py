@@ -264,7 +264,9 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         found_inf: optional float32 array (1 value, or one per tensor) set to 1.0 where an
             *unscaled* gradient - what the optimizer reads - is non-finite (an inf/NaN input,
             an unusable scale, or an fp16 product past 65504); it is not cleared first, so one
-            array can accumulate over several calls. Allocated zeroed when omitted.
+            array can accumulate over several calls. Allocated zeroed when omitted. torch
+            DTensor gradients: all-reduced (MAX) over their meshes, on the device, so every
+            rank gets the same flags (a collective: every rank of the mesh calls).
         per_tensor: one scale and one flag per tensor (the per-layer scaling option).
 
     Returns:
@@ -319,6 +321,9 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
             total=table.total,
             stream=flags.stream,
         )
+    reduce = getattr(adapter, "reduce_flags", None)
+    if reduce is not None:  # sharded arrays (torch DTensors): one verdict on every rank
+        reduce(grads, flags.result)
     return flags.result
 
 
@@ -454,9 +459,9 @@ def _fused_step(
     first, _ = _writable_view(adapter, params[0], "params[0]")
     steps = _step_counter(adapter, step, first, count)
     scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)
-    flags = _scalar_buffer(adapter, found_inf, "found_inf", first, 1)
+    flags = _scalar_buffer(adapter, found_inf, "found_inf", first, 1, writable=True)
     check_same_place(**{"params[0]": first, "inv_scale": scales, "found_inf": flags, "step": steps})
-    extra = [_span("inv_scale", scales, False), _span("found_inf", flags, False)]
+    extra = [_span("inv_scale", scales, False), _span("found_inf", flags, True)]
     _validate.no_overlap([*plan.spans, *extra, _span("step", steps, True)])
     k0, k1 = _key(seed)
     fused = _optim.FusedStep(
@@ -523,7 +528,9 @@ def adamw_step(
             master weights (float32), remainder (int16, start at 0); None for fp32 params.
         seed: the optimizer's seed (int in [0, 2**64)); the noise of step t is the stream at
             ``t * 2**36`` (weights), so every step gets fresh bits. ``None``: library generator.
-        inv_scale: 1 / loss scale multiplied into the gradients (float, or float32 array of 1).
+        inv_scale: 1 / loss scale multiplied into the gradients: a positive finite float
+            (else ``ValueError``), or a float32 array of 1, checked in the kernel: a zero,
+            negative, NaN or inf one sets ``found_inf`` to 1 and the step changes nothing.
         found_inf: float32 array of 1; when nonzero the step changes nothing (no host sync).
     """
     lr, beta1, beta2, eps, weight_decay = _validate.adamw(lr, betas, eps, weight_decay)

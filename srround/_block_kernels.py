@@ -18,7 +18,7 @@ NVFP4_TENSOR_DIVISOR = 448.0 * 6.0  # float8_e4m3fn max * float4_e2m1fn max
 # -- scalar bodies (njit: compiled for the CPU loops and the CUDA kernels alike) -------------
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def pow2_bits(k):
     """fp32 bits of ``2**k`` for k in [-149, 127] (subnormal below -126)."""
     if k >= -126:
@@ -26,7 +26,7 @@ def pow2_bits(k):
     return 1 << (k + 149)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def mx_scale(amax, emax, max_mantissa, ceil):
     """``(biased e8m0 scale, fp32 bits of the multiplier 1/scale)`` of a block whose largest
     magnitude has fp32 bits ``amax`` (NaN bits when the block holds a NaN)."""
@@ -39,7 +39,7 @@ def mx_scale(amax, emax, max_mantissa, ceil):
     return k + 127, pow2_bits(-max(k, -126))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def nv_tensor_scale(amax):
     """fp32 bits of NVFP4's tensor scale ``amax / 2688`` (1.0 when amax is 0)."""
     if amax == 0:
@@ -47,7 +47,7 @@ def nv_tensor_scale(amax):
     return f32_to_bits(bits_to_f32(amax) / np.float32(NVFP4_TENSOR_DIVISOR))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def nv_block_scale(amax, tensor_scale, ceil):
     """``(e4m3 block scale, fp32 bits of the element multiplier)`` of an NVFP4 block."""
     ts = bits_to_f32(tensor_scale)
@@ -62,7 +62,7 @@ def nv_block_scale(amax, tensor_scale, ceil):
     return code, f32_to_bits((np.float32(1.0) / ts) / s32)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind):
     """The element pattern of fp32 bits ``u`` scaled by the fp32 ``multiplier`` (bits),
     clamped to +-max (``max_bits``: the fp32 bits of the largest element) and rounded."""
@@ -78,19 +78,19 @@ def block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind):
     return encode_nearest(y, m, e, True, kind)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def element_value(h, scale_bits, m, e, kind):
     """fp32 bits of element pattern ``h`` times the fp32 scale (bits)."""
     return f32_to_bits(bits_to_f32(decode(h, m, e, kind)) * bits_to_f32(scale_bits))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def nv_scale_value(code, tensor_scale):
     """fp32 bits of an NVFP4 block's scale: e4m3 ``code`` times the tensor scale (bits)."""
     return f32_to_bits(bits_to_f32(decode(code, 3, 4, FN)) * bits_to_f32(tensor_scale))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def mx_scale_value(code):
     """fp32 bits of an e8m0 scale (NaN for 0xFF)."""
     if code == 255:
@@ -119,7 +119,7 @@ def amax_bits_cpu(x):
     return results.max()
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def quantize_block(x, data, scales, t, n, inner, block, tensor_scale, k0, k1, offset, params):
     """Block ``t`` (row-major over ``(outer, n // block, inner)``): scale into ``scales[t]``,
     elements into ``data``. ``params``: (m, e, kind, two_level, emax, max_mantissa, max_bits,

@@ -85,7 +85,7 @@ def run(kernel, elements: int, *args):
             set_num_threads(threads)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _block_range(n, offset):
     """First counter block and number of blocks covering elements [0, n) at ``offset``."""
     if n == 0:
@@ -125,7 +125,7 @@ def _threefry2x32_i32(typingctx, k0, k1, c0, c1):
     return types.UniTuple(types.uint32, 2)(k0, k1, c0, c1), codegen
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _fill_run(words, k0, k1, low, high):
     """Blocks ``(low + j, high)`` for ``j < words.size // 2`` into ``words[2j], words[2j+1]``
     (``low + j`` must stay below 2**32); branch-free, vectorized 8 blocks wide."""
@@ -135,7 +135,7 @@ def _fill_run(words, k0, k1, low, high):
         words[2 * j + 1] = x1
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _fill_bits(words, k0, k1, block0, nblocks):
     """``words[2k], words[2k+1]`` = ``(x0, x1)`` of counter block ``block0 + k``, ``k < nblocks``.
 
@@ -151,7 +151,7 @@ def _fill_bits(words, k0, k1, block0, nblocks):
         k = stop
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _chunk_span(n, offset, first, c, nblocks):
     """Blocks ``[first + c, first + c + m)`` of a chunk: returns ``(block0, m, lo, hi)`` with
     elements ``[lo, hi)`` the ones those blocks cover; element ``i`` has random halfword
@@ -163,14 +163,14 @@ def _chunk_span(n, offset, first, c, nblocks):
     return block0, m, lo, hi
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind):
     """out[i] = encode_stochastic(x[i], bits[i]) over equal-length slices."""
     for i in range(x.size):
         out[i] = encode_stochastic(x[i], bits[i], mantissa_bits, exponent_bits, saturate, kind)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate, kind=0):
     """``_round_loop`` with bf16 and fp16 as literal formats (same results, folded constants)."""
     if mantissa_bits == _BF16[0] and exponent_bits == _BF16[1]:
@@ -185,14 +185,14 @@ def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate, kind=0):
         _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _sum_loop(w, u, alpha, total, mantissa_bits, exponent_bits, kind=0):
     """total[i] = add_exact_f32(w[i], u[i], alpha): the fp32 sums ``add_stochastic`` rounds."""
     for i in range(w.size):
         total[i] = add_exact_f32(w[i], u[i], alpha, mantissa_bits, exponent_bits, kind)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _add_span(w, u, alpha, total, bits, mantissa_bits, exponent_bits, saturate, kind=0):
     """w[i] = add_stochastic(w[i], u[i], alpha, bits[i]) over equal-length slices, as its two
     steps in two loops (each vectorizes better alone): fp32 sums into ``total``, then
@@ -260,7 +260,7 @@ stochastic_round = _make_random_kernel(_ROUND)
 stochastic_add = _make_random_kernel(_ADD)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _nearest_loop(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
     for i in range(x.size):
         out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate, kind)
@@ -294,7 +294,7 @@ def to_float32(h, out, mantissa_bits, exponent_bits, kind=0):
 _ONE_F32 = 0x3F800000
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _unscale_array(a, code, inv_scale):
     """``unscale_bits`` over a whole array in place; True if every element was finite."""
     finite = True
@@ -305,7 +305,7 @@ def _unscale_array(a, code, inv_scale):
     return finite
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _all_finite(a, code):
     """True if every element of ``a`` (format ``code``) is finite; reads only."""
     finite = True
@@ -314,7 +314,7 @@ def _all_finite(a, code):
     return finite
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _unscale_buffer(a, code, inv_scale_bits):
     """One typed buffer slice: the check alone for a scale of 1, else unscale in place."""
     if inv_scale_bits == _ONE_F32:
@@ -323,7 +323,7 @@ def _unscale_buffer(a, code, inv_scale_bits):
     return finite and scale_usable(inv_scale_bits)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _unscale_run(address, code, j0, j1, inv_scale_bits):
     """Elements [j0, j1) of one buffer; True if all were finite. float32, bf16 and fp16 run
     as typed arrays with a literal format (LLVM vectorizes each loop); other formats one
@@ -364,31 +364,12 @@ def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor)
 
 
 @njit(cache=True)
-def update_scale(
-    scale,
-    growth_tracker,
-    overflow_tracker,
-    found,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-    min_scale,
-    max_scale,
-):
-    """``update_scale_one`` for every scale of ``scale`` (float32 patterns) in place."""
+def update_scale(scale, growth_tracker, overflow_tracker, found, factors):
+    """``update_scale_one`` for every scale of ``scale`` (float32 patterns) in place;
+    ``factors``: its last six arguments, as a tuple."""
     for k in range(scale.size):
         scale[k], growth_tracker[k], overflow_tracker[k] = update_scale_one(
-            scale[k],
-            growth_tracker[k],
-            overflow_tracker[k],
-            found[k],
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            min_scale,
-            max_scale,
+            scale[k], growth_tracker[k], overflow_tracker[k], found[k], *factors
         )
 
 
@@ -397,7 +378,7 @@ def update_scale(
 _CHUNK = 4096  # elements per optimizer work item
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _random_bits(words, k0, k1, offset, n):
     """The 16-bit random words of elements [0, n) at counter ``offset`` (uint16[n], a view of
     ``words`` filled here; a slice, so loops index it from 0 and vectorize)."""
@@ -407,7 +388,7 @@ def _random_bits(words, k0, k1, offset, n):
     return words.view(np.uint16)[b : b + n]
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise):
     """Elements ``j0 + e`` of one tensor, ``e < noise[0].size`` (``update_element``'s
     arguments, ``noise`` as three uint16 arrays). With every mode and format a constant, LLVM
@@ -428,7 +409,7 @@ def _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, grou
         )
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _update_formats(
     kind, mode, state_fmt, cases, p_fmt, g_fmt, buffers, has_state1, j0, scale, coefs, group, noise
 ):
@@ -450,7 +431,7 @@ def _update_formats(
 STATE1_NONE, STATE1_ALL, STATE1_SOME = range(3)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _step_chunk(config, table, starts, hyper, steps, coefs, scale, k0, k1, lo, hi):
     """Global elements [lo, hi) of one CPU step: per tensor run, its random bits into scratch,
     then one loop over ``update_element`` (``_update_formats``). ``config``: the kernel's

@@ -29,6 +29,7 @@ from ._elements import (
     S1_ADDR,
     S2_ADDR,
     prepare_coefs,
+    scale_usable,
     step_element,
     unscale_in_place,
     update_scale_one,
@@ -44,15 +45,18 @@ from ._scalar import (
     pack4,
     unpack,
 )
-from ._tensor_list import address
+from ._tensor_list import address, find_tensor
 
 cuda = import_numba_cuda()
+
+# the simulator cannot pass device arrays into njit functions: the same body as a device function
+_find_tensor = cuda.jit(device=True)(find_tensor.py_func)
 
 # the element-wise operations; each has a general and a vec4 kernel (``_make_kernels``)
 _ROUND, _ADD, _NEAREST, _WIDEN = range(4)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _narrow_op(op, old, u, alpha, bits16, mantissa_bits, exponent_bits, saturate, kind=0):
     """The narrow result of ``op`` for fp32 pattern ``u`` (and narrow ``old``, for _ADD);
     ``kind``: the format's ``specials`` code."""
@@ -242,46 +246,18 @@ def to_float32(h, out, mantissa_bits, exponent_bits, kind=0, *, stream):
 def _unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, starts[starts.size - 1], stride):
-        # _tensor_list.find_tensor, written out: the simulator cannot pass device arrays into
-        # njit functions, and a device function here would need a GPU to compile PTX in tests
-        k, hi = 0, starts.size - 2
-        while k < hi:
-            mid = (k + hi + 1) >> 1
-            if starts[mid] <= i:
-                k = mid
-            else:
-                hi = mid - 1
+        k = _find_tensor(starts, i)
         slot = k if per_tensor else 0
         if not unscale_in_place(addresses[k], formats[k], i - starts[k], inv_scales[slot]):
             found[slot] = 0x3F800000  # 1.0f
 
 
 @cuda.jit(cache=True)
-def _update_scale(
-    scale,
-    growth_tracker,
-    overflow_tracker,
-    found,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-    min_scale,
-    max_scale,
-):
+def _update_scale(scale, growth_tracker, overflow_tracker, found, factors):
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for k in range(start, scale.size, stride):
         scale[k], growth_tracker[k], overflow_tracker[k] = update_scale_one(
-            scale[k],
-            growth_tracker[k],
-            overflow_tracker[k],
-            found[k],
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            min_scale,
-            max_scale,
+            scale[k], growth_tracker[k], overflow_tracker[k], found[k], *factors
         )
 
 
@@ -292,20 +268,22 @@ def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor,
     _unscale_and_check[grid[0], grid[1], stream](*table, inv_scales, found, per_tensor)
 
 
-def update_scale(scale, growth_tracker, overflow_tracker, found, *factors, stream):
+def update_scale(scale, growth_tracker, overflow_tracker, found, factors, *, stream):
     grid = _grid(scale.size)
-    _update_scale[grid[0], grid[1], stream](
-        scale, growth_tracker, overflow_tracker, found, *factors
-    )
+    _update_scale[grid[0], grid[1], stream](scale, growth_tracker, overflow_tracker, found, factors)
 
 
 # -- fused optimizer steps (tables of _elements.Column) ---------------------------------------
 
 
 @cuda.jit(cache=True)
-def _optim_prepare(kind, table, hyper, steps, coefs, found):
+def _optim_prepare(kind, table, hyper, steps, coefs, inv_scale, sign, found):
     k = cuda.grid(1)
-    if k < steps.size and (found[0] & 0x7FFFFFFF) == 0:
+    if k >= steps.size:
+        return
+    if not scale_usable(inv_scale[0] ^ sign):  # every thread reads the same verdict
+        found[0] = 0x3F800000  # 1.0f: ``_optim_step`` then skips
+    elif (found[0] & 0x7FFFFFFF) == 0:
         steps[k] += 1
         g = table[k, GROUP]
         coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
@@ -321,13 +299,7 @@ def _optim_step(
         return
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, starts[starts.size - 1], stride):
-        k, hi = 0, starts.size - 2  # _tensor_list.find_tensor, written out (see above)
-        while k < hi:
-            mid = (k + hi + 1) >> 1
-            if starts[mid] <= i:
-                k = mid
-            else:
-                hi = mid - 1
+        k = _find_tensor(starts, i)
         g = table[k, GROUP]
         step_element(
             kind,
@@ -367,12 +339,17 @@ def optim_step(
     k0,
     k1,
     *,
+    sign,
     total,
     stream,
 ):
-    """Both passes of one fused step over ``total`` elements; every array on the device."""
+    """Both passes of one fused step over ``total`` elements; every array on the device.
+    ``sign``: the sign bit an ``inv_scale`` must have (0, or 0x80000000 for a negated one),
+    else ``found`` is set to 1.0 and nothing changes."""
     grid = _grid(steps.size)
-    _optim_prepare[grid[0], grid[1], stream](kind, table, hyper, steps, coefs, found)
+    _optim_prepare[grid[0], grid[1], stream](
+        kind, table, hyper, steps, coefs, inv_scale, sign, found
+    )
     grid = _grid(total)
     _optim_step[grid[0], grid[1], stream](
         kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1

@@ -95,7 +95,7 @@ def bits16_at(k0, k1, offset):
 # -- loss scaling ----------------------------------------------------------------------------
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def unscale_bits(bits, code, inv_scale):
     """``(new_bits, finite)`` for one gradient element of format ``code``: times float32
     ``inv_scale``, rounded back to nearest in the gradient's format (as ``grad.mul_`` in
@@ -109,7 +109,7 @@ def unscale_bits(bits, code, inv_scale):
     return (bits if inv_scale == 1.0 else scaled), finite
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def scale_usable(inv_scale_bits):
     """Whether float32 bits are a positive, finite scale: exactly the patterns in
     ``(0, 0x7F800000)`` (sign clear, not zero, exponent not all ones). A zero, negative, NaN
@@ -117,7 +117,7 @@ def scale_usable(inv_scale_bits):
     return 0 < inv_scale_bits < 0x7F800000
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def unscale_in_place(address, code, j, inv_scale_bits):
     """Unscale element ``j`` of the buffer at ``address`` in place by the float32 of bits
     ``inv_scale_bits``; returns whether the result is finite and the scale usable
@@ -128,7 +128,7 @@ def unscale_in_place(address, code, j, inv_scale_bits):
     return finite and scale_usable(inv_scale_bits)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def update_scale_one(
     scale_bits,
     growth,
@@ -340,7 +340,7 @@ def stream_offset(step, stream, start):
     return (np.int64(step) << STEP_SHIFT) + (np.int64(stream) << STREAM_SHIFT) + start
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def update_element(kind, mode, formats, buffers, has_state1, j, scale, coefs, group, noise):
     """Element ``j`` of one tensor, updated in place: the body both backends run.
 

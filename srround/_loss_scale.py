@@ -35,7 +35,7 @@ def update_scale(scale, growth_tracker, overflow_tracker, found, *factors, devic
     """The loss-scale update of every scale of ``scale`` (float32 patterns) in place, with the
     int32 trackers and float32 ``found`` flags on ``device``; ``factors``: ``(growth_factor,
     backoff_factor, growth_interval, hysteresis, min_scale, max_scale)``."""
-    args = (scale, growth_tracker, overflow_tracker, found, *factors)
+    args = (scale, growth_tracker, overflow_tracker, found, factors)
     if device == "cpu":
         _cpu.update_scale(*args)
     else:

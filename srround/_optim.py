@@ -51,12 +51,16 @@ from ._elements import (  # noqa: F401  (re-exported: the optimizer's names)
     adamw_math,
     group_constants,
     prepare_coefs,
+    scale_usable,
     sgd_math,
     stream_offset,
     weight_value,
     weight_write,
 )
 from ._loss_scale import unscale_and_check
+
+_SIGN_BIT = 0x80000000  # of a float32 pattern
+_ONE_BITS = 0x3F800000  # 1.0f: the value a flag is set to
 
 
 class FusedStep:
@@ -129,8 +133,17 @@ class FusedStep:
             *self._grad_table, found, False, self.device, total=self.total, stream=self.stream
         )
 
-    def run(self, inv_scale, found, k0, k1) -> None:
-        """One step; ``inv_scale``, ``found``: uint32[1] float32 bits on the table's device."""
+    def run(self, inv_scale, found, k0, k1, *, negated=False) -> None:
+        """One step; ``inv_scale``, ``found``: uint32[1] float32 bits on the table's device.
+
+        A nonzero ``found`` skips the step (step counters included). So does an ``inv_scale``
+        that is not a positive finite float (``scale_usable``; ``negated``: a negative one,
+        torch's ``maximize``), and it sets ``found`` to 1.0: on the CPU checked here, on CUDA
+        by the prepare kernel (no host read of a device scale)."""
+        sign = _SIGN_BIT if negated else 0
+        if self.device == "cpu" and not scale_usable.py_func(int(inv_scale[0]) ^ sign):
+            found[0] = _ONE_BITS
+            return
         args = (
             self.table,
             self.starts,
@@ -148,5 +161,11 @@ class FusedStep:
             from . import _cuda
 
             _cuda.optim_step(
-                self.kind, self.mode, self.state_fmt, *args, total=self.total, stream=self.stream
+                self.kind,
+                self.mode,
+                self.state_fmt,
+                *args,
+                sign=sign,
+                total=self.total,
+                stream=self.stream,
             )

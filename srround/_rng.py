@@ -30,19 +30,19 @@ MASK32 = 0xFFFFFFFF
 _KS_PARITY = 0x1BD11BDA
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _rotl32(x, r):
     return ((x << r) | (x >> (32 - r))) & MASK32
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _mix(x0, x1, r):
     x0 = (x0 + x1) & MASK32
     x1 = _rotl32(x1, r) ^ x0
     return x0, x1
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def threefry2x32(k0, k1, c0, c1):
     """Threefry-2x32 with 20 rounds on 32-bit words held in ints; returns ``(x0, x1)``."""
     k0 = k0 & MASK32
@@ -83,13 +83,13 @@ def threefry2x32(k0, k1, c0, c1):
     return x0, x1
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def random_block(k0, k1, block):
     """The 64 random bits of counter block ``block`` (= (offset + i) >> 2), as ``(x0, x1)``."""
     return threefry2x32(k0, k1, block & MASK32, (block >> 32) & MASK32)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def lane_bits16(x0, x1, lane):
     """The 16 random bits of ``lane`` (0..3) of a block: x0 low, x0 high, x1 low, x1 high."""
     word = x0 if lane < 2 else x1

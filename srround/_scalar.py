@@ -21,7 +21,7 @@ _F32_ABS = 0x7FFFFFFF
 _F32_INF = 0x7F800000
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _split_f32(a):
     """Significand (with implicit bit) and unbiased exponent of a non-negative finite fp32
     pattern ``a``; fp32 subnormals report exponent -126 with no implicit bit."""
@@ -37,7 +37,7 @@ def _split_f32(a):
 IEEE, FN, FINITE = 0, 1, 2
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _top(mantissa_bits, exponent_bits, kind):
     """``(limit, overflow, nan)`` magnitude patterns of a format: ``limit`` is the first one past
     the largest finite value, ``overflow`` what a finite overflow becomes without saturation,
@@ -51,7 +51,7 @@ def _top(mantissa_bits, exponent_bits, kind):
     return ones + 1, ones, 0
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _special(u, mantissa_bits, exponent_bits, saturate=False, kind=IEEE):
     """For NaN and +-inf inputs, the narrow pattern; -1 for every other input.
 
@@ -70,7 +70,7 @@ def _special(u, mantissa_bits, exponent_bits, saturate=False, kind=IEEE):
     return sign | nan
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _quantize(u, mantissa_bits, exponent_bits):
     """``(base, q, r, s)`` of a finite fp32 pattern: the result is ``base + q + up`` (plus the
     sign), with ``r / 2**s`` the fraction of a quantum that was dropped."""
@@ -90,7 +90,7 @@ def _quantize(u, mantissa_bits, exponent_bits):
     return (e_eff + bias - 1) << mantissa_bits, q, r, s
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def _finish(u, magnitude, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """Apply the overflow policy and the sign to a rounded magnitude pattern: past the largest
     finite value is the format's overflow pattern (inf, NaN for e4m3fn, the largest value for
@@ -159,7 +159,7 @@ def _bf16_stochastic(typingctx, u, bits16):
     return types.int64(u, bits16), codegen
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """Stochastically round fp32 pattern ``u`` to the narrow format using 16 random bits.
 
@@ -179,7 +179,7 @@ def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate, kind=IE
     return special if special >= 0 else rounded
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def encode_nearest(u, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """Round fp32 pattern ``u`` to the nearest narrow value, ties to even (IEEE default)."""
     if mantissa_bits == 7 and exponent_bits == 8 and not saturate:
@@ -193,7 +193,7 @@ def encode_nearest(u, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     return special if special >= 0 else rounded
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def decode(h, mantissa_bits, exponent_bits, kind=IEEE):
     """Widen a narrow pattern ``h`` to the exact fp32 pattern. NaN payloads are kept (shifted
     into the top of the fp32 fraction), as NumPy and torch do (e4m3fn's NaN 0x7F -> 0x7FF00000;
@@ -261,7 +261,7 @@ def f32_to_bits(typingctx, f):
     return types.int64(types.float32), codegen
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def add_stochastic(w, update, alpha, bits16, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """``SR(w + alpha * update)`` for narrow pattern ``w``, fp32 pattern ``update`` and float32
     ``alpha``: the sum is formed in fp32 with one rounding (fma), then stochastically rounded."""
@@ -269,7 +269,7 @@ def add_stochastic(w, update, alpha, bits16, mantissa_bits, exponent_bits, satur
     return encode_stochastic(total, bits16, mantissa_bits, exponent_bits, saturate, kind)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits, kind=IEEE):
     """The fp32 pattern of ``w + alpha * update`` (one rounding, fma) that ``add_stochastic``
     rounds; exposed so a backend may run the two steps as separate loops."""
@@ -277,19 +277,19 @@ def add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits, kind=IEEE):
     return f32_to_bits(fma32(alpha, bits_to_f32(update), weight))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def unpack(word, index, width):
     """Field ``index`` of ``width`` bits (16 or 32) of a 64-bit word, as a non-negative int64."""
     return (np.int64(word) >> (width * index)) & ((1 << width) - 1)
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def pack4(a, b, c, d):
     """Four 16-bit patterns as one uint64 word, ``a`` in the low bits (little-endian order)."""
     return np.uint64(a | (b << 16) | (c << 32) | (d << 48))
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def pack2(a, b):
     """Two 32-bit patterns as one uint64 word, ``a`` in the low bits."""
     return np.uint64(a | (b << 32))

@@ -83,7 +83,7 @@ def typed_pointer(typingctx, address, width):
     return types.CPointer(pointee)(types.int64, width), codegen
 
 
-@njit(inline="always", cache=True)
+@njit(forceinline=True, cache=True)
 def find_tensor(starts, i):
     """Index k with starts[k] <= i < starts[k + 1] (binary search; empty tensors skipped)."""
     lo = 0

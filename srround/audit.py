@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import numpy as np
 
 from . import _audit_kernels as _k
+from . import _config, _cpu
 from ._formats import Format, get_format
 
 FP16 = get_format("float16")
@@ -120,23 +120,93 @@ class _Counts:
 
     stats: np.ndarray
     half_hist: np.ndarray  # finite weights per log2(half spacing) + _HALF_OFFSET
-    ratio_hist: np.ndarray | None  # per-weight updates: half spacing / |u|, kernel bins
+    # per-weight updates: half spacing / |u|, the kernel's bins from ``ratio_first`` on (the
+    # occupied part of the 262144 bins: a few binades, cheap to add and to rank)
+    ratio_hist: np.ndarray | None
     lr: float | None
     range_dtype: str = "float16"  # the format of the range statistics (``range_format``)
+    ratio_first: int = 0
 
     def __add__(self, other: _Counts) -> _Counts:
         stats = self.stats + other.stats
         stats[_k.STAT_AMAX] = max(self.stats[_k.STAT_AMAX], other.stats[_k.STAT_AMAX])
         stats[_k.STAT_AMIN] = min(self.stats[_k.STAT_AMIN], other.stats[_k.STAT_AMIN])
-        if self.ratio_hist is None or other.ratio_hist is None:
-            ratio = self.ratio_hist if other.ratio_hist is None else other.ratio_hist
-        else:
-            ratio = self.ratio_hist + other.ratio_hist
+        parts = [(c.ratio_hist, c.ratio_first) for c in (self, other) if c.ratio_hist is not None]
+        ratio, first = parts[0] if parts else (None, 0)
+        if len(parts) == 2:
+            first = min(at for _, at in parts)
+            ratio = np.zeros(max(at + h.size for h, at in parts) - first)
+            for h, at in parts:
+                ratio[at - first : at - first + h.size] += h
         lr = self.lr if self.lr == other.lr else None
-        return _Counts(stats, self.half_hist + other.half_hist, ratio, lr, self.range_dtype)
+        half = self.half_hist + other.half_hist
+        return _Counts(stats, half, ratio, lr, self.range_dtype, first)
 
     def __getitem__(self, stat: int) -> float:
         return float(self.stats[stat])
+
+
+def _run(kernel, rows: int, *args) -> None:
+    """``kernel(*args)`` through ``_cpu.run`` (behind the launch lock where the threading
+    layer needs one); with one row of counts, on the calling thread alone."""
+    _cpu.run(kernel, _config.CPU_SERIAL_BELOW if rows > 1 else 0, *args)
+
+
+def _rows_sum(rows: np.ndarray) -> np.ndarray:
+    """The sum of a kernel's per-thread rows (the row itself when there is one)."""
+    return rows[0] if rows.shape[0] == 1 else rows.sum(0)
+
+
+_UPDATE_TABLES: dict = {}
+_NO_TABLE = np.zeros((1, 4))  # the table argument when there is no update array
+_VALUE_STATS = slice(_k.STAT_COUNT, _k.STAT_AMIN + 1)  # columns of the stored values
+_UPDATE_STATS = slice(_k.STAT_LOST, _k.N_STATS)  # columns of the update array
+
+
+def _update_table(fmt: Format) -> np.ndarray:
+    if fmt.name not in _UPDATE_TABLES:
+        _UPDATE_TABLES[fmt.name] = _k.update_table(
+            _table(fmt.name), fmt.mantissa_bits, fmt.exponent_bits
+        )
+    return _UPDATE_TABLES[fmt.name]
+
+
+def _pattern_stats(counts, kind: str, fmt: Format, lr: float, limits):
+    """``value_stats`` over the 16-bit patterns of format ``kind`` that occur (``counts``: how
+    often each of the 65536 does), each weighted by its count: ``(stats, exp_hist)`` of every
+    element they stand for."""
+    present = np.flatnonzero(counts).astype(np.uint16)
+    stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, False, 1)
+    args = (fmt.mantissa_bits, fmt.exponent_bits, limits, stats, exp_hist, ratio_hist)
+    _run(_k.value_stats, 1, present, _table(kind), counts[present], None, None, lr, *args)
+    return stats[0], exp_hist[0]
+
+
+def _by_pattern(w, stored: str, fmt: Format, u, u_table, lr: float, limits, rows: int):
+    """A 16-bit target: ``pattern_counts`` over the tensor, then ``value_stats`` over the
+    patterns (``_pattern_stats``). Returns ``(stats, exp_hist, ratio_hist)`` reduced."""
+    remap = None
+    if stored in _SIXTEEN_BIT and stored != fmt.name:  # stored pattern -> target pattern
+        remap = _table(stored).astype(np.float32).astype(fmt.numpy_dtype).view(np.uint16)
+    table = _NO_TABLE if u is None else _update_table(fmt)
+    if remap is not None and u is not None:
+        table = table[remap]  # indexed by the stored pattern
+    hist = np.zeros((rows, 1 << 16), np.int64)
+    counted, _, ratio = _k.new_buffers(fmt.exponent_bits, u is not None, rows)
+    bits = w.view(np.uint32) if stored == "float32" else w
+    _run(_k.pattern_counts, rows, bits, fmt.mantissa_bits, u, u_table, table, hist, counted, ratio)
+    counts = _rows_sum(hist)
+    target = counts if remap is None else np.bincount(remap, counts, 1 << 16).astype(np.int64)
+    stats, exp_hist = _pattern_stats(target, fmt.name, fmt, lr, limits)
+    if stored == "float32":  # the float32 values' own statistics, counted by the kernel
+        stats[_VALUE_STATS] = counted[:, _VALUE_STATS].sum(0)
+        stats[_k.STAT_AMAX] = counted[:, _k.STAT_AMAX].max()
+        stats[_k.STAT_AMIN] = counted[:, _k.STAT_AMIN].min()
+    elif remap is not None:  # the stored values' own statistics
+        stats[_VALUE_STATS] = _pattern_stats(counts, stored, fmt, lr, limits)[0][_VALUE_STATS]
+    if u is not None:
+        stats[_UPDATE_STATS] = counted[:, _UPDATE_STATS].sum(0)
+    return stats, exp_hist, _rows_sum(ratio)
 
 
 def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, str]:
@@ -152,55 +222,34 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
                 f" {tuple(np.shape(weights))}"
             )
         u_table = _table(u_kind) if u_kind in _SIXTEEN_BIT else None
-    parallel = w.size >= _PARALLEL_FROM
+    rows = _k.threads() if w.size >= _PARALLEL_FROM else 1
     limits = _k.range_limits(range_format(fmt))
-    with_ratio = update is not None
     kernel_lr = 1.0 if lr is None else lr
     with np.errstate(all="ignore"):
-        if stored in _SIXTEEN_BIT and update is None:
-            # every statistic is a function of the pattern: count them, then audit the
-            # patterns that occur, each weighted by its count
-            hist = np.zeros((_k.threads() if parallel else 1, 1 << 16), np.int64)
-            (_k.pattern_histogram if parallel else _k.pattern_histogram_serial)(w, hist)
-            counts = hist.sum(0)
-            present = np.flatnonzero(counts).astype(np.uint16)
-            stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, 1)
-            args = (fmt.mantissa_bits, fmt.exponent_bits, limits, stats, exp_hist, ratio_hist)
-            table: np.ndarray | None = _table(stored)
-            _k.value_stats_serial(present, table, counts[present], None, None, kernel_lr, *args)
-        elif stored == "float32" and update is None and fmt.name == "bfloat16":
-            # the same for float32 weights: the stagnation statistics are functions of the
-            # bfloat16 pattern each rounds to, the value statistics are counted on the way
-            rows = _k.threads() if parallel else 1
-            hist = np.zeros((rows, 1 << 16), np.int64)
-            values, _, _ = _k.new_buffers(fmt.exponent_bits, False, rows)
-            kernel: Any = _k.fp32_bf16_histogram if parallel else _k.fp32_bf16_histogram_serial
-            kernel(w.view(np.uint32), hist, values)
-            counts = hist.sum(0)
-            present = np.flatnonzero(counts).astype(np.uint16)
-            stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, 1)
-            args = (fmt.mantissa_bits, fmt.exponent_bits, limits, stats, exp_hist, ratio_hist)
-            table = _table("bfloat16")
-            _k.value_stats_serial(present, table, counts[present], None, None, kernel_lr, *args)
-            stats[0, : _k.STAT_AMAX] = values[:, : _k.STAT_AMAX].sum(0)
-            stats[0, _k.STAT_AMAX] = values[:, _k.STAT_AMAX].max()
-            stats[0, _k.STAT_AMIN] = values[:, _k.STAT_AMIN].min()
+        if fmt.name in _SIXTEEN_BIT and stored in _SIXTEEN_BIT | {"float32"}:
+            total, exp_hist, ratio = _by_pattern(
+                w, stored, fmt, u, u_table, kernel_lr, limits, rows
+            )
         else:
-            rows = _k.threads() if parallel else 1
-            stats, exp_hist, ratio_hist = _k.new_buffers(fmt.exponent_bits, with_ratio, rows)
-            args = (fmt.mantissa_bits, fmt.exponent_bits, limits, stats, exp_hist, ratio_hist)
+            stats, exp_hists, ratio_hist = _k.new_buffers(fmt.exponent_bits, u is not None, rows)
+            args = (fmt.mantissa_bits, fmt.exponent_bits, limits, stats, exp_hists, ratio_hist)
             table = _table(stored) if stored in _SIXTEEN_BIT else None
-            kernel = _k.value_stats if parallel else _k.value_stats_serial
-            kernel(w, table, None, u, u_table, kernel_lr, *args)
-    total = stats.sum(0)
-    total[_k.STAT_AMAX] = stats[:, _k.STAT_AMAX].max()
-    total[_k.STAT_AMIN] = stats[:, _k.STAT_AMIN].min()
+            _run(_k.value_stats, rows, w, table, None, u, u_table, kernel_lr, *args)
+            total, exp_hist, ratio = stats.sum(0), exp_hists.sum(0), _rows_sum(ratio_hist)
+            total[_k.STAT_AMAX] = stats[:, _k.STAT_AMAX].max()
+            total[_k.STAT_AMIN] = stats[:, _k.STAT_AMIN].min()
     half_hist = np.zeros(2 * _HALF_OFFSET)
     first = (1 - fmt.bias) - fmt.mantissa_bits - 1 + _HALF_OFFSET  # log2 half spacing at emin
-    half_hist[first : first + exp_hist.shape[1]] = exp_hist.sum(0)
-    ratio = ratio_hist.sum(0) if update is not None else None
-    counts = _Counts(total, half_hist, ratio, None if update is not None else lr)
-    counts.range_dtype = range_format(fmt).name
+    half_hist[first : first + exp_hist.size] = exp_hist
+    ratio_first = 0
+    if update is None:
+        ratio = None
+    else:  # keep the occupied bins
+        occupied = np.flatnonzero(ratio)
+        ratio_first = int(occupied[0]) if occupied.size else 0
+        ratio = ratio[ratio_first : occupied[-1] + 1 if occupied.size else 0].copy()
+    lr_of = None if update is not None else lr
+    counts = _Counts(total, half_hist, ratio, lr_of, range_format(fmt).name, ratio_first)
     return counts, fmt, stored
 
 
@@ -270,7 +319,9 @@ def _stagnation(c: _Counts, dtype: str) -> Stagnation:
     }
     if c.ratio_hist is not None:
         if c.ratio_hist.any():
-            scale = {p: _k.ratio_value(_percentile(c.ratio_hist, p)) for p in (50, 90)}
+            scale = {
+                p: _k.ratio_value(c.ratio_first + _percentile(c.ratio_hist, p)) for p in (50, 90)
+            }
         else:
             scale = {50: 1.0, 90: 1.0}
         updates = c[_k.STAT_UPDATES]

@@ -360,20 +360,70 @@ def test_float32_pattern_path_matches_the_general_kernel():
     assert (fast.fp16.nan, fast.fp16.inf, fast.fp16.overflow) == (1, 2, 1)
 
 
+def _specials(n, dtype, seed):
+    """``n`` weights or updates of ``dtype``: normal values over many binades, with zeros of
+    both signs, NaN, inf, binade starts, exact ties and subnormals in front."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n) * 10.0 ** rng.integers(-6, 1, n)
+    head = [0.0, -0.0, np.nan, np.inf, -np.inf, 1.0, -1.0, 2.0, 2.0**-8, 2.0**-9, 2.0**-20]
+    x[: len(head)] = head
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("n", [5000, (1 << 20) + 7], ids=["serial", "parallel"])
+@pytest.mark.parametrize(
+    "stored, target, u_dtype",
+    [
+        ("float32", "bfloat16", "float32"),
+        ("bfloat16", "bfloat16", "bfloat16"),
+        ("float16", "float16", "float32"),
+        ("float32", "float16", "bfloat16"),
+        ("bfloat16", "float16", "float32"),
+    ],
+)
+def test_pattern_update_path_matches_the_general_kernel(n, stored, target, u_dtype):
+    """With an update array, a 16-bit target is counted per pattern (a table of each
+    pattern's loss thresholds); every count, histogram and verdict equals the per-value
+    kernel's on the same weights as float64 (weights that round to inf in the target have no
+    stagnation statistics in either)."""
+    np_dtype = {k: srround.FORMATS[k].numpy_dtype for k in ("bfloat16", "float16")}
+    np_dtype["float32"] = np.float32
+    w = _specials(n, np_dtype[stored], 3)
+    u = np.roll(_specials(n, np_dtype[u_dtype], 4), 20)  # special updates on normal weights
+    w[11:13] = [70000.0, -1e5] if stored == "float32" else w[11:13]  # overflow fp16
+    fast = audit.audit_tensor(w, u, dtype=target)
+    slow = audit.audit_tensor(w.astype(np.float64), u.astype(np.float64), dtype=target)
+    assert fast.stagnation == slow.stagnation
+    assert fast.fp16 == slow.fp16
+    assert fast.stagnation.nonfinite_updates > 0 and fast.stagnation.zero_updates > 0
+    lr = audit.audit_tensor(w, lr=3e-4, dtype=target)
+    assert (
+        lr.stagnation == audit.audit_tensor(w.astype(np.float64), lr=3e-4, dtype=target).stagnation
+    )
+
+
 def test_bench_audit_smoke(tmp_path, minilm_like):
     """benchmarks/bench_audit.py writes, audits and deletes a checkpoint, reports memory."""
     path, _, _ = minilm_like
     bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_audit.py")
     out = tmp_path / "bench.json"
-    args = ["--params", "200000", "--dtypes", "bfloat16", "--minilm", str(path), "--json"]
+    args = ["--params", "200000", "--dtypes", "bfloat16", "--minilm", str(path)]
+    args += ["--update-params", "100000", "--kernel-size", "4096", "--json"]
     result = subprocess.run(
         [sys.executable, bench, *args, str(out)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())["results"]
-    assert [r["checkpoint"] for r in rows] == ["synthetic bfloat16", "model.safetensors"]
+    names = [r["checkpoint"] for r in rows]
+    assert names[:3] == [
+        "synthetic bfloat16",
+        "synthetic bfloat16, --update float32",
+        "model.safetensors",
+    ]
+    assert len(names) == 10 and all(n.startswith("in memory: ") for n in names[3:])
     assert rows[0]["weights"] > 100_000 and rows[0]["peak_rss_bytes"] > 0
     assert all(r["weights_per_s"] > 0 for r in rows)
+    assert all(r["copy_GBps"] > 0 for r in rows[3:])
 
 
 def test_cli_npy_and_corrupt_safetensors(tmp_path):

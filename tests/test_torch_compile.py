@@ -39,22 +39,32 @@ def _backward(model, step):
     [
         (lambda ps: st.AdamW(ps, lr=1e-2, state_dtype=torch.bfloat16, seed=11), "inductor"),
         (lambda ps: st.SGD(ps, lr=0.1, momentum=0.9, maximize=True, seed=11), "aot_eager"),
+        (lambda ps: st.AdamW(ps, lr=1e-2, amsgrad=True, maximize=True, seed=11), "aot_eager"),
     ],
-    ids=["adamw-inductor", "sgd-aot_eager"],
+    ids=["adamw-inductor", "sgd-aot_eager", "amsgrad-aot_eager"],
 )
 def test_compiled_step_matches_eager_bits(make, backend):
     """Finding: Dynamo traced into Numba and died. ``opt.step()`` compiled with
     fullgraph=True (states created at trace time) gives eager's parameters, states and step
-    counts, step after step."""
+    counts, step after step; AMSGrad too (before: its step read the step count on the host and
+    did not trace). The first parameter never has a gradient: the op keys noise to
+    the parameter's place in the optimizer's order as eager does (it used to restart the
+    stream at the first parameter with a gradient). A float ``inv_scale`` traces too (the
+    eager host check of it did not)."""
     eager_model, compiled_model = _model(torch.bfloat16), _model(torch.bfloat16)
-    eager, compiled = make(list(eager_model.parameters())), make(list(compiled_model.parameters()))
+    unused = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(2)]
+    eager = make([unused[0], *eager_model.parameters()])
+    compiled = make([unused[1], *compiled_model.parameters()])
 
     @torch.compile(fullgraph=True, backend=backend)
     def step(opt):
-        opt.step()
+        opt.step(inv_scale=0.5)
 
     for i in range(3):
-        for model, run in ((eager_model, eager.step), (compiled_model, lambda: step(compiled))):
+        for model, run in (
+            (eager_model, lambda: eager.step(inv_scale=0.5)),
+            (compiled_model, lambda: step(compiled)),
+        ):
             _backward(model, i)
             run()
             model.zero_grad(set_to_none=False)
@@ -66,23 +76,29 @@ def test_compiled_step_matches_eager_bits(make, backend):
 
 
 def test_compiled_stochastic_round_and_unscale_match_eager():
+    """Finding: ``srround.unscale_and_check`` in a compiled function did not trace (fullgraph:
+    Dynamo stopped in its argument checks). Dynamo now traces the custom op in its place:
+    eager bits and flag, and the eager error (naming the argument, nothing written)."""
     x = torch.randn(64) * 3
     grads = [torch.randn(5, 3), torch.randn(4).bfloat16()]
     grads[0][1, 1] = float("inf")
 
     @torch.compile(fullgraph=True, backend="aot_eager")
-    def f(x, grads, inv, found):
+    def f(x, grads, inv):
         y = st.stochastic_round(x * 2, seed=5, offset=7)
-        torch.ops.srround.unscale_and_check_(grads, inv, found)
-        return y.float() + 1
+        found = srround.unscale_and_check(grads, inv)
+        return y.float() + 1, found
 
     compiled_grads = [g.clone() for g in grads]
-    found = torch.zeros(1)
-    out = f(x, compiled_grads, torch.full((1,), 0.25), found)
+    out, found = f(x, compiled_grads, 0.25)
     expected = srround.stochastic_round(x * 2, seed=5, offset=7).float() + 1
     assert torch.equal(out, expected)
     eager_found = srround.unscale_and_check(grads, 0.25)
     assert float(found) == float(eager_found) == 1.0
+    for a, b in zip(compiled_grads, grads):
+        assert torch.equal(_bits(a), _bits(b))
+    with pytest.raises(ValueError, match="inv_scale"):
+        f(x, compiled_grads, -1.0)
     for a, b in zip(compiled_grads, grads):
         assert torch.equal(_bits(a), _bits(b))
     with pytest.raises(TypeError, match="seed"):
@@ -168,3 +184,41 @@ def test_generic_srround_calls_break_the_graph_instead_of_failing():
 
     x = torch.randn(16)
     assert torch.equal(f(x), srround.stochastic_round(x * 2, seed=1, offset=3).float() + 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["fused", "amsgrad"])
+def test_compiled_step_on_cuda_matches_eager_bits(amsgrad):
+    """torch.compile on CUDA (GPU only): ``srround.unscale_and_check`` then ``opt.step()``
+    compiled with inductor (fullgraph) on CUDA parameters give the eager CUDA bits and flags,
+    a parameter without a gradient included; the fused step and AMSGrad's op."""
+    models = [_model(torch.bfloat16).cuda() for _ in range(2)]
+    unused = [
+        torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16, device="cuda")) for _ in models
+    ]
+    state_dtype = torch.float32 if amsgrad else torch.bfloat16
+    eager, compiled = (
+        st.AdamW([u, *m.parameters()], lr=1e-2, amsgrad=amsgrad, state_dtype=state_dtype, seed=11)
+        for u, m in zip(unused, models)
+    )
+
+    def unscale_and_step(opt, grads):
+        found = srround.unscale_and_check(grads, 0.5)
+        opt.step(found_inf=found)
+        return found
+
+    step = torch.compile(unscale_and_step, fullgraph=True)
+    for i in range(3):
+        flags = []
+        for model, opt, run in ((models[0], eager, unscale_and_step), (models[1], compiled, step)):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(i)).cuda()
+            h = model[1](model[0](x))
+            model[2](h.to(torch.bfloat16)).float().square().mean().backward()
+            if i == 2:
+                model[0].bias.grad[0] = float("nan")
+            flags.append(float(run(opt, [p.grad for p in model.parameters()])))
+            model.zero_grad(set_to_none=False)
+        assert flags == [float(i == 2)] * 2
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(_bits(p), _bits(q))

@@ -132,6 +132,74 @@ def _fsdp(rank, world, tmp):
     return out
 
 
+def _amsgrad(params):
+    return AdamW(params, lr=1e-2, seed=SEED, amsgrad=True)
+
+
+def _compiled_and_amsgrad(rank, world, tmp):
+    """On FSDP2 parameters: ``opt.step()`` compiled (fullgraph; the custom ops take the local
+    pieces) with the overflow check, an inf on rank 1 in a last step, for the fused step and
+    for AMSGrad; and the eager per-tensor AMSGrad path."""
+    out = {}
+    for name, make in (("compiled", _adamw), ("compiled_amsgrad", _amsgrad)):
+        model = _sharded_model()
+        opt = make(model.parameters())
+
+        @torch.compile(fullgraph=True, backend="aot_eager")
+        def step(opt, found):
+            opt.step(found_inf=found, check_grads=True)
+
+        for i in range(STEPS + 1):
+            opt.zero_grad(set_to_none=False)
+            model(_batch(i)).float().pow(2).mean().backward()
+            if i == STEPS and rank == 1:
+                model[2].weight.grad.to_local()[0, 0] = float("inf")
+            found = torch.zeros(1)
+            step(opt, found)
+        out[name] = [_full(p) for p in model.parameters()]
+        out[f"{name}_found"] = float(found)
+        out[f"{name}_steps"] = int(opt.state[model[0].weight]["step"])
+    model = _sharded_model()
+    opt = _amsgrad(model.parameters())
+    for i in range(STEPS):
+        _train_step(model, opt, i)
+    out["amsgrad"] = [_full(p) for p in model.parameters()]
+    return out
+
+
+def _compiled_unscale(rank, world, tmp):
+    """``GradScaler.unscale_`` and ``srround.unscale_and_check`` on FSDP2 gradients in one
+    compiled function (aot_eager, fullgraph) and eagerly, an inf in rank 1's piece in the
+    second iteration: gradients, both flags, parameters and scale per run."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for compiled in (False, True):
+        model = _model(torch.float32)
+        fully_shard(model)
+        opt = _adamw(model.parameters())
+        scaler = GradScaler("cpu", init_scale=16.0)
+
+        @torch.compile(fullgraph=True, backend="aot_eager", disable=not compiled)
+        def unscale(opt, grads):
+            scaler.unscale_(opt)
+            return srround.unscale_and_check(grads, 0.5)
+
+        runs = []
+        for i in range(2):
+            opt.zero_grad(set_to_none=False)
+            scaler.scale(model(_batch(i, torch.float32)).pow(2).mean()).backward()
+            if i == 1 and rank == 1:
+                model[0].weight.grad.to_local()[0, 0] = float("inf")
+            grads = [p.grad for p in model.parameters()]
+            found = unscale(opt, grads)
+            runs.append(([_full(g) for g in grads], float(found), float(scaler.found_inf(opt))))
+            scaler.step(opt)
+            scaler.update()
+        out[compiled] = runs, [_full(p) for p in model.parameters()], scaler.get_scale()
+    return out
+
+
 def _ddp(rank, world, tmp):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -207,6 +275,11 @@ def _functional(rank, world, tmp):
     local = g.to_local().clone()
     local[torch.isinf(local)] = 1.0
     out["unscale"] = (float(found.item()), bool((local == 1.0).all()))
+    gs = [distribute_tensor(torch.full((5, 3), 4.0), mesh, [Shard(0)]) for _ in range(2)]
+    if rank == 0:
+        gs[1].to_local()[0, 0] = float("nan")
+    flags = srround.unscale_and_check(gs, torch.full((2,), 0.5), per_tensor=True)
+    out["per_tensor"] = flags.tolist()
     return out
 
 
@@ -264,6 +337,8 @@ def _errors(rank, world, tmp):
 
 SCENARIOS = {
     "fsdp": _fsdp,
+    "compiled_and_amsgrad": _compiled_and_amsgrad,
+    "compiled_unscale": _compiled_unscale,
     "ddp": _ddp,
     "zero": _zero,
     "scaler": _scaler,
@@ -367,6 +442,49 @@ def test_fsdp2_training_moves_params(reference):
         assert not np.array_equal(p, _full(start))
 
 
+def test_compiled_step_on_fsdp2_matches_one_process(ranks, reference):
+    """A compiled ``opt.step()`` (aot_eager, fullgraph) on FSDP2 parameters: the op takes the
+    DTensors' local pieces with their global stream starts, so 2 ranks give the 1-process
+    eager bits (before: the op took no DTensors); its overflow check is all-reduced over the
+    mesh (an inf on rank 1 skips the step on both)."""
+    for r in _results(ranks, "compiled_and_amsgrad"):
+        _same_bits(r["compiled"], reference[0])  # the last step skipped on both ranks
+        assert r["compiled_found"] == 1.0 and r["compiled_steps"] == STEPS
+
+
+def test_amsgrad_on_fsdp2_matches_one_process(ranks):
+    """The per-tensor AMSGrad path on FSDP2: local pieces, global stream starts; compiled too
+    (fullgraph: the custom op ``srround::amsgrad_step``; before: the step read the step count
+    and found_inf on the host and did not trace), its overflow check all-reduced (an inf on
+    rank 1 skips the last step on both)."""
+    model = _model()
+    opt = _amsgrad(model.parameters())
+    for step in range(STEPS):
+        _train_step(model, opt, step)
+    expected = [_full(p) for p in model.parameters()]
+    for r in _results(ranks, "compiled_and_amsgrad"):
+        _same_bits(r["amsgrad"], expected)
+        _same_bits(r["compiled_amsgrad"], expected)
+        assert r["compiled_amsgrad_found"] == 1.0 and r["compiled_amsgrad_steps"] == STEPS
+
+
+def test_compiled_unscale_on_fsdp2_matches_eager(ranks):
+    """Finding: ``srround.unscale_and_check`` and ``GradScaler.unscale_`` on DTensor gradients
+    inside a compiled function failed (Dynamo stopped in their argument and layout checks;
+    the custom op had no DTensor sharding strategy). Compiled: the eager gradient bits and
+    flags, all-reduced over the mesh (the inf was on rank 1 only), the step skipped and the
+    scale backed off."""
+    for r in _results(ranks, "compiled_unscale"):
+        (eager_runs, eager_params, eager_scale) = r[False]
+        (runs, params, scale) = r[True]
+        for (grads, found, scaler_found), (eager_grads, *eager_flags) in zip(runs, eager_runs):
+            _same_bits(grads, eager_grads)
+            assert [found, scaler_found] == eager_flags
+        assert [run[1:] for run in runs] == [(0.0, 0.0), (1.0, 1.0)]
+        _same_bits(params, eager_params)
+        assert scale == eager_scale == 8.0
+
+
 def test_ddp_replicas_stay_bit_identical(ranks):
     r0, r1 = _results(ranks, "ddp")
     _same_bits(r0["params"], r1["params"])
@@ -398,7 +516,15 @@ def test_functional_calls_on_dtensors(ranks):
             _same_bits([r[f"add_{label}"]], [_full(w)])
     (found0, scaled0), (found1, scaled1) = (r["unscale"] for r in _results(ranks, "functional"))
     assert scaled0 and scaled1  # the local pieces were unscaled
-    assert (found0, found1) == (0.0, 1.0)  # the functional call flags its own pieces
+
+
+def test_functional_unscale_and_check_all_reduces_found_inf(ranks):
+    """Finding: on DTensors each rank flagged only its own pieces (rank 0 went on to step
+    with rank 1's overflow unseen). The flags are all-reduced (MAX) over the mesh, per tensor
+    too."""
+    results = _results(ranks, "functional")
+    assert [r["unscale"][0] for r in results] == [1.0, 1.0]  # the inf was on rank 1 only
+    assert [r["per_tensor"] for r in results] == [[0.0, 1.0], [0.0, 1.0]]  # NaN: rank 0
 
 
 def test_bad_distributed_input(ranks):
@@ -411,6 +537,49 @@ def test_bad_distributed_input(ranks):
         assert "grads[1]: a plain tensor in a list of DTensors" in r["mixed_grads"]
         assert r["mixed_grads_nothing_written"]
         assert "out: is a plain tensor but the input is a DTensor" in r["plain_out"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp2_on_cuda_one_rank_matches_plain(monkeypatch):
+    """DTensor on CUDA (GPU only; NCCL with 2 ranks needs 2 GPUs): FSDP2 over a 1-rank NCCL
+    group, eager and compiled ``opt.step()``, found_inf all-reduced on the device; same bits as
+    plain CUDA parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        runs = []
+        for sharded, compiled in ((False, False), (True, False), (True, True)):
+            model = _model().cuda()
+            if sharded:
+                fully_shard(model)
+            opt = _adamw(model.parameters())
+
+            @torch.compile(fullgraph=True, disable=not compiled)
+            def step(opt):
+                opt.step()
+
+            for i in range(STEPS):
+                opt.zero_grad(set_to_none=False)
+                model(_batch(i).cuda()).float().pow(2).mean().backward()
+                step(opt)
+            runs.append([_full(p) for p in model.parameters()])
+        for run in runs[1:]:
+            _same_bits(run, runs[0])
+        # an overflow: found_inf all-reduced over the 1-rank mesh (NCCL), the step skipped
+        scaler = GradScaler("cuda", init_scale=2.0**4)
+        opt.zero_grad(set_to_none=False)
+        scaler.scale(model(_batch(0).cuda()).float().sum()).backward()
+        model[0].weight.grad.to_local().view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 2.0**3
+        _same_bits([_full(p) for p in model.parameters()], runs[-1])
+    finally:
+        dist.destroy_process_group()
 
 
 # -- the identity rule, in one process ---------------------------------------------------------

@@ -693,3 +693,251 @@ def test_every_gradient_torch_accepts(overflow):
         if g.is_sparse:
             g, h = g.to_dense(), h.to_dense()
         assert torch.equal(g, h), name
+
+
+# -- torch's test_grad_scaling_* (test/test_torch.py), adapted: srround's scaler driving
+#    srround's fused SGD (fp32 weights: exact updates) against an unscaled control run ---------
+
+
+def _scaling_models():
+    """torch's _create_scaling_models_optimizers: a control and a scaling model, equal."""
+    from srround.adapters.torch import SGD
+
+    torch.manual_seed(0)
+    control = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    scaling = copy.deepcopy(control)
+    return (
+        control,
+        scaling,
+        SGD(control.parameters(), lr=1.0, seed=0),
+        SGD(scaling.parameters(), lr=1.0, seed=0),
+    )
+
+
+def _scaling_data():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(4)]
+
+
+SKIP_ITER = 2
+
+
+def _run_scaling_case(run, unskipped, skipped, atol=0.0):
+    """torch's _run_scaling_case: for enabled in (True, False), the control run (no scaler,
+    the skipped iteration not stepped) and the scaled run (an inf injected at SKIP_ITER) end
+    with the same parameters, and the scale moved by growth**unskipped * backoff**skipped."""
+    for enabled in (True, False):
+        control, scaling, opt_control, opt_scaling = _scaling_models()
+        data = _scaling_data()
+        scaler = GradScaler("cpu", init_scale=128.0, growth_factor=2.0, growth_interval=1)
+        if not enabled:
+            scaler = GradScaler("cpu", enabled=False)
+        run(data, control, opt_control, scaler, False)
+        scaler = run(data, scaling, opt_scaling, scaler, True) or scaler
+        if enabled:
+            assert scaler.get_scale() == 128.0 * 2.0**unskipped * 0.5**skipped
+        else:
+            assert scaler.get_scale() == 1.0
+        for c, s in zip(control.parameters(), scaling.parameters()):
+            torch.testing.assert_close(s, c, atol=atol, rtol=0 if atol == 0 else 1e-5)
+
+
+def _inject(model, scaler, i):
+    if i == SKIP_ITER and scaler.is_enabled():
+        model[1].weight.grad.fill_(float("inf"))
+
+
+def _control_step(opt, scaler, i):
+    if not scaler.is_enabled() or i != SKIP_ITER:
+        opt.step()
+
+
+@pytest.mark.parametrize("try_pickle", [False, True])
+def test_torch_grad_scaling_autocast(try_pickle):
+    """test_grad_scaling_autocast (CPU autocast to bf16; the scaler pickled every iteration
+    with try_pickle). Difference: the control also runs under autocast, so the comparison is
+    exact (torch compares with an fp32 control at atol 1e-3)."""
+    import pickle
+
+    def run(data, model, opt, scaler, scaled):
+        for i, (x, target) in enumerate(data):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), target)
+            if scaled:
+                scaler.scale(loss).backward()
+                _inject(model, scaler, i)
+                scaler.step(opt)
+                scaler.update()
+                if try_pickle:
+                    scaler = pickle.loads(pickle.dumps(scaler))
+            else:
+                loss.backward()
+                _control_step(opt, scaler, i)
+        return scaler
+
+    _run_scaling_case(run, unskipped=3, skipped=1)
+
+
+def test_torch_grad_scaling_clipping():
+    """test_grad_scaling_clipping: clip the scaled gradients at max_norm * scale."""
+
+    def run(data, model, opt, scaler, scaled):
+        max_norm = 0.2
+        for i, (x, target) in enumerate(data):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), target)
+            if scaled:
+                scaler.scale(loss).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
+                _inject(model, scaler, i)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                _control_step(opt, scaler, i)
+
+    _run_scaling_case(run, unskipped=3, skipped=1, atol=1e-5)
+
+
+def test_torch_grad_scaling_clipping_separate_unscale():
+    """test_grad_scaling_clipping_separate_unscale: unscale_, clip, then step (the fused
+    step must not unscale again)."""
+
+    def run(data, model, opt, scaler, scaled):
+        for i, (x, target) in enumerate(data):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), target)
+            if scaled:
+                scaler.scale(loss).backward()
+                _inject(model, scaler, i)
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2, error_if_nonfinite=False)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
+                _control_step(opt, scaler, i)
+
+    _run_scaling_case(run, unskipped=3, skipped=1)
+
+
+def test_torch_grad_scaling_penalty():
+    """test_grad_scaling_penalty: a gradient-norm penalty from autograd.grad of the scaled
+    loss (create_graph), unscaled by hand, added to the loss."""
+
+    def run(data, model, opt, scaler, scaled):
+        for i, (x, target) in enumerate(data):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), target)
+            params = list(model.parameters())
+            if scaled:
+                grads = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
+                grads = [g * (1.0 / scaler.get_scale()) for g in grads]
+            else:
+                grads = torch.autograd.grad(loss, params, create_graph=True)
+            loss = loss + sum(g.pow(2).sum() for g in grads).sqrt()
+            if scaled:
+                scaler.scale(loss).backward()
+                _inject(model, scaler, i)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                _control_step(opt, scaler, i)
+
+    _run_scaling_case(run, unskipped=3, skipped=1, atol=1e-6)
+
+
+def test_torch_grad_scaling_accumulation():
+    """test_grad_scaling_accumulation: two backward passes per step."""
+
+    def run(data, model, opt, scaler, scaled):
+        for i, (x, target) in enumerate(data):
+            loss = torch.nn.functional.mse_loss(model(x), target) / 2
+            (scaler.scale(loss) if scaled else loss).backward()
+            if (i + 1) % 2 == 0:
+                if scaled:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
+
+    _run_scaling_case(run, unskipped=2, skipped=0)
+
+
+def test_torch_grad_scaling_multiple():
+    """test_grad_scaling_multiple: 2 models, 2 optimizers, 2 losses, one scaler; an inf in
+    model 1's gradients skips optimizer 1 only; optimizer 0 is unscaled separately first."""
+    for enabled in (True, False):
+        control0, scaling0, opt_control0, opt_scaling0 = _scaling_models()
+        control1, scaling1, opt_control1, opt_scaling1 = _scaling_models()
+        for m in (control1, scaling1):  # another start than model 0
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.mul_(-0.5)
+        data = _scaling_data()
+        scaler = GradScaler("cpu", init_scale=128.0, growth_factor=2.0, growth_interval=1)
+        if not enabled:
+            scaler = GradScaler("cpu", enabled=False)
+
+        def run(model0, model1, opt0, opt1, scaled):
+            for i, (x, target) in enumerate(data):
+                opt0.zero_grad()
+                opt1.zero_grad()
+                out0, out1 = model0(x), model1(x)
+                loss0 = torch.nn.functional.mse_loss(0.3 * out0 + 0.7 * out1, target)
+                loss1 = torch.nn.functional.mse_loss(0.6 * out0 - 0.4 * out1, target)
+                if scaled:
+                    scaler.scale(loss0).backward(retain_graph=True)
+                    scaler.scale(loss1).backward()
+                    _inject(model1, scaler, i)
+                    scaler.unscale_(opt0)
+                    scaler.step(opt0)
+                    scaler.step(opt1)
+                    scaler.update()
+                else:
+                    loss0.backward(retain_graph=True)
+                    loss1.backward()
+                    opt0.step()
+                    _control_step(opt1, scaler, i)
+
+        run(control0, control1, opt_control0, opt_control1, False)
+        run(scaling0, scaling1, opt_scaling0, opt_scaling1, True)
+        assert scaler.get_scale() == (128.0 * 2.0**3 * 0.5 if enabled else 1.0)
+        for c, s in zip(
+            [*control0.parameters(), *control1.parameters()],
+            [*scaling0.parameters(), *scaling1.parameters()],
+        ):
+            torch.testing.assert_close(s, c, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("lazy_init_scale", [True, False])
+def test_torch_grad_scaling_state_dict(lazy_init_scale):
+    """test_grad_scaling_state_dict: loading overwrites an already initialised scale."""
+    s0 = GradScaler("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
+    s1 = GradScaler("cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1)
+    if lazy_init_scale:
+        s1.scale(torch.full((1,), 4.0))
+    s1.load_state_dict(s0.state_dict())
+    assert s1.get_scale() == 3.0
+    assert s1.get_growth_factor() == 4.0
+    assert s1.get_backoff_factor() == 0.5
+    assert s1.get_growth_interval() == 2
+    assert s1._get_growth_tracker() == 0
+    assert float(s1.scale(torch.ones(()))) == 3.0
+
+
+def test_torch_grad_scale_will_not_overflow():
+    """test_grad_scale_will_not_overflow: growing a scale of 1e38 by 16 keeps it finite."""
+    model = torch.nn.Linear(5, 1)
+    opt = _srround_adamw(model)
+    scaler = GradScaler("cpu", growth_interval=1, growth_factor=2.0**4, init_scale=1e38)
+    x = torch.randn(1, 5, generator=torch.Generator().manual_seed(0))
+    scaler.scale(((model(x) - 1e-30) ** 2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert np.isfinite(scaler.get_scale())

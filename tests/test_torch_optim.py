@@ -772,6 +772,93 @@ def test_suite_lr_scheduler_and_param_groups(make):
     assert opt.param_groups[1]["lr"] == pytest.approx(1e-2 * 0.5**3)
 
 
+@pytest.mark.parametrize("make", TORCH_SUITE[:1] + TORCH_SUITE[3:4])
+def test_suite_named_parameters_and_non_empty_state(make):
+    """test_can_load_from_to_named_state_dict and test_non_empty_state: an optimizer built
+    from ``named_parameters()`` saves ``param_names``; torch's optimizer loads that state dict
+    and srround's loads torch's; after a step every parameter with a gradient has state."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = make(model.named_parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    assert all(len(opt.state[p]) > 0 for p in model.parameters())
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["param_names"] == ["weight", "bias"]
+    theirs = (torch.optim.AdamW if isinstance(opt, AdamW) else torch.optim.SGD)(
+        model.named_parameters(), lr=1e-2
+    )
+    theirs.load_state_dict(sd)
+    assert theirs.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+    again = make(torch.nn.Linear(3, 2).named_parameters())
+    again.load_state_dict(theirs.state_dict())
+    assert again.param_groups[0]["param_names"] == ["weight", "bias"]
+
+
+# torch/testing/_internal/common_optimizers.py optim_error_inputs_func_adamw / _sgd (and the
+# generic ones of every optimizer): (optimizer, kwargs, error type, srround's message)
+ERROR_INPUTS = [
+    ("AdamW", {"lr": 1e-2, "weight_decay": -1}, ValueError, r"^weight_decay: .* got -1"),
+    ("AdamW", {"lr": -1}, ValueError, r"^lr: .* got -1"),
+    ("AdamW", {"lr": float("nan")}, ValueError, r"^lr: .* got nan"),
+    ("AdamW", {"eps": -1}, ValueError, r"^eps: .* got -1"),
+    ("AdamW", {"betas": (-1.0, 0.999)}, ValueError, r"^betas\[0\]: .* got -1.0"),
+    ("AdamW", {"betas": (0.9, 1.0)}, ValueError, r"^betas\[1\]: expected in \[0, 1\)"),
+    ("AdamW", {"betas": (torch.tensor(0.9), 0.99)}, ValueError, r"^betas\[0\]: a tensor"),
+    ("AdamW", {"lr": torch.tensor(1e-3), "foreach": True}, ValueError, r"^lr: a tensor"),
+    ("AdamW", {"lr": "0.1"}, TypeError, r"^lr: expected a float, got str"),
+    ("SGD", {"lr": 1e-2, "momentum": -0.5}, ValueError, r"^momentum: .* got -0.5"),
+    ("SGD", {"lr": 1e-2, "weight_decay": -0.5}, ValueError, r"^weight_decay: .* got -0.5"),
+    ("SGD", {"lr": -1}, ValueError, r"^lr: .* got -1"),
+    (
+        "SGD",
+        {"lr": 1e-2, "momentum": 0.9, "dampening": 0.5, "nesterov": True},
+        ValueError,
+        r"^nesterov: needs momentum > 0 and dampening == 0",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, error, message", ERROR_INPUTS)
+def test_suite_error_inputs(name, kwargs, error, message):
+    """torch's error inputs: srround raises the error type torch raises (a ValueError for
+    a bad value, naming the argument), at construction, before any state exists. Where torch
+    accepts the input (a tensor lr or betas) srround refuses it clearly: its hyperparameters
+    are host floats (README, deliberate differences)."""
+    params = _params(torch.float32)
+    ours = {"AdamW": AdamW, "SGD": SGD}[name]
+    theirs = getattr(torch.optim, name)
+    with pytest.raises(error, match=message):
+        ours(params, **kwargs)
+    tensor_hyper = any(
+        isinstance(v, torch.Tensor) for v in [*kwargs.values(), *kwargs.get("betas", ())]
+    )
+    if not tensor_hyper and not isinstance(kwargs.get("lr"), str):
+        with pytest.raises(error):
+            theirs(params, **kwargs)
+
+
+def test_suite_generic_error_inputs():
+    """The Optimizer base class's error inputs (inherited): a tensor instead of an iterable,
+    an empty list, a parameter in two groups; and a parameter twice in one group, which
+    torch only warns about and srround refuses (its fused pass would alias the tensor)."""
+    p = _params(torch.float32)
+    with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts"):
+        AdamW(p[0])
+    with pytest.raises(ValueError, match="empty parameter list"):
+        SGD([])
+    with pytest.raises(ValueError, match="some parameters appear in more than one"):
+        AdamW([{"params": p[:2]}, {"params": p[1:]}])
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        with pytest.raises(ValueError, match=r"params\[2\]: appears twice in param group 0"):
+            SGD([p[0], p[1], p[0]], lr=0.1)
+    opt = SGD(p[:1], lr=0.1)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        with pytest.raises(ValueError, match=r"params\[1\]: appears twice in param group 1"):
+            opt.add_param_group({"params": [p[1], p[1]]})
+    assert len(opt.param_groups) == 1  # the bad group was not kept
+
+
 def test_suite_documented_differences():
     """The deliberate differences from torch.optim listed in the README raise clear errors."""
     ps = _params(torch.float32)
@@ -811,17 +898,21 @@ def test_amsgrad_fp32_is_torch_bits(maximize):
 
 def test_amsgrad_bf16_stochastic_write_back_is_the_documented_stream():
     """bf16 parameters: the fp32 result of torch's math, stochastically rounded at offset
-    t * 2**36 + the tensor's start (the fused step's stream)."""
+    t * 2**36 + the tensor's start (the fused step's stream). The first parameter has no
+    gradient: the starts still count it, as the fused step's do (they used to restart at the
+    first parameter with a gradient)."""
     ours = _params(torch.bfloat16)
     shadow = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    opt = AdamW(ours, lr=1e-2, amsgrad=True, seed=8)
+    unused = torch.nn.Parameter(torch.zeros(6, dtype=torch.bfloat16))
+    opt = AdamW([unused, *ours], lr=1e-2, amsgrad=True, seed=8)
     ref = torch.optim.AdamW(shadow, lr=1e-2, amsgrad=True)
     grads = _grads(0, dtype=torch.bfloat16)
     _set_grads(ours, grads)
     _set_grads(shadow, grads)
     opt.step()
     ref.step()
-    start = 0
+    start = unused.numel()
+    assert unused not in opt.state
     for p, r in zip(ours, shadow):
         expected = srround.stochastic_round(r.detach(), seed=8, offset=(1 << STEP_SHIFT) + start)
         _assert_bits_equal(p, expected)

@@ -57,7 +57,9 @@ Implementations (``impl``):
   practice (device -> host -> device copies).
 
 ``found_inf`` (a scalar; nonzero/True/NaN means skip): the step returns params and state
-unchanged (``lax.cond``), the step count included, with no host synchronisation.
+unchanged (``lax.cond``), the step count included, with no host synchronisation. An array
+``inv_scale`` that is not a positive finite float32 skips the step the same way, on both
+implementations (a Python float must be one: ``ValueError``).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from srround import _optim
+from srround import _optim, _validate
 from srround._formats import FORMATS
 
 from ._api import _key_words
@@ -966,12 +968,17 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
         return unflat(0), new_state
 
     def step(grads, state, params, *, found_inf=None, inv_scale=None):
-        if found_inf is None:
+        skip = None
+        if found_inf is not None:
+            skip = jnp.asarray(found_inf)
+            skip = jnp.reshape(skip.astype(bool) if skip.dtype == jnp.bool_ else skip != 0, ())
+        if inv_scale is not None:  # both impls: an unusable scale skips, as found_inf does
+            unusable = ~_scale_usable(inv_scale)
+            skip = unusable if skip is None else skip | unusable
+        if skip is None:
             return compute(grads, state, params, inv_scale)
-        skip = jnp.asarray(found_inf)
-        skip = skip.astype(bool) if skip.dtype == jnp.bool_ else skip != 0
         return lax.cond(
-            jnp.reshape(skip, ()),
+            skip,
             lambda: (params, state),
             lambda: compute(grads, state, params, inv_scale),
         )
@@ -984,6 +991,8 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
         _check_arrays(p_leaves, "params")
         _check_arrays(jax.tree_util.tree_leaves(grads), "grads")
         _check_arrays(jax.tree_util.tree_leaves(state), "state")
+        if isinstance(inv_scale, (int, float, np.generic)):  # an array is checked in the step
+            inv_scale = _validate.inv_scale(inv_scale)
         return jitted(grads, state, params, found_inf=found_inf, inv_scale=inv_scale)
 
     def update(updates, state, params=None, **extra_args):
@@ -1189,6 +1198,15 @@ def _exact_update(new, p):
     miss = p32 + u
     nudged = jnp.nextafter(u, jnp.where(miss < n32, jnp.float32(jnp.inf), -jnp.inf))
     return jnp.where((miss != n32) & (p32 + nudged == n32), nudged, u)
+
+
+def _scale_usable(inv_scale):
+    """``_elements.scale_usable`` of a float32 scalar, as a traced bool: a positive finite
+    pattern (compared as bits, so subnormals count as the kernels count them)."""
+    bits = lax.bitcast_convert_type(
+        jnp.reshape(jnp.asarray(inv_scale, jnp.float32), ()), jnp.uint32
+    )
+    return (bits > 0) & (bits < 0x7F800000)
 
 
 def _callback_step(host_step, p_leaves, g_leaves, s_leaves, a_leaves, t, lr, k0, k1, inv_scale):

@@ -50,8 +50,12 @@ def any_dtensor(tensors) -> bool:
 
 
 def local(t):
-    """The local piece of a DTensor (``to_local()`` without the autograd node), else ``t``."""
-    return t._local_tensor if is_dtensor(t) else t
+    """The local piece of a DTensor (``to_local()`` without the autograd node; under
+    torch.compile ``to_local()``, which is what the traced code uses elsewhere: a piece
+    mutated through both in one graph fails AOT's functionalization), else ``t``."""
+    if not is_dtensor(t):
+        return t
+    return t.to_local() if torch.compiler.is_compiling() else t._local_tensor
 
 
 def locals_of(tensors, name: str) -> list:
@@ -70,7 +74,7 @@ def locals_of(tensors, name: str) -> list:
             f"{name}[{i}]: a plain tensor in a list of DTensors; pass all DTensors (one"
             " sharded model) or all plain tensors"
         )
-    return [None if t is None else t._local_tensor for t in tensors]
+    return [None if t is None else local(t) for t in tensors]
 
 
 def _mesh_text(t) -> str:
@@ -230,6 +234,20 @@ def mesh_groups(tensors) -> list:
                 if all(group is not g for g in groups):
                     groups.append(group)
     return groups
+
+
+def group_names(groups) -> str:
+    """Process groups by name, one a line: how the custom ops take them (``resolve_groups``)."""
+    return "\n".join(g.group_name for g in groups)
+
+
+def resolve_groups(names: str) -> list:
+    """The process groups ``group_names`` named."""
+    if not names:
+        return []
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return [_resolve_process_group(name) for name in names.splitlines()]
 
 
 def all_reduce_max(flags, groups) -> None:

@@ -4,11 +4,20 @@ as opaque calls (Dynamo never looks into Numba) and functionalizes their in-plac
 * ``torch.ops.srround.stochastic_round(x, dtype, k0, k1, offset, saturate) -> Tensor``:
   float32 ``x`` rounded to bf16/fp16 (``srround.stochastic_round`` with the seed ``k0 +
   2**32 k1``); wrapper: ``srround.adapters.torch.stochastic_round``.
-* ``torch.ops.srround.unscale_and_check_(grads, inv_scale, found_inf)``: the loss scaler's
-  fused unscale and overflow check (``srround.unscale_and_check``), in place.
+* ``torch.ops.srround.unscale_and_check_(grads, inv_scale, found_inf, per_tensor=False,
+  strict=False, mesh_groups="", inv_value=1.0)``: the loss scaler's fused unscale and
+  overflow check (``srround.unscale_and_check``), in place, then the flag all-reduced over
+  the named process groups.
 * ``torch.ops.srround.fused_step(...)``: the fused optimizer step of
   ``srround.adapters.torch.AdamW`` / ``SGD`` over lists of parameters, gradients, states and
-  step counters (what their ``step()`` calls under torch.compile).
+  step counters (what their ``step()`` calls under torch.compile), with the eager step's
+  stream starts; DTensor parameters pass their local pieces.
+* ``torch.ops.srround.amsgrad_step(...)``: ``AdamW(amsgrad=True)``'s per-tensor step, the
+  same way.
+
+``srround.unscale_and_check`` on torch tensors traces as ``unscale_and_check_`` (Dynamo
+substitutes ``_traceable_unscale_and_check``; DTensor gradients: local pieces, the flag
+all-reduced over their meshes inside the op, as eagerly).
 
 Each op runs the same kernels as the eager calls, so compiled code gives the eager bits. A
 ``seed`` is a constant of the compiled graph: pass a different ``offset`` per call (a tensor
@@ -22,9 +31,11 @@ import contextlib
 import torch
 from torch import Tensor
 
+import srround
 from srround._rng import check_seed, split_seed
 
-from .optim import build_entry, run_entry
+from . import _dist
+from .optim import amsgrad_update, build_entry, run_entry
 
 # Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
 # fullgraph=False): skipping numba's files makes an srround call that is not one of these ops
@@ -41,8 +52,6 @@ _CACHE_SIZE = 4
 def _stochastic_round(
     x: Tensor, dtype: str, k0: int, k1: int, offset: int, saturate: bool
 ) -> Tensor:
-    import srround
-
     return srround.stochastic_round(
         x.contiguous(),
         dtype=dtype,
@@ -72,15 +81,71 @@ def stochastic_round(x, *, dtype="bfloat16", seed, offset=0, overflow="inf"):
 
 
 @torch.library.custom_op("srround::unscale_and_check_", mutates_args=("grads", "found_inf"))
-def _unscale_and_check(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
+def _unscale_and_check(
+    grads: list[Tensor],
+    inv_scale: Tensor | None,
+    found_inf: Tensor,
+    per_tensor: bool = False,
+    strict: bool = False,
+    mesh_groups: str = "",
+    inv_value: float = 1.0,
+) -> None:
+    """Unscale plain tensors (a DTensor's local pieces) in place and flag inf/NaN in
+    ``found_inf``: ``strict``, exactly ``srround.unscale_and_check`` (its checks and errors;
+    ``inv_scale`` None: the host scale ``inv_value``), else the GradScaler's
+    ``unscale_grads`` (any gradient); then ``found_inf`` all-reduced (MAX) over the process
+    groups named in ``mesh_groups``, one a line."""
     from .amp import unscale_grads
 
-    unscale_grads(grads, inv_scale, found_inf)
+    if strict:
+        scale = inv_value if inv_scale is None else inv_scale
+        srround.unscale_and_check(grads, scale, found_inf=found_inf, per_tensor=per_tensor)
+    else:
+        unscale_grads(grads, inv_scale, found_inf, per_tensor)
+    _dist.all_reduce_max(found_inf, _dist.resolve_groups(mesh_groups))
 
 
 @_unscale_and_check.register_fake
-def _(grads, inv_scale, found_inf):
+def _(grads, inv_scale, found_inf, *args, **kwargs):
     return None
+
+
+def _traceable_unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
+    """What torch.compile traces in place of ``srround.unscale_and_check``: torch gradients go
+    to the custom op (DTensors as their local pieces, the op all-reduces ``found_inf`` over
+    their meshes; the eager function's checks run inside the op), anything else runs eagerly
+    at a graph break."""
+    items = list(grads) if isinstance(grads, (list, tuple)) else [grads]
+    kind = _dist.dtensor_type()
+    dtensors = [kind is not None and isinstance(g, kind) for g in items]
+    if (
+        not items
+        or not all(isinstance(g, Tensor) for g in items)
+        or any(dtensors) != all(dtensors)
+        or not isinstance(per_tensor, bool)
+        or not isinstance(inv_scale, (Tensor, float, int))
+        or isinstance(inv_scale, bool)
+        or not (found_inf is None or isinstance(found_inf, Tensor))
+    ):  # the eager call raises the error naming the argument
+        return _eager_unscale_and_check(
+            grads, inv_scale, found_inf=found_inf, per_tensor=per_tensor
+        )
+    names = _dist.group_names(_dist.mesh_groups(items))
+    pieces = [g.to_local() if d else g for g, d in zip(items, dtensors)]
+    if found_inf is None:
+        count = len(pieces) if per_tensor else 1
+        found_inf = torch.zeros(count, dtype=torch.float32, device=pieces[0].device)
+    scale, value = (inv_scale, 1.0) if isinstance(inv_scale, Tensor) else (None, inv_scale)
+    torch.ops.srround.unscale_and_check_(
+        pieces, scale, found_inf, per_tensor, True, names, float(value)
+    )
+    return found_inf
+
+
+# the eager call, run at a graph break (its checks raise the errors naming the argument)
+_eager_unscale_and_check = torch._dynamo.disable(srround.unscale_and_check)
+with contextlib.suppress(ValueError):  # registered already: this module was reloaded
+    torch.compiler.substitute_in_graph(srround.unscale_and_check)(_traceable_unscale_and_check)
 
 
 @torch.library.custom_op(
@@ -105,8 +170,13 @@ def _fused_step(
     k0: int,
     k1: int,
     negate: bool,
+    noise: list[int],
+    mesh_groups: str,
     check_grads: bool,
 ) -> None:
+    """The fused step over plain tensors (a DTensor parameter's local pieces); ``noise``: each
+    parameter's stream start (the eager step's), ``mesh_groups``: the names of the process
+    groups that all-reduce ``found`` after ``check_grads``, one a line (FSDP2)."""
     import numpy as np
 
     from srround import _optim
@@ -128,6 +198,8 @@ def _fused_step(
         tuple(group_index),
         tuple(s1_index),
         tuple(aux_index),
+        tuple(noise),
+        mesh_groups,
         tuple(t.data_ptr() for t in tensors),
         tuple(t.dtype for t in tensors),
         tuple(t.stride() for t in tensors),
@@ -142,8 +214,9 @@ def _fused_step(
 
             stream = _external_stream(device)
         entry = build_entry(
-            opt_kind, rounding, state_fmt, params, grads, rows, flat, group_index, stream
+            opt_kind, rounding, state_fmt, params, grads, rows, flat, group_index, stream, noise
         )
+        entry.groups = _dist.resolve_groups(mesh_groups)
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = entry
@@ -163,6 +236,28 @@ def _(params, grads, states1, states2, auxes, steps, found, inv_scale, *args):
     return None
 
 
+# AdamW(amsgrad=True)'s per-tensor step over plain tensors (DTensors' local pieces)
+_amsgrad_step = torch.library.custom_op(
+    "srround::amsgrad_step",
+    amsgrad_update,
+    mutates_args=(
+        "params",
+        "grads",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "auxes",
+        "steps",
+        "maxes",
+        "found_inf",
+    ),
+)
+
+
+@_amsgrad_step.register_fake
+def _(*args):
+    return None
+
+
 def _flat_steps(steps):
     """``(int32[N] tensor, whether it is a view of the counters)``: the 0-d counters as one
     flat tensor - a view when they are consecutive in one storage (srround's optimizers make
@@ -178,51 +273,6 @@ def _flat_steps(steps):
     ):
         return first.as_strided((len(steps),), (1,)), True
     return torch.stack([s.reshape(()).to(torch.int32) for s in steps]), False
-
-
-def fused_step_op(
-    params,
-    grads,
-    states1,
-    states2,
-    auxes,
-    steps,
-    found_inf,
-    inv_scale,
-    kind,
-    mode,
-    state_fmt,
-    group_index,
-    s1_index,
-    aux_index,
-    hyper,
-    k0,
-    k1,
-    negate,
-    check_grads,
-):
-    """Call ``torch.ops.srround.fused_step`` (arguments in its order)."""
-    torch.ops.srround.fused_step(
-        params,
-        grads,
-        states1,
-        states2,
-        auxes,
-        steps,
-        found_inf,
-        inv_scale,
-        kind,
-        mode,
-        state_fmt,
-        group_index,
-        s1_index,
-        aux_index,
-        hyper,
-        k0,
-        k1,
-        negate,
-        check_grads,
-    )
 
 
 __all__ = ["stochastic_round"]

@@ -273,6 +273,13 @@ def buffer_table(tensors, name: str):
     return addresses, sizes, codes, f"cuda:{device.index}"
 
 
+def reduce_flags(tensors, flags) -> None:
+    """DTensors (FSDP2, tensor parallel): all-reduce the overflow ``flags`` (MAX) over the
+    process groups of their meshes, on the device, as the GradScaler does; plain tensors:
+    nothing."""
+    _dist.all_reduce_max(_dist.local(flags), _dist.mesh_groups(tensors))
+
+
 def _buffer_error(tensors, name):
     """Raise the error of the first tensor that a tensor-list kernel cannot take."""
     for i, t in enumerate(tensors):

@@ -80,12 +80,22 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _UNSCALED, _STEPPED = "unscaled", "stepped"  # per-optimizer stage of an iteration
 
 
-def unscale_grads(grads, inv_scale, found_inf) -> None:
+def unscale_grads(grads, inv_scale, found_inf, per_tensor=False) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` (float32, 1 value)
     to 1 if any was inf/NaN. Dense fp32/bf16/fp16 gradients of ``found_inf``'s device (any
     dense layout: channels_last too) go through srround's fused kernel, one launch; the rest
     (float64, non-dense strided views, sparse values, other devices) through torch's own
-    ``torch._amp_foreach_non_finite_check_and_unscale_``, per device and dtype."""
+    ``torch._amp_foreach_non_finite_check_and_unscale_``, per device and dtype.
+    ``per_tensor``: one scale and one flag per gradient (one fused launch if all are dense)."""
+    if per_tensor:
+        grads = _dist.locals_of(grads, "grads")
+        if all(g.layout is torch.strided and _is_dense(g) for g in grads):
+            flat = [g.as_strided((g.numel(),), (1,)) for g in grads]
+            srround.unscale_and_check(flat, inv_scale, found_inf=found_inf, per_tensor=True)
+        else:  # one tensor at a time, each by its own scale
+            for i, g in enumerate(grads):
+                unscale_grads([g], inv_scale[i : i + 1], found_inf[i : i + 1])
+        return
     device = found_inf.device
     fused: list = []
     others: dict = {}
@@ -107,6 +117,23 @@ def unscale_grads(grads, inv_scale, found_inf) -> None:
         torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
         if dev != device:
             torch.maximum(found_inf, flag.to(device).reshape(1), out=found_inf)
+
+
+def unscale_and_reduce(grads, inv_scale, found_inf, groups, per_tensor=False) -> None:
+    """``unscale_grads`` of plain (local) gradients, then ``found_inf`` all-reduced (MAX) over
+    the process groups ``groups`` (a DTensor's meshes). Under torch.compile one call of the
+    custom op ``srround::unscale_and_check_``, which takes the groups by name."""
+    if torch.compiler.is_compiling():
+        torch.ops.srround.unscale_and_check_(
+            grads,
+            inv_scale,
+            found_inf,
+            per_tensor=per_tensor,
+            mesh_groups=_dist.group_names(groups),
+        )
+        return
+    unscale_grads(grads, inv_scale, found_inf, per_tensor)
+    _dist.all_reduce_max(found_inf, groups)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -324,22 +351,14 @@ class GradScaler:
         self._lazy_init(grads[0].device if grads else self._device)
         found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
         inv_scales = self._scales.double().reciprocal().float()
-        if grads and self._per_tensor:
+        if grads and self._per_tensor:  # each gradient by its module's scale
             slots = self._slots(optimizer, params)
             flags = torch.zeros(len(grads), dtype=torch.float32, device=found.device)
-            if all(g.layout is torch.strided and _is_dense(g) for g in grads):
-                flat = [g.as_strided((g.numel(),), (1,)) for g in grads]
-                srround.unscale_and_check(flat, inv_scales[slots], found_inf=flags, per_tensor=True)
-            else:  # one tensor at a time, each by its module's scale
-                tensor_inv = inv_scales[slots]
-                for i, g in enumerate(grads):
-                    unscale_grads([g], tensor_inv[i : i + 1], flags[i : i + 1])
-            _dist.all_reduce_max(flags, dist_groups)
+            unscale_and_reduce(grads, inv_scales[slots], flags, dist_groups, per_tensor=True)
             self._slot_found.index_add_(0, slots, flags)  # nonzero: a tensor overflowed
             torch.amax(flags, 0, keepdim=True, out=found)
         elif grads:
-            unscale_grads(grads, inv_scales, found)
-            _dist.all_reduce_max(found, dist_groups)
+            unscale_and_reduce(grads, inv_scales, found, dist_groups)
         self._found[id(optimizer)] = found
         self._stage[id(optimizer)] = _UNSCALED
 

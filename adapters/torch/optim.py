@@ -45,7 +45,9 @@ optimizer's defaults), and torch's optimizers load srround's.
 
 torch.compile: ``step()`` inside a compiled function traces without graph breaks: the states
 are created at trace time (``_init_group``, as torch's optimizers do) and the step is one call
-of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``), which gives the eager bits.
+of the custom op ``torch.ops.srround.fused_step`` (``_ops.py``; with AMSGrad
+``torch.ops.srround.amsgrad_step``) with the eager stream starts (DTensor parameters: their
+local pieces), which gives the eager bits.
 Hyperparameters are constants of the compiled graph (changing ``lr`` recompiles, as with
 torch's optimizers given a float ``lr``).
 """
@@ -53,13 +55,14 @@ torch's optimizers given a float ``lr``).
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from itertools import chain
 
 import numpy as np
 import torch
 
-from srround import _optim, _plan
+from srround import _optim, _plan, _validate
 from srround._rng import check_seed, next_seed, split_seed
 
 from . import _dist, _views
@@ -72,7 +75,6 @@ AUX_NAMES = {"kahan": "kahan_comp", "master": "master_weight", "remainder": "rem
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ONE_BITS = np.array([1.0], np.float32).view(np.uint32)
-_MINUS_ONE_BITS = np.array([-1.0], np.float32).view(np.uint32)
 _ZERO_BITS = np.zeros(1, np.uint32)
 _GRAD = operator.attrgetter("grad")
 # the flags of torch.optim's constructors that select an implementation: srround has one
@@ -106,6 +108,21 @@ def _check_state_dtype(state_dtype) -> str:
             f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype!r}"
         )
     return name
+
+
+def _check_hyper(value, name: str, where: str, minimum: float = 0.0) -> float:
+    """A hyperparameter: a real number >= ``minimum`` (a tensor is refused: srround's
+    hyperparameters are host values, copied to the device only when they change)."""
+    if isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"{name}{where}: a tensor is not supported (srround's hyperparameters are host"
+            f" floats); pass a float, e.g. {name}.item()"
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}{where}: expected a float, got {type(value).__name__}")
+    if not value >= minimum:  # NaN too
+        raise ValueError(f"{name}{where}: expected a float >= {minimum}, got {value}")
+    return float(value)
 
 
 def _check_flags(group, where="") -> None:
@@ -300,13 +317,16 @@ def run_entry(entry, inv_scale, found_inf, check_grads, negate, k0, k1) -> None:
         if entry.copy_in:
             dst, src = zip(*((d, s) for s, d in entry.copy_in))
             torch._foreach_copy_(list(dst), list(src))
+        if found_inf is None and isinstance(inv_scale, torch.Tensor):
+            # the step sets it when inv_scale is unusable: not the shared default
+            found_inf = torch.zeros(1, dtype=torch.float32, device=entry.device)
         found_bits = scalar_bits(found_inf, "found_inf", entry, _ZERO_BITS)
         if check_grads:
             fused.check_grads(found_bits)
             # FSDP2 / tensor parallel: one verdict for all ranks, on the device
             _dist.all_reduce_max(found_inf, entry.groups)
         inv_bits = scalar_bits(inv_scale, "inv_scale", entry, _ONE_BITS, negate)
-        fused.run(inv_bits, found_bits, k0, k1)
+        fused.run(inv_bits, found_bits, k0, k1, negated=negate)
         for src, dst in entry.copy_out:
             dst.copy_(src)
 
@@ -355,6 +375,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         f" {len(self.param_groups) - 1} has {group[name]!r}, the"
                         f" optimizer {self.defaults[name]!r}"
                     )
+            seen: set = set()
+            for i, p in enumerate(group["params"]):
+                if id(p) in seen:  # torch only warns; the fused step would alias it
+                    raise ValueError(
+                        f"params[{i}]: appears twice in param group {len(self.param_groups) - 1}"
+                        " (one fused pass cannot update a tensor twice); pass it once"
+                    )
+                seen.add(id(p))
             devices = {p.device for g in self.param_groups for p in g["params"]}
             if len(devices) > 1:
                 raise ValueError(
@@ -494,10 +522,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         rows, steps = self._prepare(params, group_index, config)
         device = params[0].device
         stream = _external_stream(device) if device.type == "cuda" else None
-        # noise keyed to the parameter's identity and the piece's place in the full tensor
-        every = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        bases = _dist.stream_bases(every)
-        noise = [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
+        noise = self._noise(params)
         local = _dist.local  # DTensors (FSDP2): the kernel works on the local pieces
         entry = build_entry(
             self._KIND,
@@ -519,6 +544,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         entry.key = key
         self._entry = entry
         return entry
+
+    def _noise(self, params) -> list[int]:
+        """The stream start of each of ``params`` (those with gradients): keyed to the
+        parameter's identity (``_dist.stream_bases``) and the piece's place in the full
+        tensor, so a parameter without a gradient moves no other's noise."""
+        every = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        bases = _dist.stream_bases(every)
+        return [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
 
     def _needed_states(self, group):
         return [n for n in self._STATE_NAMES if self._uses_state(group, n)]
@@ -548,7 +581,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             closure: re-evaluates the model and returns the loss (as torch.optim).
             inv_scale: 1 / loss scale multiplied into the gradients inside the step (a float,
                 or a float32 tensor of 1 value on the parameters' device): the gradients are
-                read once and not modified.
+                read once and not modified. A float must be positive and finite
+                (``ValueError``; under torch.compile it becomes a tensor); a tensor that is
+                not sets ``found_inf`` and skips the step.
             found_inf: float32 tensor of 1 value; when nonzero the step changes nothing
                 (parameters, states, step counts), decided on the device without a sync.
             check_grads: first set ``found_inf`` to 1 if any gradient is inf/NaN (one launch
@@ -567,6 +602,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             raise ValueError("found_inf: needed with check_grads=True (the flag to set)")
         if grad_scale is not None and inv_scale is not None:
             raise ValueError("grad_scale, inv_scale: pass one of them")
+        if inv_scale is not None and not isinstance(inv_scale, torch.Tensor):
+            if not torch.compiler.is_compiling():  # compiled: _traced_step makes it a tensor
+                inv_scale = _validate.inv_scale(inv_scale)  # a tensor is checked by the step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -610,45 +648,69 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _traced_step(self, inv_scale, found_inf, check_grads, grad_scale):
         """The step under torch.compile: states at trace time (``_init_group``), then the
-        custom op."""
-        from ._ops import fused_step_op
+        custom op (``srround::fused_step``, or ``srround::amsgrad_step`` with AMSGrad)."""
+        lists = [[] for _ in range(7)]
+        meta = self._init_group(*lists)
+        if not lists[0]:
+            return
+        if meta[-1]:  # DTensors (FSDP2): the op works on the local pieces
+            from torch.distributed.tensor import DTensor
 
-        params, grads, states1, states2, auxes, steps = [], [], [], [], [], []
-        meta = self._init_group(params, grads, states1, states2, auxes, steps)
-        if not params:
+            lists = [[t.to_local() if isinstance(t, DTensor) else t for t in ts] for ts in lists]
+        params, grads, states1, states2, auxes, steps, maxes = lists
+        device = params[0].device
+        if found_inf is None:
+            found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        if isinstance(inv_scale, (int, float)):
+            inv_scale = torch.full((1,), float(inv_scale), device=device)
+        if self.param_groups[0].get("amsgrad"):
+            if isinstance(grad_scale, (int, float)):
+                grad_scale = torch.full((1,), float(grad_scale), device=device)
+            torch.ops.srround.amsgrad_step(
+                *lists, found_inf, inv_scale, grad_scale, check_grads, *meta[1:-1]
+            )
             return
         if grad_scale is not None:
             inv_scale = grad_scale.double().reciprocal().float().reshape(1)
             torch.ops.srround.unscale_and_check_(
-                grads, inv_scale, torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+                grads, inv_scale, torch.zeros(1, dtype=torch.float32, device=device)
             )
             inv_scale = None
-        if found_inf is None:
-            found_inf = torch.zeros(1, dtype=torch.float32, device=params[0].device)
-        if isinstance(inv_scale, (int, float)):
-            inv_scale = torch.full((1,), float(inv_scale), device=params[0].device)
-        fused_step_op(
-            params, grads, states1, states2, auxes, steps, found_inf, inv_scale, *meta, check_grads
+        torch.ops.srround.fused_step(
+            params,
+            grads,
+            states1,
+            states2,
+            auxes,
+            steps,
+            found_inf,
+            inv_scale,
+            *meta[:-1],
+            check_grads,
         )
 
     @torch.no_grad()
-    def _init_group(self, params, grads, states1, states2, auxes, steps):
+    def _init_group(self, params, grads, states1, states2, auxes, steps, maxes):
         """Runs eagerly when torch.compile traces ``step`` (torch's optimizer protocol):
         validates, creates the states, fills the lists with the parameters that have
         gradients, their gradients, states (``states1`` / ``states2`` / ``auxes``: only the
-        existing ones, located by the index lists returned) and 0-d step counters. Returns
-        the op's constant arguments: ``(kind, mode, state format, group index, state-1 index,
-        aux index, hyperparameters (flat), k0, k1, negate)``."""
+        existing ones, located by the index lists returned; ``maxes``: AMSGrad's
+        ``max_exp_avg_sq``) and 0-d step counters. Returns the ops' constant arguments:
+        ``(kind, mode, state format, group index, state-1 index, aux index, hyperparameters
+        (flat), k0, k1, negate, stream starts, mesh process group names, whether they are
+        DTensors)``."""
         config = self._config()
         found, group_index = self._collect()
         if not found:
-            return (self._KIND, 0, 0, [], [], [], [], 0, 0, False)
+            return (self._KIND, 0, 0, [], [], [], [], 0, 0, False, [], "", False)
         rows, flat = self._prepare(found, group_index, config)
+        amsgrad = self.param_groups[0].get("amsgrad")
         s1_index, aux_index = [], []
         for i, (p, (s1, s2, aux)) in enumerate(zip(found, rows)):
             params.append(p)
             grads.append(p.grad)
-            steps.append(self.state[p]["step"])
+            state = self.state[p]
+            steps.append(state["step"])
             if s1 is not None:
                 s1_index.append(i)
                 states1.append(s1)
@@ -657,6 +719,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if aux is not None:
                 aux_index.append(i)
                 auxes.append(aux)
+            if amsgrad:
+                if "max_exp_avg_sq" not in state:
+                    state["max_exp_avg_sq"] = torch.zeros_like(_like(p), dtype=torch.float32)
+                maxes.append(state["max_exp_avg_sq"])
         self._entry = None  # new step views: the eager table is rebuilt if used again
         k0, k1 = split_seed(config[2])
         return (
@@ -670,6 +736,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
             k0,
             k1,
             bool(config[3]),
+            self._noise(found),
+            _dist.group_names(_dist.mesh_groups(found)),
+            self._dtensors,
         )
 
     # -- state dict -------------------------------------------------------------------------
@@ -729,7 +798,7 @@ class AdamW(_FusedOptimizer):
             (``maximize``: one value per optimizer).
         amsgrad: one value per optimizer; ``True`` runs a slower per-tensor path (torch's
             math with torch ops, then srround's write-back with the fused step's random
-            stream: ``_amsgrad_step``) with rounding ``"stochastic"``, ``"nearest"`` or
+            stream: ``amsgrad_update``) with rounding ``"stochastic"``, ``"nearest"`` or
             ``"master"`` and float32 states; state ``max_exp_avg_sq`` as torch's.
         foreach, fused, capturable: accepted and stored (srround's step is always one fused
             pass, keeps its step counts on the device and launches on the current stream);
@@ -794,16 +863,14 @@ class AdamW(_FusedOptimizer):
                 " 'nearest' or 'master' with float32 states, got"
                 f" {group.get('rounding')!r} / {group.get('state_dtype')}"
             )
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        if isinstance(lr, torch.Tensor) or not 0.0 <= float(lr):
-            raise ValueError(f"lr{where}: expected a float >= 0, got {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps{where}: expected >= 0, got {eps}")
-        for i, beta in enumerate(group["betas"]):
-            if not 0.0 <= beta < 1.0:
+        for name in ("lr", "eps", "weight_decay"):
+            _check_hyper(group[name], name, where)
+        betas = group["betas"]
+        if len(betas) != 2:
+            raise ValueError(f"betas{where}: expected 2 values, got {len(betas)}")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= _check_hyper(beta, f"betas[{i}]", where) < 1.0:
                 raise ValueError(f"betas[{i}]{where}: expected in [0, 1), got {beta}")
-        if not 0.0 <= wd:
-            raise ValueError(f"weight_decay{where}: expected >= 0, got {wd}")
 
     def _hyper(self):
         return np.array(
@@ -815,89 +882,116 @@ class AdamW(_FusedOptimizer):
         )
 
     def _amsgrad_step(self, inv_scale, found_inf, check_grads, grad_scale):
-        """AMSGrad, the per-tensor path: torch.optim's single-tensor AdamW math with torch
-        ops in float32 (so fp32 parameters get torch's bits), then srround's write-back of
-        the result: stochastic rounding with the fused step's stream (element ``j`` of the
-        tensor starting at global element ``s``, at offset ``t * 2**36 + s + j``, memory
-        order), round to nearest, or the fp32 master weight. Slower than the fused step (a
-        few passes per tensor) and reads the step count and ``found_inf`` on the host."""
-        import srround
-
-        rounding, state_dtype, seed, maximize = self._config()
-        for i, g in enumerate(self.param_groups):
-            self._check_group(g, i)
-        params, group_index = self._collect()
+        """AMSGrad, the per-tensor path (``amsgrad_update``) over the states ``_init_group``
+        creates; under torch.compile the custom op ``srround::amsgrad_step`` (``_ops.py``)."""
+        if torch.compiler.is_compiling():
+            self._traced_step(inv_scale, found_inf, check_grads, grad_scale)
+            return
+        lists = [[] for _ in range(7)]
+        meta = self._init_group(*lists)
+        params = lists[0]
         if not params:
             return
-        grads = [p.grad for p in params]
-        check_pairs(params, grads, rounding)
-        if grad_scale is not None:
-            from .amp import unscale_grads
+        amsgrad_update(
+            *([_dist.local(t) for t in ts] for ts in lists),
+            found_inf,
+            inv_scale,
+            grad_scale,
+            check_grads,
+            *meta[1:-1],
+        )
+        written = [_dist.local(p) for p in params] + [p for p in params if _dist.is_dtensor(p)]
+        torch.autograd.graph.increment_version([t for t in written if not t.is_inference()])
 
-            inv = torch.as_tensor(grad_scale, dtype=torch.float32, device=params[0].device)
-            scratch = torch.zeros(1, dtype=torch.float32, device=inv.device)
-            unscale_grads(grads, inv.double().reciprocal().float().reshape(1), scratch)
-        if check_grads:
-            from .amp import unscale_grads
 
-            one = torch.ones(1, dtype=torch.float32, device=found_inf.device)
-            unscale_grads(grads, one, found_inf)
-        if found_inf is not None and float(found_inf.reshape(())) != 0:
-            return
-        groups, start = self.param_groups, 0
-        for p, gi in zip(params, group_index):
-            group = groups[gi]
-            state = self._state_buffers(p, group, rounding, state_dtype)
-            like = _like(p)
-            if "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = torch.zeros_like(like, dtype=torch.float32)
-            step = state.get("step")
-            if step is None:
-                step = state["step"] = torch.zeros((), dtype=torch.int32, device=p.device)
-            step += 1
-            t = int(step)
-            lr, (beta1, beta2), eps, wd = (
-                float(group["lr"]),
-                group["betas"],
-                group["eps"],
-                group["weight_decay"],
-            )
-            grad = p.grad.float() if p.grad.dtype != torch.float32 else p.grad.clone()
-            if inv_scale is not None:
-                grad.mul_(inv_scale)
-            if maximize:
-                grad.neg_()
-            if p.dtype == torch.float32 and _is_dense(p):
-                work = p.detach()
-            elif rounding == "master" and p.dtype != torch.float32:
-                work = state["master_weight"]
-            else:
-                work = torch.empty_like(like, dtype=torch.float32).copy_(p.detach())
-            exp_avg, exp_avg_sq, max_sq = (
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                state["max_exp_avg_sq"],
-            )
-            work.mul_(1 - lr * wd)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            torch.maximum(max_sq, exp_avg_sq, out=max_sq)
-            bias_correction2_sqrt = (1 - beta2**t) ** 0.5
-            denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-            work.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**t)))
-            if work is p:
-                pass
-            elif p.dtype == torch.float32 or rounding != "stochastic":
-                p.detach().copy_(work)  # fp32 exactly; nearest and master: round to nearest
-            else:
-                flat = work.as_strided((work.numel(),), (1,))  # memory order
-                offset = (t << _optim.STEP_SHIFT) + start
-                fmt = "bfloat16" if p.dtype == torch.bfloat16 else "float16"
-                rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
-                p.detach().copy_(rounded.as_strided(work.shape, work.stride()))
-            start += p.numel()
-        self._entry = None
-        torch.autograd.graph.increment_version([p for p in params if not p.is_inference()])
+def amsgrad_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    auxes: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    maxes: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+    inv_scale: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+    check_grads: bool,
+    weight_mode: int,
+    state_fmt: int,
+    group_index: list[int],
+    s1_index: list[int],
+    aux_index: list[int],
+    hyper: list[float],
+    k0: int,
+    k1: int,
+    maximize: bool,
+    noise: list[int],
+    mesh_groups: str,
+) -> None:
+    """AdamW with AMSGrad over plain tensors (DTensors' local pieces), one tensor at a time:
+    torch.optim's single-tensor AdamW math with torch ops in float32 (so fp32 parameters get
+    torch's bits), then srround's write-back of the result: stochastic rounding with the fused
+    step's stream (element ``j`` of a parameter's piece with stream start ``noise[i]`` at
+    offset ``t * 2**36 + noise[i] + j``, memory order), round to nearest, or the fp32 master
+    weight (``auxes``). Arguments as ``_init_group`` lists them; ``found_inf`` (checked and
+    all-reduced over the process groups ``mesh_groups`` names first with ``check_grads``)
+    nonzero: nothing changes. Reads the step counts and ``found_inf`` on the host. Also the
+    custom op ``srround::amsgrad_step`` (``_ops.py``)."""
+    import srround
+
+    from .amp import unscale_grads
+
+    if grad_scale is not None:
+        inv = torch.as_tensor(grad_scale, dtype=torch.float32, device=params[0].device)
+        scratch = torch.zeros(1, dtype=torch.float32, device=inv.device)
+        unscale_grads(grads, inv.double().reciprocal().float().reshape(1), scratch)
+    if check_grads:
+        unscale_grads(grads, torch.ones_like(found_inf), found_inf)
+        _dist.all_reduce_max(found_inf, _dist.resolve_groups(mesh_groups))
+    if isinstance(inv_scale, torch.Tensor) and not 0 < float(inv_scale.reshape(())) < math.inf:
+        if found_inf is not None:  # an unusable scale: flagged and skipped, as the fused step
+            found_inf.fill_(1.0)
+        return
+    if found_inf is not None and float(found_inf.reshape(())) != 0:
+        return
+    rounding = {code: name for name, code in _optim.MODES.items()}[weight_mode]
+    masters = dict(zip(aux_index, auxes))
+    rows = np.array(hyper, np.float64).reshape(-1, _optim.HYPER_COLUMNS)
+    seed = k0 | (k1 << 32)
+    for i, (piece, grad, gi, start) in enumerate(zip(params, grads, group_index, noise)):
+        lr, beta1, beta2, eps, wd = (float(v) for v in rows[gi])
+        step = steps[i]
+        step += 1
+        t = int(step)
+        grad = grad.float() if grad.dtype != torch.float32 else grad.clone()
+        if inv_scale is not None:
+            grad.mul_(inv_scale)
+        if maximize:
+            grad.neg_()
+        exp_avg, exp_avg_sq, max_sq = exp_avgs[i], exp_avg_sqs[i], maxes[i]
+        if piece.dtype == torch.float32 and _is_dense(piece):
+            work = piece
+        elif rounding == "master" and piece.dtype != torch.float32:
+            work = masters[i]
+        else:
+            work = torch.empty_like(exp_avg).copy_(piece)
+        work.mul_(1 - lr * wd)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        torch.maximum(max_sq, exp_avg_sq, out=max_sq)
+        bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+        denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        work.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**t)))
+        if work.data_ptr() == piece.data_ptr():
+            continue  # a dense fp32 parameter, updated in place
+        if piece.dtype == torch.float32 or rounding != "stochastic":
+            piece.copy_(work)  # fp32 exactly; nearest and master: round to nearest
+        else:
+            flat = work.as_strided((work.numel(),), (1,))  # memory order
+            offset = (t << _optim.STEP_SHIFT) + start
+            fmt = "bfloat16" if piece.dtype == torch.bfloat16 else "float16"
+            rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
+            piece.copy_(rounded.as_strided(work.shape, work.stride()))
 
 
 class SGD(_FusedOptimizer):
@@ -946,13 +1040,9 @@ class SGD(_FusedOptimizer):
 
     def _check_group(self, group, index):
         where = "" if index is None else f" (param group {index})"
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) or not 0.0 <= float(lr):
-            raise ValueError(f"lr{where}: expected a float >= 0, got {lr}")
-        if group["momentum"] < 0.0:
-            raise ValueError(f"momentum{where}: expected >= 0, got {group['momentum']}")
-        if group["weight_decay"] < 0.0:
-            raise ValueError(f"weight_decay{where}: expected >= 0, got {group['weight_decay']}")
+        for name in ("lr", "momentum", "weight_decay"):
+            _check_hyper(group[name], name, where)
+        _check_hyper(group["dampening"], "dampening", where, minimum=-math.inf)
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"nesterov{where}: needs momentum > 0 and dampening == 0")
 
