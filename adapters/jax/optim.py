@@ -48,10 +48,10 @@ Implementations (``impl``):
   TPU emulates float64 and may differ in the last bit. Each leaf is a loop of its own that
   takes its start in the stream as a runtime value, so XLA compiles one kernel per leaf shape
   and dtypes (when the key or the step is traced; with both constant, one per leaf). On one
-  device the Threefry blocks of all leaves are computed in one loop and each leaf gathers its
-  bits from them; laid out over several devices each leaf computes its own bits from its
-  elements' global indices (it stays elementwise and keeps its sharding). The same bits
-  either way (``_native_leaves``).
+  CPU device the Threefry blocks of all leaves are computed in one loop and each leaf gathers
+  its bits from them; elsewhere (GPU, TPU, several devices) each leaf computes its own bits
+  from its elements' global indices (it stays elementwise and keeps its sharding). The same
+  bits either way (``_native_leaves``).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -297,9 +297,13 @@ def _streams(update, cfg, columns, extra) -> list[int]:
     return sorted(needed)
 
 
-def _on_one_device(leaves) -> bool:
-    """Whether no leaf is laid out over several devices (its abstract value's mesh: set under
-    ``jit`` with sharded arrays and inside ``shard_map``)."""
+def _on_one_cpu(leaves) -> bool:
+    """Whether the leaves are computed on one CPU device: the CPU backend (elsewhere the
+    Threefry rounds in each leaf's loop cost no compile time worth a buffer of random bits)
+    and no leaf laid out over several devices (its abstract value's mesh: set under ``jit``
+    with sharded arrays and inside ``shard_map``)."""
+    if jax.default_backend() != "cpu":
+        return False
     for x in leaves:
         mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if mesh is not None and not mesh.empty and mesh.size > 1:
@@ -315,20 +319,21 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     over its buffers (nothing concatenated or sliced back), made in one of two ways (the same
     bits).
 
-    * on one device: the random bits of all leaves are computed together, one Threefry block
-      per four elements (``_stream_blocks``), and each leaf's loop gathers its lanes from them.
-    * laid out over several devices (``jit`` with sharded arrays, ``shard_map``): every
-      leaf's loop computes its bits from the global element indices (``_leaf_call``), so it
-      stays elementwise and keeps its leaf's sharding.
+    * on one CPU device: the random bits of all leaves are computed together, one Threefry
+      block per four elements (``_stream_blocks``; a transient buffer of 2 bytes per element
+      and stream), and each leaf's loop gathers its lanes from them.
+    * otherwise (GPU, TPU; laid out over several devices: ``jit`` with sharded arrays,
+      ``shard_map``): every leaf's loop computes its bits from the global element indices
+      (``_leaf_call``), so it stays elementwise and keeps its leaf's sharding.
 
     Compile time: the leaf starts reach the loops as runtime scalars (``_lax._opaque``), so the
     loops of leaves with the same shapes and dtypes are one computation, which XLA's CPU
     backend compiles once (a start folded in as a constant makes every leaf's loop a kernel of
-    its own); on one device no leaf's loop carries Threefry rounds.
+    its own); on one CPU device no leaf's loop carries Threefry rounds.
     ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
     ``shard_map`` (``None``: the whole leaf). Returns the per-leaf tuples."""
     layouts = layouts or [None] * len(starts)
-    if all(lay is None for lay in layouts) and _on_one_device(columns[0]):
+    if all(lay is None for lay in layouts) and _on_one_cpu(columns[0]):
         total = max(s + x.size for s, x in zip(starts, columns[0]))
         streams = _streams(update, cfg, columns, extra)
         bits = {s: _stream_blocks(k0, k1, t, s, total) for s in streams}
