@@ -260,19 +260,19 @@ def _shared_leaf_call(arrays, stream_blocks, start, extra, *, update, cfg):
     return update(cfg, *arrays, bits, *extra)
 
 
-def _stream_blocks(k0, k1, t, stream: int, total: int):
+def _stream_blocks(k0, k1, t, stream: int, total: int, zero):
     """The Threefry blocks (uint64 ``x0 | x1 << 32``: four 16-bit lanes) of positions
     ``[0, total)`` of ``stream`` at step ``t`` (counter ``t * 2**36 + stream * 2**34 +
     position``, block ``position >> 2``), two more past the end for the windows of
-    ``_shared_leaf_call``. One loop computes each block once; it is kept out of its readers'
-    loops (``optimization_barrier``), which would otherwise each compute the Threefry again."""
+    ``_shared_leaf_call``: one loop that computes each block once. ``zero``: a uint32 0 that
+    ties it to the while loop it runs in (``_lax._opaque``), which keeps it out of its
+    readers' loops (each would compute the Threefry again)."""
     blocks = total // 4 + 2
-    counters = lax.iota(_U32, blocks)
+    counters = lax.iota(_U32, blocks) + zero
     hi = jnp.broadcast_to(_u(t) * _U32(4) + _U32(stream), counters.shape)
     x0, x1 = _threefry2x32(k0, k1, counters, hi)
     with jax.enable_x64(True):
-        packed = x0.astype(jnp.uint64) | (x1.astype(jnp.uint64) << 32)
-    return lax.optimization_barrier(packed)
+        return x0.astype(jnp.uint64) | (x1.astype(jnp.uint64) << 32)
 
 
 def _streams(update, cfg, columns, extra) -> list[int]:
@@ -336,8 +336,12 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     if all(lay is None for lay in layouts) and _on_one_cpu(columns[0]):
         total = max(s + x.size for s, x in zip(starts, columns[0]))
         streams = _streams(update, cfg, columns, extra)
-        bits = {s: _stream_blocks(k0, k1, t, s, total) for s in streams}
-        words = _opaque(starts, (k0, k1, t))
+
+        def blocks(zero):
+            return tuple(_stream_blocks(k0, k1, t, s, total, zero) for s in streams)
+
+        words, computed = _opaque(starts, (k0, k1, t), blocks)
+        bits = dict(zip(streams, computed))
         return [
             _shared_leaf_call(
                 tuple(c[k] for c in columns), bits, words[k], extra, update=update, cfg=cfg
