@@ -599,6 +599,8 @@ COLUMNS = [
     ("frac_copy", "% copy", "%"),
     ("host_s", "host ms", "ms"),
     ("first_s", "first step s", ".2f"),
+    ("first_vs_optax", "first step / optax's", ".2f"),
+    ("step_vs_optax", "ms/step / optax's", ".2f"),
     ("others_busy_cpus", "others busy CPUs", ".2f"),
 ]
 

@@ -417,12 +417,15 @@ def _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, grou
 def _update_formats(
     kind, mode, state_fmt, cases, p_fmt, g_fmt, buffers, has_state1, j0, scale, coefs, group, noise
 ):
-    """``_update_run`` with constant formats for bf16 and fp32 tensors (parameter and gradient
-    alike; vectorized), run-time formats (scalar, not vectorized) otherwise. ``cases``: which of
-    the three loops the table needs (``format_cases``); only those are compiled."""
-    bf16, fp32, other = cases
+    """``_update_run`` with constant formats for bf16, fp16 and fp32 tensors (parameter and
+    gradient alike; vectorized), run-time formats (scalar, not vectorized) otherwise. ``cases``:
+    which of the four loops the table needs (``format_cases``); only those are compiled."""
+    bf16, fp16, fp32, other = cases
     if bf16 and p_fmt == BF16 and g_fmt == BF16:
         formats = (BF16, BF16, state_fmt)
+        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+    elif fp16 and p_fmt == F16 and g_fmt == F16:
+        formats = (F16, F16, state_fmt)
         _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
     elif fp32 and p_fmt == F32 and g_fmt == F32:
         formats = (F32, F32, state_fmt)
@@ -535,12 +538,12 @@ def state1_presence(table) -> int:
 
 
 def format_cases(table) -> tuple:
-    """``(bf16, fp32, other)``: whether ``table`` has bf16 tensors (parameter and gradient),
-    fp32 ones, and any other combination (fp16, or formats that differ)."""
+    """``(bf16, fp16, fp32, other)``: whether ``table`` has bf16 tensors (parameter and
+    gradient), fp16 ones, fp32 ones, and any other combination (formats that differ)."""
     p_fmt, g_fmt = np.asarray(table)[:, P_FMT], np.asarray(table)[:, G_FMT]
-    bf16 = (p_fmt == BF16) & (g_fmt == BF16)
-    fp32 = (p_fmt == F32) & (g_fmt == F32)
-    return bool(bf16.any()), bool(fp32.any()), bool((~bf16 & ~fp32).any())
+    same = [(p_fmt == f) & (g_fmt == f) for f in (BF16, F16, F32)]
+    other = ~(same[0] | same[1] | same[2])
+    return (*(bool(c.any()) for c in same), bool(other.any()))
 
 
 _STEPS = {}

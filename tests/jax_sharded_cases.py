@@ -226,12 +226,18 @@ def case_optim():
         for k in params:
             _same(got[k], expected[k], f"apply_updates {k} {what}")
             _same_sharding(got[k], ps[k], f"apply_updates {k} {what}")
+        _no_gather(apply, ps, us, KEY, what=f"apply_updates {what}")
+        if len(mesh.devices.flat) > 1:  # each device draws its own leaves' bits, not the tree's
+            text = jax.jit(apply).lower(ps, us, KEY).compile().as_text()
+            assert "u64[" not in text, f"apply_updates {what}: the whole tree's Threefry blocks"
         for state_dtype in (jnp.float32, jnp.bfloat16) if last else (jnp.float32,):
             tx = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype)
             state = tx.init(params)
             e_params, e_state = jax.jit(tx.step)(grads, state, params)
             s_state = tx.init(ps)  # the states take the params' shardings
             g_params, g_state = jax.jit(tx.step)(gs, s_state, ps)
+            if last:
+                _no_gather(tx.step, gs, s_state, ps, what=f"adamw {what}")
             for k in params:
                 _same(g_params[k], e_params[k], f"adamw {k} {what}")
                 _same_sharding(g_params[k], ps[k], f"adamw {k} {what}")

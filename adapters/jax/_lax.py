@@ -364,28 +364,40 @@ def _random16(k0, k1, first_lo, first_hi, lane0, index):
     return (jnp.where((i & 2) == 0, x0, x1) >> ((i & 1) << 4)) & 0xFFFF
 
 
-def _opaque(values, probes):
+def _opaque(values, probes, compute=None):
     """Python ints ``values`` (< 2**32) as uint32 scalars XLA cannot constant-fold: the
     outputs of a while loop that runs once, its trip count unknown at compile time because it
     depends on the traced ``probes`` (key words, step). A computation that takes such a value
     as a parameter is the same for every value; with the values folded in as constants, each
     would be a computation of its own (on XLA's CPU backend, a kernel of its own to compile).
-    When every probe is a constant there is nothing to hide the values behind: they are
-    returned as constants (the same results)."""
+
+    ``compute(zero)`` (optional: a tuple of arrays, ``zero`` a uint32 0 XLA cannot fold) runs
+    in the loop's body, so its results are buffers of their own: XLA neither fuses it into its
+    readers (each would compute it again) nor hoists it out of the loop. Returns the words, or
+    ``(words, computed)`` with ``compute``. When every probe is a constant there is nothing to
+    hide behind: constants, and ``compute(0)`` (the same results)."""
     probes = [p for p in probes if not isinstance(p, (int, np.integer))]
     if not probes:
-        return tuple(np.uint32(v) for v in values)
-    zero = None
-    for p in probes:
-        p = _u(p)
-        zero = p & ~p if zero is None else zero | (p & ~p)
+        words = tuple(np.uint32(v) for v in values)
+        return words if compute is None else (words, compute(np.uint32(0)))
+    with jax.enable_x64(True):  # computed arrays may be 64-bit
+        zero = None
+        for p in probes:
+            p = _u(p)
+            zero = p & ~p if zero is None else zero | (p & ~p)
 
-    def body(carry):
-        count, words = carry
-        return count + 1, tuple(w + zero for w in words)
+        def body(carry):
+            count, words, _ = carry
+            computed = () if compute is None else compute(count - zero)  # count - zero: 0
+            return count + 1, tuple(w + zero for w in words), computed
 
-    words = tuple(jnp.asarray(np.uint32(v)) for v in values)
-    return lax.while_loop(lambda c: c[0] <= zero, body, (zero, words))[1]
+        computed = ()
+        if compute is not None:
+            shapes = jax.eval_shape(compute, zero)
+            computed = tuple(jnp.zeros(x.shape, x.dtype) for x in shapes)
+        words = tuple(jnp.asarray(np.uint32(v)) for v in values)
+        _, words, computed = lax.while_loop(lambda c: c[0] <= zero, body, (zero, words, computed))
+    return words if compute is None else (words, computed)
 
 
 def _spec_axes(spec, ndim: int, name: str):

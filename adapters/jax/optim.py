@@ -39,16 +39,19 @@ data ``(w0, w1)`` equals the int seed ``w0 | w1 << 32``).
 Implementations (``impl``):
 
 * ``"native"`` (default): ``jax.lax`` only, jit-able on any backend, with the Threefry stream
-  and rounding of ``_lax.py``. Every fma of the AdamW math (and the sum of ``apply_updates``)
-  is exact (``_fma``: float64 ops rounded to odd, subnormals in integer ops); the other float32
-  ops are single IEEE ops. Bits can differ from the Numba kernels where a state, weight,
-  gradient or intermediate is subnormal (|x| < 2**-126): XLA's CPU backend (and TPU) flushes
-  float32 subnormals to zero. ``_fma`` and the bias corrections need IEEE float64 (traced under
-  ``jax.enable_x64``): CPU and GPU; TPU emulates float64 and may differ in the last bit. Each
-  leaf is a loop of its own that takes its start in the stream as a runtime value, so XLA
-  compiles one kernel per leaf shape and dtypes when the key or the step is traced (with a
-  constant key and step, one per leaf); the first call still does work per leaf (each loop's
-  Threefry rounds and exact sums are several times the ops of optax's update).
+  and rounding of ``_lax.py``. Every fma of the AdamW math is exact (``_fma``: float64 ops
+  rounded to odd, subnormals in integer ops), and so is the sum of ``apply_updates`` (``_add``:
+  float32 and integer ops); the other float32 ops are single IEEE ops. Bits can differ from
+  the Numba kernels where a state, weight, gradient or intermediate is subnormal
+  (|x| < 2**-126): XLA's CPU backend (and TPU) flushes float32 subnormals to zero. ``_fma``
+  and the bias corrections need IEEE float64 (traced under ``jax.enable_x64``): CPU and GPU;
+  TPU emulates float64 and may differ in the last bit. Each leaf is a loop of its own that
+  takes its start in the stream as a runtime value, so XLA compiles one kernel per leaf shape
+  and dtypes (when the key or the step is traced; with both constant, one per leaf). On one
+  CPU device the Threefry blocks of all leaves are computed in one loop and each leaf gathers
+  its bits from them; elsewhere (GPU, TPU, several devices) each leaf computes its own bits
+  from its elements' global indices (it stays elementwise and keeps its sharding). The same
+  bits either way (``_native_leaves``).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -249,30 +252,37 @@ def _dtypes(x):
 
 
 @functools.partial(jax.jit, static_argnames=("update", "cfg"))
-def _shared_leaf_call(arrays, stream_bits, start, extra, *, update, cfg):
+def _shared_leaf_call(arrays, stream_blocks, start, extra, *, update, cfg):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf at global element ``start`` (a
-    uint32 scalar), ``bits(stream)`` read from ``stream_bits[stream]``, the random numbers of
-    every position of the call (``_stream_bits``)."""
+    uint32 scalar), ``bits(stream)`` read from ``stream_blocks[stream]``, the Threefry blocks
+    of every position of the call (``_stream_blocks``): the leaf's window of blocks, split into
+    four 16-bit lanes per block, from lane ``start & 3`` on."""
     shape, size = arrays[0].shape, arrays[0].size
+    window = size // 4 + 2  # blocks that hold positions start .. start + size - 1
 
     def bits(stream):
-        window = lax.dynamic_slice(stream_bits[stream], (start,), (size,))
-        return window.reshape(shape).astype(_U32)
+        blocks = lax.dynamic_slice(stream_blocks[stream], (start >> 2,), (window,))
+        index = _element_index(shape) + (start & 3)
+        with jax.enable_x64(True):
+            word = blocks[index >> 2] >> ((index & 3) * 16).astype(jnp.uint64)
+            return (word & 0xFFFF).astype(_U32)
 
     return update(cfg, *arrays, bits, *extra)
 
 
-def _stream_bits(k0, k1, t, stream: int, total: int):
-    """The 16 random bits (uint16) of positions ``[0, total)`` of ``stream`` at step ``t``
-    (counter ``t * 2**36 + stream * 2**34 + position``): one Threefry block per four
-    positions. Kept out of its readers' loops (``optimization_barrier``): XLA would otherwise
-    copy the whole Threefry into every leaf's loop."""
-    blocks = -(-total // 4)
-    counters = lax.iota(_U32, blocks)
+def _stream_blocks(k0, k1, t, stream: int, total: int, zero):
+    """The Threefry blocks (uint64 ``x0 | x1 << 32``: four 16-bit lanes) of positions
+    ``[0, total)`` of ``stream`` at step ``t`` (counter ``t * 2**36 + stream * 2**34 +
+    position``, block ``position >> 2``), two more past the end for the windows of
+    ``_shared_leaf_call``: one loop that computes each block once. ``zero``: a uint32 0 that
+    ties it to the while loop it runs in (``_lax._opaque``), which keeps it out of its
+    readers' loops (each would compute the Threefry again)."""
+    blocks = total // 4 + 2
+    counters = lax.iota(_U32, blocks) + zero
     hi = jnp.broadcast_to(_u(t) * _U32(4) + _U32(stream), counters.shape)
     x0, x1 = _threefry2x32(k0, k1, counters, hi)
-    lanes = jnp.stack([x0 & 0xFFFF, x0 >> 16, x1 & 0xFFFF, x1 >> 16], axis=1)
-    return lax.optimization_barrier(lanes.astype(jnp.uint16).reshape(-1))
+    with jax.enable_x64(True):
+        return x0.astype(jnp.uint64) | (x1.astype(jnp.uint64) << 32)
 
 
 def _streams(update, cfg, columns, extra) -> list[int]:
@@ -297,9 +307,13 @@ def _streams(update, cfg, columns, extra) -> list[int]:
     return sorted(needed)
 
 
-def _on_one_device(leaves) -> bool:
-    """Whether no leaf is laid out over several devices (its abstract value's mesh: set under
-    ``jit`` with sharded arrays and inside ``shard_map``)."""
+def _on_one_cpu(leaves) -> bool:
+    """Whether the leaves are computed on one CPU device: the CPU backend (elsewhere the
+    Threefry rounds in each leaf's loop cost no compile time worth a buffer of random bits)
+    and no leaf laid out over several devices (its abstract value's mesh: set under ``jit``
+    with sharded arrays and inside ``shard_map``)."""
+    if jax.default_backend() != "cpu":
+        return False
     for x in leaves:
         mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if mesh is not None and not mesh.empty and mesh.size > 1:
@@ -315,23 +329,29 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     over its buffers (nothing concatenated or sliced back), made in one of two ways (the same
     bits).
 
-    * on one device: the random bits of all leaves are computed together, one Threefry block
-      per four elements (``_stream_bits``), and each leaf's loop reads its window of them.
-    * laid out over several devices (``jit`` with sharded arrays, ``shard_map``): every
-      leaf's loop computes its bits from the global element indices (``_leaf_call``), so it
-      stays elementwise and keeps its leaf's sharding.
+    * on one CPU device: the random bits of all leaves are computed together, one Threefry
+      block per four elements (``_stream_blocks``; a transient buffer of 2 bytes per element
+      and stream), and each leaf's loop gathers its lanes from them.
+    * otherwise (GPU, TPU; laid out over several devices: ``jit`` with sharded arrays,
+      ``shard_map``): every leaf's loop computes its bits from the global element indices
+      (``_leaf_call``), so it stays elementwise and keeps its leaf's sharding.
 
     Compile time: the leaf starts reach the loops as runtime scalars (``_lax._opaque``), so the
     loops of leaves with the same shapes and dtypes are one computation, which XLA's CPU
     backend compiles once (a start folded in as a constant makes every leaf's loop a kernel of
-    its own); on one device no leaf's loop carries Threefry rounds.
+    its own); on one CPU device no leaf's loop carries Threefry rounds.
     ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
     ``shard_map`` (``None``: the whole leaf). Returns the per-leaf tuples."""
     layouts = layouts or [None] * len(starts)
-    if all(lay is None for lay in layouts) and _on_one_device(columns[0]):
+    if all(lay is None for lay in layouts) and _on_one_cpu(columns[0]):
         total = max(s + x.size for s, x in zip(starts, columns[0]))
-        bits = {s: _stream_bits(k0, k1, t, s, total) for s in _streams(update, cfg, columns, extra)}
-        words = _opaque(starts, (k0, k1, t))
+        streams = _streams(update, cfg, columns, extra)
+
+        def blocks(zero):
+            return tuple(_stream_blocks(k0, k1, t, s, total, zero) for s in streams)
+
+        words, computed = _opaque(starts, (k0, k1, t), blocks)
+        bits = dict(zip(streams, computed))
         return [
             _shared_leaf_call(
                 tuple(c[k] for c in columns), bits, words[k], extra, update=update, cfg=cfg
