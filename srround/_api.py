@@ -48,6 +48,24 @@ def _launch(kernel: str, view: View, *args) -> None:
         getattr(_cuda, kernel)(*args, stream=view.stream)
 
 
+def _launch_random(kernel, view, src_bits, dst_bits, alpha, key, offset, fmt, saturate) -> None:
+    """``_launch`` of a random kernel (``_cpu.stochastic_round``/``stochastic_add`` and their
+    CUDA twins) with the key, the stream offset and the target format's constants."""
+    _launch(
+        kernel,
+        view,
+        src_bits,
+        dst_bits,
+        np.float32(alpha),
+        *key,
+        offset,
+        fmt.mantissa_bits,
+        fmt.exponent_bits,
+        saturate,
+        fmt.specials,
+    )
+
+
 def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, overflow="inf"):
     """Stochastically round float32 ``x`` to bf16, fp16, fp8 (e4m3fn, e5m2) or fp4 (e2m1fn).
 
@@ -89,19 +107,8 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     if out is not None:
         _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
     offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
-    _launch(
-        "stochastic_round",
-        src,
-        src.bits,
-        dst.bits,
-        np.float32(1.0),
-        k0,
-        k1,
-        offset,
-        fmt.mantissa_bits,
-        fmt.exponent_bits,
-        saturate,
-        fmt.specials,
+    _launch_random(
+        "stochastic_round", src, src.bits, dst.bits, 1.0, (k0, k1), offset, fmt, saturate
     )
     return dst.result
 
@@ -191,19 +198,8 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     check_same_place(w=dst, u=src)
     _validate.no_overlap([_span("w", dst, True), _span("u", src, False)])
     offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
-    _launch(
-        "stochastic_add",
-        dst,
-        src.bits,
-        dst.bits,
-        np.float32(alpha),
-        k0,
-        k1,
-        offset,
-        fmt.mantissa_bits,
-        fmt.exponent_bits,
-        saturate,
-        fmt.specials,
+    _launch_random(
+        "stochastic_add", dst, src.bits, dst.bits, alpha, (k0, k1), offset, fmt, saturate
     )
     return dst.result
 
