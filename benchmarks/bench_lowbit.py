@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """fp8 / fp4 rounding and block quantization: srround against ml_dtypes, torch's casts and
 torchao's ``to_mx`` / ``nvfp4_quantize``, in one run; plus the clipping of FLOOR block scales.
+``bench_round.py`` runs the same rows (``rows``) as its "below bf16" section.
 
 Usage::
 

@@ -24,6 +24,9 @@ row is labelled with the bytes per parameter its step must move at least (read +
   compiles ``single_param_adam`` with ``torch.compile`` per parameter shape; that time is printed
   as ``first step`` and kept out of the median.
 * optimi ``AdamW(kahan_sum=True)``: bf16 params, states and compensation, 18 B.
+* fp8 states: srround ``state_dtype=torch.float8_e4m3fn`` (1-byte moments, a float32 scale per
+  128 elements: 10.125 B) and torchao ``AdamWFp8(bf16_stochastic_round=True)`` (a float32
+  scale per 256: 10.03 B).
 
 ``GB/s`` = bytes/param x params / median step time; ``% copy`` divides it by a copy of the same
 number of bytes measured in the same run (half read, half written): CPU: a Numba ``prange``
@@ -232,6 +235,32 @@ def torch_rows(torch, device: str, quick: bool):
                     None,
                 )
             )
+    for fp8 in ("float8_e4m3fn",):  # 1-byte moments + float32 scales per 128 (2 x 8 B / 128)
+        rows.append(
+            (
+                f"srround AdamW stochastic fp8 {fp8[7:]} states",
+                10.125,
+                torch.bfloat16,
+                lambda params, sd=getattr(torch, fp8): factory(
+                    params, rounding="stochastic", state_dtype=sd, seed=SEED
+                ),
+                None,
+            )
+        )
+
+    def torchao_fp8(params):
+        mod = _quiet_import("torchao.optim")
+        return mod.AdamWFp8(params, lr=LR, bf16_stochastic_round=True)
+
+    rows.append(
+        (
+            "torchao AdamWFp8 bf16 SR (compiled)",
+            10.03,
+            torch.bfloat16,
+            torchao_fp8,
+            3 if quick else 10,
+        )
+    )
     for impl in ("fused", "foreach"):
         for dtype, nb in ((torch.bfloat16, 14), (torch.float32, 28)):
             dname = "bf16" if dtype == torch.bfloat16 else "fp32"
@@ -298,7 +327,7 @@ def run_torch(
         finally:
             del params, opt
             release(device)
-        floor = copy_floor(device, nbytes * n, reps)
+        floor = copy_floor(device, int(nbytes * n), reps)
         gbps = nbytes * n / r["median_s"] / 1e9
         row = {
             "section": "torch",

@@ -45,6 +45,13 @@ Rows (``op`` column: SR = stochastic rounding, RNE = round to nearest even):
 * ``srround stochastic_add`` - ``w <- SR(w + alpha * u)`` in place: 2 + 4 B read, 2 B written,
   8 B per element, so its GB/s and % floor (counted at 6 B) understate its traffic by 4/3.
 
+Below bf16 (``--lowbit-log2n``, default 22; 0 skips): the rows of ``bench_lowbit.py`` at one
+size - fp8/fp4 ``stochastic_round`` / ``round_nearest`` against ml_dtypes' and torch's casts,
+``quantize_blocks`` (MXFP8, MXFP4, NVFP4) against torchao's ``to_mx`` / ``nvfp4_quantize`` -
+counted at 4 B read plus the bytes written (1 B per fp8 element, 0.5 B per fp4 element, and the
+block scales; ``B/elem``), against their own same-run floor (CPU: a Numba ``prange`` ``x >> 24``,
+uint32 -> uint8; GPU: a torch ``copy_`` of 5 B per element).
+
 Reading the table: one row per implementation, one column per size, each cell
 ``GB/s  % of floor`` (same size, same run); the last column is the median milliseconds per call
 at the largest size. Rows that cannot run (no torchao, no CUDA in torch, no cupy...) are listed
@@ -497,6 +504,7 @@ def run_device(
                             "op": op,
                             "n": n,
                             **m,
+                            "bytes_per_element": BYTES_PER_ELEMENT,
                             "gbps": gbps,
                             "frac_of_floor": gbps / floor_gbps,
                             "ns_per_element": m["median_s"] / n * 1e9,
@@ -510,12 +518,61 @@ def run_device(
     return results
 
 
+def run_lowbit(device: str, n: int, cell_time: float, notes: list[str]) -> list[dict]:
+    """``bench_lowbit.py``'s rows (fp8/fp4 rounding, block quantization, their anchors) at
+    ``n`` elements, each against the first row (their floor), in this run's result format."""
+    from bench_lowbit import rows as lowbit_rows
+
+    try:
+        rows = lowbit_rows(device, n)
+    except Unavailable as exc:
+        notes.append(f"[{device}] skipped the low-bit rows: {exc}")
+        return []
+    results, floor_gbps = [], None
+    for name, written, fn, sync in rows:
+        try:
+            m = measure(fn, sync, cell_time=cell_time, batch_time=0.02 if sync else 0.0)
+        except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
+            notes.append(f"[{device}] FAILED {name}: {type(exc).__name__}: {exc}"[:200])
+            continue
+        gbps = (4 + written) * n / m["median_s"] / 1e9
+        floor_gbps = floor_gbps or gbps
+        results.append(
+            {
+                "device": device,
+                "method": name,
+                "op": "below bf16",
+                "n": n,
+                **m,
+                "bytes_per_element": 4 + written,
+                "gbps": gbps,
+                "frac_of_floor": gbps / floor_gbps,
+                "ns_per_element": m["median_s"] / n * 1e9,
+            }
+        )
+    return results
+
+
+def print_lowbit(results: list[dict], device: str) -> None:
+    rows = [r for r in results if r["device"] == device and r["op"] == "below bf16"]
+    if not rows:
+        return
+    print(f"\n[{device}] below bf16, n = {size_label(rows[0]['n'])} (GB/s at B/elem, % of floor)")
+    for r in rows:
+        star = "*" if (r["others_busy_cpus"] or 0) > BUSY_MARK else ""
+        print(
+            f"  {r['method']:44s} {r['bytes_per_element']:6.3g} B {r['gbps']:7.2f} GB/s"
+            f" {100 * r['frac_of_floor']:5.0f} % {r['median_s'] * 1e3:8.2f} ms{star}"
+        )
+
+
 COLUMNS = [
     ("device", "device", ""),
     ("method", "method", ""),
     ("op", "op", ""),
     ("n", "n", ",d"),
-    ("gbps", "GB/s (6 B/elem)", ".2f"),
+    ("bytes_per_element", "B/elem", ".3g"),
+    ("gbps", "GB/s", ".2f"),
     ("frac_of_floor", "% floor", "%"),
     ("median_s", "ms/call", "ms"),
     ("others_busy_cpus", "others busy CPUs", ".2f"),
@@ -701,6 +758,12 @@ def main(argv=None) -> int:
         f" than {BUSY_MARK} CPU during it, keeping the quietest attempt (default 1)",
     )
     p.add_argument("--no-latency", action="store_true", help="skip the cold/warm subprocesses")
+    p.add_argument(
+        "--lowbit-log2n",
+        type=int,
+        default=22,
+        help="size (log2) of the below-bf16 rows (fp8/fp4, block formats); 0 skips them",
+    )
     add_json_argument(p)
     args = p.parse_args(argv)
     started = utc_now()
@@ -761,6 +824,9 @@ def main(argv=None) -> int:
     for device in devices:
         results += run_device(device, sizes_for[device], cell_time, notes, args.retries)
         print_table(results, device)
+        if args.lowbit_log2n:
+            results += run_lowbit(device, 1 << args.lowbit_log2n, cell_time, notes)
+            print_lowbit(results, device)
 
     meta["others_busy_cpus_at_end"] = busy = busy_cpus()
     if busy is not None and max(busy, meta["others_busy_cpus_at_start"]) > 0.25:
@@ -785,7 +851,8 @@ def main(argv=None) -> int:
         columns=COLUMNS,
         baseline="per device and size, the first row is the floor (CPU: a Numba prange"
         " x>>16 truncation; GPU: a numba.cuda word copy of the same bytes); frac_of_floor"
-        " divides by it",
+        " divides by it; the 'below bf16' rows by their own first row (CPU: a Numba prange"
+        " x>>24, uint32 -> uint8; GPU: a torch copy_ of 5 B per element)",
         notes=notes,
         meta=meta,
         gpu=meta.get("gpu"),

@@ -7,6 +7,7 @@ Usage::
     python benchmarks/convergence.py                     # 1500 steps
     python benchmarks/convergence.py --quick --out /tmp/conv.png
     python benchmarks/convergence.py --steps 4000 --lrs 1e-5 3e-5 1e-4
+    python benchmarks/convergence.py --states              # optimizer-state precision
 
 Setup: inputs x ~ N(0, 1)^32; a teacher MLP 32 -> 128 (tanh) -> 1 produces the targets (plus
 1 % noise); the student has the teacher's shapes and starts at the teacher plus N(0, 0.03)
@@ -27,6 +28,12 @@ on the upcast weights):
 * ``bf16 kahan``      - ``rounding="kahan"``: + bf16 compensation (2 B/param);
 * ``bf16 remainder``  - ``rounding="remainder"``: + int16 low bits (2 B/param, fp32-exact);
 * ``bf16 master``     - ``rounding="master"``: + fp32 master weights (4 B/param).
+
+``--states`` compares the optimizer states instead (bf16 parameters, ``rounding="stochastic"``):
+fp32, bf16 (stochastically rounded) and fp8 moments (``float8_e4m3fn`` / ``float8_e5m2``, a
+float32 scale per block of 128 elements, sqrt-domain second moment) against fp32 AdamW, with the
+bytes per parameter each keeps (weights + states + scales), at a typical learning rate (1e-3;
+``--lrs`` for others).
 
 The table gives the final full-data loss and the progress ratio
 ``(L - L_fp32) / (L_0 - L_fp32)`` at the end (0: as far as fp32 got; 1: no progress). The PNG
@@ -51,6 +58,14 @@ VARIANTS = (
     "bf16 master",
 )
 TARGET = 0.02
+# --states: variant -> (state dtype name, bytes per parameter: bf16 weight + states + scales)
+STATE_VARIANTS = {
+    "fp32": (None, 4 + 8),
+    "states fp32": ("float32", 2 + 8),
+    "states bf16": ("bfloat16", 2 + 4),
+    "states fp8 e4m3": ("float8_e4m3fn", 2 + 2 + 8 / 128),
+    "states fp8 e5m2": ("float8_e5m2", 2 + 2 + 8 / 128),
+}
 
 D_IN, HIDDEN, SAMPLES, BATCH = 32, 128, 4096, 256
 
@@ -89,12 +104,13 @@ def train(variant: str, lr: float, steps: int, eval_every: int, data, seed: int)
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     else:
         params = [torch.nn.Parameter(s.clone()) for s in start_bf16]
+        states = variant.startswith("states")
         opt = sat.AdamW(
             params,
             lr=lr,
             weight_decay=0.01,
-            rounding=variant.split()[1],
-            state_dtype=torch.float32,
+            rounding="stochastic" if states else variant.split()[1],
+            state_dtype=getattr(torch, STATE_VARIANTS[variant][0]) if states else torch.float32,
             seed=seed,
         )
 
@@ -122,7 +138,7 @@ def progress(curve, ref) -> float:
     return float((curve[-1] - ref[-1]) / (curve[0] - ref[-1]))
 
 
-def plot(results: dict, lrs, path: str) -> bool:
+def plot(results: dict, lrs, path: str, variants=VARIANTS) -> bool:
     try:
         import matplotlib
 
@@ -132,7 +148,7 @@ def plot(results: dict, lrs, path: str) -> bool:
         return False
     fig, axes = plt.subplots(1, len(lrs), figsize=(6 * len(lrs), 4.5), squeeze=False)
     for ax, lr in zip(axes[0], lrs):
-        for v in VARIANTS:
+        for v in variants:
             at, loss = results[(lr, v)]
             style = {"color": "black", "ls": "--", "zorder": 3} if v == "fp32" else {}
             ax.plot(at, loss, label=v, lw=1.5, **style)
@@ -154,7 +170,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--steps", type=int, default=None, help="steps per run (default 1500, --quick 400)"
     )
-    p.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 3e-5])
+    p.add_argument("--lrs", type=float, nargs="+", default=None, help="default 1e-5 3e-5")
+    p.add_argument(
+        "--states",
+        action="store_true",
+        help="compare optimizer-state dtypes (fp32, bf16, fp8) instead (default lr 1e-3)",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -164,6 +185,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="convergence.png", help="PNG of the loss curves")
     args = p.parse_args(argv)
     steps = args.steps or (400 if args.quick else 1500)
+    if args.lrs is None:
+        args.lrs = [1e-3] if args.states else [1e-5, 3e-5]
+    variants = tuple(STATE_VARIANTS) if args.states else VARIANTS
     eval_every = max(1, steps // 100)
 
     import torch
@@ -173,7 +197,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     results = {}
     for lr in args.lrs:
-        for v in VARIANTS:
+        for v in variants:
             results[(lr, v)] = train(v, lr, steps, eval_every, data, args.seed)
     elapsed = time.perf_counter() - t0
 
@@ -185,6 +209,8 @@ def main(argv=None) -> int:
     print(
         "progress = (L - L_fp32) / (L_0 - L_fp32) at the end: 0 = as far as fp32, 1 = no progress"
     )
+    if args.states:
+        return _report_states(results, args, variants, elapsed)
     print(f"{'lr':>8}  {'variant':<17} {'L_0':>10} {'final loss':>11} {'progress':>9}")
     verdicts = []
     for lr in args.lrs:
@@ -214,6 +240,23 @@ def main(argv=None) -> int:
         print(f"wrote {args.out}")
     else:
         print("matplotlib not installed: no plot")
+    return 0
+
+
+def _report_states(results, args, variants, elapsed) -> int:
+    print(f"{'lr':>8}  {'variant':<17} {'B/param':>8} {'final loss':>11} {'progress':>9}")
+    for lr in args.lrs:
+        ref = results[(lr, "fp32")][1]
+        for v in variants:
+            curve = results[(lr, v)][1]
+            print(
+                f"{lr:>8g}  {v:<17} {STATE_VARIANTS[v][1]:>8.3f} {curve[-1]:>11.6f} "
+                f"{progress(curve, ref):>9.3f}"
+            )
+    print("(fp32: torch.optim.AdamW, fp32 weights; the others: bf16 weights, stochastic rounding)")
+    print(f"training time {elapsed:.1f} s")
+    if plot(results, args.lrs, args.out, variants):
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -21,6 +21,7 @@ from srround._api import (  # noqa: E402
 from srround._blocks import QuantizedBlocks, dequantize_blocks, quantize_blocks  # noqa: E402
 from srround._formats import FORMATS, Format  # noqa: E402
 from srround._rng import manual_seed  # noqa: E402
+from srround._state8 import STATE_BLOCK  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "FORMATS",
     "Format",
     "QuantizedBlocks",
+    "STATE_BLOCK",
     "adamw_step",
     "audit",
     "dequantize_blocks",

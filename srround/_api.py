@@ -48,6 +48,24 @@ def _launch(kernel: str, view: View, *args) -> None:
         getattr(_cuda, kernel)(*args, stream=view.stream)
 
 
+def _launch_random(kernel, view, src_bits, dst_bits, alpha, key, offset, fmt, saturate) -> None:
+    """``_launch`` of a random kernel (``_cpu.stochastic_round``/``stochastic_add`` and their
+    CUDA twins) with the key, the stream offset and the target format's constants."""
+    _launch(
+        kernel,
+        view,
+        src_bits,
+        dst_bits,
+        np.float32(alpha),
+        *key,
+        offset,
+        fmt.mantissa_bits,
+        fmt.exponent_bits,
+        saturate,
+        fmt.specials,
+    )
+
+
 def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, overflow="inf"):
     """Stochastically round float32 ``x`` to bf16, fp16, fp8 (e4m3fn, e5m2) or fp4 (e2m1fn).
 
@@ -89,19 +107,8 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     if out is not None:
         _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
     offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
-    _launch(
-        "stochastic_round",
-        src,
-        src.bits,
-        dst.bits,
-        np.float32(1.0),
-        k0,
-        k1,
-        offset,
-        fmt.mantissa_bits,
-        fmt.exponent_bits,
-        saturate,
-        fmt.specials,
+    _launch_random(
+        "stochastic_round", src, src.bits, dst.bits, 1.0, (k0, k1), offset, fmt, saturate
     )
     return dst.result
 
@@ -191,19 +198,8 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     check_same_place(w=dst, u=src)
     _validate.no_overlap([_span("w", dst, True), _span("u", src, False)])
     offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
-    _launch(
-        "stochastic_add",
-        dst,
-        src.bits,
-        dst.bits,
-        np.float32(alpha),
-        k0,
-        k1,
-        offset,
-        fmt.mantissa_bits,
-        fmt.exponent_bits,
-        saturate,
-        fmt.specials,
+    _launch_random(
+        "stochastic_add", dst, src.bits, dst.bits, alpha, (k0, k1), offset, fmt, saturate
     )
     return dst.result
 
@@ -426,7 +422,20 @@ def _as_list(arrays, name, count=None):
 
 
 def _fused_step(
-    kind, hyper, params, grads, states, aux, *, step, rounding, seed, inv_scale, found_inf, name
+    kind,
+    hyper,
+    params,
+    grads,
+    states,
+    aux,
+    *,
+    step,
+    rounding,
+    seed,
+    inv_scale,
+    found_inf,
+    name,
+    scales=None,
 ):
     """Validate the buffer lists, plan (``_plan.plan_step``) and run one ``FusedStep``."""
     mode = _plan.check_rounding(rounding)
@@ -455,7 +464,9 @@ def _fused_step(
     states = [(label, None if a is None else _as_list(a, label, count)) for label, a in states]
     if aux is not None and _plan.needs_aux(mode):
         aux = _as_list(aux, "aux", count)
-    plan = _plan.plan_step(adapter, rounding, params, grads, states, aux)
+    if scales is not None:
+        scales = [(label, None if a is None else _as_list(a, label, count)) for label, a in scales]
+    plan = _plan.plan_step(adapter, rounding, params, grads, states, aux, scales=scales)
     first, _ = _writable_view(adapter, params[0], "params[0]")
     steps = _step_counter(adapter, step, first, count)
     scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)
@@ -510,6 +521,8 @@ def adamw_step(
     seed=None,
     inv_scale=None,
     found_inf=None,
+    exp_avg_scales=None,
+    exp_avg_sq_scales=None,
 ):
     """One fused AdamW step (torch.optim.AdamW's math) over lists of buffers, in place: each
     element read and written once, one launch (two on CUDA) for any number of tensors.
@@ -517,8 +530,10 @@ def adamw_step(
     Args:
         params: array or list of arrays: bf16, fp16 or fp32 weights, updated in place.
         grads: gradients (one per param, same sizes): bf16, fp16 or fp32.
-        exp_avgs, exp_avg_sqs: first and second moments, fp32 or bf16 (bf16 states are written
-            back with stochastic rounding), updated in place.
+        exp_avgs, exp_avg_sqs: first and second moments, fp32, bf16 or fp8 (float8_e4m3fn,
+            float8_e5m2), updated in place; narrow states are written back with stochastic
+            rounding. fp8 states are block-scaled and ``exp_avg_sqs`` holds ``sqrt(v)``
+            (``docs/contracts.md``, "fp8 states").
         lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
         step: int32 array of one step count per param, incremented in place before use (torch's
             ``state["step"]``), or an int: the 1-based number of this step.
@@ -532,6 +547,9 @@ def adamw_step(
             (else ``ValueError``), or a float32 array of 1, checked in the kernel: a zero,
             negative, NaN or inf one sets ``found_inf`` to 1 and the step changes nothing.
         found_inf: float32 array of 1; when nonzero the step changes nothing (no host sync).
+        exp_avg_scales, exp_avg_sq_scales: with fp8 states only: float32 arrays of
+            ``ceil(size / srround.STATE_BLOCK)`` block scales per param (zeros before the first
+            step), updated in place.
     """
     lr, beta1, beta2, eps, weight_decay = _validate.adamw(lr, betas, eps, weight_decay)
     _fused_step(
@@ -547,6 +565,7 @@ def adamw_step(
         inv_scale=inv_scale,
         found_inf=found_inf,
         name="adamw_step",
+        scales=(("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)),
     )
 
 

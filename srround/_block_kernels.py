@@ -1,6 +1,6 @@
 """Kernels of the block-scaled formats (``_blocks.py`` has the rules): one-element and one-block
-bodies compiled for the CPU loops here and the CUDA kernels of ``_blocks_cuda.py``, and the CPU
-kernels (one ``prange`` iteration per block)."""
+bodies, written once and compiled for the CPU loops here (one ``prange`` iteration per block)
+and the CUDA kernels of ``_blocks_cuda.py`` (one thread per block)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from numba import njit, prange
 
 from ._rng import lane_bits16, random_block
 from ._scalar import FN, bits_to_f32, decode, encode_nearest, encode_stochastic, f32_to_bits
+from ._tensor_list import load_bits, store_bits
 
 _F32_ABS = 0x7FFFFFFF
 _F32_INF = 0x7F800000
@@ -69,8 +70,10 @@ def block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind):
     y = f32_to_bits(bits_to_f32(u) * bits_to_f32(multiplier))
     sign = y & 0x80000000
     a = y & _F32_ABS
-    if a > _F32_INF:  # NaN: all ones (torch's fp8 casts); fp4 has no NaN: torchao's 0b0011
-        return (sign >> (31 - m - e)) | (((1 << (m + e)) - 1) if kind != 2 else 0x3)
+    if a > _F32_INF:  # NaN (a NaN ``u``, or inf * 0 in a NaN block): all ones (torch's fp8
+        # casts; fp4 has no NaN: torchao's 0b0011), with the sign of ``u`` - the sign of a
+        # NaN product differs between CPUs and GPUs
+        return ((u >> 31) << (m + e)) | (((1 << (m + e)) - 1) if kind != 2 else 0x3)
     if a > max_bits:
         y = sign | max_bits
     if stochastic:
@@ -80,8 +83,10 @@ def block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind):
 
 @njit(forceinline=True, cache=True)
 def element_value(h, scale_bits, m, e, kind):
-    """fp32 bits of element pattern ``h`` times the fp32 scale (bits)."""
-    return f32_to_bits(bits_to_f32(decode(h, m, e, kind)) * bits_to_f32(scale_bits))
+    """fp32 bits of element pattern ``h`` times the fp32 scale (bits); a NaN result is the
+    quiet NaN 0x7FC00000 (which NaN a product keeps differs between CPUs and GPUs)."""
+    v = f32_to_bits(bits_to_f32(decode(h, m, e, kind)) * bits_to_f32(scale_bits))
+    return v if (v & _F32_ABS) <= _F32_INF else 0x7FC00000
 
 
 @njit(forceinline=True, cache=True)
@@ -121,9 +126,11 @@ def amax_bits_cpu(x):
 
 @njit(forceinline=True, cache=True)
 def quantize_block(x, data, scales, t, n, inner, block, tensor_scale, k0, k1, offset, params):
-    """Block ``t`` (row-major over ``(outer, n // block, inner)``): scale into ``scales[t]``,
-    elements into ``data``. ``params``: (m, e, kind, two_level, emax, max_mantissa, max_bits,
-    packed, stochastic, ceil)."""
+    """Block ``t`` (row-major over ``(outer, n // block, inner)``) of the fp32 patterns at
+    address ``x``: its scale into the bytes at ``scales`` (element ``t``), its elements into
+    the bytes at ``data``. ``params``: (m, e, kind, two_level, emax, max_mantissa, max_bits,
+    packed, stochastic, ceil). Addresses, not arrays: the CUDA simulator cannot pass its
+    arrays to an ``njit`` body."""
     m, e, kind, two_level, emax, max_mantissa, max_bits, packed, stochastic, ceil = params
     nb = n // block
     i = t % inner
@@ -132,14 +139,14 @@ def quantize_block(x, data, scales, t, n, inner, block, tensor_scale, k0, k1, of
     base = (o * n + blk * block) * inner + i
     amax = 0
     for k in range(block):
-        a = x[base + k * inner] & _F32_ABS
+        a = load_bits(x, base + k * inner, 32) & _F32_ABS
         if a > amax:
             amax = a
     if two_level:
         code, multiplier = nv_block_scale(amax, tensor_scale, ceil)
     else:
         code, multiplier = mx_scale(amax, emax, max_mantissa, ceil)
-    scales[t] = code
+    store_bits(scales, t, code, 8)
     current = -1
     x0 = x1 = 0
     low = 0
@@ -152,42 +159,54 @@ def quantize_block(x, data, scales, t, n, inner, block, tensor_scale, k0, k1, of
                 current = ctr >> 2
                 x0, x1 = random_block(k0, k1, current)
             bits16 = lane_bits16(x0, x1, ctr & 3)
-        h = block_element(x[idx], multiplier, max_bits, bits16, stochastic, m, e, kind)
+        u = load_bits(x, idx, 32)
+        h = block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind)
         if packed:
             if k & 1 == 0:
                 low = h
             else:
-                data[(o * (n >> 1) + ((blk * block + k) >> 1)) * inner + i] = low | (h << 4)
+                j = (o * (n >> 1) + ((blk * block + k) >> 1)) * inner + i
+                store_bits(data, j, low | (h << 4), 8)
         else:
-            data[idx] = h
+            store_bits(data, idx, h, 8)
 
 
 @njit(parallel=True, cache=True)
-def quantize_blocks_cpu(x, data, scales, n, inner, block, tensor_scale, k0, k1, offset, params):
-    """Every block of fp32 bits ``x`` (see ``quantize_block``)."""
-    for t in prange(scales.size):
+def quantize_blocks_cpu(
+    x, data, scales, count, n, inner, block, tensor_scale, k0, k1, offset, params
+):
+    """Every one of the ``count`` blocks (see ``quantize_block``)."""
+    for t in prange(count):
         quantize_block(x, data, scales, t, n, inner, block, tensor_scale, k0, k1, offset, params)
 
 
-@njit(parallel=True, cache=True)
-def dequantize_blocks_cpu(data, scales, out, n, inner, block, tensor_scale, params):
-    """out (fp32 bits) = element * scale (NVFP4: scale = e4m3 block scale * tensor scale)."""
+@njit(forceinline=True, cache=True)
+def dequantize_block(data, scales, out, t, n, inner, block, tensor_scale, params):
+    """Block ``t`` (as in ``quantize_block``, addresses): out (fp32 patterns) = element *
+    scale (NVFP4: scale = e4m3 block scale * tensor scale). ``params``: (m, e, kind,
+    two_level, packed)."""
     m, e, kind, two_level, packed = params
     nb = n // block
-    for t in prange(scales.size):
-        i = t % inner
-        blk = (t // inner) % nb
-        o = t // (inner * nb)
-        base = (o * n + blk * block) * inner + i
-        if two_level:
-            scale = nv_scale_value(scales[t], tensor_scale)
+    i = t % inner
+    blk = (t // inner) % nb
+    o = t // (inner * nb)
+    base = (o * n + blk * block) * inner + i
+    if two_level:
+        scale = nv_scale_value(load_bits(scales, t, 8), tensor_scale)
+    else:
+        scale = mx_scale_value(load_bits(scales, t, 8))
+    for k in range(block):
+        idx = base + k * inner
+        if packed:
+            byte = load_bits(data, (o * (n >> 1) + ((blk * block + k) >> 1)) * inner + i, 8)
+            h = (byte >> (4 * (k & 1))) & 0xF
         else:
-            scale = mx_scale_value(scales[t])
-        for k in range(block):
-            idx = base + k * inner
-            if packed:
-                byte = data[(o * (n >> 1) + ((blk * block + k) >> 1)) * inner + i]
-                h = (byte >> (4 * (k & 1))) & 0xF
-            else:
-                h = data[idx]
-            out[idx] = element_value(h, scale, m, e, kind)
+            h = load_bits(data, idx, 8)
+        store_bits(out, idx, element_value(h, scale, m, e, kind), 32)
+
+
+@njit(parallel=True, cache=True)
+def dequantize_blocks_cpu(data, scales, out, count, n, inner, block, tensor_scale, params):
+    """Every one of the ``count`` blocks (see ``dequantize_block``)."""
+    for t in prange(count):
+        dequantize_block(data, scales, out, t, n, inner, block, tensor_scale, params)

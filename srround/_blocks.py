@@ -50,6 +50,7 @@ from ._block_kernels import (
 )
 from ._formats import FORMATS, Format
 from ._rng import check_offset, check_seed, next_seed, split_seed
+from ._tensor_list import address
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +234,18 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
             ts = nv_tensor_scale(int(amax_bits_cpu(src.bits))) if bf.two_level else 0
             tensor.bits[0] = ts
             quantize_blocks_cpu(
-                src.bits, data.bits, scales.bits, n, inner, bf.block, ts, k0, k1, offset, params
+                address(src.bits),
+                address(data.bits),
+                address(scales.bits),
+                scales.bits.size,
+                n,
+                inner,
+                bf.block,
+                ts,
+                k0,
+                k1,
+                offset,
+                params,
             )
         else:
             from . import _blocks_cuda
@@ -298,7 +310,17 @@ def dequantize_blocks(q, *, dtype="float32"):
     if out.bits.size:
         if out.device == "cpu":
             ts = int(tensor.bits[0]) if tensor is not None else 0
-            dequantize_blocks_cpu(data.bits, scales.bits, out.bits, n, inner, bf.block, ts, params)
+            dequantize_blocks_cpu(
+                address(data.bits),
+                address(scales.bits),
+                address(out.bits),
+                scales.bits.size,
+                n,
+                inner,
+                bf.block,
+                ts,
+                params,
+            )
         else:
             from . import _blocks_cuda
 

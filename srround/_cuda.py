@@ -19,6 +19,7 @@ from numba import njit
 
 from . import _config
 from ._elements import (
+    ADAMW,
     AUX_ADDR,
     G_ADDR,
     G_FMT,
@@ -27,7 +28,9 @@ from ._elements import (
     P_ADDR,
     P_FMT,
     S1_ADDR,
+    S1_SCALE,
     S2_ADDR,
+    S2_SCALE,
     prepare_coefs,
     scale_usable,
     step_element,
@@ -45,6 +48,7 @@ from ._scalar import (
     pack4,
     unpack,
 )
+from ._state8 import update_block8
 from ._tensor_list import address, find_tensor
 
 cuda = import_numba_cuda()
@@ -354,3 +358,53 @@ def optim_step(
     _optim_step[grid[0], grid[1], stream](
         kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1
     )
+
+
+@cuda.jit(cache=True)
+def _optim_step8(
+    mode, state_fmt, table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k0, k1
+):
+    if found[0] & 0x7FFFFFFF:
+        return
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for t in range(start, bstarts[bstarts.size - 1], stride):
+        k = _find_tensor(bstarts, t)
+        g = table[k, GROUP]
+        update_block8(
+            mode,
+            state_fmt,
+            (  # the row, in _state8's order
+                table[k, P_ADDR],
+                table[k, P_FMT],
+                table[k, G_ADDR],
+                table[k, G_FMT],
+                table[k, S1_ADDR],
+                table[k, S2_ADDR],
+                table[k, AUX_ADDR],
+                table[k, NOISE],
+                table[k, S1_SCALE],
+                table[k, S2_SCALE],
+            ),
+            t - bstarts[k],
+            starts[k + 1] - starts[k],
+            steps[k],
+            inv_scale[0],
+            (coefs[k, 0], coefs[k, 1], coefs[k, 2]),
+            (hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4]),
+            (k0, k1),
+            0,  # no random words: drawn in the body
+        )
+
+
+def optim_step8(mode, state_fmt, table, starts, bstarts, *args, sign, blocks, stream):
+    """An AdamW step with fp8 states (``_state8``): the prepare pass (``sign`` as in
+    ``optim_step``), then one thread per block of ``_state8.STATE_BLOCK`` elements (``blocks``
+    in all); every array on the device; ``args``: ``(hyper, steps, coefs, inv_scale, found,
+    k0, k1)``."""
+    hyper, steps, coefs, inv_scale, found = args[:5]
+    grid = _grid(steps.size)
+    _optim_prepare[grid[0], grid[1], stream](
+        ADAMW, table, hyper, steps, coefs, inv_scale, sign, found
+    )
+    grid = _grid(blocks)
+    _optim_step8[grid[0], grid[1], stream](mode, state_fmt, table, starts, bstarts, *args)

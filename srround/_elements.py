@@ -194,6 +194,8 @@ class Column(enum.IntEnum):
     GROUP = 7  # row of the hyperparameter array
     NOISE = 8  # stream start of the tensor's element 0 (the planner's default: its start in
     # the table's element range; a sharded tensor's: its place in the full tensor)
+    S1_SCALE = 9  # float32 block scales of an fp8 first / second state (``_state8``; 0: none)
+    S2_SCALE = 10
 
 
 class Hyper(enum.IntEnum):
@@ -213,7 +215,9 @@ class Hyper(enum.IntEnum):
 ADAMW, SGD = int(Kind.ADAMW), int(Kind.SGD)
 STOCHASTIC, NEAREST, KAHAN, MASTER, REMAINDER = (int(m) for m in Mode)
 MODES = {mode.name.lower(): int(mode) for mode in Mode}
-P_ADDR, P_FMT, G_ADDR, G_FMT, S1_ADDR, S2_ADDR, AUX_ADDR, GROUP, NOISE = (int(c) for c in Column)
+P_ADDR, P_FMT, G_ADDR, G_FMT, S1_ADDR, S2_ADDR, AUX_ADDR, GROUP, NOISE, S1_SCALE, S2_SCALE = (
+    int(c) for c in Column
+)
 TABLE_COLUMNS = len(Column)
 HYPER_COLUMNS = len(Hyper)
 COEF_COLUMNS = 4  # float32 per-tensor coefficients of a step (``prepare_coefs``)

@@ -171,6 +171,9 @@ def _code_table(field, fp32_value, int16_value):
 CODE_MANTISSA_BITS = _code_table(lambda f: f.mantissa_bits, 23, 0)
 CODE_EXPONENT_BITS = _code_table(lambda f: f.exponent_bits, 8, 0)
 CODE_WIDTH = _code_table(lambda f: f.width, 4, 2)
+#: ``specials`` code and the float32 bits of the largest finite value, by buffer code.
+CODE_SPECIALS = _code_table(lambda f: f.specials, 0, 0)
+CODE_MAX_BITS = _code_table(lambda f: int(np.float32(f.max_finite).view(np.uint32)), 0x7F7FFFFF, 0)
 
 
 def get_format(dtype) -> Format:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _cpu
+from . import _cpu, _state8
 from ._elements import (  # noqa: F401  (re-exported: the optimizer's names)
     ADAMW,
     AUX_ADDR,
@@ -88,15 +88,19 @@ class FusedStep:
         self._hyper_host = None
         self._hyper = None
         self._host_table, self._grad_table = table, None  # gradient columns: check_grads
+        self.fp8 = state_fmt in _state8.FP8_CODES
+        bstarts = np.concatenate([[0], np.cumsum(_state8.block_counts(sizes))]).astype(np.int64)
+        self.blocks = int(bstarts[-1])
         if device == "cpu":
-            self.table, self.starts, self.coefs = table, starts, coefs
-            self._kernel = _cpu.optim_step_kernel(kind, mode, state_fmt, table)
+            self.table, self.starts, self.coefs, self.bstarts = table, starts, coefs, bstarts
+            if not self.fp8:
+                self._kernel = _cpu.optim_step_kernel(kind, mode, state_fmt, table)
         else:
             from ._numba_cuda_compat import import_numba_cuda
 
             cuda = import_numba_cuda()
-            self.table, self.starts, self.coefs = (
-                cuda.to_device(a, stream=stream) for a in (table, starts, coefs)
+            self.table, self.starts, self.coefs, self.bstarts = (
+                cuda.to_device(a, stream=stream) for a in (table, starts, coefs, bstarts)
             )
 
     def set_hyper(self, hyper: np.ndarray) -> None:
@@ -155,7 +159,32 @@ class FusedStep:
             k0,
             k1,
         )
-        if self.device == "cpu":
+        if self.fp8:  # AdamW with fp8 states: one work item per block of a tensor
+            head, tail = args[:2], args[2:]
+            if self.device == "cpu":
+                _cpu.run(
+                    _cpu.optim_step8,
+                    self.total,
+                    *head,
+                    self.bstarts,
+                    *tail,
+                    self.mode,
+                    self.state_fmt,
+                )
+            else:
+                from . import _cuda
+
+                _cuda.optim_step8(
+                    self.mode,
+                    self.state_fmt,
+                    *head,
+                    self.bstarts,
+                    *tail,
+                    sign=sign,
+                    blocks=self.blocks,
+                    stream=self.stream,
+                )
+        elif self.device == "cpu":
             _cpu.run(self._kernel, self.total, *args)
         else:
             from . import _cuda

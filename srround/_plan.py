@@ -22,17 +22,20 @@ from ._elements import (
     P_ADDR,
     P_FMT,
     S1_ADDR,
+    S1_SCALE,
     S2_ADDR,
+    S2_SCALE,
     TABLE_COLUMNS,
     Mode,
 )
 from ._formats import CODE_WIDTH, FORMATS, BufferCode, code_name
+from ._state8 import FP8_CODES, STATE_BLOCK, block_counts
 
 __all__ = ["RoundingError", "Plan", "check_rounding", "check_param_codes", "plan_step"]
 
 #: Codes a parameter or gradient may have (fp32 and the 16-bit formats: the optimizer and
 #: loss-scale elements treat every narrow code as IEEE-like, which fp8 e4m3fn and fp4 are not);
-#: codes a state buffer may have.
+#: codes a state buffer may have (fp8 ones too where the step takes block scales).
 FLOAT_CODES = (BufferCode.FLOAT32, *(fmt.code for fmt in FORMATS.values() if fmt.bits == 16))
 STATE_CODES = (BufferCode.FLOAT32, BufferCode.BFLOAT16)
 #: Parameter codes the ``"remainder"`` mode can take (its aux holds the low half of fp32).
@@ -133,9 +136,10 @@ class Plan:
     spans: list = dataclasses.field(default_factory=list)
 
 
-def _columns(adapter, arrays, name, sizes, place, allowed, expected=None):
-    """Addresses and codes of one buffer list, checked against the parameters' sizes and
-    place; ``None`` entries (no buffer) give address 0 and code 0."""
+def _columns(adapter, arrays, name, sizes, place, allowed, expected=None, size_rule=None):
+    """Addresses and codes of one buffer list, checked against the parameters' sizes (or the
+    sizes ``size_rule`` names) and place; ``None`` entries (no buffer) give address 0 and
+    code 0."""
     present = [i for i, a in enumerate(arrays) if a is not None]
     addresses, codes = [0] * len(arrays), [0] * len(arrays)
     if present:
@@ -148,13 +152,17 @@ def _columns(adapter, arrays, name, sizes, place, allowed, expected=None):
             i = present[bad]
             raise TypeError(f"{name}[{i}]: expected {expected}, got {code_name(cods[bad])}")
         for i, a, n, c in zip(present, adds, got, cods):
+            if n != sizes[i] and size_rule:
+                raise ValueError(f"{name}[{i}]: {n} elements, expected {sizes[i]} ({size_rule})")
             if n != sizes[i]:
                 raise ValueError(f"{name}[{i}]: {n} elements, but params[{i}] has {sizes[i]}")
             addresses[i], codes[i] = a, c
     return addresses, codes
 
 
-def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=None) -> Plan:
+def plan_step(
+    adapter, rounding, params, grads, states, aux, groups=None, noise=None, scales=None
+) -> Plan:
     """Validate the buffer lists of a fused step and build its pointer table.
 
     Args:
@@ -168,6 +176,9 @@ def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=
         groups: the parameter-group index of each parameter (default 0).
         noise: the stream start of each parameter's element 0 (default: the prefix sums of
             the sizes, each tensor's start in the table's element range).
+        scales: ``((label, arrays or None), (label, arrays or None))``: the float32 block
+            scales of fp8 states (``_state8``), one list per state; ``None`` (the default):
+            the step takes no fp8 states.
 
     Raises:
         RoundingError: an unknown mode, or parameters the mode cannot write.
@@ -182,22 +193,29 @@ def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=
     spans = _validate.list_spans("params", p_addr, sizes, p_codes, CODE_WIDTH, True)
     spans += _validate.list_spans("grads", g_addr, sizes, g_codes, CODE_WIDTH, False)
     columns, state_fmt = [], None
+    allowed = STATE_CODES if scales is None else (*STATE_CODES, *FP8_CODES)
     for label, arrays in states:
         if arrays is None:
             columns.append([0] * count)
             continue
-        addrs, codes = _columns(adapter, arrays, label, sizes, place, STATE_CODES)
+        addrs, codes = _columns(adapter, arrays, label, sizes, place, allowed)
         for i, (a, c) in enumerate(zip(arrays, codes)):
             if a is None:
                 continue
             if state_fmt is not None and c != state_fmt:
                 raise TypeError(
-                    f"{label}[{i}]: every state must have one dtype ({_names(STATE_CODES)})"
+                    f"{label}[{i}]: every state must have one dtype ({_names(allowed)})"
                 )
             state_fmt = c
         columns.append(addrs)
         present = [i for i, a in enumerate(arrays) if a is not None]
         spans += _validate.list_spans(label, addrs, sizes, codes, CODE_WIDTH, True, present)
+    scale_columns = [[0] * count, [0] * count]
+    if scales is not None:
+        scale_columns, scale_spans = _scale_columns(
+            adapter, scales, states, state_fmt in FP8_CODES, sizes, place
+        )
+        spans += scale_spans
     aux_addr = [0] * count
     if mode in _AUX:
         code_of, expected = _AUX[mode]
@@ -222,6 +240,7 @@ def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=
     table[:, G_ADDR], table[:, G_FMT] = g_addr, g_codes
     table[:, S1_ADDR], table[:, S2_ADDR] = columns
     table[:, AUX_ADDR] = aux_addr
+    table[:, S1_SCALE], table[:, S2_SCALE] = scale_columns
     if groups is not None:
         table[:, GROUP] = groups
     if noise is None:
@@ -230,3 +249,28 @@ def plan_step(adapter, rounding, params, grads, states, aux, groups=None, noise=
     state = BufferCode.FLOAT32 if state_fmt is None else BufferCode(state_fmt)
     _validate.no_overlap(spans)  # sorted once per table: shared memory between any two buffers
     return Plan(table, sizes, state, place, spans)
+
+
+def _scale_columns(adapter, scales, states, fp8, sizes, place):
+    """Addresses of the block-scale lists (``plan_step``'s ``scales``) and their spans: float32,
+    ``ceil(size / STATE_BLOCK)`` per tensor, given exactly when the states are fp8."""
+    counts = block_counts(sizes)
+    columns, spans = [], []
+    for (label, arrays), (state_label, state_arrays) in zip(scales, states):
+        if not fp8 or state_arrays is None:
+            if arrays is not None:
+                raise ValueError(f"{label}: block scales are only for float8 {state_label}")
+            columns.append([0] * len(sizes))
+            continue
+        if arrays is None:
+            raise ValueError(
+                f"{label}: float8 {state_label} need float32 block scales, one array per"
+                f" param of ceil(size / {STATE_BLOCK}) elements, zeros at the first step"
+            )
+        rule = f"ceil(params[i].size / {STATE_BLOCK})"
+        addrs, codes = _columns(
+            adapter, arrays, label, counts, place, (BufferCode.FLOAT32,), "float32", rule
+        )
+        columns.append(addrs)
+        spans += _validate.list_spans(label, addrs, counts, codes, CODE_WIDTH, True)
+    return columns, spans

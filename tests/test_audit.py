@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import subprocess
 import sys
+import types
 
 import ml_dtypes
 import numpy as np
@@ -93,10 +96,29 @@ def checkpoints(tmp_path):
 
 
 def _cli(*args):
+    """``srround *args`` in this process (a fresh interpreter costs seconds of imports per
+    call): returncode, stdout and stderr as a finished process would give them."""
+    from srround import _cli as cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    return types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def test_python_m_srround_audit_runs_in_a_fresh_process(checkpoints):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    return subprocess.run(
+    args = ["audit", str(checkpoints["npz"]), "--lr", "1e-4", "--json"]
+    result = subprocess.run(
         [sys.executable, "-m", "srround", *args], capture_output=True, text=True, env=env
     )
+    assert result.returncode == 0, result.stderr
+    fresh, here = json.loads(result.stdout), json.loads(_cli(*args).stdout)
+    assert fresh.pop("seconds") > 0 and here.pop("seconds") > 0
+    assert fresh == here
 
 
 @pytest.mark.parametrize("kind", ["npz", "safetensors", "pt"])

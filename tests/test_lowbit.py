@@ -591,6 +591,39 @@ def test_jax_blocks_equal_numpy_blocks(name):
     )
 
 
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_jax_native_blocks_equal_callback_blocks(name):
+    """The ``jax.lax`` block path (the default) gives the kernels' bits on the edge inputs
+    (magnitudes 1e-30..1e30, fp32 subnormals, clipping maxima, inf, NaN), both roundings,
+    axis 0 and -1, dequantize included."""
+    jax = pytest.importorskip("jax")
+    from srround.adapters import jax as sj
+
+    x = _block_inputs(rows=10, cols=64, seed=2)
+    if name == "nvfp4":  # one tensor scale: keep a NaN out of all but one case
+        x = np.nan_to_num(x, nan=0.0, posinf=3.0, neginf=-3.0)
+    for rounding, axis, xs in (
+        ("nearest", -1, x),
+        ("stochastic", -1, x),
+        ("stochastic", 0, np.ascontiguousarray(x.T)),
+    ):
+        xj = jax.numpy.asarray(xs)
+        got = sj.quantize_blocks(xj, name, rounding=rounding, seed=9, offset=7, axis=axis)
+        want = sj.quantize_blocks(
+            xj, name, rounding=rounding, seed=9, offset=7, axis=axis, impl="callback"
+        )
+        assert got.axis == want.axis
+        for a, b in ((got.data, want.data), (got.scales, want.scales)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(_u8(np.asarray(a)), _u8(np.asarray(b)))
+        if name == "nvfp4":
+            assert np.asarray(got.tensor_scale).tobytes() == np.asarray(want.tensor_scale).tobytes()
+        back = np.asarray(sj.dequantize_blocks(got)).view(np.uint32)
+        np.testing.assert_array_equal(
+            back, np.asarray(sj.dequantize_blocks(want, impl="callback")).view(np.uint32)
+        )
+
+
 # -- audit ------------------------------------------------------------------------------------
 
 

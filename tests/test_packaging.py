@@ -95,8 +95,18 @@ kernels = {
     "_unscale_and_check": (t.int64[::1], t.int64[::1], t.int64[::1], u32, u32, b),
     "_update_scale": (u32, u32, u32, u32, t.Tuple((f32, f32, i64, i64, f32, f32))),
 }
-for name, sig in kernels.items():
-    ptx, _ = compile_ptx(getattr(_cuda, name).py_func, sig, cc=(9, 0))
+i64a, f64a, f32a, i32 = t.int64[:, ::1], t.float64[:, ::1], t.float32[:, ::1], t.int32[::1]
+# (mode, state_fmt, table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k0, k1)
+kernels["_optim_step8"] = (i64, i64, i64a, t.int64[::1], t.int64[::1], f64a, i32, f32a, u32, u32, i64, i64)
+mx = t.Tuple((i64, i64, i64, b, i64, i64, i64, b, b, b))  # _blocks._element_params + 2 flags
+blocks = {  # addresses, block count, tensor scale word, layout, key, offset, params
+    "_quantize": (i64, i64, i64, i64, u32, i64, i64, i64, i64, i64, i64, mx),
+    "_dequantize": (i64, i64, i64, u32, i64, i64, i64, i64, t.Tuple((i64, i64, i64, b, b))),
+}
+from srround import _blocks_cuda
+for name, sig in [*kernels.items(), *blocks.items()]:
+    module = _blocks_cuda if name in blocks else _cuda
+    ptx, _ = compile_ptx(getattr(module, name).py_func, sig, cc=(9, 0))
     ops = sorted(set(re.findall(r"(ld\\.global\\S*|st\\.global\\S*|fma\\.\\S*|\\.local)", ptx)))
     print(name, " ".join(ops) or "-")
 """
@@ -118,4 +128,4 @@ def test_cuda_kernels_compile_to_ptx_with_8_byte_accesses():
     assert lines["_to_float32_vec4"] == "ld.global.u64 st.global.u64"
     assert "fma.rn.f32" in lines["_stochastic_add_general"]
     assert not any(".local" in ops for ops in lines.values())
-    assert len(lines) == 10 and lines["_unscale_and_check"] and lines["_update_scale"]  # all built
+    assert len(lines) == 13 and lines["_unscale_and_check"] and lines["_update_scale"]  # all built

@@ -1,7 +1,8 @@
 """srround for JAX: the functional API on ``jax.Array`` s, optimizers and loss scales.
 
-* ``stochastic_round``, ``round_nearest``, ``to_float32``, ``stochastic_add``: the functional
-  API, jit-able on any backend (``srround.stochastic_round(jax_array)`` etc. delegate here).
+* ``stochastic_round``, ``round_nearest``, ``to_float32``, ``stochastic_add``,
+  ``quantize_blocks``, ``dequantize_blocks``: the functional API, jit-able on any backend
+  (``srround.stochastic_round(jax_array)`` etc. delegate here).
 * ``apply_updates`` (``optax.apply_updates`` with stochastic rounding), ``adamw`` and ``sgd``
   (fused optimizers that are optax ``GradientTransformation`` s, states ``AdamWState`` and
   ``SGDState``).
@@ -9,7 +10,14 @@
   ``select_tree``: loss scaling with jmp's interface.
 """
 
-from ._api import round_nearest, stochastic_add, stochastic_round, to_float32
+from ._api import (
+    dequantize_blocks,
+    quantize_blocks,
+    round_nearest,
+    stochastic_add,
+    stochastic_round,
+    to_float32,
+)
 from .loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -28,6 +36,8 @@ __all__ = [
     "adamw",
     "all_finite",
     "apply_updates",
+    "dequantize_blocks",
+    "quantize_blocks",
     "round_nearest",
     "select_tree",
     "sgd",

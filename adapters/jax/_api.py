@@ -364,16 +364,15 @@ def quantize_blocks(
     x, format, *, rounding="stochastic", seed=None, offset=0, axis=-1, scale=None, impl=None
 ):
     """``srround.quantize_blocks`` for a float32 JAX array (works under ``jit``; ``seed`` may
-    be a JAX key). Runs the NumPy kernels through ``jax.pure_callback`` (``impl="callback"``,
-    the only implementation so far: the same bits, on the host). Returns a
+    be a JAX key): ``impl="native"`` (default, ``jax.lax``) or ``"callback"`` (the NumPy
+    kernels through ``jax.pure_callback``), the same bits. Returns a
     ``srround.QuantizedBlocks`` of JAX arrays (fp4 data as uint8, MX scales
     ``jnp.float8_e8m0fnu``, NVFP4 scales ``jnp.float8_e4m3fn``)."""
     from srround import _blocks
 
-    if impl not in (None, "callback"):
-        raise ValueError(f"impl: only 'callback' is implemented for block formats, got {impl!r}")
     bf = _blocks.get_block_format(format)
     x = _check_float32(x, "x")
+    impl = _impl(impl, x)
     offset = check_offset(offset)
     if rounding not in ("stochastic", "nearest"):
         raise ValueError(f"rounding: expected 'stochastic' or 'nearest', got {rounding!r}")
@@ -384,14 +383,41 @@ def quantize_blocks(
     if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis: expected an int in [{-x.ndim}, {x.ndim}), got {axis!r}")
     k0, k1 = _key_words(seed) if rounding == "stochastic" else (0, 0)
-    (data, scales, tensor), axis = _callback.quantize_blocks(
-        x, bf, k0, k1, rounding=rounding, offset=offset, axis=int(axis), scale=scale
-    )
+    if impl == "native" and x.size:
+        axis = int(axis) % x.ndim
+        _blocks._layout(tuple(x.shape), axis, bf.block)  # errors naming x and axis
+        _lax._check_count(x.size)
+        data, scales, tensor = _lax.native_quantize_blocks(
+            x,
+            _u(k0),
+            _u(k1),
+            *_lax._first_block(offset),
+            fmt_name=bf.name,
+            axis=axis,
+            stochastic=rounding == "stochastic",
+            ceil=scale == "ceil",
+            lane0=offset & 3,
+        )
+    else:
+        (data, scales, tensor), axis = _callback.quantize_blocks(
+            x, bf, k0, k1, rounding=rounding, offset=offset, axis=int(axis), scale=scale
+        )
     return _blocks.QuantizedBlocks(data, scales, tensor if bf.two_level else None, bf.name, axis)
 
 
-def dequantize_blocks(q, *, dtype="float32"):
-    """``srround.dequantize_blocks`` of a ``QuantizedBlocks`` of JAX arrays (host callback)."""
+def dequantize_blocks(q, *, dtype="float32", impl=None):
+    """``srround.dequantize_blocks`` of a ``QuantizedBlocks`` of JAX arrays: ``impl="native"``
+    (default, ``jax.lax``) or ``"callback"`` (host), the same bits."""
+    from srround import _blocks
+
     if dtype not in ("float32", np.float32):
         raise ValueError(f"dtype: only 'float32' is supported, got {dtype!r}")
+    bf = _blocks.get_block_format(q.format)
+    if _impl(impl, q.data) == "native" and q.data.size:
+        tensor = q.tensor_scale if bf.two_level else jnp.ones(1, jnp.float32)
+        if tensor is None:
+            raise ValueError("q.tensor_scale: NVFP4 needs its float32 tensor scale")
+        return _lax.native_dequantize_blocks(
+            q.data, q.scales, tensor, fmt_name=bf.name, axis=q.axis % q.data.ndim
+        )
     return _callback.dequantize_blocks(q)

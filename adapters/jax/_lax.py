@@ -511,3 +511,149 @@ def _native_stochastic_add(
     bits16 = _random16(k0, k1, first_lo, first_hi, lane0, index)
     out = _encode(total, fmt, saturate, bits16)
     return lax.bitcast_convert_type(out.astype(jnp.dtype(fmt.bits_dtype)), w.dtype).reshape(w.shape)
+
+
+# -- block-scaled formats (``srround/_block_kernels.py``, the same steps on arrays) -----------
+#
+# Element products go through ``_fma_bits(a, b, -0)`` (a * b rounded once, in integers): XLA's
+# CPU backend flushes float32 subnormals. The per-block scale arithmetic of NVFP4 (divisions)
+# uses float32 ops: it can differ from the kernels only where those values are subnormal.
+
+_ABS32, _INF32, _NEG_ZERO = 0x7FFFFFFF, 0x7F800000, 0x80000000
+_E4M3 = FORMATS["float8_e4m3fn"]
+
+
+def _f32(bits):
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def mul_bits(a, b):
+    """float32 bits of ``a * b`` (bits in, bits out), one rounding, subnormals kept."""
+    return _fma_bits(a, b, jnp.full(jnp.broadcast_shapes(a.shape, b.shape), _NEG_ZERO, _U32))
+
+
+def _pow2_bits(k):
+    """fp32 bits of ``2**k`` (int32 k in [-149, 127]; ``_block_kernels.pow2_bits``)."""
+    return jnp.where(k >= -126, _u(k + 127) << 23, _U32(1) << _u(jnp.clip(k + 149, 0, 31)))
+
+
+def _mx_scale(amax, bf, ceil: bool):
+    """``(e8m0 code, multiplier bits)`` per block (``_block_kernels.mx_scale``)."""
+    expo = (amax >> 23).astype(jnp.int32)
+    k = expo - 127 - bf.emax
+    if ceil:
+        k = k + ((expo != 0) & ((amax & 0x7FFFFF) > bf.max_mantissa)).astype(jnp.int32)
+    k = jnp.clip(k, -127, 128)
+    nan = amax > _INF32
+    code = jnp.where(nan, _U32(255), _u(k + 127))
+    return code, jnp.where(nan, _U32(0), _pow2_bits(-jnp.maximum(k, -126)))
+
+
+def _nv_tensor_scale(amax):
+    """fp32 bits of NVFP4's tensor scale ``amax / 2688`` (1.0 when amax is 0)."""
+    scale = lax.bitcast_convert_type(_f32(amax) / jnp.float32(448.0 * 6.0), _U32)
+    return jnp.where(amax == 0, _U32(0x3F800000), scale)
+
+
+def _nv_block_scale(amax, ts, ceil: bool):
+    """``(e4m3 code, multiplier bits)`` per NVFP4 block (``_block_kernels.nv_block_scale``)."""
+    scaled = (_f32(amax) / jnp.float32(6.0)) / _f32(ts)
+    scaled = jnp.where(scaled == scaled, jnp.clip(scaled, 0.015625, 448.0), scaled)
+    u = lax.bitcast_convert_type(scaled.astype(jnp.float32), _U32)
+    code = _encode(u, _E4M3, True)
+    if ceil:
+        code = jnp.where((code < 0x7E) & (_decode(code, _E4M3) < u), code + 1, code)
+    multiplier = (jnp.float32(1.0) / _f32(ts)) / _f32(_decode(code, _E4M3))
+    return code, lax.bitcast_convert_type(multiplier, _U32)
+
+
+def element_value(h, scale, el: Format):
+    """fp32 patterns of element patterns ``h`` (format ``el``) times the fp32 ``scale``
+    patterns, NaN as 0x7FC00000 (``_block_kernels.element_value``)."""
+    out = mul_bits(_decode(h, el), scale)
+    return jnp.where((out & _ABS32) > _INF32, _U32(0x7FC00000), out)
+
+
+def block_element(u, multiplier, el: Format, bits16):
+    """Element patterns of format ``el`` (``_block_kernels.block_element``): ``u *
+    multiplier`` clamped to +-max and rounded (saturating); NaN as the kernels write it."""
+    max_bits = int(np.float32(el.max_finite).view(np.uint32))
+    y = mul_bits(u, multiplier)
+    sign, a = y & _U32(0x80000000), y & _ABS32
+    width = el.mantissa_bits + el.exponent_bits
+    nan = ((u >> 31) << width) | _U32((1 << width) - 1 if el.specials != 2 else 0x3)
+    y = jnp.where(a > max_bits, sign | max_bits, y)
+    return jnp.where(a > _INF32, nan, _encode(y, el, True, bits16))
+
+
+@functools.partial(jax.jit, static_argnames=("fmt_name", "axis", "stochastic", "ceil", "lane0"))
+def native_quantize_blocks(
+    x, k0, k1, first_lo, first_hi, *, fmt_name, axis, stochastic, ceil, lane0
+):
+    """``(data, scales, tensor_scale)`` of ``srround.quantize_blocks`` on ``jax.lax``: the
+    bits of the kernels (``_block_kernels.quantize_block``), blocks along ``axis``."""
+    from srround._blocks import BLOCK_FORMATS
+
+    bf = BLOCK_FORMATS[fmt_name]
+    shape = x.shape
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1 :], dtype=np.int64))
+    n = shape[axis]
+    blocked = (outer, n // bf.block, bf.block, inner)
+    u = _bits(x, _U32).reshape(blocked)
+    amax = jnp.max(u & _ABS32, axis=2, keepdims=True)
+    ts = _U32(0)
+    if bf.two_level:
+        ts = _nv_tensor_scale(jnp.max(u & _ABS32))
+        code, multiplier = _nv_block_scale(amax, ts, ceil)
+    else:
+        code, multiplier = _mx_scale(amax, bf, ceil)
+    bits16 = None
+    if stochastic:
+        index = _element_index(shape).reshape(blocked)
+        bits16 = _random16(k0, k1, first_lo, first_hi, lane0, index)
+    h = block_element(u, multiplier, bf.element, bits16)
+    scale_shape = shape[:axis] + (n // bf.block,) + shape[axis + 1 :]
+    scales = code.astype(jnp.uint8).reshape(scale_shape)
+    scales = lax.bitcast_convert_type(
+        scales, jnp.float8_e4m3fn if bf.two_level else jnp.float8_e8m0fnu
+    )
+    if bf.packed:  # element 2j in the low nibble, along the axis
+        pairs = h.reshape(outer, n // 2, 2, inner)
+        data = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).astype(jnp.uint8)
+        data = data.reshape(shape[:axis] + (n // 2,) + shape[axis + 1 :])
+    else:
+        data = _to_narrow(h, bf.element, shape)
+    tensor = jnp.reshape(_f32(ts) if bf.two_level else jnp.float32(1.0), (1,))
+    return data, scales, tensor
+
+
+@functools.partial(jax.jit, static_argnames=("fmt_name", "axis"))
+def native_dequantize_blocks(data, scales, tensor, *, fmt_name, axis):
+    """float32 values of block-scaled data (``_block_kernels.dequantize_block``) on
+    ``jax.lax``."""
+    from srround._blocks import BLOCK_FORMATS
+
+    bf = BLOCK_FORMATS[fmt_name]
+    shape = list(data.shape)
+    if bf.packed:
+        shape[axis] *= 2
+    shape = tuple(shape)
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1 :], dtype=np.int64))
+    n = shape[axis]
+    raw = _bits(data, jnp.uint8).astype(_U32)
+    if bf.packed:
+        raw = raw.reshape(outer, n // 2, 1, inner)
+        h = jnp.concatenate([raw & 0xF, raw >> 4], axis=2)
+    else:
+        h = raw.reshape(outer, n, 1, inner)
+    h = h.reshape(outer, n // bf.block, bf.block, inner)
+    code = _bits(scales, jnp.uint8).astype(_U32).reshape(outer, n // bf.block, 1, inner)
+    if bf.two_level:
+        ts = jnp.broadcast_to(_bits(tensor.reshape(()), _U32), code.shape)
+        scale = mul_bits(_decode(code, _E4M3), ts)
+    else:
+        scale = jnp.where(code == 255, _U32(0x7FC00000), _pow2_bits(code.astype(jnp.int32) - 127))
+    out = element_value(h, jnp.broadcast_to(scale, h.shape), bf.element)
+    return lax.bitcast_convert_type(out, jnp.float32).reshape(shape)

@@ -73,7 +73,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from srround import _optim, _validate
+from srround import _optim, _state8, _validate
 from srround._formats import FORMATS
 
 from ._api import _key_words
@@ -87,6 +87,9 @@ from ._lax import (
     _shard_layout,
     _threefry2x32,
     _u,
+    block_element,
+    element_value,
+    mul_bits,
 )
 
 __all__ = ["AdamWState", "SGDState", "adamw", "apply_updates", "sgd"]
@@ -241,6 +244,13 @@ def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg
     return update(cfg, *arrays, bits, *extra)
 
 
+def _dtypes(x):
+    """The dtype of a leaf's buffer (a tuple of them for an fp8 state pair; None: absent)."""
+    if isinstance(x, tuple):
+        return tuple(jnp.dtype(e.dtype) for e in x)
+    return None if x is None else jnp.dtype(x.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("update", "cfg"))
 def _shared_leaf_call(arrays, stream_blocks, start, extra, *, update, cfg):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf at global element ``start`` (a
@@ -281,7 +291,7 @@ def _streams(update, cfg, columns, extra) -> list[int]:
     needed, kinds = set(), set()
     for k in range(len(columns[0])):
         arrays = tuple(c[k] for c in columns)
-        kind = tuple(None if a is None else jnp.dtype(a.dtype) for a in arrays)
+        kind = tuple(_dtypes(a) for a in arrays)
         if kind in kinds:
             continue
         kinds.add(kind)
@@ -761,6 +771,64 @@ def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     return p_new, m_new, v_new, a_new
 
 
+def _state8_scale(amax, max_bits: int):
+    """``(scale, 1 / scale)`` bits per block (``_state8.state_scale``)."""
+    k = (amax >> 23).astype(jnp.int32) - (max_bits >> 23)
+    k = k + ((amax & 0x7FFFFF) > (max_bits & 0x7FFFFF)).astype(jnp.int32)
+    k = jnp.clip(k, -126, 127)
+    return _u(k + 127) << 23, _u(127 - k) << 23
+
+
+def _update8(cfg, p, g, m, v, a, bits, coefs, inv_scale):
+    """One leaf of an AdamW step with fp8 states (``_state8.update_block8``): ``m``, ``v`` are
+    ``(moments, float32 block scales)``, the second moment stored as ``sqrt(v)``; ``cfg`` =
+    (rounding, state format name, constants). Returns (p, m, v, aux)."""
+    mode, fmt_name, constants = cfg
+    fmt = FORMATS[fmt_name]
+    n, block = p.size, _state8.STATE_BLOCK
+    nb = -(-n // block)
+
+    def blocks(x):  # flat, zero-padded, [blocks, STATE_BLOCK]
+        return jnp.pad(x.reshape(-1), (0, nb * block - n)).reshape(nb, block)
+
+    def per_block(scales):
+        return jnp.broadcast_to(scales.reshape(nb, 1), (nb, block))
+
+    def read(state):
+        h = lax.bitcast_convert_type(state[0], jnp.uint8).astype(_U32)
+        return element_value(blocks(h), per_block(_b32(state[1])), fmt)
+
+    def write(x_bits, stream):
+        a = x_bits & 0x7FFFFFFF
+        amax = jnp.max(jnp.where(a < 0x7F800000, a, _U32(0)), axis=1)
+        scale, multiplier = _state8_scale(amax, max_bits)
+        q = block_element(x_bits, per_block(multiplier), fmt, blocks(bits(stream)))
+        q = q.reshape(-1)[:n].astype(jnp.uint8).reshape(p.shape)
+        return lax.bitcast_convert_type(q, jnp.dtype(fmt.numpy_dtype)), _f32(scale)
+
+    max_bits = int(np.float32(fmt.max_finite).view(np.uint32))
+    name = _NARROW.get(jnp.dtype(p.dtype))
+    p_bits = _widen_bits(p)
+    aux_bits = _aux_bits(mode, a) if name and a is not None else None
+    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
+    g = _f32(_widen_bits(g))
+    if inv_scale is not None:
+        g = g * inv_scale
+    s_bits = read(v)
+    new, m_new, v_new = _adamw_math(
+        blocks(_f32(old)),
+        blocks(g),
+        _f32(read(m)),
+        _f32(mul_bits(s_bits, s_bits)),
+        coefs,
+        constants,
+    )
+    m_out, v_out = write(_b32(m_new), 1), write(_b32(jnp.sqrt(v_new)), 2)
+    new = new.reshape(-1)[:n].reshape(p.shape)
+    p_new, a_new = _write_back(mode, p, a, aux_bits, old, new, bits)
+    return p_new, m_out, v_out, a_new
+
+
 def _write_back(mode, p, a, aux_bits, old, new, bits):
     """(new param, new aux) of a leaf from its float32 update ``new`` (``_optim.weight_write``;
     float32 leaves: ``new`` itself)."""
@@ -859,11 +927,26 @@ class FusedOptimizer(_Base):
 FusedAdamW = FusedOptimizer  # the name of earlier releases
 
 
-def _state_dtype(dtype, name: str):
+_FP8_STATES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _state_dtype(dtype, name: str, fp8: bool = False):
     dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise TypeError(f"{name}: expected float32 or bfloat16, got {dtype}")
-    return dtype
+    if dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) or (fp8 and dtype in _FP8_STATES):
+        return dtype
+    extra = ", float8_e4m3fn or float8_e5m2" if fp8 else ""
+    raise TypeError(f"{name}: expected float32, bfloat16{extra}, got {dtype}")
+
+
+def _state_zeros(p, dtype):
+    """A zero state for leaf ``p``: an array like ``p`` (keeping a sharded leaf's sharding), or
+    for fp8 states the pair ``(moments, float32 block scales)`` (``srround.STATE_BLOCK``)."""
+    if dtype in _FP8_STATES:
+        return (
+            jnp.zeros(p.shape, dtype),
+            jnp.zeros((-(-p.size // _state8.STATE_BLOCK),), jnp.float32),
+        )
+    return jnp.zeros_like(p, dtype)
 
 
 def _aux_for(rounding, p):
@@ -928,9 +1011,9 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
         for _, dtype, _ in states:
             if dtype is None:
                 buffers.append(jax.tree_util.tree_map(lambda p: None, params))
-            else:  # zeros_like keeps a sharded leaf's sharding
+            else:
                 buffers.append(
-                    jax.tree_util.tree_map(lambda p, d=dtype: jnp.zeros_like(p, d), params)
+                    jax.tree_util.tree_map(lambda p, d=dtype: _state_zeros(p, d), params)
                 )
         aux = jax.tree_util.tree_unflatten(treedef, [_aux_for(rounding, p) for p in leaves])
         return state_type(jnp.zeros((), jnp.int32), *buffers, aux)
@@ -964,9 +1047,14 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
                     "shard_specs: impl='callback' runs srround's NumPy step on whole leaves;"
                     " inside shard_map with split leaves use impl='native'"
                 )
+            blocked = [col for col in s_leaves if col and isinstance(col[0], tuple)]
+            if blocked:  # fp8 states: (moments, scales) pairs as four columns, then paired
+                s_leaves = [[x[part] for x in col] for part in (0, 1) for col in s_leaves]
             outs = _callback_step(
                 host, p_leaves, g_leaves, s_leaves, a_leaves, t, lr_t, k0, k1, inv_scale
             )
+            if blocked:
+                outs = [(o[0], (o[1], o[3]), (o[2], o[4]), o[5]) for o in outs]
 
         def unflat(i):
             return jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
@@ -1046,7 +1134,8 @@ def adamw(
         eps_root: added inside that square root (optax's; native only when nonzero).
         weight_decay: decoupled weight decay, multiplied by the learning rate (default 1e-4,
             as optax).
-        mu_dtype: dtype of the first moment, float32 or bfloat16 (default: ``state_dtype``).
+        mu_dtype: dtype of the first moment, float32 or bfloat16 (default: ``state_dtype``;
+            fp8 states: ``state_dtype`` only).
         mask: as optax: a pytree of bools like params (or a function of params giving one);
             weight decay applies where True. Native only.
         nesterov: optax's Nesterov momentum. Native only.
@@ -1055,7 +1144,11 @@ def adamw(
         rounding: ``"stochastic"``, ``"nearest"``, ``"kahan"``, ``"master"`` or
             ``"remainder"`` (bf16 parameters only), for bf16/fp16 leaves; float32 leaves are
             always updated exactly.
-        state_dtype: ``jnp.float32`` or ``jnp.bfloat16`` (stochastically rounded moments).
+        state_dtype: ``jnp.float32``, ``jnp.bfloat16`` or fp8 (``jnp.float8_e4m3fn``,
+            ``jnp.float8_e5m2``; no nesterov, eps_root, shard_specs): stochastically rounded
+            moments. An fp8
+            state leaf is the pair ``(moments, float32 block scales)``, the second moment in
+            the square-root domain (``docs/contracts.md``, "fp8 states").
         impl: ``"native"`` (default) or ``"callback"`` (``srround.adamw_step`` on the host).
         shard_specs: when the step runs inside ``shard_map``: the partition specs of the
             params (a spec or a pytree prefix, as ``in_specs``; grads and states split alike),
@@ -1068,10 +1161,16 @@ def adamw(
         stochastically rounded params) and the fused ``tx.step(grads, state, params) ->
         (params, state)``.
     """
-    state_dtype = _state_dtype(state_dtype, "state_dtype")
+    state_dtype = _state_dtype(state_dtype, "state_dtype", fp8=True)
     mu_dtype = state_dtype if mu_dtype is None else _state_dtype(mu_dtype, "mu_dtype")
     impl_ = _impl(impl)
+    fp8 = state_dtype in _FP8_STATES
     variant = (bool(nesterov), float(eps_root))
+    if fp8 and (any(variant) or shard_specs is not None or mu_dtype != state_dtype):
+        raise ValueError(
+            f"state_dtype: {state_dtype} (block-scaled) states take neither nesterov, eps_root,"
+            " shard_specs nor another mu_dtype"
+        )
     if impl_ == "callback" and (mask is not None or any(variant) or mu_dtype != state_dtype):
         raise ValueError(
             "impl='callback' runs srround.adamw_step (torch's AdamW): mask, nesterov, eps_root"
@@ -1086,11 +1185,22 @@ def adamw(
         without = (_no_decay(coefs), inv_scale)
         flags = _mask_leaves(mask, params, treedef)
         extras = [with_decay if f else without for f in flags]
+        if fp8:
+            return _update8, (rounding, state_dtype.name, constants), extras
         return _update, (rounding, (mu_dtype, state_dtype), constants, variant), extras
 
     def host(ps, gs, sts, **step):
+        scales = dict(exp_avg_scales=sts[2], exp_avg_sq_scales=sts[3]) if fp8 else {}
         _host("adamw_step")(
-            ps, gs, *sts, betas=(b1, b2), eps=float(eps), weight_decay=wd, rounding=rounding, **step
+            ps,
+            gs,
+            *sts[:2],
+            betas=(b1, b2),
+            eps=float(eps),
+            weight_decay=wd,
+            rounding=rounding,
+            **scales,
+            **step,
         )
 
     cfg = dict(

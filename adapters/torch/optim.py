@@ -32,12 +32,13 @@ column of a matrix) takes a slower path: a contiguous working copy, refreshed be
 back after each step, so it gets exactly the bits a contiguous parameter would.
 
 State per parameter (``optimizer.state[p]``): ``exp_avg``, ``exp_avg_sq`` (AdamW),
-``momentum_buffer`` (SGD with momentum), in ``state_dtype`` (float32 or bfloat16; bf16 states are
-written with stochastic rounding); the weight mode's buffer for bf16/fp16 parameters:
+``momentum_buffer`` (SGD with momentum), in ``state_dtype`` (float32 or bfloat16; AdamW also
+float8_e4m3fn / float8_e5m2, with ``exp_avg_scale`` / ``exp_avg_sq_scale`` block scales; narrow
+states are written with stochastic rounding); the weight mode's buffer for bf16/fp16 parameters:
 ``kahan_comp`` (parameter dtype), ``master_weight`` (float32) or ``remainder`` (int16); and
 ``step``: a 0-d int32 tensor (a view of one flat per-optimizer counter the kernel increments on
 the device; torch's optimizers keep a float32 tensor, and load this one). ``rounding``,
-``state_dtype`` (by name: ``"float32"``/``"bfloat16"``) and ``seed`` live in every param
+``state_dtype`` (by name: ``"float32"``, ``"bfloat16"``, ...) and ``seed`` live in every param
 group (one value per optimizer), so
 ``state_dict()`` carries the random stream: ``load_state_dict`` then continues bit-identically.
 A ``torch.optim.AdamW`` / ``SGD`` state dict loads too (the srround keys come from the
@@ -62,7 +63,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from srround import _optim, _plan, _validate
+from srround import _optim, _plan, _state8, _validate
 from srround._rng import check_seed, next_seed, split_seed
 
 from . import _dist, _views
@@ -73,7 +74,10 @@ __all__ = ["SGD", "AdamW"]
 # weight mode -> name of its per-parameter buffer in optimizer.state
 AUX_NAMES = {"kahan": "kahan_comp", "master": "master_weight", "remainder": "remainder"}
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_FP8_STATE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # AdamW: block-scaled moments
+_STATE_DTYPES = (torch.float32, torch.bfloat16, *_FP8_STATE_DTYPES)
+# the float32 block scales of fp8 moments in optimizer.state (``_state8``)
+_SCALE_NAMES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 _ONE_BITS = np.array([1.0], np.float32).view(np.uint32)
 _ZERO_BITS = np.zeros(1, np.uint32)
 _GRAD = operator.attrgetter("grad")
@@ -97,15 +101,17 @@ _STATE_DTYPE_OF = {str(t).removeprefix("torch."): t for t in _STATE_DTYPES}
 
 
 def _check_state_dtype(state_dtype) -> str:
-    """The name (``"float32"``/``"bfloat16"``) param groups store: a torch.dtype in a param
-    group stops the distributed state-dict helpers (``get_optimizer_state_dict`` with
-    ``full_state_dict=True``), which take only tensors and Python scalars there."""
+    """The name (``"float32"``, ``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``) param
+    groups store: a torch.dtype in a param group stops the distributed state-dict helpers
+    (``get_optimizer_state_dict`` with ``full_state_dict=True``), which take only tensors and
+    Python scalars there."""
     name = (
         _STATE_DTYPE_NAMES.get(state_dtype) if isinstance(state_dtype, (str, torch.dtype)) else None
     )
     if name is None:
         raise ValueError(
-            f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype!r}"
+            "state_dtype: expected torch.float32, torch.bfloat16, torch.float8_e4m3fn or"
+            f" torch.float8_e5m2 (AdamW), got {state_dtype!r}"
         )
     return name
 
@@ -217,11 +223,22 @@ class _Entry:
 
 
 def build_entry(
-    kind, rounding, state_fmt, params, grads, states, steps, group_index, stream, noise=None
+    kind,
+    rounding,
+    state_fmt,
+    params,
+    grads,
+    states,
+    steps,
+    group_index,
+    stream,
+    noise=None,
+    scales=None,
 ):
     """A ``_optim.FusedStep`` over ``params`` (validated by ``check_pairs``) and their
     ``grads``; ``states``: per parameter ``(state 1, state 2, aux)`` (None where absent), in the
-    parameter's working layout (``_like``); ``steps``: int32[N] contiguous counter tensor.
+    parameter's working layout (``_like``); ``steps``: int32[N] contiguous counter tensor;
+    ``scales``: per parameter the float32 block scales of fp8 states ``(state 1, state 2)``.
     Non-dense parameters work on a contiguous copy, gradients of another layout are copied
     into one of the parameter's: ``copy_in`` / ``copy_out`` pairs run around each step."""
     device = params[0].device
@@ -258,6 +275,12 @@ def build_entry(
         flat(aux) if _plan.needs_aux(_plan.check_rounding(rounding)) else None,
         group_index,
         noise,
+        None
+        if scales is None
+        else (
+            ("exp_avg_scale", [r[0] for r in scales]),
+            ("exp_avg_sq_scale", [r[1] for r in scales]),
+        ),
     )
     fused = _optim.FusedStep(
         kind,
@@ -278,6 +301,7 @@ def build_entry(
     entry.groups = []
     # the kernel writes through raw addresses: keep every buffer of the table alive
     entry.buffers = [steps, *works, *grad_bufs, *(s for row in states for s in row)]
+    entry.buffers += [s for row in scales or () for s in row]
     entry.defaults = {}
     return entry
 
@@ -343,6 +367,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults, rounding, state_dtype, seed):
         _check_rounding(rounding)
         state_dtype = _check_state_dtype(state_dtype)
+        if _STATE_DTYPE_OF[state_dtype] in _FP8_STATE_DTYPES and self._KIND != _optim.ADAMW:
+            raise ValueError(
+                f"state_dtype: float8 states (block-scaled) are AdamW's only, got {state_dtype}"
+            )
         _check_flags(defaults)
         seed = next_seed() if seed is None else check_seed(seed, "seed")
         defaults = dict(defaults, rounding=rounding, state_dtype=state_dtype, seed=seed)
@@ -456,12 +484,22 @@ class _FusedOptimizer(torch.optim.Optimizer):
         in the parameter's working layout."""
         state = self.state[p]
         like = _like(p)
+        fp8 = state_dtype in _FP8_STATE_DTYPES
         for name in self._needed_states(group):
             buf = state.get(name)
             if buf is None:
                 state[name] = torch.zeros_like(like, dtype=state_dtype)
+            elif fp8 and buf.dtype != state_dtype:
+                raise ValueError(
+                    f"state_dtype: {name} of a parameter is {buf.dtype}, and float8 states are"
+                    " not converted (their block scales come from the step that wrote them)"
+                )
             else:
                 state[name] = _in_layout(buf.detach(), like, state_dtype)
+            scale = _SCALE_NAMES.get(name)
+            if fp8 and state.get(scale) is None:
+                blocks = -(-p.numel() // _state8.STATE_BLOCK)
+                state[scale] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
         name = AUX_NAMES.get(rounding)
         if name is not None and p.dtype != torch.float32:
             buf = state.get(name)
@@ -478,6 +516,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if name != "step" and isinstance(state[name], torch.Tensor):
                     state[name] = _dist.shard_like(state[name], p, name)
         return state
+
+    def _scale_row(self, state):
+        """``(state 1, state 2)`` block scales of one parameter's fp8 states."""
+        return tuple(state[_SCALE_NAMES[name]] for name in self._STATE_NAMES)
 
     def _row(self, state, group, p, rounding):
         """``(state 1, state 2, aux)`` buffers of one parameter (None where absent)."""
@@ -520,6 +562,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _build(self, params, group_index, key, config):
         rows, steps = self._prepare(params, group_index, config)
+        scales = None
+        if config[1] in _FP8_STATE_DTYPES:
+            if self._dtensors:
+                raise ValueError(
+                    "state_dtype: float8 states are not supported with DTensor parameters"
+                    " (their blocks would follow the local pieces)"
+                )
+            scales = [self._scale_row(self.state[p]) for p in params]
         device = params[0].device
         stream = _external_stream(device) if device.type == "cuda" else None
         noise = self._noise(params)
@@ -535,6 +585,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             group_index,
             stream,
             noise,
+            scales,
         )
         if self._dtensors:
             entry.written += [p for p in params if not p.is_inference()]
@@ -649,6 +700,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _traced_step(self, inv_scale, found_inf, check_grads, grad_scale):
         """The step under torch.compile: states at trace time (``_init_group``), then the
         custom op (``srround::fused_step``, or ``srround::amsgrad_step`` with AMSGrad)."""
+        if self._config()[1] in _FP8_STATE_DTYPES:
+            raise NotImplementedError(
+                "state_dtype: float8 states are not supported inside torch.compile yet;"
+                " call opt.step() outside the compiled function"
+            )
         lists = [[] for _ in range(7)]
         meta = self._init_group(*lists)
         if not lists[0]:
@@ -807,7 +863,11 @@ class AdamW(_FusedOptimizer):
             no extra memory), ``"nearest"``, ``"kahan"``, ``"master"`` (fp32 master weights) or
             ``"remainder"`` (bf16 only; exact fp32 weights in 2 extra bytes). fp32 parameters
             are updated exactly in every mode.
-        state_dtype: ``torch.float32`` (default) or ``torch.bfloat16`` moments.
+        state_dtype: ``torch.float32`` (default), ``torch.bfloat16`` or fp8
+            (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) moments. fp8 moments are
+            block-scaled: ``exp_avg_scale`` / ``exp_avg_sq_scale`` (float32, one per
+            ``srround.STATE_BLOCK`` elements) in the state, ``exp_avg_sq`` holds ``sqrt(v)``
+            (``docs/contracts.md``, "fp8 states"); eager steps only, no DTensors.
         seed: the random stream of the stochastic roundings (int in [0, 2**64)); None draws
             one from srround's generator. Stored in the param groups (and the state dict).
 
