@@ -366,16 +366,16 @@ def _random16(k0, k1, first_lo, first_hi, lane0, index):
 
 def _opaque(values, probes, compute=None):
     """Python ints ``values`` (< 2**32) as uint32 scalars XLA cannot constant-fold: the
-    outputs of a while loop that runs once, its trip count unknown at compile time because it
-    depends on the traced ``probes`` (key words, step). A computation that takes such a value
-    as a parameter is the same for every value; with the values folded in as constants, each
-    would be a computation of its own (on XLA's CPU backend, a kernel of its own to compile).
+    outputs of a conditional whose predicate XLA cannot evaluate, as it depends on the traced
+    ``probes`` (key words, step; always true). A computation that takes such a value as a
+    parameter is the same for every value; with the values folded in as constants, each would
+    be a computation of its own (on XLA's CPU backend, a kernel of its own to compile).
 
     ``compute(zero)`` (optional: a tuple of arrays, ``zero`` a uint32 0 XLA cannot fold) runs
-    in the loop's body, so its results are buffers of their own: XLA neither fuses it into its
-    readers (each would compute it again) nor hoists it out of the loop. Returns the words, or
-    ``(words, computed)`` with ``compute``. When every probe is a constant there is nothing to
-    hide behind: constants, and ``compute(0)`` (the same results)."""
+    in the taken branch, so its results are buffers of their own: XLA does not fuse it into
+    its readers (each would compute it again). Returns the words, or ``(words, computed)``
+    with ``compute``. When every probe is a constant there is nothing to hide behind:
+    constants, and ``compute(0)`` (the same results)."""
     probes = [p for p in probes if not isinstance(p, (int, np.integer))]
     if not probes:
         words = tuple(np.uint32(v) for v in values)
@@ -385,18 +385,17 @@ def _opaque(values, probes, compute=None):
         for p in probes:
             p = _u(p)
             zero = p & ~p if zero is None else zero | (p & ~p)
-
-        def body(carry):
-            count, words, _ = carry
-            computed = () if compute is None else compute(count - zero)  # count - zero: 0
-            return count + 1, tuple(w + zero for w in words), computed
-
-        computed = ()
-        if compute is not None:
-            shapes = jax.eval_shape(compute, zero)
-            computed = tuple(jnp.zeros(x.shape, x.dtype) for x in shapes)
         words = tuple(jnp.asarray(np.uint32(v)) for v in values)
-        _, words, computed = lax.while_loop(lambda c: c[0] <= zero, body, (zero, words, computed))
+
+        def taken():
+            computed = () if compute is None else compute(zero)
+            return tuple(w + zero for w in words), computed
+
+        def never():
+            shapes = () if compute is None else jax.eval_shape(compute, zero)
+            return words, tuple(jnp.zeros(x.shape, x.dtype) for x in shapes)
+
+        words, computed = lax.cond(zero == 0, taken, never)
     return words if compute is None else (words, computed)
 
 

@@ -807,13 +807,7 @@ def _update8(cfg, p, g, m, v, a, bits, coefs, inv_scale):
         return lax.bitcast_convert_type(q, jnp.dtype(fmt.numpy_dtype)), _f32(scale)
 
     max_bits = int(np.float32(fmt.max_finite).view(np.uint32))
-    name = _NARROW.get(jnp.dtype(p.dtype))
-    p_bits = _widen_bits(p)
-    aux_bits = _aux_bits(mode, a) if name and a is not None else None
-    old = p_bits if aux_bits is None else _weight_value(mode, p_bits, aux_bits)
-    g = _f32(_widen_bits(g))
-    if inv_scale is not None:
-        g = g * inv_scale
+    aux_bits, old, g = _read_leaf(mode, p, g, a, inv_scale)
     s_bits = read(v)
     new, m_new, v_new = _adamw_math(
         blocks(_f32(old)),
