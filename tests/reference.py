@@ -65,6 +65,18 @@ def bits(a):
     return a.view({1: np.uint8, 2: np.uint16}.get(a.dtype.itemsize, np.uint32))
 
 
+def assert_same_bits(got, expected) -> None:
+    """``got`` has the dtype and the bits of ``expected`` (NaN payloads, signed zeros)."""
+    assert np.asarray(got).dtype == np.asarray(expected).dtype
+    np.testing.assert_array_equal(bits(got), bits(expected))
+
+
+def normal_params(shapes, dtypes, seed=0) -> list:
+    """Standard-normal arrays of ``shapes``, each cast to the dtype at its place in ``dtypes``."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(d) for s, d in zip(shapes, dtypes)]
+
+
 # the 16-bit formats; fp8 and fp4 (one value per byte) are tested in test_lowbit.py
 FORMAT_NAMES = [name for name, fmt in srround.FORMATS.items() if fmt.bits == 16]
 
