@@ -17,6 +17,7 @@ fractions).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import io
@@ -227,6 +228,19 @@ def machine(gpu: str | None = None) -> dict:
 def utc_now() -> str:
     """The current UTC time as ``YYYY-MM-DDTHH:MM:SSZ``."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def bench_parser(doc: str, quick_help: str, device_help: str | None = None):
+    """An ``argparse`` parser with the first paragraph of ``doc``, ``--quick``, ``--device``.
+
+    ``--device`` takes cpu, cuda or all (the default); the caller adds ``--json`` last.
+    """
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all", help=device_help)
+    return parser
 
 
 def add_json_argument(parser) -> None:

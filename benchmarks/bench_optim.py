@@ -51,7 +51,6 @@ Numbers depend on the machine and on what else runs on it; only compare rows of 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import math
@@ -64,6 +63,7 @@ from _harness import (
     BUSY_MARK,
     Unavailable,
     add_json_argument,
+    bench_parser,
     machine,
     time_steps,
     utc_now,
@@ -666,17 +666,10 @@ def print_targets(results: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="CPU ~2M params, GPU 67M params, fewer steps"
-    )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda", "all"),
-        default="all",
-        help="'all' = CPU, plus CUDA when torch.cuda.is_available()",
+    p = bench_parser(
+        __doc__,
+        "CPU ~2M params, GPU 67M params, fewer steps",
+        "'all' = CPU, plus CUDA when torch.cuda.is_available()",
     )
     p.add_argument(
         "--sections",
