@@ -587,7 +587,7 @@ def optim_step8(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k
         b, size, scale = t - bstarts[k], starts[k + 1] - starts[k], inv_scale[0]
         j0 = b * STATE_BLOCK
         n = min(STATE_BLOCK, size - j0)
-        words = np.empty(3 * STREAM_WORDS, np.uint32)
+        words = np.empty(3 * STREAM_WORDS + 2 * STATE_BLOCK, np.uint32)
         for stream in range(3):
             first, nblocks = _block_range(n, stream_offset(steps[k], stream, r[NOISE]) + j0)
             _fill_bits(words[stream * STREAM_WORDS :], k0, k1, first, nblocks)

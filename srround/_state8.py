@@ -100,6 +100,14 @@ def _values8(mode, formats, buffers, j, scale, coefs, group, state_scales):
 
 
 @njit(forceinline=True, cache=True)
+def _amax(top, bits):
+    """The larger of ``top`` and the magnitude of float32 bits ``bits``, skipping inf and NaN
+    (branch-free, so CPU loops vectorize)."""
+    a = bits & _ABS
+    return a if a > top and a < _INF else top
+
+
+@njit(forceinline=True, cache=True)
 def _bits16(k0, k1, ctr, current, x0, x1):
     """16 random bits of counter ``ctr``, reusing the Threefry block ``current`` (its words
     ``x0, x1``) when ``ctr`` falls in it; returns ``(bits, current, x0, x1)``."""
@@ -123,7 +131,9 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
             group's hyperparameter columns 1-4; key: the Threefry key ``(k0, k1)``.
         words: address of the block's random words, ``STREAM_WORDS`` uint32 per stream
             (weight, first, second state), each from the Threefry block of the stream's
-            first counter (the CPU loop fills them in a vectorized pass); 0: drawn here (CUDA).
+            first counter (the CPU loop fills them in a vectorized pass), then room for
+            ``2 * STATE_BLOCK`` uint32 (the CPU pass keeps the block's float32 moments there
+            instead of computing them twice); 0: drawn here, moments computed twice (CUDA).
     """
     p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr, aux_addr, noise, s1_scales, s2_scales = row
     k0, k1 = key
@@ -135,43 +145,62 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
     old_scales = (load_bits(s1_scales, b, 32), load_bits(s2_scales, b, 32))
     j0 = b * STATE_BLOCK
     j1 = min(j0 + STATE_BLOCK, size)
-    m_max = v_max = 0
-    for j in range(j0, j1):
-        _, _, _, m, s = _values8(mode, formats, buffers, j, scale, coefs, group, old_scales)
-        a = f32_to_bits(m) & _ABS
-        if a > m_max and a < _INF:
-            m_max = a
-        a = f32_to_bits(s) & _ABS
-        if a > v_max and a < _INF:
-            v_max = a
     max_bits = CODE_MAX_BITS[state_fmt]
     sm, se, sk = (
         CODE_MANTISSA_BITS[state_fmt],
         CODE_EXPONENT_BITS[state_fmt],
         CODE_SPECIALS[state_fmt],
     )
-    m_scale, m_mult = state_scale(m_max, max_bits)
-    v_scale, v_mult = state_scale(v_max, max_bits)
     w_ctr = stream_offset(step, WEIGHT_STREAM, noise)
     m_ctr = stream_offset(step, STATE1_STREAM, noise)
     v_ctr = stream_offset(step, STATE2_STREAM, noise)
-    wb = mb = vb = -1
-    w0 = w1 = m0 = m1 = v0 = v1 = 0
     aux_fmt = F32 if mode == MASTER else BF16
     firsts = (4 * ((w_ctr + j0) >> 2), 4 * ((m_ctr + j0) >> 2), 4 * ((v_ctr + j0) >> 2))
+    m_max = v_max = 0
+    if words != 0:  # CPU: one pass writes the weights and keeps the moments in the scratch
+        scratch = words + 4 * 3 * STREAM_WORDS
+        for j in range(j0, j1):
+            old, aux, new, m, s = _values8(
+                mode, formats, buffers, j, scale, coefs, group, old_scales
+            )
+            w16 = 0
+            if mode == STOCHASTIC and p_fmt != F32:
+                w16 = load_bits(words, w_ctr + j - firsts[0], 16)
+            p_new, aux_new = weight_write(mode, p_fmt, old, f32_to_bits(new), aux, w16)
+            store(p_addr, j, p_new, p_fmt)
+            if p_fmt != F32 and mode >= KAHAN:
+                store(aux_addr, j, aux_new, aux_fmt)
+            m_max = _amax(m_max, f32_to_bits(m))
+            v_max = _amax(v_max, f32_to_bits(s))
+            store_bits(scratch, j - j0, f32_to_bits(m), 32)
+            store_bits(scratch, STATE_BLOCK + j - j0, f32_to_bits(s), 32)
+        m_scale, m_mult = state_scale(m_max, max_bits)
+        v_scale, v_mult = state_scale(v_max, max_bits)
+        for j in range(j0, j1):
+            m16 = load_bits(words + 4 * STREAM_WORDS, m_ctr + j - firsts[1], 16)
+            v16 = load_bits(words + 8 * STREAM_WORDS, v_ctr + j - firsts[2], 16)
+            m = load_bits(scratch, j - j0, 32)
+            s = load_bits(scratch, STATE_BLOCK + j - j0, 32)
+            store_bits(s1_addr, j, block_element(m, m_mult, max_bits, m16, True, sm, se, sk), 8)
+            store_bits(s2_addr, j, block_element(s, v_mult, max_bits, v16, True, sm, se, sk), 8)
+        store_bits(s1_scales, b, m_scale, 32)
+        store_bits(s2_scales, b, v_scale, 32)
+        return
+    for j in range(j0, j1):
+        _, _, _, m, s = _values8(mode, formats, buffers, j, scale, coefs, group, old_scales)
+        m_max = _amax(m_max, f32_to_bits(m))
+        v_max = _amax(v_max, f32_to_bits(s))
+    m_scale, m_mult = state_scale(m_max, max_bits)
+    v_scale, v_mult = state_scale(v_max, max_bits)
+    wb = mb = vb = -1
+    w0 = w1 = m0 = m1 = v0 = v1 = 0
     for j in range(j0, j1):
         old, aux, new, m, s = _values8(mode, formats, buffers, j, scale, coefs, group, old_scales)
         w16 = 0
-        if words != 0:
-            if mode == STOCHASTIC and p_fmt != F32:
-                w16 = load_bits(words, w_ctr + j - firsts[0], 16)
-            m16 = load_bits(words + 4 * STREAM_WORDS, m_ctr + j - firsts[1], 16)
-            v16 = load_bits(words + 8 * STREAM_WORDS, v_ctr + j - firsts[2], 16)
-        else:
-            if mode == STOCHASTIC and p_fmt != F32:
-                w16, wb, w0, w1 = _bits16(k0, k1, w_ctr + j, wb, w0, w1)
-            m16, mb, m0, m1 = _bits16(k0, k1, m_ctr + j, mb, m0, m1)
-            v16, vb, v0, v1 = _bits16(k0, k1, v_ctr + j, vb, v0, v1)
+        if mode == STOCHASTIC and p_fmt != F32:
+            w16, wb, w0, w1 = _bits16(k0, k1, w_ctr + j, wb, w0, w1)
+        m16, mb, m0, m1 = _bits16(k0, k1, m_ctr + j, mb, m0, m1)
+        v16, vb, v0, v1 = _bits16(k0, k1, v_ctr + j, vb, v0, v1)
         p_new, aux_new = weight_write(mode, p_fmt, old, f32_to_bits(new), aux, w16)
         store(p_addr, j, p_new, p_fmt)
         if p_fmt != F32 and mode >= KAHAN:
