@@ -85,7 +85,14 @@ def block_element(u, multiplier, max_bits, bits16, stochastic, m, e, kind):
 def element_value(h, scale_bits, m, e, kind):
     """fp32 bits of element pattern ``h`` times the fp32 scale (bits); a NaN result is the
     quiet NaN 0x7FC00000 (which NaN a product keeps differs between CPUs and GPUs)."""
-    v = f32_to_bits(bits_to_f32(decode(h, m, e, kind)) * bits_to_f32(scale_bits))
+    return scaled_value(decode(h, m, e, kind), scale_bits)
+
+
+@njit(forceinline=True, cache=True)
+def scaled_value(u, scale_bits):
+    """fp32 bits of fp32 pattern ``u`` (a decoded element) times the fp32 scale (bits), a NaN
+    result as in ``element_value``."""
+    v = f32_to_bits(bits_to_f32(u) * bits_to_f32(scale_bits))
     return v if (v & _F32_ABS) <= _F32_INF else 0x7FC00000
 
 

@@ -53,7 +53,13 @@ from ._elements import (
     update_element,
     update_scale_one,
 )
-from ._formats import FORMATS, BufferCode
+from ._formats import (
+    CODE_EXPONENT_BITS,
+    CODE_MANTISSA_BITS,
+    CODE_SPECIALS,
+    FORMATS,
+    BufferCode,
+)
 from ._rng import _KS_PARITY, MASK32
 from ._scalar import add_exact_f32, bits_to_f32, decode, encode_nearest, encode_stochastic
 from ._state8 import STATE_BLOCK, STREAM_WORDS, update_block8
@@ -580,6 +586,12 @@ def optim_step8(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k
             ADAMW, steps[k], h[0], h[1], h[2], h[3], h[4]
         )
     fast = mode == STOCHASTIC and fmt == FLOAT8_E4M3FN
+    lut = np.empty(256, np.uint32)
+    for code in range(256):  # the states' bytes decoded once (the body reads them by address)
+        lut[code] = decode(
+            code, CODE_MANTISSA_BITS[fmt], CODE_EXPONENT_BITS[fmt], CODE_SPECIALS[fmt]
+        )
+    table_address = np.int64(lut.ctypes.data)
     for t in prange(bstarts[-1]):
         k = find_tensor(bstarts, t)
         r = table[k]
@@ -620,8 +632,22 @@ def optim_step8(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k
                 row[9],
             )
             update_block8(
-                STOCHASTIC, FLOAT8_E4M3FN, fixed, b, size, steps[k], scale, c, g, key, address
+                STOCHASTIC,
+                FLOAT8_E4M3FN,
+                fixed,
+                b,
+                size,
+                steps[k],
+                scale,
+                c,
+                g,
+                key,
+                address,
+                table_address,
             )
         else:
-            update_block8(mode, fmt, row, b, size, steps[k], scale, c, g, key, address)
+            update_block8(
+                mode, fmt, row, b, size, steps[k], scale, c, g, key, address, table_address
+            )
         words[0] = 0  # keeps the buffer alive until here (the body reads it by address)
+    lut[0] = 0  # decode(0): keeps the table alive until here (read by address)

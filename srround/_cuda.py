@@ -389,6 +389,7 @@ def _optim_step8(
             (hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4]),
             (k0, k1),
             0,  # no random words: drawn in the body
+            0,  # no decode table: decoded in the body
         )
 
 

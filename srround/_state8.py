@@ -17,7 +17,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ._block_kernels import block_element, element_value
+from ._block_kernels import block_element, element_value, scaled_value
 from ._elements import (
     ADAMW,
     BF16,
@@ -74,9 +74,10 @@ def state_scale(amax, max_bits):
 
 
 @njit(forceinline=True, cache=True)
-def _values8(mode, formats, buffers, j, scale, coefs, group, state_scales):
+def _values8(mode, formats, buffers, j, scale, coefs, group, state_scales, lut):
     """Element ``j`` read and updated in float32, nothing written: ``(old weight bits, aux
-    bits, new weight, m, sqrt(v))``."""
+    bits, new weight, m, sqrt(v))``; ``lut``: address of the states' 256 decoded float32
+    patterns (``decode``), or 0: decoded here."""
     p_fmt, g_fmt, state_fmt = formats
     p_addr, g_addr, s1_addr, s2_addr, aux_addr = buffers
     sm, se, sk = (
@@ -89,8 +90,13 @@ def _values8(mode, formats, buffers, j, scale, coefs, group, state_scales):
     p_bits = load(p_addr, j, p_fmt)
     aux_bits = load(aux_addr, j, aux_fmt) if p_fmt != F32 and mode >= KAHAN else 0
     old = weight_value(mode, p_fmt, p_bits, aux_bits)
-    m = bits_to_f32(element_value(load(s1_addr, j, state_fmt), state_scales[0], sm, se, sk))
-    s = bits_to_f32(element_value(load(s2_addr, j, state_fmt), state_scales[1], sm, se, sk))
+    m_h, s_h = load(s1_addr, j, state_fmt), load(s2_addr, j, state_fmt)
+    if lut != 0:
+        m = bits_to_f32(scaled_value(load_bits(lut, m_h, 32), state_scales[0]))
+        s = bits_to_f32(scaled_value(load_bits(lut, s_h, 32), state_scales[1]))
+    else:
+        m = bits_to_f32(element_value(m_h, state_scales[0], sm, se, sk))
+        s = bits_to_f32(element_value(s_h, state_scales[1], sm, se, sk))
     c0, c1, c2 = coefs
     beta2, eps, one_minus_beta1, one_minus_beta2 = group
     new, m, v = adamw_math(
@@ -118,7 +124,7 @@ def _bits16(k0, k1, ctr, current, x0, x1):
 
 
 @njit(forceinline=True, cache=True)
-def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper, key, words):
+def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper, key, words, lut):
     """Block ``b`` of one tensor (elements ``[b * STATE_BLOCK, ...)``, ``size`` in all) of an
     AdamW step with fp8 states, in place: the body both backends run.
 
@@ -134,6 +140,8 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
             first counter (the CPU loop fills them in a vectorized pass), then room for
             ``2 * STATE_BLOCK`` uint32 (the CPU pass keeps the block's float32 moments there
             instead of computing them twice); 0: drawn here, moments computed twice (CUDA).
+        lut: address of the 256 float32 patterns ``decode`` gives the state format's bytes
+            (the CPU loop fills them once), or 0: decoded in the body (CUDA).
     """
     p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr, aux_addr, noise, s1_scales, s2_scales = row
     k0, k1 = key
@@ -161,7 +169,7 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
         scratch = words + 4 * 3 * STREAM_WORDS
         for j in range(j0, j1):
             old, aux, new, m, s = _values8(
-                mode, formats, buffers, j, scale, coefs, group, old_scales
+                mode, formats, buffers, j, scale, coefs, group, old_scales, lut
             )
             w16 = 0
             if mode == STOCHASTIC and p_fmt != F32:
@@ -187,7 +195,7 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
         store_bits(s2_scales, b, v_scale, 32)
         return
     for j in range(j0, j1):
-        _, _, _, m, s = _values8(mode, formats, buffers, j, scale, coefs, group, old_scales)
+        _, _, _, m, s = _values8(mode, formats, buffers, j, scale, coefs, group, old_scales, lut)
         m_max = _amax(m_max, f32_to_bits(m))
         v_max = _amax(v_max, f32_to_bits(s))
     m_scale, m_mult = state_scale(m_max, max_bits)
@@ -195,7 +203,9 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
     wb = mb = vb = -1
     w0 = w1 = m0 = m1 = v0 = v1 = 0
     for j in range(j0, j1):
-        old, aux, new, m, s = _values8(mode, formats, buffers, j, scale, coefs, group, old_scales)
+        old, aux, new, m, s = _values8(
+            mode, formats, buffers, j, scale, coefs, group, old_scales, lut
+        )
         w16 = 0
         if mode == STOCHASTIC and p_fmt != F32:
             w16, wb, w0, w1 = _bits16(k0, k1, w_ctr + j, wb, w0, w1)
