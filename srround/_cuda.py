@@ -295,6 +295,21 @@ def _optim_prepare(kind, table, hyper, steps, coefs, inv_scale, sign, found):
         )
 
 
+@cuda.jit(device=True)
+def _buffers(table, k):
+    """Row ``k``'s buffers: parameter, gradient, state and aux addresses and the two formats,
+    in ``Column`` order (the first seven columns)."""
+    return (
+        table[k, P_ADDR],
+        table[k, P_FMT],
+        table[k, G_ADDR],
+        table[k, G_FMT],
+        table[k, S1_ADDR],
+        table[k, S2_ADDR],
+        table[k, AUX_ADDR],
+    )
+
+
 @cuda.jit(cache=True)
 def _optim_step(
     kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1
@@ -309,16 +324,7 @@ def _optim_step(
             kind,
             mode,
             state_fmt,
-            (  # the row, in Column order
-                table[k, P_ADDR],
-                table[k, P_FMT],
-                table[k, G_ADDR],
-                table[k, G_FMT],
-                table[k, S1_ADDR],
-                table[k, S2_ADDR],
-                table[k, AUX_ADDR],
-                g,
-            ),
+            _buffers(table, k) + (g,),  # the row, in Column order
             i - starts[k],
             table[k, NOISE],
             steps[k],
@@ -373,18 +379,8 @@ def _optim_step8(
         update_block8(
             mode,
             state_fmt,
-            (  # the row, in _state8's order
-                table[k, P_ADDR],
-                table[k, P_FMT],
-                table[k, G_ADDR],
-                table[k, G_FMT],
-                table[k, S1_ADDR],
-                table[k, S2_ADDR],
-                table[k, AUX_ADDR],
-                table[k, NOISE],
-                table[k, S1_SCALE],
-                table[k, S2_SCALE],
-            ),
+            # the row, in _state8's order
+            _buffers(table, k) + (table[k, NOISE], table[k, S1_SCALE], table[k, S2_SCALE]),
             t - bstarts[k],
             starts[k + 1] - starts[k],
             steps[k],
