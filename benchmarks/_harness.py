@@ -252,6 +252,15 @@ def add_json_argument(parser) -> None:
     )
 
 
+def print_notes(notes: list, t_start: float) -> None:
+    """Print the run's ``notes`` (skipped rows, contention) and the time since ``t_start``."""
+    if notes:
+        print("\nnotes:")
+        for note in notes:
+            print("  - " + note)
+    print(f"\ntotal benchmark time {time.perf_counter() - t_start:.1f} s")
+
+
 def write_json(
     path: str | None,
     benchmark: str,

@@ -65,6 +65,7 @@ from _harness import (
     add_json_argument,
     bench_parser,
     machine,
+    print_notes,
     time_steps,
     utc_now,
     write_json,
@@ -793,11 +794,7 @@ def main(argv=None) -> int:
             f"*busy: other processes used more than {BUSY_MARK} CPU while the row was"
             " timed (shared cores and memory bandwidth): treat it as noisy"
         )
-    if notes:
-        print("\nnotes:")
-        for note in notes:
-            print("  - " + note)
-    print(f"\ntotal benchmark time {time.perf_counter() - t_start:.1f} s")
+    print_notes(notes, t_start)
     write_json(
         args.json,
         "bench_optim",

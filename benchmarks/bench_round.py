@@ -101,6 +101,7 @@ from _harness import (
     bench_parser,
     busy_cpus,
     measure,
+    print_notes,
     utc_now,
     write_json,
 )
@@ -831,11 +832,7 @@ def main(argv=None) -> int:
     latency = None if args.no_latency else first_call_latency(notes)
     if latency:
         print_latency(latency)
-    if notes:
-        print("\nnotes:")
-        for note in notes:
-            print("  - " + note)
-    print(f"\ntotal benchmark time {time.perf_counter() - t_start:.1f} s")
+    print_notes(notes, t_start)
 
     write_json(
         args.json,
