@@ -573,10 +573,11 @@ def optim_step8(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k
     """One AdamW step with fp8 states (``_state8``) over every tensor of ``table``
     (``_elements.Column``): the prepare pass, then one ``prange`` iteration per block
     (``bstarts``: prefix sums of ``block_counts``), which first fills the block's random words
-    of the three streams in a vectorized pass; ``inv_scale``, ``found``: uint32[1] float32
-    patterns; a nonzero ``found`` skips the step. ``mode`` and ``fmt`` are run-time values
-    (one compiled kernel), with one branch of constant formats for the common case: bf16
-    parameters and gradients, e4m3fn states, stochastic rounding."""
+    of the three streams in a vectorized pass (the states' bytes decode through a table built
+    once); ``inv_scale``, ``found``: uint32[1] float32 patterns; a nonzero ``found`` skips the
+    step. ``mode`` and ``fmt`` are run-time values (one compiled kernel), with one branch of
+    constant formats for the common case: bf16 parameters and gradients, e4m3fn states,
+    stochastic rounding."""
     if found[0] & 0x7FFFFFFF:
         return
     for k in range(table.shape[0]):

@@ -4,10 +4,12 @@ stochastic rounding (the rules: ``docs/contracts.md``, "fp8 states").
 
 One block is one work item on both backends (``update_block8``: a ``prange`` iteration on the
 CPU, a thread on CUDA). A first pass computes the block's new moments in float32 and reads
-their largest finite magnitudes, which give the new scales; a second pass computes the same
-values again (the same float32 operations: the same bits) and writes the parameter, the weight
-mode's buffer and the moments, each once. The second moment is stored in the square-root domain
-(``sqrt(v)``): its dynamic range is that of the gradients, not their squares.
+their largest finite magnitudes, which give the new scales; a second pass writes the moments,
+each once. On the CPU the first pass also writes the parameter and the weight mode's buffer and
+keeps the float32 moments in a scratch buffer for the second; on CUDA the second pass computes
+the same values again (the same float32 operations: the same bits) and writes everything, each
+once. The second moment is stored in the square-root domain (``sqrt(v)``): its dynamic range is
+that of the gradients, not their squares.
 """
 
 from __future__ import annotations
