@@ -402,11 +402,12 @@ def test_unusable_array_inv_scale_skips_the_fused_step(optim_backend, bad):
     ``found_inf`` and changes nothing, step counts included; a later good step still runs.
     It used to reach the weights (NaN, or zeroed / reversed gradients). The configuration of
     test_optim_contract's reference test: no new compiled step."""
-    from .test_optim_contract import _grads, _mixed, _params, _same, front_end
+    from .reference import normal_params
+    from .test_optim_contract import SHAPES, _grads, _mixed, _same, front_end
 
     put, get = optim_backend.put, optim_backend.get
     dtypes = _mixed("stochastic")
-    opt = front_end(optim_backend, "adamw", _params(dtypes), rounding="stochastic")
+    opt = front_end(optim_backend, "adamw", normal_params(SHAPES, dtypes), rounding="stochastic")
     opt.step(_grads(1, dtypes))
     before = opt.result()
     if optim_backend.framework == "jax":  # immutable: the flag is an input, the skip the output
@@ -437,12 +438,15 @@ def test_torch_maximize_takes_a_tensor_inv_scale():
     torch = pytest.importorskip("torch")
     from srround.adapters.torch import AdamW
 
-    from .test_optim_contract import _grads, _mixed, _params, _same
+    from .reference import normal_params
+    from .test_optim_contract import SHAPES, _grads, _mixed, _same
 
     dtypes = _mixed("stochastic")
     runs = []
     for scale in (0.5, torch.tensor([0.5])):
-        params = [torch.nn.Parameter(Backend.TORCH_CPU.put(p)) for p in _params(dtypes)]
+        params = [
+            torch.nn.Parameter(Backend.TORCH_CPU.put(p)) for p in normal_params(SHAPES, dtypes)
+        ]
         opt = AdamW(params, lr=1e-2, maximize=True, seed=1)
         for p, g in zip(params, _grads(1, dtypes)):
             p.grad = Backend.TORCH_CPU.put(g)
