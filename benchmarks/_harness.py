@@ -17,6 +17,7 @@ fractions).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import io
@@ -229,6 +230,19 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def bench_parser(doc: str, quick_help: str, device_help: str | None = None):
+    """An ``argparse`` parser with the first paragraph of ``doc``, ``--quick``, ``--device``.
+
+    ``--device`` takes cpu, cuda or all (the default); the caller adds ``--json`` last.
+    """
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all", help=device_help)
+    return parser
+
+
 def add_json_argument(parser) -> None:
     """Add ``--json PATH`` to an ``argparse`` parser."""
     parser.add_argument(
@@ -236,6 +250,15 @@ def add_json_argument(parser) -> None:
         metavar="PATH",
         help="also write the results as JSON (machine, date, baselines; see benchmarks/results.py)",
     )
+
+
+def print_notes(notes: list, t_start: float) -> None:
+    """Print the run's ``notes`` (skipped rows, contention) and the time since ``t_start``."""
+    if notes:
+        print("\nnotes:")
+        for note in notes:
+            print("  - " + note)
+    print(f"\ntotal benchmark time {time.perf_counter() - t_start:.1f} s")
 
 
 def write_json(

@@ -28,13 +28,12 @@ table. Compare rows of one run only.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import ml_dtypes
 import numpy as np
-from _harness import Unavailable, add_json_argument, measure, utc_now, write_json
+from _harness import Unavailable, add_json_argument, bench_parser, measure, utc_now, write_json
 from _harness import quiet_import as _quiet_import
 from bench_round import _cuda_reference_kernels, jax_sr_fn
 
@@ -304,8 +303,7 @@ def print_table(results: list[dict], device: str, large: int, floor_s: float) ->
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
+    parser = bench_parser(__doc__, "smoke run: large size 2^20 (CPU) / 2^24 (GPU), 0.05 s per cell")
     parser.add_argument(
         "--large",
         type=int,
@@ -313,11 +311,6 @@ def main(argv=None) -> None:
         help="log2 of the large size (default: 24 on CPU, 26 on GPU)",
     )
     parser.add_argument("--cell-time", type=float, default=0.3, help="seconds per cell")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: large size 2^20 (CPU) / 2^24 (GPU), 0.05 s per cell",
-    )
     add_json_argument(parser)
     args = parser.parse_args(argv)
     started = utc_now()

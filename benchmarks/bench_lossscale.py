@@ -23,10 +23,9 @@ scaling, with and without ``srround.adapters.torch.GradScaler``, and plots both 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
-from _harness import add_json_argument, repo_on_path, time_steps, utc_now, write_json
+from _harness import add_json_argument, bench_parser, repo_on_path, time_steps, utc_now, write_json
 
 
 def shapes(total: int, tensors: int = 196):
@@ -235,9 +234,7 @@ def plot_fp16_training(path: str) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
+    parser = bench_parser(__doc__, "a quarter of the elements, 5 steps")
     add_json_argument(parser)
     parser.add_argument("--plot", metavar="PATH", help="also plot fp16 training to PATH (PNG)")
     args = parser.parse_args(argv)

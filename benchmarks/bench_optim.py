@@ -51,7 +51,6 @@ Numbers depend on the machine and on what else runs on it; only compare rows of 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import math
@@ -64,7 +63,9 @@ from _harness import (
     BUSY_MARK,
     Unavailable,
     add_json_argument,
+    bench_parser,
     machine,
+    print_notes,
     time_steps,
     utc_now,
     write_json,
@@ -666,17 +667,10 @@ def print_targets(results: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="CPU ~2M params, GPU 67M params, fewer steps"
-    )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda", "all"),
-        default="all",
-        help="'all' = CPU, plus CUDA when torch.cuda.is_available()",
+    p = bench_parser(
+        __doc__,
+        "CPU ~2M params, GPU 67M params, fewer steps",
+        "'all' = CPU, plus CUDA when torch.cuda.is_available()",
     )
     p.add_argument(
         "--sections",
@@ -800,11 +794,7 @@ def main(argv=None) -> int:
             f"*busy: other processes used more than {BUSY_MARK} CPU while the row was"
             " timed (shared cores and memory bandwidth): treat it as noisy"
         )
-    if notes:
-        print("\nnotes:")
-        for note in notes:
-            print("  - " + note)
-    print(f"\ntotal benchmark time {time.perf_counter() - t_start:.1f} s")
+    print_notes(notes, t_start)
     write_json(
         args.json,
         "bench_optim",

@@ -84,7 +84,6 @@ compare rows of one run.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -99,8 +98,10 @@ from _harness import (
     BUSY_MARK,
     Unavailable,
     add_json_argument,
+    bench_parser,
     busy_cpus,
     measure,
+    print_notes,
     utc_now,
     write_json,
 )
@@ -189,6 +190,28 @@ def jax_sr_fn():
 # --------------------------------------------------------------------------------------------
 
 
+def _library_rows(
+    sr, rne, widen, add, torch_to, torch_copy, torchao_eager, torchao_compiled, jax_sr
+) -> list:
+    """The rows both devices time, in order: srround's kernels, torch, torchao, jax."""
+    try:
+        ao_label = torchao_sr()[1]
+    except Unavailable:
+        ao_label = "torchao SR"
+    return [
+        ("srround stochastic_round", "SR bf16", sr("bfloat16")),
+        ("srround stochastic_round", "SR fp16", sr("float16")),
+        ("srround round_nearest", "RNE bf16", rne),
+        ("srround to_float32", "bf16->fp32", widen),
+        ("srround stochastic_add (8 B)", "SR add bf16", add),
+        ("torch .to(bf16)", "RNE bf16", torch_to),
+        ("torch out.copy_(x)", "RNE bf16", torch_copy),
+        (f"{ao_label} eager", "SR bf16", torchao_eager),
+        (f"{ao_label} torch.compile", "SR bf16", torchao_compiled),
+        ("jax SR (jit)", "SR bf16", jax_sr),
+    ]
+
+
 def cpu_rows():
     """[(label, op, setup)]; ``setup(x)`` (x: float32[n]) returns ``(fn, sync)`` or raises
     ``Unavailable``. The first row is the floor."""
@@ -260,23 +283,12 @@ def cpu_rows():
     def mldtypes(x):
         return (lambda: x.astype(ml_dtypes.bfloat16)), None
 
-    try:
-        ao_label = torchao_sr()[1]
-    except Unavailable:
-        ao_label = "torchao SR"
     return [
         ("floor: numba prange x>>16", "trunc", floor),
         ("numpy copyto 3n B", "copy", numpy_copy),
-        ("srround stochastic_round", "SR bf16", sr("bfloat16")),
-        ("srround stochastic_round", "SR fp16", sr("float16")),
-        ("srround round_nearest", "RNE bf16", rne),
-        ("srround to_float32", "bf16->fp32", widen),
-        ("srround stochastic_add (8 B)", "SR add bf16", add),
-        ("torch .to(bf16)", "RNE bf16", torch_to),
-        ("torch out.copy_(x)", "RNE bf16", torch_copy),
-        (f"{ao_label} eager", "SR bf16", torchao_eager),
-        (f"{ao_label} torch.compile", "SR bf16", torchao_compiled),
-        ("jax SR (jit)", "SR bf16", jax_sr),
+        *_library_rows(
+            sr, rne, widen, add, torch_to, torch_copy, torchao_eager, torchao_compiled, jax_sr
+        ),
         ("ml_dtypes astype", "RNE bf16", mldtypes),
     ]
 
@@ -416,25 +428,14 @@ def cuda_rows():
         key = jax.device_put(jax.random.key(SEED), dev)
         return (lambda: fn(key, xj)), (lambda r: r.block_until_ready())
 
-    try:
-        ao_label = torchao_sr()[1]
-    except Unavailable:
-        ao_label = "torchao SR"
     return [
         ("floor: numba.cuda copy 3n B", "copy", floor),
         ("torch copy_ 3n B", "copy", torch_copy_bytes),
         ("cupy copyto 3n B", "copy", cupy_copy_bytes),
         ("numba.cuda x>>16", "trunc", trunc),
-        ("srround stochastic_round", "SR bf16", sr("bfloat16")),
-        ("srround stochastic_round", "SR fp16", sr("float16")),
-        ("srround round_nearest", "RNE bf16", rne),
-        ("srround to_float32", "bf16->fp32", widen),
-        ("srround stochastic_add (8 B)", "SR add bf16", add),
-        ("torch .to(bf16)", "RNE bf16", torch_to),
-        ("torch out.copy_(x)", "RNE bf16", torch_copy),
-        (f"{ao_label} eager", "SR bf16", torchao_eager),
-        (f"{ao_label} torch.compile", "SR bf16", torchao_compiled),
-        ("jax SR (jit)", "SR bf16", jax_sr),
+        *_library_rows(
+            sr, rne, widen, add, torch_to, torch_copy, torchao_eager, torchao_compiled, jax_sr
+        ),
     ]
 
 
@@ -725,17 +726,10 @@ def parse_size(token: str) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="CPU 2^20..2^22, GPU 2^20..2^24, 0.1 s per cell"
-    )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda", "all"),
-        default="all",
-        help="'all' = CPU, plus CUDA when numba.cuda.is_available()",
+    p = bench_parser(
+        __doc__,
+        "CPU 2^20..2^22, GPU 2^20..2^24, 0.1 s per cell",
+        "'all' = CPU, plus CUDA when numba.cuda.is_available()",
     )
     p.add_argument(
         "--sizes",
@@ -838,11 +832,7 @@ def main(argv=None) -> int:
     latency = None if args.no_latency else first_call_latency(notes)
     if latency:
         print_latency(latency)
-    if notes:
-        print("\nnotes:")
-        for note in notes:
-            print("  - " + note)
-    print(f"\ntotal benchmark time {time.perf_counter() - t_start:.1f} s")
+    print_notes(notes, t_start)
 
     write_json(
         args.json,

@@ -211,16 +211,10 @@ def main(argv=None) -> int:
     )
     if args.states:
         return _report_states(results, args, variants, elapsed)
-    print(f"{'lr':>8}  {'variant':<17} {'L_0':>10} {'final loss':>11} {'progress':>9}")
+    _print_progress(results, args.lrs, VARIANTS, f"{'L_0':>10}", lambda v, c: f"{c[0]:>10.6f}")
     verdicts = []
     for lr in args.lrs:
         ref = results[(lr, "fp32")][1]
-        for v in VARIANTS:
-            curve = results[(lr, v)][1]
-            print(
-                f"{lr:>8g}  {v:<17} {curve[0]:>10.6f} {curve[-1]:>11.6f} "
-                f"{progress(curve, ref):>9.3f}"
-            )
         near = progress(results[(lr, "bf16 nearest")][1], ref)
         sr = progress(results[(lr, "bf16 stochastic")][1], ref)
         if near > 0.5:
@@ -243,16 +237,23 @@ def main(argv=None) -> int:
     return 0
 
 
-def _report_states(results, args, variants, elapsed) -> int:
-    print(f"{'lr':>8}  {'variant':<17} {'B/param':>8} {'final loss':>11} {'progress':>9}")
-    for lr in args.lrs:
+def _print_progress(results, lrs, variants, header: str, cell) -> None:
+    """A row per lr and variant: ``cell(variant, curve)`` under ``header``, final loss, progress."""
+    print(f"{'lr':>8}  {'variant':<17} {header} {'final loss':>11} {'progress':>9}")
+    for lr in lrs:
         ref = results[(lr, "fp32")][1]
         for v in variants:
             curve = results[(lr, v)][1]
             print(
-                f"{lr:>8g}  {v:<17} {STATE_VARIANTS[v][1]:>8.3f} {curve[-1]:>11.6f} "
+                f"{lr:>8g}  {v:<17} {cell(v, curve)} {curve[-1]:>11.6f} "
                 f"{progress(curve, ref):>9.3f}"
             )
+
+
+def _report_states(results, args, variants, elapsed) -> int:
+    _print_progress(
+        results, args.lrs, variants, f"{'B/param':>8}", lambda v, c: f"{STATE_VARIANTS[v][1]:>8.3f}"
+    )
     print("(fp32: torch.optim.AdamW, fp32 weights; the others: bf16 weights, stochastic rounding)")
     print(f"training time {elapsed:.1f} s")
     if plot(results, args.lrs, args.out, variants):

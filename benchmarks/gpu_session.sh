@@ -20,7 +20,10 @@ mkdir -p "$out/results" benchmarks/results
 for script in benchmarks/bench_*.py; do
     name=$(basename "$script" .py)
     args=(--json "benchmarks/results/${name}_gpu.json")
-    [ "$name" != bench_audit ] && args+=(--device cuda)
+    case "$name" in
+        bench_audit | bench_compile) ;;  # CPU only
+        *) args+=(--device cuda) ;;
+    esac
     python "$script" "${args[@]}" 2>&1 | tee "$out/$name.log" | tail -40
     cp -f "benchmarks/results/${name}_gpu.json" "$out/results/" 2>/dev/null || true
 done

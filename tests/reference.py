@@ -6,6 +6,9 @@ dropped fraction below are exact.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 
 import srround
@@ -62,22 +65,44 @@ def bits(a):
     return a.view({1: np.uint8, 2: np.uint16}.get(a.dtype.itemsize, np.uint32))
 
 
+def assert_same_bits(got, expected) -> None:
+    """``got`` has the dtype and the bits of ``expected`` (NaN payloads, signed zeros)."""
+    assert np.asarray(got).dtype == np.asarray(expected).dtype
+    np.testing.assert_array_equal(bits(got), bits(expected))
+
+
+def normal_params(shapes, dtypes, seed=0) -> list:
+    """Standard-normal arrays of ``shapes``, each cast to the dtype at its place in ``dtypes``."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(d) for s, d in zip(shapes, dtypes)]
+
+
 # the 16-bit formats; fp8 and fp4 (one value per byte) are tested in test_lowbit.py
 FORMAT_NAMES = [name for name, fmt in srround.FORMATS.items() if fmt.bits == 16]
 
 
 # -- fma: hard cases and the Numba reference (shared by the JAX fma tests) ----------------------
 
-_FMA_SPECIALS = [
+# float32 bit patterns: NaNs (quiet and signalling, both signs), infinities, zeros, the largest
+# finite value and the smallest subnormal; the special-value tests add their own cases to these.
+SPECIAL_BITS = [
     0x7FFFFFFF,
+    0xFFFFFFFF,
+    0x7F800001,
+    0x7FC00000,
     0xFFC00000,
-    0x7FA00000,
     0x7F800000,
     0xFF800000,
     0,
     0x80000000,
     0x7F7FFFFF,
     0x00000001,
+]
+_FMA_SPECIALS = [
+    0x7FFFFFFF,
+    0xFFC00000,
+    0x7FA00000,
+    *SPECIAL_BITS[5:],
     0x807FFFFF,
     0x00800000,
     0x3F800000,
@@ -192,3 +217,20 @@ def half_sgd(params, lr):
                         p.copy_((p.float() - group["lr"] * p.grad.float()).half())
 
     return HalfSGD(params, lr)
+
+
+def run_python(args, *, env, cwd, timeout=600, check=True) -> subprocess.CompletedProcess:
+    """``python *args`` in ``cwd`` with exactly ``env``, its text output captured; with ``check``,
+    assert that it exits 0 and show the tails of its output where it does not."""
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc

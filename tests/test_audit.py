@@ -7,8 +7,6 @@ import dataclasses
 import io
 import json
 import os
-import subprocess
-import sys
 import types
 
 import ml_dtypes
@@ -17,6 +15,8 @@ import pytest
 
 import srround
 from srround import audit
+
+from .reference import run_python
 
 
 def test_spacing_is_the_format_ulp():
@@ -112,10 +112,7 @@ def _cli(*args):
 def test_python_m_srround_audit_runs_in_a_fresh_process(checkpoints):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     args = ["audit", str(checkpoints["npz"]), "--lr", "1e-4", "--json"]
-    result = subprocess.run(
-        [sys.executable, "-m", "srround", *args], capture_output=True, text=True, env=env
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_python(["-m", "srround", *args], env=env, cwd=None)
     fresh, here = json.loads(result.stdout), json.loads(_cli(*args).stdout)
     assert fresh.pop("seconds") > 0 and here.pop("seconds") > 0
     assert fresh == here
@@ -431,10 +428,7 @@ def test_bench_audit_smoke(tmp_path, minilm_like):
     out = tmp_path / "bench.json"
     args = ["--params", "200000", "--dtypes", "bfloat16", "--minilm", str(path)]
     args += ["--update-params", "100000", "--kernel-size", "4096", "--json"]
-    result = subprocess.run(
-        [sys.executable, bench, *args, str(out)], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
+    run_python([bench, *args, str(out)], env=None, cwd=None)
     rows = json.loads(out.read_text())["results"]
     names = [r["checkpoint"] for r in rows]
     assert names[:3] == [

@@ -4,8 +4,6 @@ there is one, else in Numba's simulator with a tiny launch configuration."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -13,7 +11,7 @@ import pytest
 
 import srround
 
-from .reference import FORMAT_NAMES, bits
+from .reference import FORMAT_NAMES, bits, run_python
 
 
 def _inputs(n, seed=0):
@@ -83,13 +81,7 @@ def test_thread_count_does_not_change_bits():
     digests = []
     for threads in ("1", "2"):
         env = dict(os.environ, NUMBA_NUM_THREADS=threads)
-        result = subprocess.run(
-            [sys.executable, "-c", _HASH_SCRIPT],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        result = run_python(["-c", _HASH_SCRIPT], env=env, cwd=None)
         digests.append(result.stdout.strip())
     assert digests[0] == digests[1]
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .reference import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -19,17 +20,7 @@ pytest.importorskip("torch")
 
 def _run(args, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, *args],
-        check=False,
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return proc.stdout
+    return run_python(args, env=env, cwd=tmp_path, timeout=300).stdout
 
 
 def test_bench_optim_and_convergence_smoke(tmp_path):

@@ -7,11 +7,11 @@ import ast
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import srround
+
+from .reference import run_python
 
 PACKAGE = Path(srround.__file__).resolve().parent
 
@@ -28,16 +28,7 @@ print(json.dumps({"file": srround.__file__, "y": [float(v) for v in y],
 def _run(folder: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "PYTHONPATH")}
     env.update(PYTHONPATH=str(folder), NUMBA_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", RUN],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_python(["-c", RUN], env=env, cwd=folder)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

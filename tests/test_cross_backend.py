@@ -13,27 +13,10 @@ import pytest
 
 import srround
 
-from .reference import bits
+from .reference import SPECIAL_BITS, bits
 
 SPECIALS = np.array(
-    [
-        0x7FFFFFFF,
-        0xFFFFFFFF,
-        0x7F800001,
-        0x7FC00000,
-        0xFFC00000,
-        0x7F800000,
-        0xFF800000,
-        0,
-        0x80000000,
-        0x7F7FFFFF,
-        0x00000001,
-        0x807FFFFF,
-        0x3F808000,
-        0x477FF000,
-        0x33000000,
-    ],
-    np.uint32,
+    [*SPECIAL_BITS, 0x807FFFFF, 0x3F808000, 0x477FF000, 0x33000000], np.uint32
 ).view(np.float32)
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from srround._demo import run_demo
+
+from .reference import run_python
 
 
 def test_demo_numbers():
@@ -25,14 +25,8 @@ def test_demo_numbers():
 def test_demo_command_writes_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    result = subprocess.run(
-        [sys.executable, "-m", "srround", "demo", "--model", "linear", "--steps", "40"]
-        + ["--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
+    argv = ["-m", "srround", "demo", "--model", "linear", "--steps", "40", "--out", str(tmp_path)]
+    result = run_python(argv, env=env, cwd=None)
     assert "bf16 stochastic" in result.stdout
     assert (tmp_path / "demo_loss.png").stat().st_size > 10_000
 
@@ -117,8 +111,7 @@ def test_demo_lm_runs_on_torch_only(capsys, tmp_path):
 
 def test_demo_modules_do_not_import_torch():
     code = "import sys, srround._cli, srround._demo_lm; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    result = run_python(["-c", code], env=None, cwd=None)
     assert result.stdout.strip() == "False"
 
 

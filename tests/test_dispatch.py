@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
 import tempfile
 import textwrap
 import warnings
@@ -16,6 +14,8 @@ import pytest
 
 import srround
 from srround import _dispatch
+
+from .reference import run_python
 
 
 class Subclass(np.ndarray):
@@ -90,13 +90,8 @@ def test_detection_is_cached_per_type():
 def _run(code):
     """``code`` in a fresh interpreter (nothing imported before it), outside the source tree."""
     env = {k: v for k, v in os.environ.items()}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tempfile.gettempdir(),
-        timeout=600,
+    return run_python(
+        ["-c", textwrap.dedent(code)], env=env, cwd=tempfile.gettempdir(), check=False
     )
 
 

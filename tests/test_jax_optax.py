@@ -18,23 +18,10 @@ import jax.numpy as jnp  # noqa: E402
 import srround  # noqa: E402
 from srround.adapters import jax as sj  # noqa: E402
 
+from .reference import assert_same_bits, normal_params  # noqa: E402
+
 SHAPES = [(33,), (7, 5), (3,)]
 SEED = 0x1234_5678_9ABC
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view({4: np.uint32, 2: np.uint16}[a.dtype.itemsize])
-
-
-def _same(got, expected):
-    assert np.asarray(got).dtype == np.asarray(expected).dtype
-    np.testing.assert_array_equal(_bits(got), _bits(expected))
-
-
-def _params(dtypes, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(s).astype(d) for s, d in zip(SHAPES, dtypes)]
 
 
 def _grads(t):
@@ -64,7 +51,7 @@ def test_adamw_float32_tracks_optax_adamw(kw):
     """optax's own adamw test idea (optax/_src/alias_test.py): float32 params follow
     optax.adamw within float32 rounding of the same math (another operation order), with
     mask, nesterov and eps_root."""
-    params = {"w": jnp.asarray(_params([np.float32] * 3)[1]), "b": jnp.ones(3)}
+    params = {"w": jnp.asarray(normal_params(SHAPES, [np.float32] * 3)[1]), "b": jnp.ones(3)}
     mask = {"w": True, "b": False}
     otx = optax.adamw(1e-2, weight_decay=0.1, mask=mask, **kw)
     tx = sj.adamw(1e-2, weight_decay=0.1, mask=mask, **kw)
@@ -82,7 +69,10 @@ def test_adamw_float32_tracks_optax_adamw(kw):
 
 
 def test_adamw_update_then_optax_apply_updates_is_the_fused_step():
-    params = [jnp.asarray(p) for p in _params([ml_dtypes.bfloat16, np.float16, ml_dtypes.bfloat16])]
+    params = [
+        jnp.asarray(p)
+        for p in normal_params(SHAPES, [ml_dtypes.bfloat16, np.float16, ml_dtypes.bfloat16])
+    ]
     tx = sj.adamw(1e-2, seed=SEED)
     state = tx.init(params)
     grads = [jnp.asarray(g) for g in _grads(0)]
@@ -90,14 +80,14 @@ def test_adamw_update_then_optax_apply_updates_is_the_fused_step():
     chain = optax.chain(optax.clip_by_global_norm(1e9), tx)  # last in a chain
     updates, _ = jax.jit(chain.update)(grads, chain.init(params), params)
     for a, b in zip(optax.apply_updates(params, updates), fused):
-        _same(a, b)
+        assert_same_bits(a, b)
 
 
 @pytest.mark.parametrize("impl", ["native", "callback"])
 @pytest.mark.parametrize("state", ["none", "fp32", "bf16", "nesterov"])
 def test_sgd_is_sgd_step(impl, state):
     dtypes = [ml_dtypes.bfloat16, np.float32, np.float16]
-    params = _params(dtypes)
+    params = normal_params(SHAPES, dtypes)
     momentum = None if state == "none" else 0.9
     acc = jnp.bfloat16 if state == "bf16" else None
     nesterov = state == "nesterov"
@@ -121,15 +111,15 @@ def test_sgd_is_sgd_step(impl, state):
             seed=SEED,
         )
     for a, b in zip(ps, P):
-        _same(a, b)
+        assert_same_bits(a, b)
     if B is not None:
         for a, b in zip(st.momentum_buffer, B):
-            _same(a, b)
+            assert_same_bits(a, b)
     assert int(st.count) == 3
 
 
 def test_sgd_float32_tracks_optax_sgd():
-    params = [jnp.asarray(p) for p in _params([np.float32] * 3)]
+    params = [jnp.asarray(p) for p in normal_params(SHAPES, [np.float32] * 3)]
     otx, tx = optax.sgd(0.1, 0.9, True), sj.sgd(0.1, 0.9, True)
     ostate, state = otx.init(params), tx.init(params)
     ref, ours = params, params
@@ -150,11 +140,11 @@ def test_apply_updates_broadcasts_like_optax(impl):
     ref = optax.apply_updates(params, updates)
     assert jax.tree.structure(out) == jax.tree.structure(ref)
     assert out["w"].shape == (2, 3) and out["w"].dtype == jnp.bfloat16
-    _same(out["f"], ref["f"])
+    assert_same_bits(out["f"], ref["f"])
     full = sj.apply_updates(params, {**updates, "w": jnp.full((2, 3), 1e-3)}, jax.random.key(0))
-    _same(out["w"], full["w"])  # a broadcast update is the full one
+    assert_same_bits(out["w"], full["w"])  # a broadcast update is the full one
     row = sj.apply_updates(params, {**updates, "w": jnp.full((3,), 1e-3)}, jax.random.key(0))
-    _same(row["w"], full["w"])
+    assert_same_bits(row["w"], full["w"])
     with pytest.raises(ValueError, match=r"updates\[1\]: shape \(4,\) does not broadcast"):
         sj.apply_updates(params, {**updates, "w": jnp.ones(4)}, 0)
 

@@ -20,26 +20,18 @@ from srround import _optim
 from srround.adapters import jax as sj
 from srround.adapters.jax import _lax
 
-from .reference import assert_same_fma_bits, fma32_bits, fma_hard_cases
+from .reference import (
+    assert_same_bits,
+    assert_same_fma_bits,
+    bits,
+    fma32_bits,
+    fma_hard_cases,
+    normal_params,
+)
 
 IMPLS = ["native", "callback"]
 SHAPES = [(33,), (7, 5), (130,), (3,), (2, 2, 3)]
 SEED = 0x1234_5678_9ABC
-
-
-def _bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.dtype.itemsize])
-
-
-def _same(got, expected) -> None:
-    assert np.asarray(got).dtype == np.asarray(expected).dtype
-    np.testing.assert_array_equal(_bits(got), _bits(expected))
-
-
-def _params(dtypes, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(s).astype(d) for s, d in zip(SHAPES, dtypes)]
 
 
 def _grads(t):
@@ -61,7 +53,7 @@ MIXED = [ml_dtypes.bfloat16, np.float32, np.float16, ml_dtypes.bfloat16, np.floa
 @pytest.mark.parametrize("step", [None, 5, "traced"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_apply_updates_is_stochastic_add_per_leaf(impl, step):
-    params = _params(MIXED)
+    params = normal_params(SHAPES, MIXED)
     updates = [u * np.float32(1e-2) for u in _grads(0)]
     tree = {"a": [jnp.asarray(p) for p in params[:3]], "b": tuple(map(jnp.asarray, params[3:]))}
     utree = {"a": [jnp.asarray(u) for u in updates[:3]], "b": tuple(map(jnp.asarray, updates[3:]))}
@@ -79,11 +71,11 @@ def test_apply_updates_is_stochastic_add_per_leaf(impl, step):
     got = jax.tree_util.tree_leaves(out)
     for p, u, start, g in zip(params, updates, _starts(params), got):
         if p.dtype == np.float32:
-            _same(g, p + u)
+            assert_same_bits(g, p + u)
             continue
         w = p.copy()
         srround.stochastic_add(w, u, seed=seed, offset=(t << 36) + int(start))
-        _same(g, w)
+        assert_same_bits(g, w)
 
 
 def test_apply_updates_matches_optax_structure_and_none_leaves():
@@ -91,8 +83,8 @@ def test_apply_updates_matches_optax_structure_and_none_leaves():
     updates = {"w": jnp.full(5, 0.5, jnp.float32), "none": None, "b": jnp.ones(3, jnp.float32)}
     out = sj.apply_updates(params, updates, 0)
     assert out["none"] is None and out["w"].dtype == jnp.bfloat16
-    _same(out["w"], np.full(5, 1.5, ml_dtypes.bfloat16))  # exact sums are not rounded
-    _same(out["b"], np.ones(3, np.float32))
+    assert_same_bits(out["w"], np.full(5, 1.5, ml_dtypes.bfloat16))  # exact sums are not rounded
+    assert_same_bits(out["b"], np.ones(3, np.float32))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -167,12 +159,12 @@ def test_apply_updates_native_many_leaves(step):
     for p, u, start, g in zip(params, updates, _starts(params), got):
         assert g.shape == p.shape
         if p.dtype == np.float32:
-            _same(g, p + u)
+            assert_same_bits(g, p + u)
             continue
         w = p.reshape(-1).copy()
         if w.size:
             srround.stochastic_add(w, u.reshape(-1), seed=SEED, offset=(t << 36) + int(start))
-        _same(g, w.reshape(p.shape))
+        assert_same_bits(g, w.reshape(p.shape))
 
 
 def _distinct_kernels(fn, *args) -> int:
@@ -224,8 +216,8 @@ def test_apply_updates_fresh_noise_per_step():
     u = jnp.full(4096, 2.0**-10, jnp.float32)
     a = sj.apply_updates(p, u, 0, step=1)
     b = sj.apply_updates(p, u, 0, step=2)
-    assert not np.array_equal(_bits(a), _bits(b))
-    _same(sj.apply_updates(p, u, 0, step=1), a)
+    assert not np.array_equal(bits(a), bits(b))
+    assert_same_bits(sj.apply_updates(p, u, 0, step=1), a)
 
 
 # -- fused adamw: bits of srround.adamw_step ---------------------------------------------------
@@ -273,12 +265,12 @@ def _jax_run(params, steps, *, impl, rounding, state_dtype, lr=1e-2, seed=SEED, 
 def _check_against_numpy(got, state, expected):
     P, M, V, aux = expected
     for a, b in zip(got + state.exp_avg + state.exp_avg_sq, P + M + V):
-        _same(a, b)
+        assert_same_bits(a, b)
     if aux is not None:
         for a, b in zip(state.aux, aux):
             assert (a is None) == (b is None)
             if a is not None:
-                _same(a, b)
+                assert_same_bits(a, b)
 
 
 DTYPES = [ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float16, ml_dtypes.bfloat16]
@@ -289,7 +281,7 @@ DTYPES = [ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float16, ml_dty
 def test_adamw_native_leaves(rounding, state_dtype):
     """The native step leaf by leaf, every leaf's start a runtime scalar: the bits of
     ``srround.adamw_step``."""
-    params = _params(DTYPES)
+    params = normal_params(SHAPES, DTYPES)
     got, state = _jax_run(params, 2, impl="native", rounding=rounding, state_dtype=state_dtype)
     _check_against_numpy(
         got, state, _numpy_run(params, 2, rounding=rounding, state_dtype=state_dtype)
@@ -303,7 +295,7 @@ def test_adamw_schedule_key_seed_and_hyperparameters(impl):
     key = jax.random.key(11)
     data = np.asarray(jax.random.key_data(key))
     seed = int(data[0]) | int(data[1]) << 32
-    params = _params(DTYPES, seed=3)
+    params = normal_params(SHAPES, DTYPES, seed=3)
     kw = dict(b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
     tx = sj.adamw(schedule, seed=key, impl=impl, **kw)
     ps = [jnp.asarray(p) for p in params]
@@ -329,7 +321,7 @@ def test_adamw_schedule_key_seed_and_hyperparameters(impl):
             seed=seed,
         )
     for a, b in zip(ps + state.exp_avg + state.exp_avg_sq, P + M + V):
-        _same(a, b)
+        assert_same_bits(a, b)
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 10, 1000, 12345, 2**20 + 7, 2**26 - 1])
@@ -340,17 +332,17 @@ def test_native_coefs_are_prepare_coefs(t):
         expected = _optim.prepare_coefs(_optim.ADAMW, t, lr, 0.9, 0.999, 1e-8, 0.01)[:3]
         got = jax.jit(lambda s: _coefs(s, lr, 0.9, 0.999, 0.01))(jnp.int32(t))
         for a, b in zip(got, expected):
-            _same(np.float32(a), np.float32(b))
+            assert_same_bits(np.float32(a), np.float32(b))
         traced = jax.jit(lambda s, r: _coefs(s, r, 0.9, 0.999, 0.01))(jnp.int32(t), jnp.float32(lr))
         lr32 = float(np.float32(lr))
         expected = _optim.prepare_coefs(_optim.ADAMW, t, lr32, 0.9, 0.999, 1e-8, 0.01)[:3]
         for a, b in zip(traced, expected):
-            _same(np.float32(a), np.float32(b))
+            assert_same_bits(np.float32(a), np.float32(b))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_found_inf_skips_bit_identically(impl):
-    params = _params(DTYPES)
+    params = normal_params(SHAPES, DTYPES)
     tx = sj.adamw(1e-2, weight_decay=1e-2, seed=SEED, rounding="kahan", impl=impl)
     ps = [jnp.asarray(p) for p in params]
     state = tx.init(ps)
@@ -362,7 +354,7 @@ def test_found_inf_skips_bit_identically(impl):
     for flag in (jnp.float32(1.0), jnp.float32(np.inf), jnp.bool_(True)):
         ps2, state2 = fn(bad, state, ps, flag)
         for a, b in zip(jax.tree_util.tree_leaves((ps2, state2)), before):
-            _same(a, b)
+            assert_same_bits(a, b)
     # a clean step after the skip is the step 2 of the NumPy path
     ps, state = fn([jnp.asarray(g) for g in _grads(1)], state, ps, jnp.bool_(False))
     _check_against_numpy(
@@ -372,7 +364,7 @@ def test_found_inf_skips_bit_identically(impl):
 
 def test_donated_jit_and_optax_update_path():
     optax = pytest.importorskip("optax")
-    params = _params(DTYPES)
+    params = normal_params(SHAPES, DTYPES)
     tx = sj.adamw(1e-2, weight_decay=1e-2, seed=SEED)
     assert isinstance(tx, optax.GradientTransformation)
     ps = [jnp.asarray(p) for p in params]
@@ -383,7 +375,7 @@ def test_donated_jit_and_optax_update_path():
     assert all(u.dtype == jnp.float32 for u in updates)
     for a, b in zip(optax.apply_updates(ps, updates), ref_p):
         if b.dtype != jnp.float32:
-            _same(a, b)  # bf16/fp16: exact (SR included)
+            assert_same_bits(a, b)  # bf16/fp16: exact (SR included)
         else:  # exact unless no float32 u has p + u == new (weights crossing 0 here): 1 ulp
             a, b = np.asarray(a), np.asarray(b)
             assert np.all(np.abs(a - b) <= np.spacing(np.abs(b)))
@@ -396,7 +388,7 @@ def test_donated_jit_and_optax_update_path():
     for a, b in zip(
         jax.tree_util.tree_leaves((p3, s3, s2)), jax.tree_util.tree_leaves((ref_p, ref_s, ref_s))
     ):
-        _same(a, b)
+        assert_same_bits(a, b)
 
 
 def test_native_fma_is_exact():
@@ -411,11 +403,11 @@ def test_native_fma_is_exact():
     fma = jax.jit(lambda x, y, z: _fma(x, y, z))
     loose = jax.jit(lambda x, y, z: _fma(x, y, z, exact=(True, False, True)))
     for i, (x, y, z) in enumerate(fma_hard_cases(7)):
-        got = _bits(fma(as_f32(x), as_f32(y), as_f32(z)))
+        got = bits(fma(as_f32(x), as_f32(y), as_f32(z)))
         assert_same_fma_bits(i, x, y, z, fma32_bits(x, y, z), got)
         ones = np.full(y.size, 0x3F800000, np.uint32)
         assert_same_fma_bits(
-            i, ones, y, z, fma32_bits(ones, y, z), _bits(jax.jit(_add)(as_f32(y), as_f32(z)))
+            i, ones, y, z, fma32_bits(ones, y, z), bits(jax.jit(_add)(as_f32(y), as_f32(z)))
         )
         old = np.asarray(jax.jit(_lax._fma_bits)(jnp.asarray(x), jnp.asarray(y), jnp.asarray(z)))
         nan_g = (got & 0x7FFFFFFF) > 0x7F800000
@@ -424,7 +416,7 @@ def test_native_fma_is_exact():
         )  # the integer fma's bits (NaN: its sign)
         normal_b = (y & 0x7F800000) != 0  # b not subnormal: the plain widening is exact
         np.testing.assert_array_equal(
-            _bits(loose(as_f32(x), as_f32(y), as_f32(z)))[normal_b], got[normal_b]
+            bits(loose(as_f32(x), as_f32(y), as_f32(z)))[normal_b], got[normal_b]
         )
 
 
@@ -457,7 +449,7 @@ def test_master_tracks_optax_adamw_fp32():
         scale_ulp = np.spacing(np.float32(max(1.0, np.max(np.abs(r)))))
         assert np.max(np.abs(master - r)) <= 16 * scale_ulp
         assert np.max(np.abs(master - r)) <= 1e-2 * 1e-3  # 1% of one step's move (lr)
-        _same(p, master.astype(ml_dtypes.bfloat16))  # the param is RNE(master)
+        assert_same_bits(p, master.astype(ml_dtypes.bfloat16))  # the param is RNE(master)
 
 
 def test_errors():

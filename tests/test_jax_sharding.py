@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from .reference import run_python
 
 pytest.importorskip("jax")
 
@@ -23,13 +23,5 @@ def test_sharded_equals_unsharded(case):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.jax_sharded_cases", case],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    run = run_python(["-m", "tests.jax_sharded_cases", case], env=env, cwd=ROOT)
     assert f"{case} ok" in run.stdout

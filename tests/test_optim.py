@@ -73,24 +73,23 @@ def test_remainder_round_trip_of_edge_patterns():
     assert (high, low) == (0xFFC0, 0)
 
 
+def _adamw_ones(p, steps, **kw):
+    """``steps`` AdamW steps (lr 1e-4, no weight decay) of the one tensor ``p[0]``, gradient 1."""
+    n = p[0].size
+    m, v = [np.zeros(n, np.float32)], [np.zeros(n, np.float32)]
+    for step in range(1, steps + 1):
+        srround.adamw_step(
+            p, [np.ones(n, np.float32)], m, v, lr=1e-4, weight_decay=0.0, step=step, **kw
+        )
+
+
 def test_kahan_tracks_master_where_nearest_stalls():
     params = [np.full(256, 1.0, BF16)]
     runs = {}
     for mode in ("nearest", "kahan", "master"):
         p, aux = [x.copy() for x in params], _aux(mode, params)
-        m, v = [np.zeros(256, np.float32)], [np.zeros(256, np.float32)]
-        for step in range(1, 201):  # updates of ~1e-4, below half a bf16 ulp at 1.0 (3.9e-3)
-            srround.adamw_step(
-                p,
-                [np.ones(256, np.float32)],
-                m,
-                v,
-                lr=1e-4,
-                weight_decay=0.0,
-                step=step,
-                rounding=mode,
-                aux=aux,
-            )
+        # updates of ~1e-4, below half a bf16 ulp at 1.0 (3.9e-3)
+        _adamw_ones(p, 200, rounding=mode, aux=aux)
         value = p[0].astype(np.float32)
         if mode == "kahan":
             value = value + aux[0].astype(np.float32)
@@ -107,18 +106,7 @@ def test_stochastic_is_unbiased_over_seeds():
     runs = 8
     for seed in range(runs):
         p = [params[0].copy()]
-        m, v = [np.zeros(4096, np.float32)], [np.zeros(4096, np.float32)]
-        for step in range(1, 51):
-            srround.adamw_step(
-                p,
-                [np.ones(4096, np.float32)],
-                m,
-                v,
-                lr=1e-4,
-                weight_decay=0.0,
-                step=step,
-                seed=seed,
-            )
+        _adamw_ones(p, 50, seed=seed)
         total += p[0].astype(np.float64)
     expected = 1.0 - 50e-4  # Adam with a constant gradient moves lr per step
     mean = total.mean() / runs

@@ -32,6 +32,7 @@ import pytest
 import srround
 
 from .conftest import OPTIM_BACKENDS, Backend
+from .reference import bits, normal_params
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
@@ -56,18 +57,8 @@ SGD_CONFIGS = [
 AUX_NAMES = {"kahan": "kahan_comp", "master": "master_weight", "remainder": "remainder"}
 
 
-def _bits(a):
-    a = np.asarray(a)
-    return a.view({4: np.uint32, 2: np.uint16}[a.dtype.itemsize])
-
-
 def _starts(arrays):
     return [int(s) for s in np.concatenate([[0], np.cumsum([a.size for a in arrays])[:-1]])]
-
-
-def _params(dtypes, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(s).astype(d) for s, d in zip(SHAPES, dtypes)]
 
 
 def _grads(t, dtypes):
@@ -286,7 +277,7 @@ def _same(got, expected, what):
             assert (a is None) == (b is None), f"{what}: {key}[{i}]: {a} vs {b}"
             if a is not None:
                 assert a.dtype == b.dtype, f"{what}: {key}[{i}]: {a.dtype} != {b.dtype}"
-                np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{what}: {key}[{i}]")
+                np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{what}: {key}[{i}]")
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,7 +318,7 @@ def test_front_end_gives_the_reference_bits(request, backend, kind, rounding, gr
     backend.ready(request)
     dtypes = _mixed(rounding)
     state_dtype = BF16 if state == "bf16" else F32
-    params = _params(dtypes)
+    params = normal_params(SHAPES, dtypes)
     gdt = [F32] * len(dtypes) if grads == "fp32" else dtypes
     g1, g2 = _grads(1, gdt), _grads(2, gdt)
     opt = front_end(backend, kind, params, rounding=rounding, state_dtype=state_dtype)
@@ -371,7 +362,7 @@ def test_fp32_math_follows_torch_optim(optim_backend, kind, config):
     within a few ulp over 40 steps; the bf16 parameters are RNE of their fp32 copies."""
     torch = pytest.importorskip("torch")
     dtypes = [F32, BF16, F32, BF16]
-    params = _params(dtypes, seed=3)
+    params = normal_params(SHAPES, dtypes, seed=3)
     hyper = HYPER[kind] if config is None else dict(lr=0.05, **config)
     opt = front_end(optim_backend, kind, params, rounding="master", seed=2, hyper=hyper)
     ref = [torch.nn.Parameter(torch.from_numpy(p.astype(np.float32))) for p in params]
@@ -398,7 +389,7 @@ def test_fp32_math_follows_torch_optim(optim_backend, kind, config):
             master = got["aux"][i]
             assert master.dtype == F32
             _ulp_close(master, want, 4, f"master[{i}]")
-            np.testing.assert_array_equal(_bits(got["params"][i]), _bits(master.astype(BF16)))
+            np.testing.assert_array_equal(bits(got["params"][i]), bits(master.astype(BF16)))
     if kind == "sgd" and not config["momentum"]:
         assert got["momentum_buffer"] is None  # no buffer without momentum, as torch
     assert got["count"] == [40] * len(params)
@@ -434,7 +425,7 @@ def _format(dtype):
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 @pytest.mark.parametrize("t", [1, 7])
 def test_write_back_rounds_the_exact_fp32_update(kind, t):
-    params, grads = _params(MIXED), _grads(t, MIXED)
+    params, grads = normal_params(SHAPES, MIXED), _grads(t, MIXED)
     rng = np.random.default_rng(5)
     n_states = 2 if kind == "adamw" else 1
     state = [
@@ -445,13 +436,13 @@ def test_write_back_rounds_the_exact_fp32_update(kind, t):
     stochastic, _ = _one_step(kind, params, grads, state, t, "stochastic")
     for p, w, near, sr, start in zip(params, wide, nearest, stochastic, _starts(params)):
         if p.dtype == F32:  # updated exactly
-            np.testing.assert_array_equal(_bits(near), _bits(w))
-            np.testing.assert_array_equal(_bits(sr), _bits(w))
+            np.testing.assert_array_equal(bits(near), bits(w))
+            np.testing.assert_array_equal(bits(sr), bits(w))
             continue
         fmt, dtype = _format(p.dtype), p.dtype
-        np.testing.assert_array_equal(_bits(near), _bits(srround.round_nearest(w, dtype=fmt)))
+        np.testing.assert_array_equal(bits(near), bits(srround.round_nearest(w, dtype=fmt)))
         expected = srround.stochastic_round(w, dtype=fmt, seed=3, offset=t * STEP_STRIDE + start)
-        np.testing.assert_array_equal(_bits(sr), _bits(expected))
+        np.testing.assert_array_equal(bits(sr), bits(expected))
         # one of the two neighbours of the fp32 update
         down = srround.round_nearest(w, dtype=fmt).astype(np.float32)
         below = np.nextafter(down.astype(dtype), dtype.type(-np.inf)).astype(np.float32)
@@ -462,7 +453,7 @@ def test_write_back_rounds_the_exact_fp32_update(kind, t):
 
 
 def test_bf16_states_are_stochastically_rounded_on_their_streams():
-    params, grads = _params(MIXED), _grads(2, MIXED)
+    params, grads = normal_params(SHAPES, MIXED), _grads(2, MIXED)
     rng = np.random.default_rng(6)
     m16 = [(rng.standard_normal(p.shape) * 1e-3).astype(BF16) for p in params]
     v16 = [(rng.random(p.shape) * 1e-5).astype(BF16) for p in params]
@@ -471,13 +462,13 @@ def test_bf16_states_are_stochastically_rounded_on_their_streams():
     for stream, wide, got in ((2**34, m32, m_got), (2**35, v32, v_got)):
         for w, g, start in zip(wide, got, _starts(params)):
             expected = srround.stochastic_round(w, seed=3, offset=2 * STEP_STRIDE + stream + start)
-            np.testing.assert_array_equal(_bits(g), _bits(expected))
+            np.testing.assert_array_equal(bits(g), bits(expected))
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_remainder_is_the_exact_master_trajectory(kind):
     dtypes = _mixed("remainder")
-    params = _params(dtypes)
+    params = normal_params(SHAPES, dtypes)
     hyper = dict(HYPER[kind], lr=1e-4)
     runs = {
         mode: front_end(Backend.NUMPY, kind, params, rounding=mode, hyper=hyper)
@@ -493,7 +484,7 @@ def test_remainder_is_the_exact_master_trajectory(kind):
             continue
         rebuilt = (high.view(np.uint16).astype(np.int64) << 16) + low.astype(np.int64)
         np.testing.assert_array_equal(rebuilt.astype(np.uint32), exact.view(np.uint32))
-    np.testing.assert_array_equal(_bits(master["params"][1]), _bits(remainder["params"][1]))
+    np.testing.assert_array_equal(bits(master["params"][1]), bits(remainder["params"][1]))
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
@@ -503,7 +494,7 @@ def test_fp32_updates_are_exact_in_every_mode(kind):
     round-to-nearest."""
     for mode in ROUNDINGS:
         dtypes = _mixed(mode)
-        params = _params(dtypes)
+        params = normal_params(SHAPES, dtypes)
         grads = [_grads(t, dtypes) for t in range(3)]
         wide = front_end(Backend.NUMPY, kind, _wide(params), rounding="nearest")
         opt = front_end(Backend.NUMPY, kind, params, rounding=mode)
@@ -511,11 +502,11 @@ def test_fp32_updates_are_exact_in_every_mode(kind):
             wide.step(_wide(g))
             opt.step(g)
         wide_params, got = wide.result()["params"], opt.result()
-        np.testing.assert_array_equal(_bits(got["params"][1]), _bits(wide_params[1]), mode)
+        np.testing.assert_array_equal(bits(got["params"][1]), bits(wide_params[1]), mode)
         if mode == "master":
             for i, d in enumerate(dtypes):
                 if d != F32:
-                    np.testing.assert_array_equal(_bits(got["aux"][i]), _bits(wide_params[i]))
+                    np.testing.assert_array_equal(bits(got["aux"][i]), bits(wide_params[i]))
                     np.testing.assert_array_equal(
-                        _bits(got["params"][i]), _bits(wide_params[i].astype(d))
+                        bits(got["params"][i]), bits(wide_params[i].astype(d))
                     )

@@ -4,12 +4,12 @@ numba-cuda, and real CUDA code generation (PTX) where the CUDA compilers are ins
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 import textwrap
 
 import pytest
+
+from .reference import run_python
 
 
 def _run(code, **env):
@@ -17,12 +17,8 @@ def _run(code, **env):
     package is importable) and without the CUDA simulator."""
     environment = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     environment.update(env)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=environment,
-        cwd=tempfile.gettempdir(),
+    return run_python(
+        ["-c", textwrap.dedent(code)], env=environment, cwd=tempfile.gettempdir(), check=False
     )
 
 

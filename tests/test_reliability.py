@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -20,6 +18,7 @@ import pytest
 import srround
 
 from .conftest import Backend
+from .reference import run_python
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,13 +26,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _python(code: str, *, env: dict | None = None, timeout: float = 240):
     """Run ``code`` in a fresh interpreter (CPU only); returns the CompletedProcess."""
     environ = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", JAX_PLATFORMS="cpu", **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=environ,
-        cwd=_ROOT,
+    return run_python(
+        ["-c", textwrap.dedent(code)], env=environ, cwd=_ROOT, timeout=timeout, check=False
     )
 
 

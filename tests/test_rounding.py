@@ -14,7 +14,7 @@ import srround
 from srround._scalar import encode_stochastic
 
 from . import reference
-from .reference import FORMAT_NAMES, bits
+from .reference import FORMAT_NAMES, SPECIAL_BITS, bits
 
 FMTS = [srround.FORMATS[n] for n in FORMAT_NAMES]
 
@@ -208,24 +208,7 @@ def test_sr_ties_and_subnormals_probabilities():
 
 # -- special values -----------------------------------------------------------------------------
 
-SPECIALS = [
-    0x7FFFFFFF,
-    0xFFFFFFFF,
-    0x7F800001,
-    0x7FC00000,
-    0xFFC00000,
-    0x7F800000,
-    0xFF800000,
-    0x00000000,
-    0x80000000,
-    0x7F7FFFFF,
-    0x7F7F0000,
-    0x00000001,
-    0x80000001,
-    0x007FFFFF,
-    0x3F800000,
-    0xBF808000,
-]
+SPECIALS = [*SPECIAL_BITS, 0x7F7F0000, 0x80000001, 0x007FFFFF, 0x3F800000, 0xBF808000]
 
 
 @pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.name)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -25,6 +23,8 @@ from srround._formats import (
     FORMATS,
     BufferCode,
 )
+
+from .reference import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,15 +47,7 @@ def test_imports_go_one_way(tmp_path):
     (package / "adapters").symlink_to(ROOT / "adapters")
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run(
-        [sys.executable, "-c", _LINT],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_python(["-c", _LINT], env=env, cwd=tmp_path, timeout=300)
     assert "0 broken" in done.stdout
     analyzed = int(re.search(r"Analyzed (\d+) files", done.stdout).group(1))
     assert analyzed > len(list((ROOT / "srround").glob("*.py")))  # the adapters were seen

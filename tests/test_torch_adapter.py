@@ -11,7 +11,7 @@ import srround
 
 torch = pytest.importorskip("torch")
 
-from .reference import bits  # noqa: E402
+from .reference import bits, run_python  # noqa: E402
 
 FMT_NAMES = ["bfloat16", "float16"]
 TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -350,11 +350,8 @@ def test_tensor_list_errors_name_the_tensor():
 
 
 def test_import_srround_does_not_import_torch_adapter_by_itself():
-    import subprocess
-    import sys
-
     code = "import srround, sys; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(["-c", code], env=None, cwd=None)
 
 
 # -- CUDA (real GPU only: torch CUDA tensors do not exist under the simulator) -------------------

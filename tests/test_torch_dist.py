@@ -167,18 +167,29 @@ def _compiled_and_amsgrad(rank, world, tmp):
     return out
 
 
+def _fsdp_scaled():
+    """A float32 model sharded by FSDP2, srround AdamW over it, a GradScaler (scale 16)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(torch.float32)
+    fully_shard(model)
+    return model, _adamw(model.parameters()), GradScaler("cpu", init_scale=16.0)
+
+
+def _scaled_backward(model, scaler, i, inf):
+    """The scaled backward pass of batch ``i``; ``inf``: then an inf in this rank's piece."""
+    scaler.scale(model(_batch(i, torch.float32)).pow(2).mean()).backward()
+    if inf:
+        model[0].weight.grad.to_local()[0, 0] = float("inf")
+
+
 def _compiled_unscale(rank, world, tmp):
     """``GradScaler.unscale_`` and ``srround.unscale_and_check`` on FSDP2 gradients in one
     compiled function (aot_eager, fullgraph) and eagerly, an inf in rank 1's piece in the
     second iteration: gradients, both flags, parameters and scale per run."""
-    from torch.distributed.fsdp import fully_shard
-
     out = {}
     for compiled in (False, True):
-        model = _model(torch.float32)
-        fully_shard(model)
-        opt = _adamw(model.parameters())
-        scaler = GradScaler("cpu", init_scale=16.0)
+        model, opt, scaler = _fsdp_scaled()
 
         @torch.compile(fullgraph=True, backend="aot_eager", disable=not compiled)
         def unscale(opt, grads):
@@ -188,9 +199,7 @@ def _compiled_unscale(rank, world, tmp):
         runs = []
         for i in range(2):
             opt.zero_grad(set_to_none=False)
-            scaler.scale(model(_batch(i, torch.float32)).pow(2).mean()).backward()
-            if i == 1 and rank == 1:
-                model[0].weight.grad.to_local()[0, 0] = float("inf")
+            _scaled_backward(model, scaler, i, inf=i == 1 and rank == 1)
             grads = [p.grad for p in model.parameters()]
             found = unscale(opt, grads)
             runs.append(([_full(g) for g in grads], float(found), float(scaler.found_inf(opt))))
@@ -231,18 +240,11 @@ def _zero(rank, world, tmp):
 def _scaler(rank, world, tmp):
     """An inf in rank 1's piece only: both ranks skip (the flag is all-reduced), both back off;
     through the fused path and through an explicit unscale_."""
-    from torch.distributed.fsdp import fully_shard
-
     out = {}
     for explicit in (False, True):
-        model = _model(torch.float32)
-        fully_shard(model)
-        opt = _adamw(model.parameters())
-        scaler = GradScaler("cpu", init_scale=16.0)
+        model, opt, scaler = _fsdp_scaled()
         before = [_full(p) for p in model.parameters()]
-        scaler.scale(model(_batch(0, torch.float32)).pow(2).mean()).backward()
-        if rank == 1:
-            model[0].weight.grad.to_local()[0, 0] = float("inf")
+        _scaled_backward(model, scaler, 0, inf=rank == 1)
         if explicit:
             scaler.unscale_(opt)
         scaler.step(opt)
