@@ -197,6 +197,20 @@ def test_apply_updates_leaves_of_one_shape_share_a_kernel():
     assert kernels(12) == kernels(3)
 
 
+def test_adamw_bf16_states_compute_the_update_once():
+    """With bf16 params and states, a leaf's three outputs come from one loop that runs the
+    AdamW math once (``optim._packed``): XLA's CPU backend would copy the math into a loop per
+    output. Compiled only; the bits are checked by ``test_adamw_native_leaves``."""
+    opt = sj.adamw(1e-3, seed=SEED, state_dtype=jnp.bfloat16)
+    params = [jnp.ones((8, 16), jnp.bfloat16)]
+    grads = [jnp.full((8, 16), 1e-3, jnp.bfloat16)]
+    state = opt.init(params)
+    text = jax.jit(lambda p, s, g: opt.step(g, s, p)).lower(params, state, grads).compile()
+    blocks = re.split(r"\n\s*\n", text.as_text())
+    math = [b for b in blocks if b.strip().startswith("%fused_computation") and "f64[8,16]" in b]
+    assert len(math) == 1
+
+
 def test_apply_updates_fresh_noise_per_step():
     p = jnp.ones(4096, jnp.bfloat16)
     u = jnp.full(4096, 2.0**-10, jnp.float32)

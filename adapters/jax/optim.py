@@ -48,10 +48,10 @@ Implementations (``impl``):
   TPU emulates float64 and may differ in the last bit. Each leaf is a loop of its own that
   takes its start in the stream as a runtime value, so XLA compiles one kernel per leaf shape
   and dtypes (when the key or the step is traced; with both constant, one per leaf). On one
-  CPU device the Threefry blocks of all leaves are computed in one loop and each leaf gathers
-  its bits from them; elsewhere (GPU, TPU, several devices) each leaf computes its own bits
-  from its elements' global indices (it stays elementwise and keeps its sharding). The same
-  bits either way (``_native_leaves``).
+  CPU device the Threefry blocks of all leaves are computed in one loop, each leaf gathers
+  its bits from them, and a leaf's narrow outputs come from one loop; elsewhere (GPU, TPU,
+  several devices) each leaf computes its own bits from its elements' global indices (it
+  stays elementwise and keeps its sharding). The same bits either way (``_native_leaves``).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -267,7 +267,50 @@ def _shared_leaf_call(arrays, stream_blocks, start, extra, *, update, cfg):
             word = blocks[index >> 2] >> ((index & 3) * 16).astype(jnp.uint64)
             return (word & 0xFFFF).astype(_U32)
 
-    return update(cfg, *arrays, bits, *extra)
+    return _packed(lambda: update(cfg, *arrays, bits, *extra), shape, start)
+
+
+def _packed(compute, shape, probe):
+    """``compute()`` (a tuple of arrays or ``None``), its outputs of ``shape`` computed in one
+    loop: XLA's CPU backend emits a loop per output and copies the math the outputs share into
+    each (with bf16 states, the AdamW math three times). Where the outputs are 8- or 16-bit
+    and fit 64 bits per element, they are computed as one array of their bit patterns side by
+    side, in the taken branch of a conditional on the opaque uint32 ``probe`` (so XLA cannot
+    fuse it into the readers), and split from it. Same values, bit for bit."""
+    outs = jax.eval_shape(compute)
+    live = [k for k, o in enumerate(outs) if o is not None]
+    if any(isinstance(outs[k], tuple) for k in live):  # fp8 states: (moments, block scales)
+        return compute()
+    widths = [jnp.dtype(outs[k].dtype).itemsize * 8 for k in live]
+    if (
+        len(live) < 2
+        or sum(widths) > 64
+        or max(widths) > 16  # a float32 output is written once and read by the others
+        or any(outs[k].shape != tuple(shape) for k in live)
+        or isinstance(probe, (int, np.integer))
+    ):
+        return compute()
+    with jax.enable_x64(True):
+        word = jnp.uint32 if sum(widths) <= 32 else jnp.uint64
+
+        def taken():
+            values = compute()
+            total, shift = None, 0
+            for k, w in zip(live, widths):
+                bits = lax.bitcast_convert_type(values[k], jnp.dtype(f"uint{w}")).astype(word)
+                bits = bits << word(shift) if shift else bits
+                total = bits if total is None else total | bits
+                shift += w
+            return total
+
+        zero = _u(probe) & ~_u(probe)
+        packed = lax.cond(zero == 0, taken, lambda: jnp.zeros(tuple(shape), word))
+        result, shift = list(outs), 0
+        for k, w in zip(live, widths):
+            bits = (packed >> word(shift)) if shift else packed
+            result[k] = lax.bitcast_convert_type(bits.astype(jnp.dtype(f"uint{w}")), outs[k].dtype)
+            shift += w
+    return tuple(result)
 
 
 def _stream_blocks(k0, k1, t, stream: int, total: int, zero):
@@ -867,8 +910,9 @@ def _native_step(update, cfg, columns, layouts, t, k0, k1, extras):
     arguments of leaf k (coefficients, inv_scale) - leaves are updated in runs of equal extras
     (e.g. inside and outside optax's ``mask``). XLA's CPU backend emits one loop per output;
     float32 states end in an op of several arrays, which it writes once (into the state
-    buffer) for the parameter's loop to read. Returns per-leaf output tuples (params,
-    states..., aux)."""
+    buffer) for the parameter's loop to read; on one CPU device, a leaf's 8/16-bit outputs
+    (bf16 params and states) are computed in one loop (``_packed``). Returns per-leaf output
+    tuples (params, states..., aux)."""
     p_leaves = columns[0]
     starts = _starts(
         [tuple(p.shape) if lay is None else lay[1] for p, lay in zip(p_leaves, layouts)]
