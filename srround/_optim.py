@@ -89,7 +89,9 @@ class FusedStep:
         self._hyper = None
         self._host_table, self._grad_table = table, None  # gradient columns: check_grads
         self.fp8 = state_fmt in _state8.FP8_CODES
-        bstarts = np.concatenate([[0], np.cumsum(_state8.block_counts(sizes))]).astype(np.int64)
+        # fp8 states: work items are blocks of a tensor (no blocks for the other formats)
+        counts = _state8.block_counts(sizes) if self.fp8 else np.zeros(0, np.int64)
+        bstarts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.blocks = int(bstarts[-1])
         if device == "cpu":
             self.table, self.starts, self.coefs, self.bstarts = table, starts, coefs, bstarts
