@@ -620,18 +620,7 @@ def optim_step8(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k
         )
         if fast and r[P_FMT] == BF16 and r[G_FMT] == BF16:  # constant formats, folded by
             # LLVM (about 4x faster)
-            fixed = (
-                r[P_ADDR],
-                BF16,
-                r[G_ADDR],
-                BF16,
-                row[4],
-                row[5],
-                row[6],
-                row[7],
-                row[8],
-                row[9],
-            )
+            fixed = (row[0], BF16, row[2], BF16) + row[4:]
             update_block8(
                 STOCHASTIC,
                 FLOAT8_E4M3FN,
