@@ -200,15 +200,17 @@ def test_apply_updates_leaves_of_one_shape_share_a_kernel():
 def test_adamw_bf16_states_compute_the_update_once():
     """With bf16 params and states, a leaf's three outputs come from one loop that runs the
     AdamW math once (``optim._packed``): XLA's CPU backend would copy the math into a loop per
-    output. Compiled only; the bits are checked by ``test_adamw_native_leaves``."""
+    output. Each leaf reads its random bits as a contiguous window (a dynamic slice), not by a
+    gather. Compiled only; the bits are checked by ``test_adamw_native_leaves``."""
     opt = sj.adamw(1e-3, seed=SEED, state_dtype=jnp.bfloat16)
-    params = [jnp.ones((8, 16), jnp.bfloat16)]
-    grads = [jnp.full((8, 16), 1e-3, jnp.bfloat16)]
+    params = [jnp.ones((8, 16), jnp.bfloat16)] * 2
+    grads = [jnp.full((8, 16), 1e-3, jnp.bfloat16)] * 2
     state = opt.init(params)
     text = jax.jit(lambda p, s, g: opt.step(g, s, p)).lower(params, state, grads).compile()
     blocks = re.split(r"\n\s*\n", text.as_text())
     math = [b for b in blocks if b.strip().startswith("%fused_computation") and "f64[8,16]" in b]
-    assert len(math) == 1
+    assert len(math) == 2
+    assert " gather(" not in text.as_text() and " dynamic-slice(" in text.as_text()
 
 
 def test_apply_updates_fresh_noise_per_step():

@@ -48,10 +48,11 @@ Implementations (``impl``):
   TPU emulates float64 and may differ in the last bit. Each leaf is a loop of its own that
   takes its start in the stream as a runtime value, so XLA compiles one kernel per leaf shape
   and dtypes (when the key or the step is traced; with both constant, one per leaf). On one
-  CPU device the Threefry blocks of all leaves are computed in one loop, each leaf gathers
-  its bits from them, and a leaf's narrow outputs come from one loop; elsewhere (GPU, TPU,
-  several devices) each leaf computes its own bits from its elements' global indices (it
-  stays elementwise and keeps its sharding). The same bits either way (``_native_leaves``).
+  CPU device the Threefry blocks of all leaves are computed in one loop, each leaf reads
+  its bits from them as a contiguous window, and a leaf's narrow outputs come from one loop;
+  elsewhere (GPU, TPU, several devices) each leaf computes its own bits from its elements'
+  global indices (it stays elementwise and keeps its sharding). The same bits either way
+  (``_native_leaves``).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -151,11 +152,6 @@ def _narrow(x):
     return jnp.where(mag < 2.0**-126, _f32(sign | quanta), x.astype(jnp.float32))
 
 
-def _stand_in(x):
-    """float32 of float64 ``x`` with every finite nonzero value replaced by +-1."""
-    return jnp.where(jnp.isfinite(x), jnp.sign(x), x).astype(jnp.float32)
-
-
 _SIGN = np.uint32(0x80000000)
 
 
@@ -190,11 +186,13 @@ def _fma(a, b, c, exact=(True, True, True)):
     Finite operands: ``a * b`` is exact in float64 (48-bit significand); ``s = a * b + c``
     rounds once more, so ``s`` is rounded to odd (TwoSum gives its error ``e``; an inexact ``s``
     with an even last bit moves one ulp towards ``e``), which makes the rounding to float32 (24
-    <= 53 - 2 bits) that of ``a * b + c``. Needs IEEE float64 (CPU, GPU). NaN/inf operands:
-    float32 ops on the operands with finite nonzero ones replaced by +-1, as ``_fma_bits``.
-    ``exact``: per operand, as ``_wide``. Each operand is read once (an expensive producer,
-    such as a division, read twice would be materialized by XLA's CPU fusion); the result's
-    last op takes several arrays, so XLA writes it once for all its users."""
+    <= 53 - 2 bits) that of ``a * b + c``. Infinities follow from the float64 ops (a float32
+    product cannot overflow float64); a NaN result is the first NaN operand of ``a``, ``b``,
+    ``c`` (quieted), else the default NaN (inf * 0, inf - inf), as the hardware fma. Needs IEEE
+    float64 (CPU, GPU). ``exact``: per operand, as ``_wide``. Each operand is read once (an
+    expensive producer, such as a division, read twice would be materialized by XLA's CPU
+    fusion); the result's last op takes several arrays, so XLA writes it once for all its
+    users."""
     with jax.enable_x64(True):
         a, b, c = (_wide(jnp.asarray(v, jnp.float32), e) for v, e in zip((a, b, c), exact))
         p = a * b
@@ -203,12 +201,11 @@ def _fma(a, b, c, exact=(True, True, True)):
         e = (p - (s - bb)) + (c - bb)  # s + e == p + c exactly (TwoSum)
         sb = lax.bitcast_convert_type(s, jnp.uint64)
         odd = jnp.where((e > 0) == (s > 0), sb + 1, sb - 1)
-        sb = jnp.where((e != 0) & ((sb & 1) == 0), odd, sb)
-        finite = _narrow(lax.bitcast_convert_type(sb, jnp.float64))
-        sa, sb_, sc = _stand_in(a), _stand_in(b), _stand_in(c)
-        ab_finite = jnp.isfinite(a) & jnp.isfinite(b)
-        special = jnp.where(ab_finite, sc, sa * sb_ + sc)
-        return jnp.where(ab_finite & jnp.isfinite(c), finite, special)
+        inexact = (e > 0) | (e < 0)  # not where s is inf or NaN (e is NaN)
+        s = lax.bitcast_convert_type(jnp.where(inexact & ((sb & 1) == 0), odd, sb), jnp.float64)
+        first = jnp.where(jnp.isnan(b), b, jnp.where(jnp.isnan(c), c, s))
+        first = jnp.where(jnp.isnan(a), a, first)
+        return _narrow(jnp.where(jnp.isnan(s), first, s))
 
 
 def _widen_bits(x):
@@ -252,20 +249,16 @@ def _dtypes(x):
 
 
 @functools.partial(jax.jit, static_argnames=("update", "cfg"))
-def _shared_leaf_call(arrays, stream_blocks, start, extra, *, update, cfg):
+def _shared_leaf_call(arrays, stream_lanes, start, extra, *, update, cfg):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf at global element ``start`` (a
-    uint32 scalar), ``bits(stream)`` read from ``stream_blocks[stream]``, the Threefry blocks
-    of every position of the call (``_stream_blocks``): the leaf's window of blocks, split into
-    four 16-bit lanes per block, from lane ``start & 3`` on."""
+    uint32 scalar), ``bits(stream)`` read from ``stream_lanes[stream]``, the 16-bit lanes of
+    every position of the call (``_stream_lanes``): the leaf's contiguous window of lanes, from
+    position ``start`` on (a dynamic slice, read in the leaf's loop)."""
     shape, size = arrays[0].shape, arrays[0].size
-    window = size // 4 + 2  # blocks that hold positions start .. start + size - 1
 
     def bits(stream):
-        blocks = lax.dynamic_slice(stream_blocks[stream], (start >> 2,), (window,))
-        index = _element_index(shape) + (start & 3)
-        with jax.enable_x64(True):
-            word = blocks[index >> 2] >> ((index & 3) * 16).astype(jnp.uint64)
-            return (word & 0xFFFF).astype(_U32)
+        window = lax.dynamic_slice(stream_lanes[stream], (start,), (size,))
+        return window.reshape(shape).astype(_U32)
 
     return _packed(lambda: update(cfg, *arrays, bits, *extra), shape, start)
 
@@ -313,19 +306,24 @@ def _packed(compute, shape, probe):
     return tuple(result)
 
 
-def _stream_blocks(k0, k1, t, stream: int, total: int, zero):
-    """The Threefry blocks (uint64 ``x0 | x1 << 32``: four 16-bit lanes) of positions
-    ``[0, total)`` of ``stream`` at step ``t`` (counter ``t * 2**36 + stream * 2**34 +
-    position``, block ``position >> 2``), two more past the end for the windows of
-    ``_shared_leaf_call``: one loop that computes each block once. ``zero``: a uint32 0 that
-    ties it to the while loop it runs in (``_lax._opaque``), which keeps it out of its
-    readers' loops (each would compute the Threefry again)."""
-    blocks = total // 4 + 2
-    counters = lax.iota(_U32, blocks) + zero
-    hi = jnp.broadcast_to(_u(t) * _U32(4) + _U32(stream), counters.shape)
-    x0, x1 = _threefry2x32(k0, k1, counters, hi)
-    with jax.enable_x64(True):
+def _stream_lanes(k0, k1, t, stream: int, total: int, zero):
+    """The 16-bit random lanes (uint16) of positions ``[0, total)`` of ``stream`` at step
+    ``t``: position ``i`` is lane ``i & 3`` of the Threefry block of counter ``t * 2**36 +
+    stream * 2**34 + (i >> 2)`` (``_lax._random16``), so a leaf reads its bits as one
+    contiguous window. ``zero``: a uint32 0 that ties it to the while loop it runs in
+    (``_lax._opaque``), which keeps it out of its readers' loops (each would compute the
+    Threefry again)."""
+    blocks = -(-total // 4)
+
+    def words():  # materialized: the lanes' loop below reads each word four times
+        counters = lax.iota(_U32, blocks) + zero
+        hi = jnp.broadcast_to(_u(t) * _U32(4) + _U32(stream), counters.shape)
+        x0, x1 = _threefry2x32(k0, k1, counters, hi)
         return x0.astype(jnp.uint64) | (x1.astype(jnp.uint64) << 32)
+
+    with jax.enable_x64(True):
+        computed = lax.cond(zero == 0, words, lambda: jnp.zeros((blocks,), jnp.uint64))
+        return lax.bitcast_convert_type(computed, jnp.uint16).reshape(-1)  # little-endian
 
 
 def _streams(update, cfg, columns, extra) -> list[int]:
@@ -373,8 +371,8 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     bits).
 
     * on one CPU device: the random bits of all leaves are computed together, one Threefry
-      block per four elements (``_stream_blocks``; a transient buffer of 2 bytes per element
-      and stream), and each leaf's loop gathers its lanes from them.
+      block per four elements, as 16-bit lanes (``_stream_lanes``; transient buffers of 2
+      bytes per element and stream), and each leaf's loop reads its window of them.
     * otherwise (GPU, TPU; laid out over several devices: ``jit`` with sharded arrays,
       ``shard_map``): every leaf's loop computes its bits from the global element indices
       (``_leaf_call``), so it stays elementwise and keeps its leaf's sharding.
@@ -391,7 +389,7 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
         streams = _streams(update, cfg, columns, extra)
 
         def blocks(zero):
-            return tuple(_stream_blocks(k0, k1, t, s, total, zero) for s in streams)
+            return tuple(_stream_lanes(k0, k1, t, s, total, zero) for s in streams)
 
         words, computed = _opaque(starts, (k0, k1, t), blocks)
         bits = dict(zip(streams, computed))
