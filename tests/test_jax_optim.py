@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import srround
 from srround import _optim
 from srround.adapters import jax as sj
-from srround.adapters.jax import _lax
+from srround.adapters.jax import _lax, optim
 
 from .reference import (
     assert_same_bits,
@@ -136,10 +136,12 @@ GROUPED_DTYPES = [
 
 
 @pytest.mark.parametrize("step", [None, 3, "traced"])
-def test_apply_updates_native_many_leaves(step):
+def test_apply_updates_native_many_leaves(step, monkeypatch):
     """The native apply_updates on 0-d, empty, fp32 (plain add), bf16 and fp16 leaves, several of
     one shape: the bits of ``stochastic_add`` per leaf at its start (every leaf's loop takes its
-    start as a runtime scalar, ``_lax._opaque``: a traced step makes it one)."""
+    start as a runtime scalar, ``_lax._opaque``: a traced step makes it one). Leaves up to 40
+    elements are updated together (``optim._small_leaves_call``), larger ones one by one."""
+    monkeypatch.setattr(optim, "_SMALL_LEAF", 40)
     rng = np.random.default_rng(5)
     params = [rng.standard_normal(s).astype(d) for s, d in zip(GROUPED_SHAPES, GROUPED_DTYPES)]
     updates = [(rng.standard_normal(s) * 1e-2).astype(np.float32) for s in GROUPED_SHAPES]
@@ -190,11 +192,31 @@ def test_apply_updates_leaves_of_one_shape_share_a_kernel():
         return sj.apply_updates(p, u, key, impl="native")
 
     def kernels(n):
-        params = [jnp.full((64,), 1.0 + i, jnp.bfloat16) for i in range(n)]
-        updates = [jnp.full((64,), 1e-3, jnp.float32) for _ in range(n)]
+        size = optim._SMALL_LEAF + 1  # updated one by one
+        params = [jnp.full((size,), 1.0 + i, jnp.bfloat16) for i in range(n)]
+        updates = [jnp.full((size,), 1e-3, jnp.float32) for _ in range(n)]
         return _distinct_kernels(step, params, updates, jax.random.key(1))
 
     assert kernels(12) == kernels(3)
+
+
+def test_small_leaves_are_one_loop():
+    """Small leaves of the same dtypes (biases, norms) are updated in one loop over their
+    concatenation, whatever their shapes: XLA's compile time grows with the number of loops.
+    The bits are checked by ``test_apply_updates_native_many_leaves`` and
+    ``test_adamw_native_leaves``."""
+
+    def step(p, u, key):
+        return sj.apply_updates(p, u, key, impl="native")
+
+    def loops(shapes):  # fused computations of more than a copy
+        params = [jnp.full(s, 1.0, jnp.bfloat16) for s in shapes]
+        updates = [jnp.full(s, 1e-3, jnp.float32) for s in shapes]
+        text = jax.jit(step).lower(params, updates, jax.random.key(1)).compile().as_text()
+        blocks = [b.strip() for b in re.split(r"\n\s*\n", text)]
+        return sum(b.startswith("%fused_computation") and b.count("\n") > 50 for b in blocks)
+
+    assert loops([(64,), (5, 7), (3,), (2, 3, 4), (100,), (9,)]) == loops([(64,)])
 
 
 def test_adamw_bf16_states_compute_the_update_once():
@@ -203,12 +225,13 @@ def test_adamw_bf16_states_compute_the_update_once():
     output. Each leaf reads its random bits as a contiguous window (a dynamic slice), not by a
     gather. Compiled only; the bits are checked by ``test_adamw_native_leaves``."""
     opt = sj.adamw(1e-3, seed=SEED, state_dtype=jnp.bfloat16)
-    params = [jnp.ones((8, 16), jnp.bfloat16)] * 2
-    grads = [jnp.full((8, 16), 1e-3, jnp.bfloat16)] * 2
+    shape = (129, 128)  # above optim._SMALL_LEAF: each leaf a loop of its own
+    params = [jnp.ones(shape, jnp.bfloat16)] * 2
+    grads = [jnp.full(shape, 1e-3, jnp.bfloat16)] * 2
     state = opt.init(params)
     text = jax.jit(lambda p, s, g: opt.step(g, s, p)).lower(params, state, grads).compile()
     blocks = re.split(r"\n\s*\n", text.as_text())
-    math = [b for b in blocks if b.strip().startswith("%fused_computation") and "f64[8,16]" in b]
+    math = [b for b in blocks if b.strip().startswith("%fused_computation") and "f64[129" in b]
     assert len(math) == 2
     assert " gather(" not in text.as_text() and " dynamic-slice(" in text.as_text()
 
@@ -280,9 +303,10 @@ DTYPES = [ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float16, ml_dty
 
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
-def test_adamw_native_leaves(rounding, state_dtype):
-    """The native step leaf by leaf, every leaf's start a runtime scalar: the bits of
-    ``srround.adamw_step``."""
+def test_adamw_native_leaves(rounding, state_dtype, monkeypatch):
+    """The native step leaf by leaf, every leaf's start a runtime scalar, the leaves up to 40
+    elements in one loop (``optim._small_leaves_call``): the bits of ``srround.adamw_step``."""
+    monkeypatch.setattr(optim, "_SMALL_LEAF", 40)
     params = normal_params(SHAPES, DTYPES)
     got, state = _jax_run(params, 2, impl="native", rounding=rounding, state_dtype=state_dtype)
     _check_against_numpy(

@@ -263,6 +263,51 @@ def _shared_leaf_call(arrays, stream_lanes, start, extra, *, update, cfg):
     return _packed(lambda: update(cfg, *arrays, bits, *extra), shape, start)
 
 
+_SMALL_LEAF = 1 << 14  # leaves up to this size are updated together (``_small_leaves_call``)
+
+
+@functools.partial(jax.jit, static_argnames=("update", "cfg"))
+def _small_leaves_call(arrays, stream_lanes, starts, extra, *, update, cfg):
+    """``_shared_leaf_call`` of several small leaves of the same dtypes in one loop:
+    ``arrays[i]`` holds input ``i`` of every leaf (``None`` where absent), ``starts`` their
+    global elements. The leaves are flattened and concatenated, their windows of random lanes
+    likewise, and the outputs split back: XLA's compile time grows with the loops of a program
+    more than with their sizes, and copying a small leaf costs little. Same bits (the update
+    is elementwise)."""
+    shapes = [x.shape for x in arrays[0]]
+    sizes = [x.size for x in arrays[0]]
+
+    def joined(leaves):
+        if leaves[0] is None:
+            return None
+        return jnp.concatenate([x.reshape(-1) for x in leaves])
+
+    flat = tuple(joined(leaves) for leaves in arrays)
+
+    def bits(stream):
+        windows = [
+            lax.dynamic_slice(stream_lanes[stream], (start,), (size,))
+            for start, size in zip(starts, sizes)
+        ]
+        return jnp.concatenate(windows).astype(_U32)
+
+    def compute():
+        return _packed(lambda: update(cfg, *flat, bits, *extra), (sum(sizes),), starts[0])
+
+    # computed in a conditional XLA cannot evaluate, so the outputs are buffers the slices
+    # below read: XLA would otherwise copy the math into each slice's loop
+    zero = _u(starts[0]) & ~_u(starts[0])
+    absent = jax.tree_util.tree_map(lambda o: jnp.zeros(o.shape, o.dtype), jax.eval_shape(compute))
+    outs = lax.cond(zero == 0, compute, lambda: absent)
+    result, offset = [], 0
+    for shape, size in zip(shapes, sizes):
+        result.append(
+            tuple(None if o is None else o[offset : offset + size].reshape(shape) for o in outs)
+        )
+        offset += size
+    return result
+
+
 def _packed(compute, shape, probe):
     """``compute()`` (a tuple of arrays or ``None``), its outputs of ``shape`` computed in one
     loop: XLA's CPU backend emits a loop per output and copies the math the outputs share into
@@ -393,12 +438,23 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
 
         words, computed = _opaque(starts, (k0, k1, t), blocks)
         bits = dict(zip(streams, computed))
-        return [
-            _shared_leaf_call(
-                tuple(c[k] for c in columns), bits, words[k], extra, update=update, cfg=cfg
+        outs: list[Any] = [None] * len(starts)
+        groups: dict[tuple, list[int]] = {}
+        for k in range(len(starts)):
+            arrays = tuple(c[k] for c in columns)
+            kind = tuple(_dtypes(a) for a in arrays)
+            if arrays[0].size <= _SMALL_LEAF and not any(isinstance(d, tuple) for d in kind):
+                groups.setdefault(kind, []).append(k)
+            else:
+                outs[k] = _shared_leaf_call(arrays, bits, words[k], extra, update=update, cfg=cfg)
+        for ks in groups.values():
+            arrays = tuple(tuple(c[k] for k in ks) for c in columns)
+            group = _small_leaves_call(
+                arrays, bits, tuple(words[k] for k in ks), extra, update=update, cfg=cfg
             )
-            for k in range(len(starts))
-        ]
+            for k, o in zip(ks, group):
+                outs[k] = o
+        return outs
     words = _opaque([w for s in starts for w in (s >> 2, s & 3)], (k0, k1, t))
     outs = []
     for k, layout in enumerate(layouts):
