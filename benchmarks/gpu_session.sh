@@ -1,48 +1,82 @@
 #!/usr/bin/env bash
-# Everything that needs a real GPU, in one call (the lent GPU machine: torch, JAX, CuPy, numba
-# and numba-cuda preinstalled, no registry). Run from the repository root:
-#     bash benchmarks/gpu_session.sh            # logs and JSON under ${OUT:-gpu-out}/
-# 1. installs srround in place without dependencies, 2. runs the whole test suite on the real
-# GPU (tests/conftest.py uses the GPU when /dev/nvidiactl exists, so CUDA tests are not
-# simulated), 3. runs every benchmark for the GPU, each against its same-run baselines, with
-# --json into benchmarks/results/<name>_gpu.json (copied to $out/results/), 4. regenerates
-# benchmarks/RESULTS.md (copied to $out/), 5. runs the language-model demo's GPU configuration
-# (srround demo --device cuda).
+# Everything that needs a real GPU (the lent GPU machine: torch, JAX, CuPy, numba and numba-cuda
+# preinstalled, no registry). Run from the repository root:
+#     bash benchmarks/gpu_session.sh [PHASE ...]      # phases: tests bench more (default: all)
+# Logs, JUnit XML and the benchmarks' JSON are packed after every step into ${OUT:-gpu-out}/gpu.tgz
+# (one file, so that a run stopped at its time limit still returns what it did). Every step has
+# its own time limit (seconds, environment variables T_TESTS, T_BENCH, T_MORE), so one slow step
+# cannot take the whole lease.
+#   tests  installs srround in place without dependencies and runs the whole test suite on the
+#          real GPU (tests/conftest.py uses the GPU when /dev/nvidiactl exists: CUDA tests are
+#          not simulated), several workers, JAX without preallocation.
+#   bench  the kernel benchmarks for the GPU, each against its same-run baselines (copy
+#          bandwidth, torch's kernels): bench_round, bench_optim, and jax_gpu_check (the JAX
+#          native path vs copy bandwidth, bits vs the Numba CUDA kernels).
+#   more   bench_lossscale, bench_adapters, bench_lowbit, the torch.compile rows on the GPU, and
+#          the language-model demo's GPU configuration (srround demo --device cuda).
+# JSON lands in benchmarks/results/<name>_gpu.json; regenerate benchmarks/RESULTS.md from it
+# with `python benchmarks/results.py` (here or after fetching gpu.tgz).
 set -uo pipefail
 out="${OUT:-gpu-out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$out/gpu.txt"
-python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python -c "import numpy, numba, numba_cuda; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__)" | tee -a "$out/gpu.txt"
-python -m pytest -q -x -p no:cacheprovider 2>&1 | tee "$out/pytest.log" | tail -30
-mkdir -p "$out/results" benchmarks/results
-for script in benchmarks/bench_*.py; do
-    name=$(basename "$script" .py)
-    args=(--json "benchmarks/results/${name}_gpu.json")
-    case "$name" in
-        bench_audit | bench_compile) ;;  # CPU only
-        *) args+=(--device cuda) ;;
+logs="$(mktemp -d)/gpu"
+mkdir -p "$out" "$logs" benchmarks/results
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+phases="${*:-tests bench more}"
+py="${PYTHON:-python3}"  # the GPU image's python3 holds torch, JAX and CuPy
+
+pack() { tar czf "$out/gpu.tgz" -C "$(dirname "$logs")" gpu benchmarks 2>/dev/null; }
+# step NAME SECONDS COMMAND...: run with a time limit, log to $logs/NAME.log, pack
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit} s): $*"
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@" >"$logs/$name.log" 2>&1
+    local rc=$?
+    echo "   $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$logs/steps.txt"
+    tail -n 25 "$logs/$name.log"
+    mkdir -p "$(dirname "$logs")/benchmarks"
+    cp -f benchmarks/results/*_gpu.json "$(dirname "$logs")/benchmarks/" 2>/dev/null
+    pack
+}
+bench() { # bench NAME SECONDS ARGS...: benchmarks/NAME.py --json benchmarks/results/NAME_gpu.json
+    local name=$1 limit=$2
+    shift 2
+    step "$name" "$limit" "$py" "benchmarks/$name.py" "$@" --json "benchmarks/results/${name}_gpu.json"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$logs/gpu.txt"
+"$py" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+"$py" -c "import numpy, numba, numba_cuda, jax, torch; print('numpy', numpy.__version__,
+'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'jax', jax.__version__,
+'torch', torch.__version__)" | tee -a "$logs/gpu.txt"
+
+for phase in $phases; do
+    case "$phase" in
+    tests)
+        timeout_flag=()
+        "$py" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 150)
+        # NUMBA_NUM_THREADS=2: twelve workers share the CPU cores
+        step pytest "${T_TESTS:-220}" env NUMBA_NUM_THREADS=2 "$py" -m pytest -q -p no:cacheprovider \
+            -n 12 --dist loadfile -rfE "${timeout_flag[@]}" --junitxml="$logs/junit.xml"
+        ;;
+    bench)
+        t="${T_BENCH:-80}"
+        bench bench_round "$t" --device cuda --no-latency --sizes 2^20 2^24 2^27
+        bench bench_optim "$t" --device cuda --quick
+        step jax_gpu_check "$t" "$py" benchmarks/jax_gpu_check.py --params 67 \
+            --json benchmarks/results/jax_gpu_check_gpu.json
+        ;;
+    more)
+        t="${T_MORE:-60}"
+        bench bench_lossscale "$t" --device cuda --quick
+        bench bench_adapters "$t" --device cuda --quick
+        bench bench_lowbit "$t" --device cuda
+        step bench_optim_compile "$t" "$py" benchmarks/bench_optim.py --device cuda --quick \
+            --sections compile --json benchmarks/results/bench_optim_compile_gpu.json
+        step demo_lm "$t" "$py" -m srround demo --device cuda --out "$logs"
+        ;;
+    *) echo "unknown phase $phase (tests, bench, more)" >&2 ;;
     esac
-    python "$script" "${args[@]}" 2>&1 | tee "$out/$name.log" | tail -40
-    cp -f "benchmarks/results/${name}_gpu.json" "$out/results/" 2>/dev/null || true
 done
-# the torch.compile rows on the GPU (compiled step srround vs torch fused AdamW, compile time);
-# the CUDA-graph capture test runs in the pytest call above (tests/test_torch_compile.py)
-python benchmarks/bench_optim.py --device cuda --sections compile \
-    --json benchmarks/results/bench_optim_compile_gpu.json 2>&1 | tee "$out/bench_optim_compile.log" | tail -12
-cp -f benchmarks/results/bench_optim_compile_gpu.json "$out/results/" 2>/dev/null || true
-python benchmarks/results.py && cp -f benchmarks/RESULTS.md "$out/"
-# the lm demo's GPU configuration (a larger transformer, bf16 activations): table and PNG
-python -m srround demo --device cuda --out "$out" 2>&1 | tee "$out/demo_lm.log" | tail -12
-# the JAX native path on the GPU: stochastic_round and the fused step vs copy bandwidth, and its
-# bits against the Numba CUDA kernels (JAX must see the GPU: a CUDA jaxlib)
-python benchmarks/jax_gpu_check.py --json "$out/jax_gpu_check.json" 2>&1 | tee "$out/jax_gpu_check.log" | tail -12
-# FSDP2 / DDP / ZeRO with srround (tests/test_torch_dist.py) run on CPU with gloo in the pytest
-# call above, and on the GPU over a 1-rank NCCL group (test_fsdp2_on_cuda_one_rank_matches_plain:
-# DTensor pieces on CUDA, eager and compiled step, found_inf all-reduced); compile on CUDA:
-# test_torch_compile.py::test_compiled_step_on_cuda_matches_eager_bits. 2-rank NCCL needs 2 GPUs
-# (not on a 1-GPU machine): the FSDP2 row on CPU for the record (2 gloo processes, srround vs
-# torch fused AdamW)
-python benchmarks/bench_optim.py --device cpu --sections dist \
-    --json benchmarks/results/bench_optim_dist.json 2>&1 | tee "$out/bench_optim_dist.log" | tail -10
+cat "$logs/steps.txt"

@@ -10,10 +10,11 @@ then whether the JAX bits equal srround's Numba CUDA kernels on the same inputs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
+
+from _harness import add_json_argument, utc_now, write_json
 
 
 def _time(fn, *args, reps=20):
@@ -31,8 +32,9 @@ def _time(fn, *args, reps=20):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--params", type=float, default=268.0, help="millions of elements")
-    p.add_argument("--json", metavar="PATH")
+    add_json_argument(p)
     args = p.parse_args(argv)
+    started = utc_now()
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -101,11 +103,22 @@ def main(argv=None) -> int:
             print(f"bits equal to the Numba CUDA kernel: {same}")
     except Exception as exc:  # noqa: BLE001 - a report, not a test
         print(f"bit check skipped: {type(exc).__name__}: {exc}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"backend": backend, "elements": n, "rows": rows, "bits_equal": same}, f, indent=1
-            )
+    write_json(
+        args.json,
+        "jax_gpu_check",
+        results=rows,
+        columns=[
+            ["method", "method", ""],
+            ["ms", "ms", ".3f"],
+            ["gbps", "GB/s", ".1f"],
+            ["frac_copy", "of copy", "%"],
+        ],
+        baseline="astype(bf16) (a copy of the same bytes); optax.adamw + optax.apply_updates",
+        notes=[f"bits equal to the Numba CUDA kernel: {same}"],
+        meta={"backend": backend, "elements": n, "bits_equal": same},
+        gpu=jax.devices()[0].device_kind,
+        started=started,
+    )
     return 0
 
 

@@ -113,21 +113,29 @@ def mx_scale_value(code):
 # -- CPU kernels ------------------------------------------------------------------------------
 
 
+@njit(cache=True)
+def _amax_bits_range(x, start, stop):
+    """The largest of ``x[j] & 0x7FFFFFFF`` for ``start <= j < stop`` (0 for none)."""
+    m = np.uint32(0)
+    for j in range(start, stop):
+        a = x[j] & np.uint32(_F32_ABS)
+        if a > m:
+            m = a
+    return m
+
+
 @njit(parallel=True, cache=True)
 def amax_bits_cpu(x):
     """The largest of ``x & 0x7FFFFFFF`` over fp32 bits ``x`` (NaN bits exceed every number's,
-    so a NaN anywhere gives a NaN)."""
+    so a NaN anywhere gives a NaN). The per-chunk loop is its own function: written inline in
+    the ``prange`` body, Numba's reduction analysis fails on Python 3.12's bytecode
+    ("unexpected cycle in lookup()")."""
     n = x.size
     chunk = 1 << 16
     parts = max((n + chunk - 1) // chunk, 1)
     results = np.zeros(parts, np.uint32)
     for p in prange(parts):
-        m = np.uint32(0)
-        for j in range(p * chunk, min(n, p * chunk + chunk)):
-            a = x[j] & np.uint32(_F32_ABS)
-            if a > m:
-                m = a
-        results[p] = m
+        results[p] = _amax_bits_range(x, p * chunk, min(n, p * chunk + chunk))
     return results.max()
 
 
