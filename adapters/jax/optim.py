@@ -188,8 +188,10 @@ def _fma(a, b, c, exact=(True, True, True)):
     with an even last bit moves one ulp towards ``e``), which makes the rounding to float32 (24
     <= 53 - 2 bits) that of ``a * b + c``. Infinities follow from the float64 ops (a float32
     product cannot overflow float64); a NaN result is the first NaN operand of ``a``, ``b``,
-    ``c`` (quieted), else the default NaN (inf * 0, inf - inf), as the hardware fma. Needs IEEE
-    float64 (CPU, GPU). ``exact``: per operand, as ``_wide``. Each operand is read once (an
+    ``c`` (quieted), else the default NaN (inf * 0, inf - inf), as the x86 fma, then passes a
+    float32 op, which makes it the canonical NaN on a GPU, as CUDA's fma (checked on an H100
+    against ``numba.cuda.fma`` on ``fma_hard_cases``: every bit equal). Needs IEEE float64
+    (CPU, GPU). ``exact``: per operand, as ``_wide``. Each operand is read once (an
     expensive producer, such as a division, read twice would be materialized by XLA's CPU
     fusion); the result's last op takes several arrays, so XLA writes it once for all its
     users."""
@@ -205,7 +207,8 @@ def _fma(a, b, c, exact=(True, True, True)):
         s = lax.bitcast_convert_type(jnp.where(inexact & ((sb & 1) == 0), odd, sb), jnp.float64)
         first = jnp.where(jnp.isnan(b), b, jnp.where(jnp.isnan(c), c, s))
         first = jnp.where(jnp.isnan(a), a, first)
-        return _narrow(jnp.where(jnp.isnan(s), first, s))
+        r = _narrow(jnp.where(jnp.isnan(s), first, s))
+    return jnp.where(jnp.isnan(r), r + r, r)
 
 
 def _widen_bits(x):
