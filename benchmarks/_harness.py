@@ -152,6 +152,38 @@ def measure(
     }
 
 
+def time_in_turns(steps, reps: int) -> list[dict]:
+    """``time_steps`` of several stateful steps (``(step, sync)`` pairs, each already called
+    once: its first call timed by the caller) in turns: after one warm-up call each, every
+    round times one call of each step, so on a shared machine all of them see the same load.
+    Returns per step what ``time_steps`` does, but ``first_s`` (batch 1)."""
+    for step, sync in steps:
+        step()
+        sync()
+    before = cpu_counters()
+    per_step: list[list[float]] = [[] for _ in steps]
+    host: list[list[float]] = [[] for _ in steps]
+    for _ in range(reps):
+        for (step, sync), times, hosts in zip(steps, per_step, host):
+            t0 = time.perf_counter()
+            step()
+            hosts.append(time.perf_counter() - t0)
+            sync()
+            times.append(time.perf_counter() - t0)
+    busy = others_busy(before, cpu_counters())
+    return [
+        {
+            "median_s": statistics.median(times),
+            "min_s": min(times),
+            "host_s": statistics.median(hosts),
+            "reps": reps,
+            "batch": 1,
+            "others_busy_cpus": busy,
+        }
+        for times, hosts in zip(per_step, host)
+    ]
+
+
 def time_steps(step, sync, reps: int, batch: int = 1) -> dict:
     """Time a stateful step: the first call (compile, allocation) and one warm-up apart, then
     ``reps`` samples of ``batch`` calls closed by one ``sync()``.

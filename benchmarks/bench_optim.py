@@ -42,7 +42,9 @@ parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (nat
 ``optax.adamw`` followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding of the
 sum), plain ``optax.adamw`` on fp32 and on bf16 params, and ``optax.adamw`` with a hand-written
 ``jax.random.bits`` stochastic-rounding apply (what a user writes). Bytes/param there are the same
-nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B fp32).
+nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B fp32). On a CPU its
+rows are timed in turns (every round times one step of each row), so on a shared machine they
+see the same load and their ratios to optax hold; each row's first call is timed on its own.
 
 
 Sections that cannot run (no CUDA, no torchao/optimi/JAX, adapters not yet present) print why.
@@ -66,6 +68,7 @@ from _harness import (
     bench_parser,
     machine,
     print_notes,
+    time_in_turns,
     time_steps,
     utc_now,
     write_json,
@@ -454,32 +457,12 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
         ("optax.adamw bf16 params (RNE)", 14, optax_row(plain, jnp.bfloat16)),
         ("optax.adamw fp32 params", 28, optax_row(plain, jnp.float32)),
     ]
-    results = []
-    for label, nbytes, build in rows:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                fn, params, state, grads = build()
-                box = {"p": params, "s": state, "t": 0}
+    # on a CPU the rows are timed in turns (each keeps its buffers meanwhile): a shared machine's
+    # load moves between rows timed one after the other, and so would their ratios to optax
+    in_turns = backend == "cpu"
+    results, turns = [], []
 
-                def step(box=box, fn=fn, grads=grads):
-                    box["t"] += 1
-                    box["p"], box["s"] = fn(box["p"], box["s"], grads, box["t"])
-
-                def sync(box=box):
-                    jax.block_until_ready(box["p"])
-
-                r = time_steps(step, sync, reps)
-        except Unavailable as exc:
-            notes.append(f"jax: {label}: skipped: {exc}")
-            continue
-        except Exception as exc:  # noqa: BLE001
-            msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            notes.append(f"jax: {label}: failed: {type(exc).__name__}: {msg}")
-            continue
-        finally:
-            box = params = state = grads = None
-            gc.collect()
+    def add_row(label, nbytes, r):
         row = {
             "section": "jax",
             "device": f"jax-{backend}",
@@ -496,6 +479,45 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
             row["copy_gbps"] = nbytes * n / floor / 1e9
         results.append(row)
         print_row(row, backend != "cpu")
+
+    for label, nbytes, build in rows:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fn, params, state, grads = build()
+                box = {"p": params, "s": state, "t": 0}
+
+                def step(box=box, fn=fn, grads=grads):
+                    box["t"] += 1
+                    box["p"], box["s"] = fn(box["p"], box["s"], grads, box["t"])
+
+                def sync(box=box):
+                    jax.block_until_ready(box["p"])
+
+                if in_turns:
+                    t0 = time.perf_counter()
+                    step()
+                    sync()
+                    turns.append((label, nbytes, step, sync, time.perf_counter() - t0))
+                    continue
+                r = time_steps(step, sync, reps)
+        except Unavailable as exc:
+            notes.append(f"jax: {label}: skipped: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001
+            msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            notes.append(f"jax: {label}: failed: {type(exc).__name__}: {msg}")
+            continue
+        finally:
+            box = params = state = grads = None
+            gc.collect()
+        add_row(label, nbytes, r)
+    if turns:
+        timed = time_in_turns([(step, sync) for _, _, step, sync, _ in turns], reps)
+        for (label, nbytes, *_, first), r in zip(turns, timed):
+            add_row(label, nbytes, {"first_s": first, **r})
+        turns.clear()
+        gc.collect()
     base = {r["method"]: r for r in results}.get("optax.adamw bf16 params (RNE)")
     if base:
         print(
