@@ -49,10 +49,10 @@ Implementations (``impl``):
   takes its start in the stream as a runtime value, so XLA compiles one kernel per leaf shape
   and dtypes (when the key or the step is traced; with both constant, one per leaf). On one
   CPU device the Threefry blocks of all leaves are computed in one loop, each leaf reads
-  its bits from them as a contiguous window, and a leaf's narrow outputs come from one loop;
-  elsewhere (GPU, TPU, several devices) each leaf computes its own bits from its elements'
-  global indices (it stays elementwise and keeps its sharding). The same bits either way
-  (``_native_leaves``).
+  its bits from them as a contiguous window, a leaf's narrow outputs come from one loop, and
+  small leaves of the same dtypes share one loop (``_small_leaves_call``); elsewhere (GPU,
+  TPU, several devices) each leaf computes its own bits from its elements' global indices (it
+  stays elementwise and keeps its sharding). The same bits either way (``_native_leaves``).
 * ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
   on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
   practice (device -> host -> device copies).
@@ -420,7 +420,8 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
 
     * on one CPU device: the random bits of all leaves are computed together, one Threefry
       block per four elements, as 16-bit lanes (``_stream_lanes``; transient buffers of 2
-      bytes per element and stream), and each leaf's loop reads its window of them.
+      bytes per element and stream), and each leaf's loop reads its window of them; leaves of
+      up to ``_SMALL_LEAF`` elements with the same dtypes share one loop.
     * otherwise (GPU, TPU; laid out over several devices: ``jit`` with sharded arrays,
       ``shard_map``): every leaf's loop computes its bits from the global element indices
       (``_leaf_call``), so it stays elementwise and keeps its leaf's sharding.
