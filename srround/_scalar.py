@@ -19,6 +19,7 @@ from numba.extending import intrinsic
 
 _F32_ABS = 0x7FFFFFFF
 _F32_INF = 0x7F800000
+F32_QNAN = 0x7FC00000  # the canonical NaN of srround's arithmetic (``canonical_nan``)
 
 
 @njit(forceinline=True, cache=True)
@@ -270,11 +271,28 @@ def add_stochastic(w, update, alpha, bits16, mantissa_bits, exponent_bits, satur
 
 
 @njit(forceinline=True, cache=True)
+def canonical_nan(u):
+    """fp32 pattern ``u`` of an arithmetic result, any NaN replaced by ``F32_QNAN`` (+qNaN).
+
+    Which NaN a float op returns is the device's choice (x86: the NaN operand's, or -qNaN for
+    an invalid op; CUDA: 0x7FFFFFFF; XLA on GPU: +qNaN), so every result srround computes and
+    writes goes through this compare and select (``docs/contracts.md``, "Special values")."""
+    return F32_QNAN if (u & _F32_ABS) > _F32_INF else u
+
+
+@njit(forceinline=True, cache=True)
+def result_bits(f):
+    """``canonical_nan(f32_to_bits(f))``: the pattern of a float32 arithmetic result."""
+    return canonical_nan(f32_to_bits(f))
+
+
+@njit(forceinline=True, cache=True)
 def add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits, kind=IEEE):
-    """The fp32 pattern of ``w + alpha * update`` (one rounding, fma) that ``add_stochastic``
-    rounds; exposed so a backend may run the two steps as separate loops."""
+    """The fp32 pattern of ``w + alpha * update`` (one rounding, fma; a NaN is ``F32_QNAN``)
+    that ``add_stochastic`` rounds; exposed so a backend may run the two steps as separate
+    loops."""
     weight = bits_to_f32(decode(w, mantissa_bits, exponent_bits, kind))
-    return f32_to_bits(fma32(alpha, bits_to_f32(update), weight))
+    return result_bits(fma32(alpha, bits_to_f32(update), weight))
 
 
 @njit(forceinline=True, cache=True)

@@ -88,6 +88,7 @@ from ._lax import (
     _threefry2x32,
     _u,
     block_element,
+    canonical_nan,
     element_value,
     mul_bits,
 )
@@ -167,7 +168,7 @@ def _add(u, w):
     is 0 or normal. Below, both operands are scaled by 2**64 in integer ops (a subnormal's
     quanta through an exact int -> float conversion), added - normal operands, and a sum
     rounded as the unscaled one (normal) or exact (a multiple of 2**-85 below 2**-62) - and
-    scaled back in integer ops. NaN/inf operands: the float32 sum."""
+    scaled back in integer ops. NaN/inf operands: the float32 sum, a NaN as +qNaN."""
     ub, wb = _b32(u), _b32(w)
     big = jnp.maximum(ub & 0x7FFFFFFF, wb & 0x7FFFFFFF) >= 0x21800000  # 2**-60
 
@@ -181,7 +182,7 @@ def _add(u, w):
     magnitude = total & 0x7FFFFFFF
     quanta = (_f32(magnitude) * np.float32(2.0**85)).astype(_U32)  # a sum below 2**-126
     small = jnp.where(magnitude >= 0x20800000, total - (64 << 23), (total & _SIGN) | quanta)
-    return _f32(jnp.where(big, _b32(u + w), small))
+    return _f32(jnp.where(big, canonical_nan(_b32(u + w)), small))
 
 
 def _fma(a, b, c, exact=(True, True, True)):
@@ -191,7 +192,8 @@ def _fma(a, b, c, exact=(True, True, True)):
     rounds once more, so ``s`` is rounded to odd (TwoSum gives its error ``e``; an inexact ``s``
     with an even last bit moves one ulp towards ``e``), which makes the rounding to float32 (24
     <= 53 - 2 bits) that of ``a * b + c``. Needs IEEE float64 (CPU, GPU). NaN/inf operands:
-    float32 ops on the operands with finite nonzero ones replaced by +-1, as ``_fma_bits``.
+    float32 ops on the operands with finite nonzero ones replaced by +-1, as ``_fma_bits``
+    (a NaN result: +qNaN).
     ``exact``: per operand, as ``_wide``. Each operand is read once (an expensive producer,
     such as a division, read twice would be materialized by XLA's CPU fusion); the result's
     last op takes several arrays, so XLA writes it once for all its users."""
@@ -207,7 +209,7 @@ def _fma(a, b, c, exact=(True, True, True)):
         finite = _narrow(lax.bitcast_convert_type(sb, jnp.float64))
         sa, sb_, sc = _stand_in(a), _stand_in(b), _stand_in(c)
         ab_finite = jnp.isfinite(a) & jnp.isfinite(b)
-        special = jnp.where(ab_finite, sc, sa * sb_ + sc)
+        special = _f32(canonical_nan(_b32(jnp.where(ab_finite, sc, sa * sb_ + sc))))
         return jnp.where(ab_finite & jnp.isfinite(c), finite, special)
 
 
@@ -770,9 +772,9 @@ def _weight_write(mode, fmt, old_bits, new_bits, aux_bits, bits16):
     if mode == "kahan":
         old = _f32(old_bits)
         compensated = _f32(_decode(aux_bits, fmt)) + (_f32(new_bits) - old)
-        written = _encode(_b32(old + compensated), fmt, False)
+        written = _encode(canonical_nan(_b32(old + compensated)), fmt, False)
         moved = _f32(_decode(written, fmt)) - old
-        return written, _encode(_b32(compensated - moved), fmt, False)
+        return written, _encode(canonical_nan(_b32(compensated - moved)), fmt, False)
     # remainder (bf16)
     nan = (new_bits & 0x7FFFFFFF) > 0x7F800000
     high = ((new_bits + 0x8000) >> 16) & 0xFFFF
@@ -893,6 +895,7 @@ def _sgd_update(cfg, p, g, b, a, bits, coefs, inv_scale):
     if b is not None:
         buf = _f32(_widen_bits(b))
         buf_new = jnp.where(first, g, _fma(1.0, g, buf * momentum, exact=(True, True, False)))
+        buf_new = _f32(canonical_nan(_b32(buf_new)))  # step 1: the gradient's NaN
         d = _fma(momentum, buf_new, g, exact=(True, False, True)) if nesterov else buf_new
         if buf_dtype != jnp.float32:
             encoded = _encode(_b32(buf_new), FORMATS["bfloat16"], False, bits(1))
