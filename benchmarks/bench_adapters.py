@@ -43,6 +43,15 @@ BYTES = {"stochastic_round": 6, "stochastic_add": 8}
 MANTISSA, EXPONENT = 7, 8  # bf16
 
 
+def _on_gpu(cuda, arrays):
+    """The arrays on the GPU; bf16 ones travel as uint16 (NumPy 2.5 refuses ml_dtypes' types
+    in the buffer protocol that ``cuda.to_device`` copies through)."""
+    return [
+        cuda.to_device(a.view(np.uint16)).view(BF16) if a.dtype == BF16 else cuda.to_device(a)
+        for a in arrays
+    ]
+
+
 def _data(n: int):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(n).astype(np.float32)
@@ -167,7 +176,7 @@ def _core_cuda(n):
     from srround._rng import split_seed
 
     cuda = _cuda()
-    x, u, w = (cuda.to_device(a) for a in _data(n))
+    x, u, w = _on_gpu(cuda, _data(n))
     xb, ub, wb = x.view(np.uint32), u.view(np.uint32), w.view(np.uint16)
     out = cuda.device_array(n, np.uint16)
     k0, k1 = split_seed(SEED)
@@ -191,7 +200,7 @@ def _core_cuda(n):
 
 def _numba_cuda(n):
     cuda = _cuda()
-    x, u, w = (cuda.to_device(a) for a in _data(n))
+    x, u, w = _on_gpu(cuda, _data(n))
     return _api_calls(x, u, w, cuda.device_array(n, BF16), lambda _: cuda.synchronize())
 
 

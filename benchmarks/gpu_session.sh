@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Everything that needs a real GPU (the lent GPU machine: torch, JAX, CuPy, numba and numba-cuda
 # preinstalled, no registry). Run from the repository root:
-#     bash benchmarks/gpu_session.sh [PHASE ...]      # phases: tests bench more (default: all)
+#     bash benchmarks/gpu_session.sh [PHASE ...]  # tests round optim jax more (default: all)
 # Logs, JUnit XML and the benchmarks' JSON are packed after every step into ${OUT:-gpu-out}/gpu.tgz
 # (one file, so that a run stopped at its time limit still returns what it did). Every step has
-# its own time limit (seconds, environment variables T_TESTS, T_BENCH, T_MORE), so one slow step
-# cannot take the whole lease.
+# its own time limit (seconds, environment variables T_TESTS, T_BENCH, T_OPTIM, T_MORE), so one
+# slow step cannot take the whole lease.
 #   tests  installs srround in place without dependencies and runs the whole test suite on the
 #          real GPU (tests/conftest.py uses the GPU when /dev/nvidiactl exists: CUDA tests are
-#          not simulated), several workers, JAX without preallocation.
-#   bench  the kernel benchmarks for the GPU, each against its same-run baselines (copy
-#          bandwidth, torch's kernels): bench_round, bench_optim, and jax_gpu_check (the JAX
-#          native path vs copy bandwidth, bits vs the Numba CUDA kernels).
+#          not simulated), several workers, JAX without preallocation, a Python traceback on a
+#          crash (PYTHONFAULTHANDLER, spawned processes included).
+#   round, optim, jax  the kernel benchmarks for the GPU, each against its same-run baselines
+#          (copy bandwidth, torch's kernels): bench_round, bench_optim, and jax_gpu_check (the
+#          JAX native path vs copy bandwidth, bits vs the Numba CUDA kernels).
 #   more   bench_lossscale, bench_adapters, bench_lowbit, the torch.compile rows on the GPU, and
 #          the language-model demo's GPU configuration (srround demo --device cuda).
 # JSON lands in benchmarks/results/<name>_gpu.json; regenerate benchmarks/RESULTS.md from it
@@ -21,7 +22,7 @@ out="${OUT:-gpu-out}"
 logs="$(mktemp -d)/gpu"
 mkdir -p "$out" "$logs" benchmarks/results
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-phases="${*:-tests bench more}"
+phases="${*:-tests round optim jax more}"
 py="${PYTHON:-python3}"  # the GPU image's python3 holds torch, JAX and CuPy
 
 pack() { tar czf "$out/gpu.tgz" -C "$(dirname "$logs")" gpu benchmarks 2>/dev/null; }
@@ -57,14 +58,13 @@ for phase in $phases; do
         timeout_flag=()
         "$py" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 150)
         # NUMBA_NUM_THREADS=2: twelve workers share the CPU cores
-        step pytest "${T_TESTS:-220}" env NUMBA_NUM_THREADS=2 "$py" -m pytest -q -p no:cacheprovider \
+        step pytest "${T_TESTS:-220}" env NUMBA_NUM_THREADS=2 PYTHONFAULTHANDLER=1 "$py" -m pytest -q -p no:cacheprovider \
             -n 12 --dist loadfile -rfE "${timeout_flag[@]}" --junitxml="$logs/junit.xml"
         ;;
-    bench)
-        t="${T_BENCH:-80}"
-        bench bench_round "$t" --device cuda --no-latency --sizes 2^20 2^24 2^27
-        bench bench_optim "$t" --device cuda --quick
-        step jax_gpu_check "$t" "$py" benchmarks/jax_gpu_check.py --params 67 \
+    round) bench bench_round "${T_BENCH:-80}" --device cuda --no-latency --sizes 2^20 2^24 2^27 ;;
+    optim) bench bench_optim "${T_OPTIM:-150}" --device cuda --quick ;;
+    jax)
+        step jax_gpu_check "${T_BENCH:-80}" "$py" benchmarks/jax_gpu_check.py --params 67 \
             --json benchmarks/results/jax_gpu_check_gpu.json
         ;;
     more)
@@ -76,7 +76,7 @@ for phase in $phases; do
             --sections compile --json benchmarks/results/bench_optim_compile_gpu.json
         step demo_lm "$t" "$py" -m srround demo --device cuda --out "$logs"
         ;;
-    *) echo "unknown phase $phase (tests, bench, more)" >&2 ;;
+    *) echo "unknown phase $phase (tests, round, optim, jax, more)" >&2 ;;
     esac
 done
 cat "$logs/steps.txt"

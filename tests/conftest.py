@@ -168,9 +168,9 @@ class Backend(enum.Enum):
         if self is Backend.NUMPY_READONLY:
             return _numpy_readonly(np.asarray(a))
         if self is Backend.NUMBA_CUDA:
-            from numba import cuda
+            from .reference import to_cuda
 
-            return cuda.to_device(np.ascontiguousarray(a))
+            return to_cuda(a)
         if self is Backend.CUPY:
             return self._state["cupy"].asarray(a)
         if self.framework == "torch":

@@ -60,6 +60,18 @@ def stochastic_round(x, fmt, seed, offset=0):
         return value.astype(np.float32).astype(fmt.numpy_dtype)
 
 
+def to_cuda(a):
+    """``numba.cuda.to_device(a)`` for any dtype. NumPy 2.5 refuses ml_dtypes' types (bfloat16,
+    float8) in the buffer protocol numba-cuda copies through ("cannot include dtype 'E' in a
+    buffer"), so such an array travels as unsigned integers of its item size."""
+    from numba import cuda
+
+    a = np.ascontiguousarray(a)
+    if a.dtype.isbuiltin == 1:  # NumPy's own types (2: a registered type such as ml_dtypes')
+        return cuda.to_device(a)
+    return cuda.to_device(a.view(f"u{a.dtype.itemsize}")).view(a.dtype)
+
+
 def bits(a):
     a = np.asarray(a)
     return a.view({1: np.uint8, 2: np.uint16}.get(a.dtype.itemsize, np.uint32))

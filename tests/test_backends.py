@@ -11,7 +11,7 @@ import pytest
 
 import srround
 
-from .reference import FORMAT_NAMES, bits, run_python
+from .reference import FORMAT_NAMES, bits, run_python, to_cuda
 
 
 def _inputs(n, seed=0):
@@ -33,22 +33,22 @@ def test_cpu_and_cuda_bit_identical(name, n, offset, small_cuda_launch):
         pytest.skip("no CUDA")
     x = _inputs(n)
     cpu = bits(srround.stochastic_round(x, dtype=name, seed=5, offset=offset))
-    gpu = srround.stochastic_round(cuda.to_device(x), dtype=name, seed=5, offset=offset)
+    gpu = srround.stochastic_round(to_cuda(x), dtype=name, seed=5, offset=offset)
     assert np.array_equal(cpu, bits(gpu.copy_to_host()))
 
     assert np.array_equal(
         bits(srround.round_nearest(x, dtype=name)),
-        bits(srround.round_nearest(cuda.to_device(x), dtype=name).copy_to_host()),
+        bits(srround.round_nearest(to_cuda(x), dtype=name).copy_to_host()),
     )
     narrow = srround.round_nearest(x, dtype=name)
     assert np.array_equal(
         bits(srround.to_float32(narrow)),
-        bits(srround.to_float32(cuda.to_device(narrow)).copy_to_host()),
+        bits(srround.to_float32(to_cuda(narrow)).copy_to_host()),
     )
     u = (np.random.default_rng(1).standard_normal(n) * 1e-3).astype(np.float32)
-    w_cpu, w_gpu = narrow.copy(), cuda.to_device(narrow)
+    w_cpu, w_gpu = narrow.copy(), to_cuda(narrow)
     srround.stochastic_add(w_cpu, u, alpha=-0.3, seed=9, offset=offset)
-    srround.stochastic_add(w_gpu, cuda.to_device(u), alpha=-0.3, seed=9, offset=offset)
+    srround.stochastic_add(w_gpu, to_cuda(u), alpha=-0.3, seed=9, offset=offset)
     assert np.array_equal(bits(w_cpu), bits(w_gpu.copy_to_host()))
 
 

@@ -10,6 +10,8 @@ import pytest
 
 import srround
 
+from .reference import to_cuda
+
 BF16 = ml_dtypes.bfloat16
 SIZES = [37, 5, 64]
 
@@ -116,9 +118,7 @@ def test_stochastic_is_unbiased_over_seeds():
 
 
 def _to_device(arrays):
-    from numba import cuda
-
-    return None if arrays is None else [cuda.to_device(a) for a in arrays]
+    return None if arrays is None else [to_cuda(a) for a in arrays]
 
 
 def test_bad_arguments_name_themselves():

@@ -256,9 +256,14 @@ def test_nested_use_neither_deadlocks_nor_oversubscribes():
     ``prange`` function runs in another thread, and from inside a JAX callback under ``jit``:
     everything finishes with the expected bits, and the thread count grows by less than the
     number of callers and not again on a second round (Numba's one shared pool: workers do
-    not multiply with the callers)."""
+    not multiply with the callers). Needs TBB: the user's own ``prange`` function, called
+    from several threads, aborts Numba's workqueue layer whatever srround does."""
     pytest.importorskip("torch")
     pytest.importorskip("jax")
+    from srround import _threads
+
+    if not _threads.tbb_usable():
+        pytest.skip("TBB is not installed: Numba's workqueue layer aborts on concurrent launches")
     code = """
     import os, threading, time
     from concurrent.futures import ThreadPoolExecutor

@@ -12,6 +12,8 @@ import pytest
 
 import srround
 
+from .reference import to_cuda
+
 BF16 = ml_dtypes.bfloat16
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 BLOCK = srround.STATE_BLOCK
@@ -138,7 +140,7 @@ def test_fp8_step_cuda_bits_equal_cpu_bits(small_cuda_launch):
         pytest.skip("no CUDA device and not simulated")
     problem = _problem(sizes=[130, 3])
     want = _run(problem, 2)
-    dev = [[cuda.to_device(a) for a in x] for x in problem]
+    dev = [[to_cuda(a) for a in x] for x in problem]
     srround.adamw_step(
         dev[0],
         dev[1],

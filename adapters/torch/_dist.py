@@ -224,11 +224,11 @@ def mesh_groups(tensors) -> list:
     kind = dtensor_type()
     if kind is None:
         return []
-    groups, seen = [], set()
-    for t in tensors:
-        if isinstance(t, kind) and id(t.device_mesh) not in seen:
-            seen.add(id(t.device_mesh))
+    groups, meshes = [], []
+    for t in tensors:  # `is`, not id(): torch 2.11's Dynamo cannot trace id() of a mesh
+        if isinstance(t, kind) and all(t.device_mesh is not m for m in meshes):
             mesh = t.device_mesh
+            meshes.append(mesh)
             for d in range(mesh.ndim):
                 group = mesh.get_group(d)
                 if all(group is not g for g in groups):

@@ -189,7 +189,7 @@ def _fused_step(
         rows[i][1] = s
     for i, s in zip(aux_index, auxes):
         rows[i][2] = s
-    flat, consecutive = _flat_steps(steps)
+    (flat,) = steps  # the counters as one int32 tensor (``_init_group``)
     tensors = [*params, *grads, *states1, *states2, *auxes]
     key = (
         opt_kind,
@@ -227,8 +227,6 @@ def _fused_step(
         entry.buffers[0] = flat
     entry.fused.set_hyper(np.array(hyper, np.float64).reshape(-1, _optim.HYPER_COLUMNS))
     run_entry(entry, inv_scale, found, check_grads, negate, k0, k1)
-    if not consecutive:
-        torch._foreach_copy_(steps, list(flat.unbind()))
 
 
 @_fused_step.register_fake
@@ -256,23 +254,6 @@ _amsgrad_step = torch.library.custom_op(
 @_amsgrad_step.register_fake
 def _(*args):
     return None
-
-
-def _flat_steps(steps):
-    """``(int32[N] tensor, whether it is a view of the counters)``: the 0-d counters as one
-    flat tensor - a view when they are consecutive in one storage (srround's optimizers make
-    them so), else a stacked copy (copied back after the step)."""
-    first = steps[0]
-    item = first.element_size()
-    if all(
-        s.dtype == torch.int32
-        and s.device == first.device
-        and s.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        and s.data_ptr() == first.data_ptr() + i * item
-        for i, s in enumerate(steps)
-    ):
-        return first.as_strided((len(steps),), (1,)), True
-    return torch.stack([s.reshape(()).to(torch.int32) for s in steps]), False
 
 
 __all__ = ["stochastic_round"]

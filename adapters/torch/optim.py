@@ -561,15 +561,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
             for p, gi in zip(params, group_index)
         ]
         device = params[0].device
-        zero = torch.zeros((), dtype=torch.int32, device=device)
-        steps = torch.stack(
-            [
-                zero
-                if s.get("step") is None
-                else s["step"].detach().to(device=device, dtype=torch.int32).reshape(())
-                for s in states
-            ]
-        )
+        counts = [
+            torch.zeros((), dtype=torch.int32, device=device)
+            if s.get("step") is None
+            else s["step"].detach().to(device=device, dtype=torch.int32).reshape(())
+            for s in states
+        ]
+        steps = torch.stack(counts)
         for i, s in enumerate(states):
             s["step"] = steps[i]
         rows = [
@@ -768,7 +766,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         validates, creates the states, fills the lists with the parameters that have
         gradients, their gradients, states (``states1`` / ``states2`` / ``auxes``: only the
         existing ones, located by the index lists returned; ``maxes``: AMSGrad's
-        ``max_exp_avg_sq``) and 0-d step counters. Returns the ops' constant arguments:
+        ``max_exp_avg_sq``) and ``steps`` with one int32[N] tensor, the step counters of the N
+        parameters (``state["step"]`` are its views: one tensor, as a list of 0-d views of one
+        storage reaches a mutating op in inductor (torch 2.11) as uninitialised copies).
+        Returns the ops' constant arguments:
         ``(kind, mode, state format, group index, state-1 index, aux index, hyperparameters
         (flat), k0, k1, negate, stream starts, mesh process group names, whether they are
         DTensors)``."""
@@ -783,7 +784,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
             params.append(p)
             grads.append(p.grad)
             state = self.state[p]
-            steps.append(state["step"])
             if s1 is not None:
                 s1_index.append(i)
                 states1.append(s1)
@@ -796,6 +796,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = torch.zeros_like(_like(p), dtype=torch.float32)
                 maxes.append(state["max_exp_avg_sq"])
+        steps.append(flat)
         self._entry = None  # new step views: the eager table is rebuilt if used again
         k0, k1 = split_seed(config[2])
         return (
@@ -1038,9 +1039,8 @@ def amsgrad_update(
     seed = k0 | (k1 << 32)
     for i, (piece, grad, gi, start) in enumerate(zip(params, grads, group_index, noise)):
         lr, beta1, beta2, eps, wd = (float(v) for v in rows[gi])
-        step = steps[i]
-        step += 1
-        t = int(step)
+        steps[0][i] += 1
+        t = int(steps[0][i])
         grad = grad.float() if grad.dtype != torch.float32 else grad.clone()
         if inv_scale is not None:
             grad.mul_(inv_scale)
