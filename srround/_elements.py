@@ -354,7 +354,8 @@ def stream_offset(step, stream, start):
 
 @njit(forceinline=True, cache=True)
 def update_element(kind, mode, formats, buffers, has_state1, j, scale, coefs, group, noise):
-    """Element ``j`` of one tensor, updated in place: the body both backends run.
+    """Element ``j`` of one tensor, updated in place: the body both backends run. Every result
+    it writes is formed by ``result_bits``, so a NaN is +qNaN on every device.
 
     Args:
         kind, mode: ``Kind`` and ``Mode`` values.
