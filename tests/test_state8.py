@@ -162,7 +162,7 @@ def test_fp8_nan_results_are_the_positive_quiet_nan(small_cuda_launch):
     from the float ops differs between them)."""
     from numba import cuda
 
-    problem = _problem(sizes=[130, 3])
+    problem = _problem(sizes=[4, 3])
     problem[1][0][:2].view(np.uint16)[:] = [0xFFC0, 0x7FC1]
     problem[0][1][:1].view(np.uint16)[:] = 0xFFC5
     runs = [_run(problem, 2)]
