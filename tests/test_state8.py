@@ -167,7 +167,7 @@ def test_fp8_nan_results_are_the_positive_quiet_nan(small_cuda_launch):
     problem[0][1][:1].view(np.uint16)[:] = 0xFFC5
     runs = [_run(problem, 2)]
     if cuda.is_available():
-        dev = [[cuda.to_device(a) for a in x] for x in problem]
+        dev = [[to_cuda(a) for a in x] for x in problem]
         srround.adamw_step(
             *dev[:4], **HYPER, step=2, seed=SEED, exp_avg_scales=dev[4], exp_avg_sq_scales=dev[5]
         )
