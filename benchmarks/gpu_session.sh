@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a real GPU (the lent GPU machine: torch, JAX, CuPy, numba and numba-cuda
 # preinstalled, no registry). Run from the repository root:
-#     bash benchmarks/gpu_session.sh [PHASE ...]  # tests round optim jax more (default: all)
+#     bash benchmarks/gpu_session.sh [PHASE ...]   # default: every phase below, in this order
 # Logs, JUnit XML and the benchmarks' JSON are packed after every step into ${OUT:-gpu-out}/gpu.tgz
 # (one file, so that a run stopped at its time limit still returns what it did). Every step has
 # its own time limit (seconds, environment variables T_TESTS, T_BENCH, T_OPTIM, T_MORE), so one
@@ -13,8 +13,9 @@
 #   round, optim, jax  the kernel benchmarks for the GPU, each against its same-run baselines
 #          (copy bandwidth, torch's kernels): bench_round, bench_optim, and jax_gpu_check (the
 #          JAX native path vs copy bandwidth, bits vs the Numba CUDA kernels).
-#   more   bench_lossscale, bench_adapters, bench_lowbit, the torch.compile rows on the GPU, and
-#          the language-model demo's GPU configuration (srround demo --device cuda).
+#   lossscale, adapters, lowbit  bench_lossscale, bench_adapters, bench_lowbit on the GPU.
+#   compile  the torch.compile rows on the GPU (bench_optim --sections compile).
+#   demo   the language-model demo's GPU configuration (srround demo --device cuda).
 # JSON lands in benchmarks/results/<name>_gpu.json; regenerate benchmarks/RESULTS.md from it
 # with `python benchmarks/results.py` (here or after fetching gpu.tgz).
 set -uo pipefail
@@ -22,7 +23,7 @@ out="${OUT:-gpu-out}"
 logs="$(mktemp -d)/gpu"
 mkdir -p "$out" "$logs" benchmarks/results
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-phases="${*:-tests round optim jax more}"
+phases="${*:-tests round optim jax lossscale adapters lowbit compile demo}"
 py="${PYTHON:-python3}"  # the GPU image's python3 holds torch, JAX and CuPy
 
 pack() { tar czf "$out/gpu.tgz" -C "$(dirname "$logs")" gpu benchmarks 2>/dev/null; }
@@ -67,16 +68,15 @@ for phase in $phases; do
         step jax_gpu_check "${T_BENCH:-80}" "$py" benchmarks/jax_gpu_check.py --params 67 \
             --json benchmarks/results/jax_gpu_check_gpu.json
         ;;
-    more)
-        t="${T_MORE:-60}"
-        bench bench_lossscale "$t" --device cuda --quick
-        bench bench_adapters "$t" --device cuda --quick
-        bench bench_lowbit "$t" --device cuda
-        step bench_optim_compile "$t" "$py" benchmarks/bench_optim.py --device cuda --quick \
-            --sections compile --json benchmarks/results/bench_optim_compile_gpu.json
-        step demo_lm "$t" "$py" -m srround demo --device cuda --out "$logs"
+    lossscale) bench bench_lossscale "${T_MORE:-60}" --device cuda --quick ;;
+    adapters) bench bench_adapters "${T_MORE:-60}" --device cuda --quick ;;
+    lowbit) bench bench_lowbit "${T_MORE:-60}" --device cuda ;;
+    compile)
+        step bench_optim_compile "${T_MORE:-60}" "$py" benchmarks/bench_optim.py --device cuda \
+            --quick --sections compile --json benchmarks/results/bench_optim_compile_gpu.json
         ;;
-    *) echo "unknown phase $phase (tests, round, optim, jax, more)" >&2 ;;
+    demo) step demo_lm "${T_MORE:-60}" "$py" -m srround demo --device cuda --out "$logs" ;;
+    *) echo "unknown phase $phase" >&2 ;;
     esac
 done
 cat "$logs/steps.txt"

@@ -19,7 +19,15 @@ from numba import njit
 
 from ._formats import CODE_EXPONENT_BITS, CODE_MANTISSA_BITS, CODE_WIDTH, BufferCode
 from ._rng import lane_bits16, random_block
-from ._scalar import bits_to_f32, decode, encode_nearest, encode_stochastic, f32_to_bits, fma32
+from ._scalar import (
+    bits_to_f32,
+    decode,
+    encode_nearest,
+    encode_stochastic,
+    f32_to_bits,
+    fma32,
+    result_bits,
+)
 from ._tensor_list import load_bits, store_bits
 
 # buffer codes as plain ints: Numba folds them as constants
@@ -101,9 +109,9 @@ def unscale_bits(bits, code, inv_scale):
     ``inv_scale``, rounded back to nearest in the gradient's format (as ``grad.mul_`` in
     torch); ``finite``: whether the *result* - the unscaled gradient the optimizer reads - is
     finite, so a NaN or inf ``inv_scale``, or an fp16 product past 65504, is flagged too.
-    ``inv_scale == 1`` keeps the bits."""
+    ``inv_scale == 1`` keeps the bits; otherwise a NaN product is the canonical +qNaN."""
     wide = widen(bits, code)
-    scaled = narrow_nearest(f32_to_bits(bits_to_f32(wide) * inv_scale), code)
+    scaled = narrow_nearest(result_bits(bits_to_f32(wide) * inv_scale), code)
     # x * 1 is x: with a scale of 1, ``scaled`` is ``bits`` up to a NaN's payload
     finite = (widen(scaled, code) & 0x7F800000) != 0x7F800000
     return (bits if inv_scale == 1.0 else scaled), finite
@@ -255,9 +263,9 @@ def weight_write(mode, code, old_bits, new_bits, aux_bits, bits16):
     if mode == KAHAN:
         old = bits_to_f32(old_bits)
         compensated = bits_to_f32(widen(aux_bits, code)) + (bits_to_f32(new_bits) - old)
-        written = narrow_nearest(f32_to_bits(old + compensated), code)
+        written = narrow_nearest(result_bits(old + compensated), code)
         moved = bits_to_f32(widen(written, code)) - old
-        return written, narrow_nearest(f32_to_bits(compensated - moved), code)
+        return written, narrow_nearest(result_bits(compensated - moved), code)
     # REMAINDER (bf16): high half rounded on the bit pattern, exact signed low half
     if (new_bits & 0x7FFFFFFF) > 0x7F800000:  # NaN: the canonical quiet NaN, no remainder
         return ((new_bits >> 16) & 0x8000) | 0x7FC0, 0
@@ -346,7 +354,8 @@ def stream_offset(step, stream, start):
 
 @njit(forceinline=True, cache=True)
 def update_element(kind, mode, formats, buffers, has_state1, j, scale, coefs, group, noise):
-    """Element ``j`` of one tensor, updated in place: the body both backends run.
+    """Element ``j`` of one tensor, updated in place: the body both backends run. Every result
+    it writes is formed by ``result_bits``, so a NaN is +qNaN on every device.
 
     Args:
         kind, mode: ``Kind`` and ``Mode`` values.
@@ -378,18 +387,18 @@ def update_element(kind, mode, formats, buffers, has_state1, j, scale, coefs, gr
         new, m, v = adamw_math(
             bits_to_f32(old), g, m, v, coef0, coef1, coef2, const1, const2, const3, const4
         )
-        v_bits = f32_to_bits(v)
+        v_bits = result_bits(v)
         if state_fmt != F32:
             v_bits = narrow_stochastic(v_bits, v_bits16, state_fmt)
         store(s2_addr, j, v_bits, state_fmt)
     else:
         new, m = sgd_math(bits_to_f32(old), g, m, coef0, coef1, const1, const2, const3, const4)
     if has_state1:
-        m_bits = f32_to_bits(m)
+        m_bits = result_bits(m)
         if state_fmt != F32:
             m_bits = narrow_stochastic(m_bits, m_bits16, state_fmt)
         store(s1_addr, j, m_bits, state_fmt)
-    p_new, aux_new = weight_write(mode, p_fmt, old, f32_to_bits(new), aux_bits, w_bits16)
+    p_new, aux_new = weight_write(mode, p_fmt, old, result_bits(new), aux_bits, w_bits16)
     store(p_addr, j, p_new, p_fmt)
     if has_aux:
         store(aux_addr, j, aux_new, aux_fmt)

@@ -19,6 +19,7 @@ from numba.extending import intrinsic
 
 _F32_ABS = 0x7FFFFFFF
 _F32_INF = 0x7F800000
+F32_QNAN = 0x7FC00000  # the NaN of srround's arithmetic (``result_bits``)
 
 
 @njit(forceinline=True, cache=True)
@@ -269,12 +270,31 @@ def add_stochastic(w, update, alpha, bits16, mantissa_bits, exponent_bits, satur
     return encode_stochastic(total, bits16, mantissa_bits, exponent_bits, saturate, kind)
 
 
+@intrinsic
+def result_bits(typingctx, f):
+    """The bit pattern of float32 arithmetic result ``f`` (an int64, as ``f32_to_bits``), any
+    NaN replaced by ``F32_QNAN`` (+qNaN).
+
+    Which NaN a float op returns is the device's choice (x86: the NaN operand's, or -qNaN for an
+    invalid op; CUDA: 0x7FFFFFFF; XLA on GPU: +qNaN), so every result srround computes and
+    writes goes through this compare and select (``docs/contracts.md``, "Special values"). In
+    32-bit IR, as the bf16 intrinsics: a 64-bit compare would halve the CPU vector width."""
+
+    def codegen(context, builder, signature, args):
+        nan = builder.fcmp_unordered("uno", args[0], args[0])
+        bits = builder.select(nan, _i32(F32_QNAN), builder.bitcast(args[0], _I32))
+        return builder.zext(bits, ir.IntType(64))
+
+    return types.int64(types.float32), codegen
+
+
 @njit(forceinline=True, cache=True)
 def add_exact_f32(w, update, alpha, mantissa_bits, exponent_bits, kind=IEEE):
-    """The fp32 pattern of ``w + alpha * update`` (one rounding, fma) that ``add_stochastic``
-    rounds; exposed so a backend may run the two steps as separate loops."""
+    """The fp32 pattern of ``w + alpha * update`` (one rounding, fma; a NaN is ``F32_QNAN``)
+    that ``add_stochastic`` rounds; exposed so a backend may run the two steps as separate
+    loops."""
     weight = bits_to_f32(decode(w, mantissa_bits, exponent_bits, kind))
-    return f32_to_bits(fma32(alpha, bits_to_f32(update), weight))
+    return result_bits(fma32(alpha, bits_to_f32(update), weight))
 
 
 @njit(forceinline=True, cache=True)

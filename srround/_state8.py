@@ -47,7 +47,7 @@ from ._formats import (
     BufferCode,
 )
 from ._rng import lane_bits16, random_block
-from ._scalar import bits_to_f32, f32_to_bits
+from ._scalar import bits_to_f32, f32_to_bits, result_bits
 from ._tensor_list import load_bits, store_bits
 
 STATE_BLOCK = 128  # elements per scale: 4 bytes of scale per 128 one-byte moments
@@ -176,14 +176,14 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
             w16 = 0
             if mode == STOCHASTIC and p_fmt != F32:
                 w16 = load_bits(words, w_ctr + j - firsts[0], 16)
-            p_new, aux_new = weight_write(mode, p_fmt, old, f32_to_bits(new), aux, w16)
+            p_new, aux_new = weight_write(mode, p_fmt, old, result_bits(new), aux, w16)
             store(p_addr, j, p_new, p_fmt)
             if p_fmt != F32 and mode >= KAHAN:
                 store(aux_addr, j, aux_new, aux_fmt)
             m_max = _amax(m_max, f32_to_bits(m))
             v_max = _amax(v_max, f32_to_bits(s))
-            store_bits(scratch, j - j0, f32_to_bits(m), 32)
-            store_bits(scratch, STATE_BLOCK + j - j0, f32_to_bits(s), 32)
+            store_bits(scratch, j - j0, result_bits(m), 32)
+            store_bits(scratch, STATE_BLOCK + j - j0, result_bits(s), 32)
         m_scale, m_mult = state_scale(m_max, max_bits)
         v_scale, v_mult = state_scale(v_max, max_bits)
         for j in range(j0, j1):
@@ -213,12 +213,12 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
             w16, wb, w0, w1 = _bits16(k0, k1, w_ctr + j, wb, w0, w1)
         m16, mb, m0, m1 = _bits16(k0, k1, m_ctr + j, mb, m0, m1)
         v16, vb, v0, v1 = _bits16(k0, k1, v_ctr + j, vb, v0, v1)
-        p_new, aux_new = weight_write(mode, p_fmt, old, f32_to_bits(new), aux, w16)
+        p_new, aux_new = weight_write(mode, p_fmt, old, result_bits(new), aux, w16)
         store(p_addr, j, p_new, p_fmt)
         if p_fmt != F32 and mode >= KAHAN:
             store(aux_addr, j, aux_new, aux_fmt)
-        m_q = block_element(f32_to_bits(m), m_mult, max_bits, m16, True, sm, se, sk)
-        v_q = block_element(f32_to_bits(s), v_mult, max_bits, v16, True, sm, se, sk)
+        m_q = block_element(result_bits(m), m_mult, max_bits, m16, True, sm, se, sk)
+        v_q = block_element(result_bits(s), v_mult, max_bits, v16, True, sm, se, sk)
         store_bits(s1_addr, j, m_q, 8)
         store_bits(s2_addr, j, v_q, 8)
     store_bits(s1_scales, b, m_scale, 32)

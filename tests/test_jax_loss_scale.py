@@ -71,6 +71,23 @@ def test_jitted_trajectory_equals_update_scale(hysteresis):
         assert int(ours.overflow_tracker) == overflows[0]
 
 
+def test_unscaled_nan_is_the_positive_quiet_nan():
+    """A NaN gradient of either sign (bf16 leaves promote to float32) and 0 * inf unscale to
+    +qNaN 0x7FC00000 (x86 keeps the NaN's sign and gives -qNaN for 0 * inf, as jmp's plain
+    multiply does on a CPU); finite products are unchanged."""
+    g32 = np.array([0xFFC00000, 0x7FC00001, 0, 0x40000000], np.uint32).view(np.float32)
+    g16 = np.array([0xFFC1, 0x3F80], np.uint16).view(jnp.bfloat16)
+    for ls, nans in (
+        (DynamicLossScale(jnp.float32(2.0)), 2),
+        (StaticLossScale(jnp.float32(0.0)), 3),  # inverse inf: 0 * inf
+    ):
+        out = jax.jit(ls.unscale)({"a": jnp.asarray(g32), "b": jnp.asarray(g16)})
+        a, b = (np.asarray(out[k]).view(np.uint32) for k in ("a", "b"))
+        assert [hex(v) for v in a[:nans]] == ["0x7fc00000"] * nans
+        assert hex(b[0]) == "0x7fc00000" and out["b"].dtype == jnp.float32
+    assert float(out["b"][1]) == np.inf and float(out["a"][3]) == np.inf
+
+
 def test_scale_unscale_all_finite_select():
     grads = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.float16)}
     ls = DynamicLossScale(jnp.float32(1024.0))

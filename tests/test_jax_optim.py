@@ -78,6 +78,16 @@ def test_apply_updates_is_stochastic_add_per_leaf(impl, step):
         assert_same_bits(g, w)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_apply_updates_nan_is_the_positive_quiet_nan(impl):
+    """NaN updates of both signs, a -NaN weight and inf + (-inf) give bf16 leaves +qNaN 0x7FC0
+    (x86 keeps the NaN operand's sign and gives -qNaN for inf - inf)."""
+    w = np.array([0x3F80, 0x3F80, 0xFFC1, 0x7F80, 0x3F80], np.uint16).view(ml_dtypes.bfloat16)
+    u = np.array([0xFFC00000, 0x7FC00003, 0x3F800000, 0xFF800000, 0], np.uint32)
+    out = sj.apply_updates(jnp.asarray(w), jnp.asarray(u.view(np.float32)), 4, impl=impl)
+    assert [hex(v) for v in np.asarray(out).view(np.uint16)] == ["0x7fc0"] * 4 + ["0x3f80"]
+
+
 def test_apply_updates_matches_optax_structure_and_none_leaves():
     params = {"w": jnp.ones(5, jnp.bfloat16), "none": None, "b": jnp.zeros(3, jnp.float32)}
     updates = {"w": jnp.full(5, 0.5, jnp.float32), "none": None, "b": jnp.ones(3, jnp.float32)}

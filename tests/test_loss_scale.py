@@ -44,6 +44,32 @@ def test_unscale_values_are_the_rounded_products(writable_backend):
         assert np.array_equal(bits(writable_backend.get(after)), bits(expected))
 
 
+QNAN = {np.dtype(np.float32): 0x7FC00000, np.dtype(ml_dtypes.bfloat16): 0x7FC0}
+QNAN[np.dtype(np.float16)] = 0x7E00
+
+
+@pytest.mark.parametrize("inv_scale", [0.5, np.inf])
+def test_unscaled_nan_is_the_positive_quiet_nan(writable_backend, inv_scale):
+    """Unscaling -qNaN, a +NaN with a payload, 0 (times inf: an invalid product) and 1 writes
+    every NaN as its dtype's +qNaN on every backend (x86 keeps the operand's sign, -qNaN for
+    0 * inf; CUDA writes 0x7FFFFFFF)."""
+    host = []
+    for dtype, qnan in QNAN.items():
+        g = np.array([0.0, 0.0, 0.0, 1.0], dtype)
+        sign = 0x80000000 if dtype == np.float32 else 0x8000
+        g[:2].view(np.uint32 if dtype == np.float32 else np.uint16)[:] = [sign | qnan, qnan | 3]
+        host.append(g)
+    grads = [writable_backend.put(g) for g in host]
+    scale = writable_backend.put(np.float32([inv_scale]))  # an array: inf is accepted
+    found = writable_backend.get(srround.unscale_and_check(grads, scale))
+    assert list(found) == [1.0]
+    nans = 3 if inv_scale == np.inf else 2
+    for g in grads:
+        got = writable_backend.get(g)
+        assert [hex(v) for v in bits(got)[:nans]] == [hex(QNAN[got.dtype])] * nans, got.dtype
+        assert got[3].astype(np.float32) == np.float32(inv_scale)
+
+
 def test_matches_torch_amp_unscale():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(2)

@@ -339,6 +339,56 @@ def test_front_end_gives_the_reference_bits(request, backend, kind, rounding, gr
         assert [a is None for a in got["aux"]] == [d == F32 for d in dtypes]
 
 
+# the canonical +qNaN of each dtype: every NaN an optimizer computes is written as it
+# (docs/contracts.md, "Special values"; x86 keeps a NaN operand's sign, CUDA writes 0x7FFFFFFF)
+QNAN = {F32: 0x7FC00000, BF16: 0x7FC0, F16: 0x7E00}
+
+
+def _nan_inputs(dtypes):
+    """Parameters and gradients with, in every tensor: a -qNaN gradient (element 0), a +NaN
+    gradient with a payload (1), an inf gradient (2: AdamW's update is inf / inf) and a -NaN
+    weight with a payload (3)."""
+    params, grads = normal_params(SHAPES, dtypes), _grads(1, dtypes)
+    for p, g in zip(params, grads):
+        qnan, wide = QNAN[p.dtype], p.dtype == F32
+        sign, view = (0x80000000, np.uint32) if wide else (0x8000, np.uint16)
+        g.reshape(-1)[:2].view(view)[:] = [sign | qnan, qnan | 1]
+        g.reshape(-1)[2] = np.inf
+        p.reshape(-1)[3:4].view(view)[:] = sign | qnan | 5
+    return params, grads
+
+
+@pytest.mark.parametrize(
+    "kind, rounding, state",
+    [("adamw", "stochastic", "bf16"), ("adamw", "kahan", "fp32"), ("sgd", "stochastic", "fp32")],
+)
+def test_nan_results_are_the_positive_quiet_nan(request, optim_backend, kind, rounding, state):
+    """A step on NaN gradients of both signs, inf gradients and -NaN weights (no found_inf):
+    every NaN written - weights, moments, the Kahan compensation - is the +qNaN of its dtype,
+    the reference's bits on every front end. Configurations test_front_end_gives_the_reference_bits
+    compiles (no new CPU step)."""
+    dtypes = _mixed(rounding)
+    state_dtype = BF16 if state == "bf16" else F32
+    params, grads = _nan_inputs(dtypes)
+    results = []
+    for backend in (optim_backend, Backend.NUMPY):
+        opt = front_end(backend, kind, params, rounding=rounding, state_dtype=state_dtype)
+        opt.step([g * g.dtype.type(2) for g in grads], inv_scale=0.5)
+        results.append(opt.result())
+    got, expected = results
+    nan_params = [0, 1, 2, 3] if kind == "adamw" else [0, 1, 3]
+    for i, p in enumerate(got["params"]):
+        assert np.isnan(p.reshape(-1)[nan_params].astype(F32)).all(), i
+    for key, arrays in got.items():
+        for i, a in enumerate([] if key == "count" or arrays is None else arrays):
+            if a is None or a.dtype not in QNAN:
+                continue
+            nan = np.isnan(a.astype(F32))
+            found = sorted({hex(v) for v in bits(a)[nan]})
+            assert found in ([], [hex(QNAN[a.dtype])]), f"{optim_backend}: {key}[{i}]: {found}"
+    _same(got, expected, f"{optim_backend} against the NumPy reference")
+
+
 # --------------------------------------------------------------------------------------------
 # 2. fp32 math: torch.optim within a few ulp
 # --------------------------------------------------------------------------------------------

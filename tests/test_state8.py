@@ -156,6 +156,31 @@ def test_fp8_step_cuda_bits_equal_cpu_bits(small_cuda_launch):
     _assert_same(got, want)
 
 
+def test_fp8_nan_results_are_the_positive_quiet_nan(small_cuda_launch):
+    """NaN gradients of both signs and a -NaN weight: the weights' NaNs are bf16 +qNaN 0x7FC0
+    and the moments' NaN elements e4m3fn's +NaN 0x7F, on the CPU and CUDA alike (a NaN's sign
+    from the float ops differs between them)."""
+    from numba import cuda
+
+    problem = _problem(sizes=[4, 3])
+    problem[1][0][:2].view(np.uint16)[:] = [0xFFC0, 0x7FC1]
+    problem[0][1][:1].view(np.uint16)[:] = 0xFFC5
+    runs = [_run(problem, 2)]
+    if cuda.is_available():
+        dev = [[to_cuda(a) for a in x] for x in problem]
+        srround.adamw_step(
+            *dev[:4], **HYPER, step=2, seed=SEED, exp_avg_scales=dev[4], exp_avg_sq_scales=dev[5]
+        )
+        runs.append([[a.copy_to_host() for a in dev[i]] for i in (0, 2, 3, 4, 5)])
+    for params, m, s, _, _ in runs:
+        assert [hex(v) for v in params[0][:2].view(np.uint16)] == ["0x7fc0"] * 2
+        assert hex(params[1][:1].view(np.uint16)[0]) == "0x7fc0"
+        for moments in (m, s):
+            assert [hex(v) for v in moments[0][:2].view(np.uint8)] == ["0x7f"] * 2
+    if len(runs) == 2:
+        _assert_same(runs[1], runs[0])
+
+
 def test_fp8_write_back_is_unbiased():
     """Over many seeds the dequantized moments average to the float32 ones (z-test per
     element, against the spread of the two neighbours)."""

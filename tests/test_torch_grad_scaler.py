@@ -941,3 +941,21 @@ def test_torch_grad_scale_will_not_overflow():
     scaler.step(opt)
     scaler.update()
     assert np.isfinite(scaler.get_scale())
+
+
+def test_unscaled_nan_is_the_positive_quiet_nan_on_every_path():
+    """``unscale_grads``: the fused kernel (dense) and torch's own unscale (a non-dense view,
+    a float64 gradient beside them) write a NaN product of an fp32 gradient as +qNaN (torch's
+    CPU op keeps the NaN's sign); float64 is torch's."""
+    from srround.adapters.torch.amp import unscale_grads
+
+    dense = torch.tensor([0.0, 1.0])
+    strided = torch.zeros(2, 3)[:, :2]  # not dense: torch's path
+    dense.view(torch.int32)[0] = -(1 << 22)  # -qNaN 0xFFC00000
+    strided.view(torch.int32)[0, 0] = -(1 << 22)
+    found = torch.zeros(1)
+    unscale_grads([dense, strided, torch.ones(2, dtype=torch.float64)], torch.tensor([0.5]), found)
+    assert float(found) == 1.0
+    assert hex(int(dense.view(torch.int32)[0]) & 0xFFFFFFFF) == "0x7fc00000"
+    assert hex(int(strided.view(torch.int32)[0, 0]) & 0xFFFFFFFF) == "0x7fc00000"
+    assert float(dense[1]) == 0.5

@@ -896,6 +896,37 @@ def test_amsgrad_fp32_is_torch_bits(maximize):
         _assert_bits_equal(p, r)
 
 
+@pytest.mark.parametrize(
+    "dtype, rounding, qnan",
+    [(torch.float32, "stochastic", 0x7FC00000), (torch.bfloat16, "nearest", 0x7FC0)],
+    ids=["fp32", "bf16-nearest"],
+)
+def test_amsgrad_nan_results_are_the_positive_quiet_nan(dtype, rounding, qnan):
+    """NaN gradients of both signs, an inf gradient (inf / inf in the update) and a -NaN
+    weight: every NaN the per-tensor path writes - weights, moments, the running maximum - is
+    the format's +qNaN (torch's CPU ops keep a NaN operand's sign, -qNaN for inf / inf)."""
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0, -1.0, 0.5]).to(dtype))
+    p.data.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[4] = -(
+        1 << 6 if dtype == torch.bfloat16 else 1 << 22
+    )
+    g = torch.tensor([0.0, 1.0, float("inf"), 0.0, 0.1])
+    g.view(torch.int32)[0] = -(1 << 22)  # -qNaN 0xFFC00000
+    g.view(torch.int32)[3] = 0x7FC00001
+    p.grad = g.to(dtype)
+    opt = AdamW([p], lr=1e-2, amsgrad=True, rounding=rounding, seed=3)
+    opt.step()
+    state = opt.state[p]
+    for name, t in [
+        ("param", p),
+        *((k, state[k]) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+    ]:
+        b = _bits(t).to(torch.int64) & (0xFFFF if t.element_size() == 2 else 0xFFFFFFFF)
+        nan = torch.isnan(t.detach().float())
+        assert bool(nan[[0, 2, 3, 4] if name == "param" else [0, 3]].all()), name
+        want = qnan if name == "param" else 0x7FC00000
+        assert b[nan].tolist() == [want] * int(nan.sum()), name
+
+
 def test_amsgrad_bf16_stochastic_write_back_is_the_documented_stream():
     """bf16 parameters: the fp32 result of torch's math, stochastically rounded at offset
     t * 2**36 + the tensor's start (the fused step's stream). The first parameter has no

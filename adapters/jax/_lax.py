@@ -16,8 +16,8 @@ and offset:
 * ``_native_*``: the four functional operations, jitted with the layout static (key words,
   stream position and ``alpha`` are traced arguments: a new seed or offset does not recompile).
 
-Known difference from the Numba CPU path: when an fma turns two NaN inputs of different signs
-into a NaN, which sign survives is up to the hardware/compiler on both paths.
+A NaN that an fma computes is +qNaN 0x7FC00000 (``canonical_nan``), as in the kernels:
+float ops give NaNs whose sign and payload depend on the device.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def _fma_bits(A, B, C):
        subnormal quantum is 2**-149) to nearest even; a carry out of 2**128 is inf.
 
     Exact cancellation gives +0; a zero product gives ``c`` (signed zeros as IEEE). NaN/inf
-    operands use float ops (only specials reach them).
+    operands use float ops (only specials reach them); a NaN result is +qNaN 0x7FC00000.
     """
     sa, sb, sc = A >> 31, B >> 31, C >> 31
     ma, ea = _split32(A)
@@ -296,8 +296,14 @@ def _fma_bits(A, B, C):
     ab_finite = ((A & 0x7F800000) != 0x7F800000) & ((B & 0x7F800000) != 0x7F800000)
     c_finite = (C & 0x7F800000) != 0x7F800000
     special = jnp.where(ab_finite, c_f, a_f * b_f + c_f)
-    special = lax.bitcast_convert_type(special, _U32)
+    special = canonical_nan(lax.bitcast_convert_type(special, _U32))
     return jnp.where(ab_finite & c_finite, finite, special)
+
+
+def canonical_nan(u):
+    """fp32 patterns (uint32) with every NaN replaced by +qNaN 0x7FC00000: the NaN of
+    srround's arithmetic on every device (``srround._scalar.canonical_nan``)."""
+    return jnp.where((u & 0x7FFFFFFF) > 0x7F800000, _U32(0x7FC00000), u)
 
 
 def _rotl(x, r: int):

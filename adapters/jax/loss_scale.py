@@ -104,6 +104,24 @@ def _scale_tree(tree, factor):
     return jax.tree_util.tree_map(lambda x: x * factor, tree)
 
 
+def _canonical_nan(x):
+    """``x`` with every NaN its dtype's +qNaN (float32: 0x7FC00000), in integer ops: the NaN
+    srround writes for a NaN it computes (x86 keeps a NaN operand's sign, GPUs do not)."""
+    dtype = jnp.dtype(x.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+        return x
+    uint = jnp.dtype(f"uint{8 * dtype.itemsize}")
+    qnan, inf = (np.array(v, dtype).view(uint) for v in (np.nan, np.inf))
+    bits = lax.bitcast_convert_type(x, uint)
+    magnitude = bits & uint.type((1 << (8 * dtype.itemsize - 1)) - 1)
+    return lax.bitcast_convert_type(jnp.where(magnitude > inf, qnan, bits), dtype)
+
+
+def _unscale_tree(tree, factor):
+    """``_scale_tree`` with NaN products as +qNaN (``_canonical_nan``)."""
+    return jax.tree_util.tree_map(lambda x: _canonical_nan(jnp.asarray(x * factor)), tree)
+
+
 def _inverse(scale):
     return jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
 
@@ -209,8 +227,9 @@ class DynamicLossScale:
         return _scale_tree(tree, jnp.asarray(self.loss_scale, jnp.float32))
 
     def unscale(self, tree):
-        """``tree`` times the float32 ``1 / scale`` (leaves promoted as JAX promotes)."""
-        return _scale_tree(tree, _inverse(self.loss_scale))
+        """``tree`` times the float32 ``1 / scale`` (leaves promoted as JAX promotes); a NaN
+        product is +qNaN on every device."""
+        return _unscale_tree(tree, _inverse(self.loss_scale))
 
     def adjust(self, grads_finite) -> DynamicLossScale:
         """The next loss scale after a step whose gradients were (not) all finite
@@ -274,8 +293,9 @@ class StaticLossScale:
         return _scale_tree(tree, jnp.float32(self.loss_scale))
 
     def unscale(self, tree):
-        """``tree`` times the float32 ``1 / scale`` (leaves promoted as JAX promotes)."""
-        return _scale_tree(tree, _inverse(self.loss_scale))
+        """``tree`` times the float32 ``1 / scale`` (leaves promoted as JAX promotes); a NaN
+        product is +qNaN on every device."""
+        return _unscale_tree(tree, _inverse(self.loss_scale))
 
     def adjust(self, grads_finite) -> StaticLossScale:
         """``self``: a static scale does not change (``grads_finite``: a bool scalar)."""

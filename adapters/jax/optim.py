@@ -89,6 +89,7 @@ from ._lax import (
     _threefry2x32,
     _u,
     block_element,
+    canonical_nan,
     element_value,
     mul_bits,
 )
@@ -163,7 +164,7 @@ def _add(u, w):
     is 0 or normal. Below, both operands are scaled by 2**64 in integer ops (a subnormal's
     quanta through an exact int -> float conversion), added - normal operands, and a sum
     rounded as the unscaled one (normal) or exact (a multiple of 2**-85 below 2**-62) - and
-    scaled back in integer ops. NaN/inf operands: the float32 sum."""
+    scaled back in integer ops. NaN/inf operands: the float32 sum, a NaN as +qNaN."""
     ub, wb = _b32(u), _b32(w)
     big = jnp.maximum(ub & 0x7FFFFFFF, wb & 0x7FFFFFFF) >= 0x21800000  # 2**-60
 
@@ -177,7 +178,7 @@ def _add(u, w):
     magnitude = total & 0x7FFFFFFF
     quanta = (_f32(magnitude) * np.float32(2.0**85)).astype(_U32)  # a sum below 2**-126
     small = jnp.where(magnitude >= 0x20800000, total - (64 << 23), (total & _SIGN) | quanta)
-    return _f32(jnp.where(big, _b32(u + w), small))
+    return _f32(jnp.where(big, canonical_nan(_b32(u + w)), small))
 
 
 def _fma(a, b, c, exact=(True, True, True)):
@@ -187,14 +188,11 @@ def _fma(a, b, c, exact=(True, True, True)):
     rounds once more, so ``s`` is rounded to odd (TwoSum gives its error ``e``; an inexact ``s``
     with an even last bit moves one ulp towards ``e``), which makes the rounding to float32 (24
     <= 53 - 2 bits) that of ``a * b + c``. Infinities follow from the float64 ops (a float32
-    product cannot overflow float64); a NaN result is the first NaN operand of ``a``, ``b``,
-    ``c`` (quieted), else the default NaN (inf * 0, inf - inf), as the x86 fma, then passes a
-    float32 op, which makes it the canonical NaN on a GPU, as CUDA's fma (checked on an H100
-    against ``numba.cuda.fma`` on ``fma_hard_cases``: every bit equal). Needs IEEE float64
-    (CPU, GPU). ``exact``: per operand, as ``_wide``. Each operand is read once (an
-    expensive producer, such as a division, read twice would be materialized by XLA's CPU
-    fusion); the result's last op takes several arrays, so XLA writes it once for all its
-    users."""
+    product cannot overflow float64); a NaN result is +qNaN (``_lax.canonical_nan``), as all
+    of srround's arithmetic. Needs IEEE float64 (CPU, GPU). ``exact``: per operand, as
+    ``_wide``. Each operand is read once (an expensive producer, such as a division, read
+    twice would be materialized by XLA's CPU fusion); the result's last op takes several
+    arrays, so XLA writes it once for all its users."""
     with jax.enable_x64(True):
         a, b, c = (_wide(jnp.asarray(v, jnp.float32), e) for v, e in zip((a, b, c), exact))
         p = a * b
@@ -205,10 +203,7 @@ def _fma(a, b, c, exact=(True, True, True)):
         odd = jnp.where((e > 0) == (s > 0), sb + 1, sb - 1)
         inexact = (e > 0) | (e < 0)  # not where s is inf or NaN (e is NaN)
         s = lax.bitcast_convert_type(jnp.where(inexact & ((sb & 1) == 0), odd, sb), jnp.float64)
-        first = jnp.where(jnp.isnan(b), b, jnp.where(jnp.isnan(c), c, s))
-        first = jnp.where(jnp.isnan(a), a, first)
-        r = _narrow(jnp.where(jnp.isnan(s), first, s))
-    return jnp.where(jnp.isnan(r), r + r, r)
+        return _f32(canonical_nan(_b32(_narrow(s))))
 
 
 def _widen_bits(x):
@@ -828,9 +823,9 @@ def _weight_write(mode, fmt, old_bits, new_bits, aux_bits, bits16):
     if mode == "kahan":
         old = _f32(old_bits)
         compensated = _f32(_decode(aux_bits, fmt)) + (_f32(new_bits) - old)
-        written = _encode(_b32(old + compensated), fmt, False)
+        written = _encode(canonical_nan(_b32(old + compensated)), fmt, False)
         moved = _f32(_decode(written, fmt)) - old
-        return written, _encode(_b32(compensated - moved), fmt, False)
+        return written, _encode(canonical_nan(_b32(compensated - moved)), fmt, False)
     # remainder (bf16)
     nan = (new_bits & 0x7FFFFFFF) > 0x7F800000
     high = ((new_bits + 0x8000) >> 16) & 0xFFFF
@@ -951,6 +946,7 @@ def _sgd_update(cfg, p, g, b, a, bits, coefs, inv_scale):
     if b is not None:
         buf = _f32(_widen_bits(b))
         buf_new = jnp.where(first, g, _fma(1.0, g, buf * momentum, exact=(True, True, False)))
+        buf_new = _f32(canonical_nan(_b32(buf_new)))  # step 1: the gradient's NaN
         d = _fma(momentum, buf_new, g, exact=(True, False, True)) if nesterov else buf_new
         if buf_dtype != jnp.float32:
             encoded = _encode(_b32(buf_new), FORMATS["bfloat16"], False, bits(1))

@@ -74,7 +74,7 @@ import torch
 import srround
 
 from . import _dist
-from .optim import _is_dense
+from .optim import _NAN_BITS, _canonical_nan_, _is_dense
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _UNSCALED, _STEPPED = "unscaled", "stepped"  # per-optimizer stage of an iteration
@@ -85,7 +85,8 @@ def unscale_grads(grads, inv_scale, found_inf, per_tensor=False) -> None:
     to 1 if any was inf/NaN. Dense fp32/bf16/fp16 gradients of ``found_inf``'s device (any
     dense layout: channels_last too) go through srround's fused kernel, one launch; the rest
     (float64, non-dense strided views, sparse values, other devices) through torch's own
-    ``torch._amp_foreach_non_finite_check_and_unscale_``, per device and dtype.
+    ``torch._amp_foreach_non_finite_check_and_unscale_``, per device and dtype (NaN products
+    then +qNaN, as the fused kernel writes them).
     ``per_tensor``: one scale and one flag per gradient (one fused launch if all are dense)."""
     if per_tensor:
         grads = _dist.locals_of(grads, "grads")
@@ -115,6 +116,9 @@ def unscale_grads(grads, inv_scale, found_inf, per_tensor=False) -> None:
             flag = torch.zeros((), dtype=torch.float32, device=dev)
             inv = inv_scale.view(()).to(dev)
         torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+        for g in group:
+            if g.dtype in _NAN_BITS:  # NaN products as the fused kernel writes them
+                _canonical_nan_(g)
         if dev != device:
             torch.maximum(found_inf, flag.to(device).reshape(1), out=found_inf)
 

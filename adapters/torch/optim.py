@@ -86,6 +86,23 @@ _GRAD = operator.attrgetter("grad")
 _FLAG_KEYS = ("foreach", "fused", "differentiable", "capturable")
 
 
+# (integer view, magnitude mask, inf pattern, +qNaN) of each parameter dtype: ``_canonical_nan_``
+_NAN_BITS = {
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000, 0x7FC00000),
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80, 0x7FC0),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00, 0x7E00),
+}
+
+
+def _canonical_nan_(t):
+    """In place, every NaN of ``t`` becomes its format's +qNaN, in integer ops: the NaN of
+    srround's arithmetic on every device (torch's float ops keep a NaN operand's sign on x86,
+    write 0x7FFFFFFF on CUDA; its CPU bf16 cast writes 0xFFFF)."""
+    view, magnitude, inf, qnan = _NAN_BITS[t.dtype]
+    bits = t.view(view)
+    bits.masked_fill_((bits & magnitude) > inf, qnan)
+
+
 def _on(device):
     """Make a CUDA ``device`` current (Numba launches on the current device); CPU: nothing."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -996,8 +1013,9 @@ def amsgrad_update(
     offset ``t * 2**36 + noise[i] + j``, memory order), round to nearest, or the fp32 master
     weight (``auxes``). Arguments as ``_init_group`` lists them; ``found_inf`` (checked and
     all-reduced over the process groups ``mesh_groups`` names first with ``check_grads``)
-    nonzero: nothing changes. Reads the step counts and ``found_inf`` on the host. Also the
-    custom op ``srround::amsgrad_step`` (``_ops.py``)."""
+    nonzero: nothing changes. A NaN result (parameter, moment, maximum) is +qNaN, as the fused
+    step writes it. Reads the step counts and ``found_inf`` on the host. Also the custom op
+    ``srround::amsgrad_step`` (``_ops.py``)."""
     import srround
 
     from .amp import unscale_grads
@@ -1042,10 +1060,13 @@ def amsgrad_update(
         bias_correction2_sqrt = (1 - beta2**t) ** 0.5
         denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         work.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**t)))
+        for result in (exp_avg, exp_avg_sq, max_sq, work):
+            _canonical_nan_(result)
         if work.data_ptr() == piece.data_ptr():
             continue  # a dense fp32 parameter, updated in place
         if piece.dtype == torch.float32 or rounding != "stochastic":
             piece.copy_(work)  # fp32 exactly; nearest and master: round to nearest
+            _canonical_nan_(piece)
         else:
             flat = work.as_strided((work.numel(),), (1,))  # memory order
             offset = (t << _optim.STEP_SHIFT) + start
