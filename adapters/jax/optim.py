@@ -146,11 +146,14 @@ def _wide(x, exact: bool):
 def _narrow(x):
     """float32 nearest to float64 ``x`` (ties to even), subnormal results included (XLA's CPU
     backend flushes those to zero): below 2**-126, ``|x| + 2**-97`` rounds ``|x|`` to the
-    subnormal quantum 2**-149, and its low mantissa bits count the quanta."""
+    subnormal quantum 2**-149, and its low mantissa bits count the quanta. A NaN becomes +qNaN
+    (``_lax.canonical_nan``). The last op takes several arrays (XLA writes the result once
+    for all its readers)."""
     mag = jnp.abs(x)
     quanta = lax.bitcast_convert_type(mag + 2.0**-97, jnp.uint64).astype(_U32) & 0xFFFFFF
     sign = (lax.bitcast_convert_type(x, jnp.uint64) >> 63).astype(_U32) << 31
-    return jnp.where(mag < 2.0**-126, _f32(sign | quanta), x.astype(jnp.float32))
+    wide = jnp.where(jnp.isnan(x), _f32(np.uint32(0x7FC00000)), x.astype(jnp.float32))
+    return jnp.where(mag < 2.0**-126, _f32(sign | quanta), wide)
 
 
 _SIGN = np.uint32(0x80000000)
@@ -188,8 +191,8 @@ def _fma(a, b, c, exact=(True, True, True)):
     rounds once more, so ``s`` is rounded to odd (TwoSum gives its error ``e``; an inexact ``s``
     with an even last bit moves one ulp towards ``e``), which makes the rounding to float32 (24
     <= 53 - 2 bits) that of ``a * b + c``. Infinities follow from the float64 ops (a float32
-    product cannot overflow float64); a NaN result is +qNaN (``_lax.canonical_nan``), as all
-    of srround's arithmetic. Needs IEEE float64 (CPU, GPU). ``exact``: per operand, as
+    product cannot overflow float64); a NaN result is +qNaN (``_narrow``), as all of
+    srround's arithmetic. Needs IEEE float64 (CPU, GPU). ``exact``: per operand, as
     ``_wide``. Each operand is read once (an expensive producer, such as a division, read
     twice would be materialized by XLA's CPU fusion); the result's last op takes several
     arrays, so XLA writes it once for all its users."""
@@ -203,7 +206,7 @@ def _fma(a, b, c, exact=(True, True, True)):
         odd = jnp.where((e > 0) == (s > 0), sb + 1, sb - 1)
         inexact = (e > 0) | (e < 0)  # not where s is inf or NaN (e is NaN)
         s = lax.bitcast_convert_type(jnp.where(inexact & ((sb & 1) == 0), odd, sb), jnp.float64)
-        return _f32(canonical_nan(_b32(_narrow(s))))
+        return _narrow(s)
 
 
 def _widen_bits(x):
