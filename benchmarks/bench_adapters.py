@@ -185,13 +185,13 @@ def _core_cuda(n):
     return {
         "stochastic_round": (
             lambda: backend.stochastic_round(
-                xb, out, k0, k1, 0, MANTISSA, EXPONENT, False, stream=stream
+                xb, out, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False, stream=stream
             ),
             sync,
         ),
         "stochastic_add": (
             lambda: backend.stochastic_add(
-                wb, ub, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False, stream=stream
+                ub, wb, np.float32(1.0), k0, k1, 0, MANTISSA, EXPONENT, False, stream=stream
             ),
             sync,
         ),
@@ -340,7 +340,7 @@ def main(argv=None) -> None:
         everything += results + [{"device": device, "row": "copy", "n": large, "s": floor_s}]
     gpu = None
     if "cuda" in devices and any(r["device"] == "cuda" for r in everything):
-        name = _cuda().get_current_device().name
+        name = getattr(_cuda().get_current_device(), "name", "CUDA simulator")
         gpu = name.decode() if isinstance(name, bytes) else name
     write_json(
         args.json,

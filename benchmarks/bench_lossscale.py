@@ -50,7 +50,9 @@ def run(device: str, total: int, reps: int):
 
     rows = []
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for dtype in (torch.float32, torch.bfloat16):
+    # fp16 too on CUDA (GradScaler's case); torch has no CUDA bf16 unscale kernel
+    dtypes = (torch.float32, torch.bfloat16) + ((torch.float16,) if device == "cuda" else ())
+    for dtype in dtypes:
         grads = [torch.randn(s, device=device).to(dtype) for s in shapes(total)]
         n = sum(g.numel() for g in grads)
         nbytes = 2 * n * grads[0].element_size()
@@ -73,6 +75,8 @@ def run(device: str, total: int, reps: int):
                 grads, one, found_inf=found
             ),
         }
+        if device == "cuda" and dtype == torch.bfloat16:
+            del cases["torch _amp_foreach_...unscale_"]  # not implemented for bf16 on CUDA
         floor = None
         for name, fn in cases.items():
             seconds = timeit(fn, sync, reps)
@@ -127,7 +131,9 @@ def scaled_steps(device: str, total: int, reps: int, sync):
         return lambda: cls(device, init_scale=1.0, growth_interval=1 << 30)
 
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    # fp16 too on CUDA (GradScaler's case); torch has no CUDA bf16 unscale kernel
+    dtypes = (torch.float32, torch.bfloat16) + ((torch.float16,) if device == "cuda" else ())
+    for dtype in dtypes:
         cases = {
             "srround AdamW + srround GradScaler": (
                 lambda ps: AdamW(ps, lr=1e-3, seed=0),

@@ -58,6 +58,17 @@ def test_bench_optim_and_convergence_smoke(tmp_path):
         assert png.stat().st_size > 0
 
 
+@pytest.mark.cuda
+def test_bench_adapters_cuda_smoke(tmp_path):
+    """The CUDA rows run (the simulator on CPU-only machines, 2^8 elements): the raw-buffer row
+    called the CUDA kernels with a stale signature and only a GPU run found it."""
+    out = _run(
+        [str(BENCH / "bench_adapters.py"), "--quick", "--device", "cuda", "--large", "8"],
+        tmp_path,
+    )
+    assert "core, raw buffers" in out and "numba device arrays" in out, out
+
+
 def test_bench_adapters_smoke(tmp_path):
     """Every CPU row of bench_adapters runs and lands in the table and the JSON."""
     out = _run(
