@@ -9,8 +9,9 @@ as opaque calls (Dynamo never looks into Numba) and functionalizes their in-plac
   overflow check (``srround.unscale_and_check``), in place, then the flag all-reduced over
   the named process groups.
 * ``torch.ops.srround.fused_step(...)``: the fused optimizer step of
-  ``srround.adapters.torch.AdamW`` / ``SGD`` over lists of parameters, gradients, states and
-  step counters (what their ``step()`` calls under torch.compile), with the eager step's
+  ``srround.adapters.torch.AdamW`` / ``SGD`` over lists of parameters, gradients and states,
+  and the step counters as one int32 tensor in a one-item list (what their ``step()`` calls
+  under torch.compile), with the eager step's
   stream starts; DTensor parameters pass their local pieces.
 * ``torch.ops.srround.amsgrad_step(...)``: ``AdamW(amsgrad=True)``'s per-tensor step, the
   same way.
@@ -174,9 +175,11 @@ def _fused_step(
     mesh_groups: str,
     check_grads: bool,
 ) -> None:
-    """The fused step over plain tensors (a DTensor parameter's local pieces); ``noise``: each
-    parameter's stream start (the eager step's), ``mesh_groups``: the names of the process
-    groups that all-reduce ``found`` after ``check_grads``, one a line (FSDP2)."""
+    """The fused step over plain tensors (a DTensor parameter's local pieces); ``steps``: one
+    int32[N] tensor, the N parameters' step counters (a list of 0-d counters reached the op
+    as uninitialised copies in torch 2.11's inductor); ``noise``: each parameter's stream
+    start (the eager step's), ``mesh_groups``: the names of the process groups that
+    all-reduce ``found`` after ``check_grads``, one a line (FSDP2)."""
     import numpy as np
 
     from srround import _optim
