@@ -86,12 +86,7 @@ def _sharded_model():
 
 def _fsdp(rank, world, tmp):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        get_state_dict,
-        set_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import DTensor
 
     model = _sharded_model()
@@ -100,9 +95,6 @@ def _fsdp(rank, world, tmp):
         _train_step(model, opt, step)
     p = model[0].weight
     state = opt.state[p]["exp_avg"]
-    full_sd = get_optimizer_state_dict(
-        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
     out = {
         "params": [_full(q) for q in model.parameters()],
         "states": [_full(opt.state[q]["exp_avg"]) for q in model.parameters()],
@@ -110,7 +102,6 @@ def _fsdp(rank, world, tmp):
         "state_is_dtensor": isinstance(state, DTensor)
         and state.placements == p.placements
         and state.device_mesh == p.device_mesh,
-        "full_sd_exp_avg": _full(full_sd["state"]["0.weight"]["exp_avg"]) if rank == 0 else None,
     }
     # distributed checkpoint: save, go on one step; a fresh model and optimizer loaded from
     # the checkpoint take the same step to the same bits
@@ -337,6 +328,21 @@ def _errors(rank, world, tmp):
     return out
 
 
+def _full_state_dict(rank, world, tmp):
+    """FSDP2's full optimizer state dict (the DCP helpers gather the sharded states). Its own
+    scenario, run last: on the H100 machine torch's gather crashed the ranks here."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model = _sharded_model()
+    opt = _adamw(model.parameters())
+    for step in range(STEPS):
+        _train_step(model, opt, step)
+    full_sd = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {"exp_avg": _full(full_sd["state"]["0.weight"]["exp_avg"]) if rank == 0 else None}
+
+
 SCENARIOS = {
     "fsdp": _fsdp,
     "compiled_and_amsgrad": _compiled_and_amsgrad,
@@ -346,6 +352,7 @@ SCENARIOS = {
     "scaler": _scaler,
     "functional": _functional,
     "errors": _errors,
+    "full_state_dict": _full_state_dict,
 }
 
 
@@ -361,9 +368,10 @@ def _worker(rank, world, port, tmp):
                 results[name] = scenario(rank, world, tmp)
             except Exception:  # reported by the test of this scenario
                 results[name] = {"error": traceback.format_exc()}
+            # after every scenario: a rank that crashes later still reports the earlier ones
+            torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
             dist.barrier()
     finally:
-        torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
         dist.destroy_process_group()
 
 
@@ -400,8 +408,17 @@ def ranks(tmp_path_factory):
     _warm_kernels()
 
     tmp = str(tmp_path_factory.mktemp("dist"))
-    mp.spawn(_worker, args=(WORLD, _free_port(), tmp), nprocs=WORLD)
-    return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    crash = None
+    try:
+        mp.spawn(_worker, args=(WORLD, _free_port(), tmp), nprocs=WORLD)
+    except mp.ProcessExitedException as exc:  # each scenario's test reports it (_results)
+        crash = str(exc)
+    ranks = []
+    for r in range(WORLD):
+        path = os.path.join(tmp, f"rank{r}.pt")
+        ranks.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
+        ranks[-1]["crash"] = crash
+    return ranks
 
 
 @pytest.fixture(scope="module")
@@ -410,6 +427,10 @@ def reference():
 
 
 def _results(ranks, name):
+    """Scenario ``name``'s results of every rank; fails with the error of a rank that raised,
+    or with the crash of one that died before the scenario finished."""
+    if any(name not in r for r in ranks):
+        pytest.fail(f"a rank died before scenario {name!r} finished: {ranks[0]['crash']}")
     out = [r[name] for r in ranks]
     for r in out:
         if isinstance(r, dict) and "error" in r:
@@ -431,10 +452,13 @@ def test_fsdp2_two_ranks_match_one_process(ranks, reference):
         assert r["state_is_dtensor"]  # optimizer states share the parameter's placements
         _same_bits(r["resumed"], r["continued"])  # DCP save/load continues bit-identically
         assert not np.array_equal(r["continued"][0], r["params"][0])
-    # FSDP2's full optimizer state dict (the DCP helpers) gathers the sharded states
-    _same_bits([_results(ranks, "fsdp")[0]["full_sd_exp_avg"]], [states[0]])
     shapes = [r["local_shapes"] for r in _results(ranks, "fsdp")]
     assert shapes[0][4] == (1, 3) and shapes[1][4] == (0, 3)  # uneven, an empty piece
+
+
+def test_fsdp2_full_optimizer_state_dict_gathers_the_states(ranks, reference):
+    """FSDP2's full optimizer state dict (the DCP helpers) gathers the sharded states."""
+    _same_bits([_results(ranks, "full_state_dict")[0]["exp_avg"]], [reference[1][0]])
 
 
 def test_fsdp2_training_moves_params(reference):
