@@ -18,6 +18,9 @@
 #   demo   the language-model demo's GPU configuration (srround demo --device cuda).
 # JSON lands in benchmarks/results/<name>_gpu.json; regenerate benchmarks/RESULTS.md from it
 # with `python benchmarks/results.py` (here or after fetching gpu.tgz).
+# Seen on one H100 (2026-11-26): tests 130-150 s, round 30 s, optim 60 s, jax 12 s, lowbit 11 s,
+# compile 23 s (the demo has not run there yet): every phase fits one call of about 7 minutes,
+# e.g. `T_TESTS=200 T_MORE=60 bash benchmarks/gpu_session.sh` with the device's timeout_s=480.
 set -uo pipefail
 out="${OUT:-gpu-out}"
 logs="$(mktemp -d)/gpu"
