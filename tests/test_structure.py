@@ -186,3 +186,18 @@ def test_contracts_live_in_the_repository():
         assert "design §" not in text and "design.md" not in text, source
     assert "docs/contracts.md" in (ROOT / "srround" / "_rng.py").read_text()
     assert "docs/contracts.md" in (ROOT / "README.md").read_text()
+
+
+def test_gpu_session_runs_every_gpu_benchmark():
+    """``benchmarks/gpu_session.sh`` (the one call a lent GPU gets) runs every benchmark that
+    has GPU rows (a ``--device`` option), and the JAX GPU check: a new benchmark cannot be
+    missed there."""
+    script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    gpu_benchmarks = [
+        path.stem
+        for path in sorted((ROOT / "benchmarks").glob("bench_*.py"))
+        if "--device" in path.read_text() or "bench_parser(" in path.read_text()
+    ]
+    assert gpu_benchmarks, "no benchmark with a --device option found"
+    missing = [name for name in [*gpu_benchmarks, "jax_gpu_check"] if name not in script]
+    assert not missing, f"benchmarks/gpu_session.sh does not run {missing}"
