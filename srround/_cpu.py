@@ -77,6 +77,7 @@ _BF16 = (FORMATS["bfloat16"].mantissa_bits, FORMATS["bfloat16"].exponent_bits)
 _FP16 = (FORMATS["float16"].mantissa_bits, FORMATS["float16"].exponent_bits)
 _E4M3 = (FORMATS["float8_e4m3fn"].mantissa_bits, FORMATS["float8_e4m3fn"].exponent_bits)  # FN
 _E5M2 = (FORMATS["float8_e5m2"].mantissa_bits, FORMATS["float8_e5m2"].exponent_bits)  # IEEE
+_E2M1 = (FORMATS["float4_e2m1fn"].mantissa_bits, FORMATS["float4_e2m1fn"].exponent_bits)  # FINITE
 
 
 def run(kernel, elements: int, *args):
@@ -182,7 +183,8 @@ def _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind):
 
 @njit(forceinline=True, cache=True)
 def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate, kind=0):
-    """``_round_loop`` with bf16 and fp16 as literal formats (same results, folded constants)."""
+    """``_round_loop`` with bf16, fp16, fp8 and fp4 as literal formats (same results, folded
+    constants)."""
     if mantissa_bits == _BF16[0] and exponent_bits == _BF16[1]:
         _round_loop(x, out, bits, _BF16[0], _BF16[1], saturate, 0)
     elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
@@ -191,6 +193,8 @@ def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate, kind=0):
         _round_loop(x, out, bits, _E4M3[0], _E4M3[1], saturate, 1)
     elif mantissa_bits == _E5M2[0] and exponent_bits == _E5M2[1] and kind == 0:
         _round_loop(x, out, bits, _E5M2[0], _E5M2[1], saturate, 0)
+    elif mantissa_bits == _E2M1[0] and exponent_bits == _E2M1[1] and kind == 2:
+        _round_loop(x, out, bits, _E2M1[0], _E2M1[1], saturate, 2)
     else:
         _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind)
 
@@ -279,7 +283,7 @@ def _nearest_loop(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
 @njit(parallel=True, cache=True)
 def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
     """out[i] = RNE(x[i]); x: uint32[n] (fp32 bits), out: uint16[n]. Chunks of 4096 elements
-    per task, bf16 and fp16 with literal constants (as ``_round_span``)."""
+    per task, the formats with literal constants (as ``_round_span``)."""
     n = x.size
     chunk = 4 * _CHUNK_BLOCKS
     for t in prange((n + chunk - 1) // chunk):
@@ -288,6 +292,12 @@ def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
             _nearest_loop(x[lo:hi], out[lo:hi], _BF16[0], _BF16[1], saturate)
         elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
             _nearest_loop(x[lo:hi], out[lo:hi], _FP16[0], _FP16[1], saturate)
+        elif mantissa_bits == _E4M3[0] and exponent_bits == _E4M3[1] and kind == 1:
+            _nearest_loop(x[lo:hi], out[lo:hi], _E4M3[0], _E4M3[1], saturate, 1)
+        elif mantissa_bits == _E5M2[0] and exponent_bits == _E5M2[1] and kind == 0:
+            _nearest_loop(x[lo:hi], out[lo:hi], _E5M2[0], _E5M2[1], saturate, 0)
+        elif mantissa_bits == _E2M1[0] and exponent_bits == _E2M1[1] and kind == 2:
+            _nearest_loop(x[lo:hi], out[lo:hi], _E2M1[0], _E2M1[1], saturate, 2)
         else:
             _nearest_loop(x[lo:hi], out[lo:hi], mantissa_bits, exponent_bits, saturate, kind)
 

@@ -160,6 +160,82 @@ def _bf16_stochastic(typingctx, u, bits16):
     return types.int64(u, bits16), codegen
 
 
+@intrinsic
+def _encode_narrow(typingctx, u, bits16, mantissa_bits, exponent_bits, saturate, kind, stochastic):
+    """The narrow pattern of fp32 pattern ``u`` for a format with fewer exponent bits than
+    fp32's (fp16, fp8, fp4): ``_special``, ``_quantize``, the rounding and ``_finish`` of the
+    general path in 32-bit integer IR (Numba's own arithmetic is 64-bit, which halves the CPU
+    vector width). ``stochastic``: round up iff ``bits16 < floor(2**16 * dropped fraction)``,
+    else to nearest, ties to even. Bit for bit the general path (``tests/test_rounding.py``)."""
+    sig = types.int64(u, bits16, mantissa_bits, exponent_bits, saturate, kind, stochastic)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        x, rnd, m, e = (_low32(b, v) for v in args[:4])
+        sat, knd, sto = (_low32(b, v) for v in args[4:])
+        one = _i32(1)
+
+        def shl(v, n):
+            return b.shl(v, n)
+
+        def at_most(v, cap):
+            return b.select(b.icmp_unsigned("<", v, _i32(cap)), v, _i32(cap))
+
+        # _top and _special
+        a = b.and_(x, _i32(_F32_ABS))
+        sign = shl(b.and_(b.lshr(x, _i32(31)), one), b.add(e, m))
+        inf_pattern = shl(b.sub(shl(one, e), one), m)
+        ones = b.sub(shl(one, b.add(e, m)), one)
+        ieee = b.icmp_unsigned("==", knd, _i32(IEEE))
+        fn = b.icmp_unsigned("==", knd, _i32(FN))
+        limit = b.select(ieee, inf_pattern, b.select(fn, ones, b.add(ones, one)))
+        overflow = b.select(ieee, inf_pattern, ones)
+        nan = b.select(
+            ieee, b.or_(inf_pattern, shl(one, b.sub(m, one))), b.select(fn, ones, _i32(0))
+        )
+        past = b.select(b.icmp_unsigned("!=", sat, _i32(0)), b.sub(limit, one), overflow)
+        is_nan = b.icmp_unsigned(">", a, _i32(_F32_INF))
+        is_special = b.icmp_unsigned(">=", a, _i32(_F32_INF))
+        special = b.or_(sign, b.select(is_nan, nan, b.select(ieee, limit, past)))
+        # _quantize: significand, effective exponent, dropped bits (13 and up)
+        biased = b.lshr(a, _i32(23))
+        fraction = b.and_(a, _i32(0x7FFFFF))
+        subnormal = b.icmp_unsigned("==", biased, _i32(0))
+        significand = b.select(subnormal, fraction, b.or_(fraction, _i32(0x800000)))
+        exponent = b.select(subnormal, _i32(-126), b.sub(biased, _i32(127)))
+        bias = b.sub(shl(one, b.sub(e, one)), one)
+        lowest = b.sub(one, bias)
+        effective = b.select(b.icmp_signed(">", exponent, lowest), exponent, lowest)
+        dropped = b.add(b.sub(_i32(23), m), b.sub(effective, exponent))
+        s = at_most(dropped, 31)  # a legal shift; q = 0 and r = significand from 24 on
+        q = b.lshr(significand, s)
+        r = b.and_(significand, b.sub(shl(one, s), one))
+        # stochastic: (r << 16) >> dropped in 32 bits (past 40, as 40: zero)
+        far = at_most(dropped, 40)
+        wide = b.icmp_unsigned("<=", far, _i32(16))
+        threshold = b.select(
+            wide,
+            shl(r, b.sub(_i32(16), b.select(wide, far, _i32(16)))),
+            b.lshr(r, b.sub(b.select(wide, _i32(16), far), _i32(16))),
+        )
+        up_stochastic = b.icmp_unsigned("<", rnd, threshold)
+        # nearest: above half, or a tie on an odd q (half capped at 2**24, above every r)
+        half = shl(one, b.sub(at_most(s, 25), one))
+        tie_up = b.and_(
+            b.icmp_unsigned("==", r, half), b.icmp_unsigned("!=", b.and_(q, one), _i32(0))
+        )
+        up_nearest = b.or_(b.icmp_unsigned(">", r, half), tie_up)
+        up = b.select(b.icmp_unsigned("!=", sto, _i32(0)), up_stochastic, up_nearest)
+        # _finish
+        base = shl(b.add(effective, b.sub(bias, one)), m)
+        magnitude = b.add(b.add(base, q), b.zext(up, _I32))
+        magnitude = b.select(b.icmp_unsigned(">=", magnitude, limit), past, magnitude)
+        result = b.select(is_special, special, b.or_(sign, magnitude))
+        return b.zext(result, ir.IntType(64))
+
+    return sig, codegen
+
+
 @njit(forceinline=True, cache=True)
 def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """Stochastically round fp32 pattern ``u`` to the narrow format using 16 random bits.
@@ -169,6 +245,8 @@ def encode_stochastic(u, bits16, mantissa_bits, exponent_bits, saturate, kind=IE
     """
     if mantissa_bits == 7 and exponent_bits == 8 and not saturate:
         return _bf16_stochastic(u, bits16)
+    if exponent_bits < 8:
+        return _encode_narrow(u, bits16, mantissa_bits, exponent_bits, saturate, kind, True)
     special = _special(u, mantissa_bits, exponent_bits, saturate, kind)
     # Both paths are computed and one is selected (no early return): the body is branch-free,
     # so the CPU compiler can vectorize a loop over it (NaN/inf inputs harmlessly compute a
@@ -185,6 +263,8 @@ def encode_nearest(u, mantissa_bits, exponent_bits, saturate, kind=IEEE):
     """Round fp32 pattern ``u`` to the nearest narrow value, ties to even (IEEE default)."""
     if mantissa_bits == 7 and exponent_bits == 8 and not saturate:
         return _bf16_nearest(u)
+    if exponent_bits < 8:
+        return _encode_narrow(u, 0, mantissa_bits, exponent_bits, saturate, kind, False)
     special = _special(u, mantissa_bits, exponent_bits, saturate, kind)
     # branch-free like encode_stochastic, so loops over it vectorize
     base, q, r, s = _quantize(u, mantissa_bits, exponent_bits)
