@@ -182,21 +182,28 @@ def _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind):
 
 
 @njit(forceinline=True, cache=True)
-def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate, kind=0):
-    """``_round_loop`` with bf16, fp16, fp8 and fp4 as literal formats (same results, folded
-    constants)."""
+def _literal_format(loop, x, out, bits, mantissa_bits, exponent_bits, saturate, kind):
+    """``loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind)`` with srround's
+    formats (bf16, fp16, fp8, fp4) as literal constants, which LLVM folds so the loop vectorizes
+    (same results); any other format with run-time fields."""
     if mantissa_bits == _BF16[0] and exponent_bits == _BF16[1]:
-        _round_loop(x, out, bits, _BF16[0], _BF16[1], saturate, 0)
+        loop(x, out, bits, _BF16[0], _BF16[1], saturate, 0)
     elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
-        _round_loop(x, out, bits, _FP16[0], _FP16[1], saturate, 0)
+        loop(x, out, bits, _FP16[0], _FP16[1], saturate, 0)
     elif mantissa_bits == _E4M3[0] and exponent_bits == _E4M3[1] and kind == 1:
-        _round_loop(x, out, bits, _E4M3[0], _E4M3[1], saturate, 1)
+        loop(x, out, bits, _E4M3[0], _E4M3[1], saturate, 1)
     elif mantissa_bits == _E5M2[0] and exponent_bits == _E5M2[1] and kind == 0:
-        _round_loop(x, out, bits, _E5M2[0], _E5M2[1], saturate, 0)
+        loop(x, out, bits, _E5M2[0], _E5M2[1], saturate, 0)
     elif mantissa_bits == _E2M1[0] and exponent_bits == _E2M1[1] and kind == 2:
-        _round_loop(x, out, bits, _E2M1[0], _E2M1[1], saturate, 2)
+        loop(x, out, bits, _E2M1[0], _E2M1[1], saturate, 2)
     else:
-        _round_loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind)
+        loop(x, out, bits, mantissa_bits, exponent_bits, saturate, kind)
+
+
+@njit(forceinline=True, cache=True)
+def _round_span(x, out, bits, mantissa_bits, exponent_bits, saturate, kind=0):
+    """``_round_loop`` with the formats as literal constants (``_literal_format``)."""
+    _literal_format(_round_loop, x, out, bits, mantissa_bits, exponent_bits, saturate, kind)
 
 
 @njit(forceinline=True, cache=True)
@@ -275,7 +282,8 @@ stochastic_add = _make_random_kernel(_ADD)
 
 
 @njit(forceinline=True, cache=True)
-def _nearest_loop(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
+def _nearest_loop(x, out, _bits, mantissa_bits, exponent_bits, saturate, kind):
+    """out[i] = RNE(x[i]) over equal-length slices (``_bits``: unused, as ``_round_loop``'s)."""
     for i in range(x.size):
         out[i] = encode_nearest(x[i], mantissa_bits, exponent_bits, saturate, kind)
 
@@ -283,23 +291,14 @@ def _nearest_loop(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
 @njit(parallel=True, cache=True)
 def round_nearest(x, out, mantissa_bits, exponent_bits, saturate, kind=0):
     """out[i] = RNE(x[i]); x: uint32[n] (fp32 bits), out: uint16[n]. Chunks of 4096 elements
-    per task, the formats with literal constants (as ``_round_span``)."""
+    per task, the formats with literal constants (``_literal_format``)."""
     n = x.size
     chunk = 4 * _CHUNK_BLOCKS
     for t in prange((n + chunk - 1) // chunk):
         lo, hi = t * chunk, min(t * chunk + chunk, n)
-        if mantissa_bits == _BF16[0] and exponent_bits == _BF16[1]:
-            _nearest_loop(x[lo:hi], out[lo:hi], _BF16[0], _BF16[1], saturate)
-        elif mantissa_bits == _FP16[0] and exponent_bits == _FP16[1]:
-            _nearest_loop(x[lo:hi], out[lo:hi], _FP16[0], _FP16[1], saturate)
-        elif mantissa_bits == _E4M3[0] and exponent_bits == _E4M3[1] and kind == 1:
-            _nearest_loop(x[lo:hi], out[lo:hi], _E4M3[0], _E4M3[1], saturate, 1)
-        elif mantissa_bits == _E5M2[0] and exponent_bits == _E5M2[1] and kind == 0:
-            _nearest_loop(x[lo:hi], out[lo:hi], _E5M2[0], _E5M2[1], saturate, 0)
-        elif mantissa_bits == _E2M1[0] and exponent_bits == _E2M1[1] and kind == 2:
-            _nearest_loop(x[lo:hi], out[lo:hi], _E2M1[0], _E2M1[1], saturate, 2)
-        else:
-            _nearest_loop(x[lo:hi], out[lo:hi], mantissa_bits, exponent_bits, saturate, kind)
+        _literal_format(
+            _nearest_loop, x[lo:hi], out[lo:hi], None, mantissa_bits, exponent_bits, saturate, kind
+        )
 
 
 @njit(parallel=True, cache=True)

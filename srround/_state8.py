@@ -180,10 +180,11 @@ def update_block8(mode, state_fmt, row, b, size, step, scale_bits, coefs, hyper,
             store(p_addr, j, p_new, p_fmt)
             if p_fmt != F32 and mode >= KAHAN:
                 store(aux_addr, j, aux_new, aux_fmt)
-            m_max = _amax(m_max, f32_to_bits(m))
-            v_max = _amax(v_max, f32_to_bits(s))
-            store_bits(scratch, j - j0, result_bits(m), 32)
-            store_bits(scratch, STATE_BLOCK + j - j0, result_bits(s), 32)
+            m_bits, s_bits = result_bits(m), result_bits(s)  # _amax skips NaN either way
+            m_max = _amax(m_max, m_bits)
+            v_max = _amax(v_max, s_bits)
+            store_bits(scratch, j - j0, m_bits, 32)
+            store_bits(scratch, STATE_BLOCK + j - j0, s_bits, 32)
         m_scale, m_mult = state_scale(m_max, max_bits)
         v_scale, v_mult = state_scale(v_max, max_bits)
         for j in range(j0, j1):

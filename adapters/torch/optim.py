@@ -561,13 +561,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
             for p, gi in zip(params, group_index)
         ]
         device = params[0].device
-        counts = [
-            torch.zeros((), dtype=torch.int32, device=device)
-            if s.get("step") is None
-            else s["step"].detach().to(device=device, dtype=torch.int32).reshape(())
-            for s in states
-        ]
-        steps = torch.stack(counts)
+        zero = torch.zeros((), dtype=torch.int32, device=device)
+        steps = torch.stack(
+            [
+                zero
+                if s.get("step") is None
+                else s["step"].detach().to(device=device, dtype=torch.int32).reshape(())
+                for s in states
+            ]
+        )
         for i, s in enumerate(states):
             s["step"] = steps[i]
         rows = [
