@@ -209,12 +209,16 @@ def _cupy(n):
         cp = _quiet_import("cupy")
     except ImportError as exc:
         raise Unavailable(f"cupy not importable ({exc})") from None
-    x, u, w = (cp.asarray(a) for a in _data(n))
+    from srround._formats import get_format
     from srround.adapters.cupy import _result_dtype
 
-    out = cp.empty(n, _result_dtype("bfloat16"))
-    if out.dtype == np.uint16:
+    bf16 = _result_dtype(get_format(BF16))
+    if bf16 == np.uint16:
         raise Unavailable("this CuPy has no bfloat16 dtype")
+    x, u, w = _data(n)
+    # bf16 travels as uint16 (NumPy 2.5 refuses ml_dtypes' types in the buffer protocol)
+    x, u, w = cp.asarray(x), cp.asarray(u), cp.asarray(w.view(np.uint16)).view(bf16)
+    out = cp.empty(n, bf16)
     return _api_calls(x, u, w, out, lambda _: cp.cuda.get_current_stream().synchronize())
 
 

@@ -252,6 +252,22 @@ def test_adamw_bf16_states_compute_the_update_once():
     assert " gather(" not in text.as_text() and " dynamic-slice(" in text.as_text()
 
 
+@pytest.mark.parametrize("kw", [{}, {"nesterov": True}, {"eps_root": 1e-8}])
+def test_adamw_divides_in_float64_on_a_gpu(kw):
+    """XLA's GPU backend divides float32 with ``div.full`` (up to 1 ulp off: an H100 run gave
+    1-ulp differences from the kernels): lowered for CUDA, every division and square root of
+    the native step is a float64 op (then rounded once, ``_lax.div``); for the CPU, float32."""
+    opt = sj.adamw(1e-3, seed=SEED, **kw)
+    params = [jnp.ones((8,), jnp.bfloat16), jnp.ones((3, 5), jnp.float32)]
+    step = jax.jit(lambda p, s, g: opt.step(g, s, p)).trace(params, opt.init(params), params)
+    for platform, wide in (("cuda", True), ("cpu", False)):
+        text = step.lower(lowering_platforms=(platform,)).as_text()
+        types = re.findall(r"stablehlo\.(?:divide|sqrt) .*: tensor<([^>]*)>", text)
+        elementwise = [t for t in types if "x" in t]  # not the scalar coefficients
+        assert elementwise, text
+        assert all(t.endswith("f64") == wide for t in elementwise), (platform, types)
+
+
 def test_apply_updates_fresh_noise_per_step():
     p = jnp.ones(4096, jnp.bfloat16)
     u = jnp.full(4096, 2.0**-10, jnp.float32)
@@ -333,7 +349,9 @@ def test_adamw_native_leaves(rounding, state_dtype, monkeypatch):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_adamw_schedule_key_seed_and_hyperparameters(impl):
     optax = pytest.importorskip("optax")
-    schedule = optax.linear_schedule(3e-2, 1e-3, 4)
+    # products of constants only: a linear schedule's multiply-add may be contracted into an
+    # fma inside the jitted step on a GPU (and not in the eager reference below)
+    schedule = optax.piecewise_constant_schedule(3e-2, {1: 0.5, 3: 0.1})
     key = jax.random.key(11)
     data = np.asarray(jax.random.key_data(key))
     seed = int(data[0]) | int(data[1]) << 32

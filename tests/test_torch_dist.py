@@ -74,13 +74,22 @@ def _reference():
 # -- scenarios (run on every rank) -------------------------------------------------------------
 
 
+def _cpu_mesh():
+    """The ranks' 1-D mesh on the CPU. FSDP2's default mesh is on the accelerator when there is
+    one: on a GPU machine it moved the model to CUDA, where gloo's gathers crashed the ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
 def _sharded_model():
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
+    mesh = _cpu_mesh()
     for layer in (model[0], model[2], model[3]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -99,6 +108,7 @@ def _fsdp(rank, world, tmp):
         "params": [_full(q) for q in model.parameters()],
         "states": [_full(opt.state[q]["exp_avg"]) for q in model.parameters()],
         "local_shapes": [tuple(q.to_local().shape) for q in model.parameters()],
+        "devices": {q.device.type for q in model.parameters()},
         "state_is_dtensor": isinstance(state, DTensor)
         and state.placements == p.placements
         and state.device_mesh == p.device_mesh,
@@ -163,7 +173,7 @@ def _fsdp_scaled():
     from torch.distributed.fsdp import fully_shard
 
     model = _model(torch.float32)
-    fully_shard(model)
+    fully_shard(model, mesh=_cpu_mesh())
     return model, _adamw(model.parameters()), GradScaler("cpu", init_scale=16.0)
 
 
@@ -329,8 +339,7 @@ def _errors(rank, world, tmp):
 
 
 def _full_state_dict(rank, world, tmp):
-    """FSDP2's full optimizer state dict (the DCP helpers gather the sharded states). Its own
-    scenario, run last: on the H100 machine torch's gather crashed the ranks here."""
+    """FSDP2's full optimizer state dict (the DCP helpers gather the sharded states)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     model = _sharded_model()
@@ -450,6 +459,7 @@ def test_fsdp2_two_ranks_match_one_process(ranks, reference):
         _same_bits(r["params"], params)
         _same_bits(r["states"], states)
         assert r["state_is_dtensor"]  # optimizer states share the parameter's placements
+        assert r["devices"] == {"cpu"}  # gloo on the CPU, on a GPU machine too
         _same_bits(r["resumed"], r["continued"])  # DCP save/load continues bit-identically
         assert not np.array_equal(r["continued"][0], r["params"][0])
     shapes = [r["local_shapes"] for r in _results(ranks, "fsdp")]

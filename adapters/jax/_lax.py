@@ -306,6 +306,36 @@ def canonical_nan(u):
     return jnp.where((u & 0x7FFFFFFF) > 0x7F800000, _U32(0x7FC00000), u)
 
 
+def _wide_then_narrow(op):
+    """``op`` on float32 arrays taken in float64 and rounded once to float32."""
+
+    def run(*xs):
+        with jax.enable_x64(True):
+            return op(*(x.astype(jnp.float64) for x in xs)).astype(jnp.float32)
+
+    return run
+
+
+def div(a, b):
+    """``a / b`` of float32 arrays, correctly rounded (to nearest even) on every backend, as
+    the kernels divide. XLA's GPU backend divides float32 with ``div.full`` (up to 1 ulp off),
+    so there the quotient is taken in float64 and rounded to float32 (double rounding is
+    innocuous for a quotient or a square root: 53 >= 2 * 24 + 2 bits). CPU and TPU keep
+    their float32 division (XLA's CPU backend flushes subnormals)."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return lax.platform_dependent(
+        a, b, cpu=jnp.divide, tpu=jnp.divide, default=_wide_then_narrow(jnp.divide)
+    )
+
+
+def sqrt(x):
+    """Correctly rounded ``sqrt`` of a float32 array on every backend (as ``div``)."""
+    x = jnp.asarray(x, jnp.float32)
+    return lax.platform_dependent(
+        x, cpu=jnp.sqrt, tpu=jnp.sqrt, default=_wide_then_narrow(jnp.sqrt)
+    )
+
+
 def _rotl(x, r: int):
     return (x << r) | (x >> (32 - r))
 
@@ -522,8 +552,8 @@ def _native_stochastic_add(
 # -- block-scaled formats (``srround/_block_kernels.py``, the same steps on arrays) -----------
 #
 # Element products go through ``_fma_bits(a, b, -0)`` (a * b rounded once, in integers): XLA's
-# CPU backend flushes float32 subnormals. The per-block scale arithmetic of NVFP4 (divisions)
-# uses float32 ops: it can differ from the kernels only where those values are subnormal.
+# CPU backend flushes float32 subnormals. The per-block scale arithmetic of NVFP4 (divisions,
+# ``div``) can differ from the kernels only where those values are subnormal, on the CPU.
 
 _ABS32, _INF32, _NEG_ZERO = 0x7FFFFFFF, 0x7F800000, 0x80000000
 _E4M3 = FORMATS["float8_e4m3fn"]
@@ -557,19 +587,19 @@ def _mx_scale(amax, bf, ceil: bool):
 
 def _nv_tensor_scale(amax):
     """fp32 bits of NVFP4's tensor scale ``amax / 2688`` (1.0 when amax is 0)."""
-    scale = lax.bitcast_convert_type(_f32(amax) / jnp.float32(448.0 * 6.0), _U32)
+    scale = lax.bitcast_convert_type(div(_f32(amax), jnp.float32(448.0 * 6.0)), _U32)
     return jnp.where(amax == 0, _U32(0x3F800000), scale)
 
 
 def _nv_block_scale(amax, ts, ceil: bool):
     """``(e4m3 code, multiplier bits)`` per NVFP4 block (``_block_kernels.nv_block_scale``)."""
-    scaled = (_f32(amax) / jnp.float32(6.0)) / _f32(ts)
+    scaled = div(div(_f32(amax), jnp.float32(6.0)), _f32(ts))
     scaled = jnp.where(scaled == scaled, jnp.clip(scaled, 0.015625, 448.0), scaled)
     u = lax.bitcast_convert_type(scaled.astype(jnp.float32), _U32)
     code = _encode(u, _E4M3, True)
     if ceil:
         code = jnp.where((code < 0x7E) & (_decode(code, _E4M3) < u), code + 1, code)
-    multiplier = (jnp.float32(1.0) / _f32(ts)) / _f32(_decode(code, _E4M3))
+    multiplier = div(div(jnp.float32(1.0), _f32(ts)), _f32(_decode(code, _E4M3)))
     return code, lax.bitcast_convert_type(multiplier, _U32)
 
 

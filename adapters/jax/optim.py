@@ -90,8 +90,10 @@ from ._lax import (
     _u,
     block_element,
     canonical_nan,
+    div,
     element_value,
     mul_bits,
+    sqrt,
 )
 
 __all__ = ["AdamWState", "SGDState", "adamw", "apply_updates", "sgd"]
@@ -778,22 +780,23 @@ def _adamw_math(p, g, m, v, coefs, constants, variant=(False, 0.0)):
     p = p * decay
     m = _fma(omb1, g - m, m, exact=(True, False, True))
     v = _fma(omb2 * g, g, v * beta2, exact=(False, True, False))
+    # Divisions and square roots: _lax.div and _lax.sqrt (correctly rounded on a GPU too)
     if nesterov or eps_root:
         if eps_root:
-            denom = jnp.sqrt(v / bc2 + jnp.float32(eps_root)) + eps
+            denom = sqrt(div(v, bc2) + jnp.float32(eps_root)) + eps
         else:
-            denom = jnp.sqrt(v) / jnp.where(v >= 0, bc2_sqrt, -bc2_sqrt) + eps
+            denom = div(sqrt(v), jnp.where(v >= 0, bc2_sqrt, -bc2_sqrt)) + eps
         if nesterov:
             b1 = jnp.float32(1.0) - omb1
-            num = (b1 * m) / bc1_next + (omb1 * g) / bc1
-            return _fma(-lr32, num / denom, p, exact=(True, False, False)), m, v
-        return _fma(-step_size, m / denom, p, exact=(True, False, False)), m, v
+            num = div(b1 * m, bc1_next) + div(omb1 * g, bc1)
+            return _fma(-lr32, div(num, denom), p, exact=(True, False, False)), m, v
+        return _fma(-step_size, div(m, denom), p, exact=(True, False, False)), m, v
     # XLA's algebraic simplifier rewrites x / broadcast(c) into x * broadcast(1 / c) (not
     # correctly rounded: 1-ulp differences); an elementwise divisor it cannot see through
     # keeps the IEEE division. Where v < 0 or NaN, sqrt(v) is NaN and so is the quotient.
     divisor = jnp.where(v >= 0, bc2_sqrt, -bc2_sqrt)
-    denom = jnp.sqrt(v) / divisor + eps
-    return _fma(-step_size, m / denom, p, exact=(True, False, False)), m, v
+    denom = div(sqrt(v), divisor) + eps
+    return _fma(-step_size, div(m, denom), p, exact=(True, False, False)), m, v
 
 
 def _aux_bits(mode, aux):
@@ -916,7 +919,7 @@ def _update8(cfg, p, g, m, v, a, bits, coefs, inv_scale):
         coefs,
         constants,
     )
-    m_out, v_out = write(_b32(m_new), 1), write(_b32(jnp.sqrt(v_new)), 2)
+    m_out, v_out = write(_b32(m_new), 1), write(_b32(sqrt(v_new)), 2)
     new = new.reshape(-1)[:n].reshape(p.shape)
     p_new, a_new = _write_back(mode, p, a, aux_bits, old, new, bits)
     return p_new, m_out, v_out, a_new
