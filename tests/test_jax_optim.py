@@ -252,6 +252,27 @@ def test_adamw_bf16_states_compute_the_update_once():
     assert " gather(" not in text.as_text() and " dynamic-slice(" in text.as_text()
 
 
+def test_narrow_rounds_float64_to_float32_as_numpy():
+    """``_lax.narrow`` (float64 -> float32 in integer ops, which XLA cannot skip as it may a
+    conversion pair) is NumPy's conversion: ties to even, subnormals, overflow, inf; NaN as
+    +qNaN. Random patterns around float32's range and every rounding case near ties."""
+    rng = np.random.default_rng(0)
+    expo = rng.integers(1023 - 160, 1023 + 130, 200_000, dtype=np.uint64)
+    mant = rng.integers(0, 2**52, 200_000, dtype=np.uint64)
+    mant[::4] = (mant[::4] & ~np.uint64(2**30 - 1)) | np.uint64(2**28)  # exact ties
+    mant[1::4] = (mant[1::4] & ~np.uint64(2**29 - 1)) | np.uint64(2**28)  # ties at bit 29
+    sign = rng.integers(0, 2, 200_000, dtype=np.uint64) << np.uint64(63)
+    x = (sign | (expo << np.uint64(52)) | mant).view(np.float64)
+    specials = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 3.5e38, 3.4028235677973366e38]
+    x = np.concatenate([x, np.array(specials), np.float32(1e-45) * np.arange(-40.0, 40.0)])
+    with jax.enable_x64(True):
+        got = np.asarray(jax.jit(_lax.narrow)(jnp.asarray(x)))
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float32)
+    want[np.isnan(want)] = np.uint32(0x7FC00000).view(np.float32)
+    assert_same_bits(got, want)
+
+
 @pytest.mark.parametrize("kw", [{}, {"nesterov": True}, {"eps_root": 1e-8}])
 def test_adamw_divides_in_float64_on_a_gpu(kw):
     """XLA's GPU backend divides float32 with ``div.full`` (up to 1 ulp off: an H100 run gave
@@ -349,8 +370,8 @@ def test_adamw_native_leaves(rounding, state_dtype, monkeypatch):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_adamw_schedule_key_seed_and_hyperparameters(impl):
     optax = pytest.importorskip("optax")
-    # products of constants only: a linear schedule's multiply-add may be contracted into an
-    # fma inside the jitted step on a GPU (and not in the eager reference below)
+    # learning rates that are products of constants: the reference below evaluates the
+    # schedule eagerly, the step inside its jit (where XLA may fuse a multiply-add)
     schedule = optax.piecewise_constant_schedule(3e-2, {1: 0.5, 3: 0.1})
     key = jax.random.key(11)
     data = np.asarray(jax.random.key_data(key))

@@ -93,6 +93,7 @@ from ._lax import (
     div,
     element_value,
     mul_bits,
+    narrow,
     sqrt,
 )
 
@@ -145,19 +146,6 @@ def _wide(x, exact: bool):
     return jnp.where((bits & 0x7F800000) == 0, tiny, wide)
 
 
-def _narrow(x):
-    """float32 nearest to float64 ``x`` (ties to even), subnormal results included (XLA's CPU
-    backend flushes those to zero): below 2**-126, ``|x| + 2**-97`` rounds ``|x|`` to the
-    subnormal quantum 2**-149, and its low mantissa bits count the quanta. A NaN becomes +qNaN
-    (``_lax.canonical_nan``). The last op takes several arrays (XLA writes the result once
-    for all its readers)."""
-    mag = jnp.abs(x)
-    quanta = lax.bitcast_convert_type(mag + 2.0**-97, jnp.uint64).astype(_U32) & 0xFFFFFF
-    sign = (lax.bitcast_convert_type(x, jnp.uint64) >> 63).astype(_U32) << 31
-    wide = jnp.where(jnp.isnan(x), _f32(np.uint32(0x7FC00000)), x.astype(jnp.float32))
-    return jnp.where(mag < 2.0**-126, _f32(sign | quanta), wide)
-
-
 _SIGN = np.uint32(0x80000000)
 
 
@@ -193,7 +181,7 @@ def _fma(a, b, c, exact=(True, True, True)):
     rounds once more, so ``s`` is rounded to odd (TwoSum gives its error ``e``; an inexact ``s``
     with an even last bit moves one ulp towards ``e``), which makes the rounding to float32 (24
     <= 53 - 2 bits) that of ``a * b + c``. Infinities follow from the float64 ops (a float32
-    product cannot overflow float64); a NaN result is +qNaN (``_narrow``), as all of
+    product cannot overflow float64); a NaN result is +qNaN (``_lax.narrow``), as all of
     srround's arithmetic. Needs IEEE float64 (CPU, GPU). ``exact``: per operand, as
     ``_wide``. Each operand is read once (an expensive producer, such as a division, read
     twice would be materialized by XLA's CPU fusion); the result's last op takes several
@@ -208,7 +196,7 @@ def _fma(a, b, c, exact=(True, True, True)):
         odd = jnp.where((e > 0) == (s > 0), sb + 1, sb - 1)
         inexact = (e > 0) | (e < 0)  # not where s is inf or NaN (e is NaN)
         s = lax.bitcast_convert_type(jnp.where(inexact & ((sb & 1) == 0), odd, sb), jnp.float64)
-        return _narrow(s)
+        return narrow(s)
 
 
 def _widen_bits(x):
@@ -755,12 +743,12 @@ def _coefs(t, lr, b1: float, b2: float, wd: float):
             lr64 = jnp.float64(float(lr))
         else:
             lr64 = jnp.asarray(lr).astype(jnp.float32).astype(jnp.float64)
-            decay = (1.0 - lr64 * wd).astype(jnp.float32)
-        step_size = (lr64 / bc1).astype(jnp.float32)
-        bc2_sqrt = jnp.sqrt(bc2).astype(jnp.float32)
+            decay = narrow(1.0 - lr64 * wd)
+        step_size = narrow(lr64 / bc1)
+        bc2_sqrt = narrow(jnp.sqrt(bc2))
         bc1_next = 1.0 - _power64(b1, t + 1)
         # the optax variants (nesterov, eps_root): float32 lr, bc1, bc1(t + 1), bc2
-        extra = tuple(x.astype(jnp.float32) for x in (lr64, bc1, bc1_next, bc2))
+        extra = tuple(narrow(x) for x in (lr64, bc1, bc1_next, bc2))
     return decay, step_size, bc2_sqrt, extra
 
 
