@@ -114,33 +114,41 @@ def case_functional():
             u = _data(shape, i + 50) * np.float32(1e-2)
             w = jnp.asarray(x).astype(jnp.bfloat16)
             sharding = NamedSharding(mesh, spec)
-            if _uneven(shape, spec, mesh):
-                _check_uneven(x, u, w, sharding, what)
-                continue
-            xs, us, ws = (jax.device_put(a, sharding) for a in (jnp.asarray(x), u, w))
-            fns = {
-                "stochastic_round": lambda a, k: sj.stochastic_round(a, seed=k, offset=5),
-                "round_nearest": lambda a, k: sj.round_nearest(a, dtype="float16"),
-                "to_float32": lambda a, k: sj.to_float32(a.astype(jnp.bfloat16)),
-            }
-            for name, fn in fns.items():
-                expected = jax.jit(fn)(jnp.asarray(x), KEY)
-                got = jax.jit(fn)(xs, KEY)
-                _same(got, expected, f"{name} {what}")
-                _same_sharding(got, xs, f"{name} {what}")
-                _no_gather(fn, xs, KEY, what=f"{name} {what}")
-
-            def add(w, u, k):
-                return sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3)
-
-            expected = jax.jit(add)(w, jnp.asarray(u), KEY)
-            got = jax.jit(add)(ws, us, KEY)
-            _same(got, expected, f"stochastic_add {what}")
-            _same_sharding(got, ws, f"stochastic_add {what}")
+            for impl in ("native", "callback"):
+                _check_functional(x, u, w, sharding, f"{impl} {what}", impl, mesh)
     print("functional ok")
 
 
-def _check_uneven(x, u, w, sharding, what):
+def _check_functional(x, u, w, sharding, what, impl, mesh):
+    """The functional calls under jit on ``sharding``: the unsharded bits, the input's
+    sharding, no collectives (the callback path too: it runs per shard)."""
+    if _uneven(x.shape, sharding.spec, mesh):
+        _check_uneven(x, u, w, sharding, what, impl)
+        return
+    xs, us, ws = (jax.device_put(a, sharding) for a in (jnp.asarray(x), u, w))
+    fns = {
+        "stochastic_round": lambda a, k: sj.stochastic_round(a, seed=k, offset=5, impl=impl),
+        "round_nearest": lambda a, k: sj.round_nearest(a, dtype="float16", impl=impl),
+        "to_float32": lambda a, k: sj.to_float32(a.astype(jnp.bfloat16), impl=impl),
+    }
+    for name, fn in fns.items():
+        expected = jax.jit(fn)(jnp.asarray(x), KEY)
+        got = jax.jit(fn)(xs, KEY)
+        _same(got, expected, f"{name} {what}")
+        _same_sharding(got, xs, f"{name} {what}")
+        _no_gather(fn, xs, KEY, what=f"{name} {what}")
+
+    def add(w, u, k):
+        return sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3, impl=impl)
+
+    expected = jax.jit(add)(w, jnp.asarray(u), KEY)
+    got = jax.jit(add)(ws, us, KEY)
+    _same(got, expected, f"stochastic_add {what}")
+    _same_sharding(got, ws, f"stochastic_add {what}")
+    _no_gather(add, ws, us, KEY, what=f"stochastic_add {what}")
+
+
+def _check_uneven(x, u, w, sharding, what, impl):
     """An uneven split (padded shards) of an intermediate inside jit: the same bits, nothing
     gathered. The outputs keep the uneven split where this JAX can return one (JAX 0.11 cannot:
     recovering such an output sharding raises ``IndivisibleError``, for a plain cast too); else
@@ -165,12 +173,12 @@ def _check_uneven(x, u, w, sharding, what):
 
     def rnd(a, k):
         a = jax.lax.with_sharding_constraint(a, sharding)
-        return output(sj.stochastic_round(a, seed=k, offset=5))
+        return output(sj.stochastic_round(a, seed=k, offset=5, impl=impl))
 
     def add(w, u, k):
         w = jax.lax.with_sharding_constraint(w, sharding)
         u = jax.lax.with_sharding_constraint(u, sharding)
-        return output(sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3))
+        return output(sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3, impl=impl))
 
     _same(jax.jit(rnd)(x, KEY), sj.stochastic_round(x, seed=KEY, offset=5), f"uneven {what}")
     expected = sj.stochastic_add(w, u, alpha=0.5, seed=KEY, offset=3)
@@ -244,6 +252,15 @@ def case_optim():
         if len(mesh.devices.flat) > 1:  # each device draws its own leaves' bits, not the tree's
             text = jax.jit(apply).lower(ps, us, KEY).compile().as_text()
             assert "u64[" not in text, f"apply_updates {what}: the whole tree's Threefry blocks"
+
+        def apply_host(p, u, k):  # the callback path runs per shard too
+            return sj.apply_updates(p, u, k, step=3, impl="callback")
+
+        got = jax.jit(apply_host)(ps, us, KEY)
+        for k in params:
+            _same(got[k], expected[k], f"apply_updates callback {k} {what}")
+            _same_sharding(got[k], ps[k], f"apply_updates callback {k} {what}")
+        _no_gather(apply_host, ps, us, KEY, what=f"apply_updates callback {what}")
         for state_dtype in (jnp.float32, jnp.bfloat16) if last else (jnp.float32,):
             tx = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype)
             state = tx.init(params)
@@ -291,15 +308,17 @@ def case_optim():
     params["b"] = jnp.asarray(_data((3, 6), 2)).astype(jnp.bfloat16)
     updates = {k: jnp.asarray(_data(v.shape, 7)) * 1e-2 for k, v in params.items()}
 
-    def apply_uneven(p, u, k):
+    def apply_uneven(p, u, k, impl):
         p = jax.lax.with_sharding_constraint(p, shardings)
         u = jax.lax.with_sharding_constraint(u, shardings)
-        return jax.lax.with_sharding_constraint(sj.apply_updates(p, u, k, step=2), shardings)
+        new = sj.apply_updates(p, u, k, step=2, impl=impl)
+        return jax.lax.with_sharding_constraint(new, shardings)
 
-    got = jax.jit(apply_uneven)(params, updates, KEY)
     expected = sj.apply_updates(params, updates, KEY, step=2)
-    for k in params:
-        _same(got[k], expected[k], f"apply_updates uneven {k}")
+    for impl in ("native", "callback"):
+        got = jax.jit(functools.partial(apply_uneven, impl=impl))(params, updates, KEY)
+        for k in params:
+            _same(got[k], expected[k], f"apply_updates uneven {impl} {k}")
     print("optim ok")
 
 

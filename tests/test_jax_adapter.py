@@ -235,6 +235,53 @@ def test_key_seed_is_the_documented_int_seed():
     )
 
 
+def test_callback_errors_reach_the_caller():
+    """An exception in a host function of the callback path (srround's FFI target on the CPU)
+    is an XLA error at the caller naming it, not a silent result; the target works after."""
+    from srround.adapters.jax import _ffi
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the FFI target is the CPU's")
+
+    def fails(x):
+        raise ValueError("bad host input")
+
+    shape = jax.ShapeDtypeStruct((3,), jnp.float32)
+    with pytest.raises(Exception, match="bad host input"):
+        jax.block_until_ready(jax.jit(lambda x: _ffi.call(fails, shape, x))(jnp.ones(3)))
+    doubled = jax.jit(lambda x: _ffi.call(lambda h: h * 2, shape, x))(jnp.ones(3))
+    np.testing.assert_array_equal(np.asarray(doubled), [2.0, 2.0, 2.0])
+
+
+def test_callback_from_many_threads():
+    """The callback path from 8 Python threads at once: no deadlock (the FFI handler reads
+    XLA's buffers in place; a ``pure_callback`` copies them through XLA's own threads), and
+    each call's bits."""
+    import threading
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the FFI target is the CPU's")
+    x = jnp.asarray(_inputs(20_000, seed=3)[:20_000])
+    add = jax.jit(
+        lambda x, k: sj.stochastic_add(x.astype(jnp.bfloat16), x, seed=k, impl="callback")
+    )
+    expected = [_bits(add(x, jax.random.key(j))) for j in range(20)]
+    failures = []
+
+    def work():
+        for j in range(20):
+            if not np.array_equal(_bits(add(x, jax.random.key(j))), expected[j]):
+                failures.append(j)
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "callback calls from threads hang"
+    assert not failures
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_vmap_equals_per_row_calls(impl):
     x = _inputs(1200, seed=6)[:1200].reshape(4, 300)

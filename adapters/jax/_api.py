@@ -9,8 +9,8 @@ of srround's NumPy path for the same input bits, seed and offset, under either i
 
 * ``"native"`` (default, ``None``): the ``jax.lax`` backend (``_lax.py``), any backend, fuses
   with the surrounding ops.
-* ``"callback"``: ``jax.pure_callback`` into the Numba kernels on the host (``_callback.py``);
-  CPU only in practice.
+* ``"callback"``: the Numba kernels on the host (``_callback.py``: an XLA FFI call on the
+  CPU, per shard under ``jit``; ``jax.pure_callback`` elsewhere); CPU only in practice.
 
 Seeds (``seed=``):
 
@@ -365,7 +365,7 @@ def quantize_blocks(
 ):
     """``srround.quantize_blocks`` for a float32 JAX array (works under ``jit``; ``seed`` may
     be a JAX key): ``impl="native"`` (default, ``jax.lax``) or ``"callback"`` (the NumPy
-    kernels through ``jax.pure_callback``), the same bits. Returns a
+    kernels through a host call, ``_callback.py``), the same bits. Returns a
     ``srround.QuantizedBlocks`` of JAX arrays (fp4 data as uint8, MX scales
     ``jnp.float8_e8m0fnu``, NVFP4 scales ``jnp.float8_e4m3fn``)."""
     from srround import _blocks

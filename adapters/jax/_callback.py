@@ -1,10 +1,13 @@
-"""The callback backend: ``jax.pure_callback`` into srround's NumPy path (the Numba kernels).
+"""The callback backend: srround's NumPy path (the Numba kernels) called from a jitted program.
 
-The operands are copied to the host, computed there and copied back, so this path is only
-sensible on CPU. Callbacks are ``vmap_method="sequential"``: a vmapped call equals the
-per-example calls. The host work runs on a thread of this module (``_HOST``): XLA's CPU runtime
-runs computations, and the host callbacks inside them, with flush-to-zero/denormals-are-zero
-set, which would make the Numba fma treat subnormal operands as zero. A new thread inherits its
+On the CPU the host functions are an XLA FFI custom call (``_ffi.py``) on XLA's own buffers,
+and the elementwise calls partition: under ``jit`` each shard runs with its global origin
+(``_per_shard``). Elsewhere they are a ``jax.pure_callback`` (operands copied to the host and
+back), so this path is only sensible on CPU. Vmapped calls equal the per-example calls.
+
+The host work runs on a thread of this module (``_HOST``): XLA's CPU runtime runs
+computations, and the host calls inside them, with flush-to-zero/denormals-are-zero set, which
+would make the Numba fma treat subnormal operands as zero. A new thread inherits its
 creator's floating-point environment, so ``_HOST`` is started at import, outside any XLA
 computation, and Numba's worker pool, if first started from it, inherits the default one too.
 """
@@ -16,10 +19,14 @@ import concurrent.futures
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
 
 import srround._api as _srround_api
 from srround._formats import Format
 
+from . import _ffi
 from ._lax import _u, result_dtype
 
 _HOST = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="srround-jax-host")
@@ -32,12 +39,72 @@ def _seed_of(k0, k1) -> int:
 
 
 def _callback(fn, result_shape, *args):
-    """``jax.pure_callback(fn, result_shape, *args)`` with ``fn`` run on ``_HOST``."""
+    """``fn(*host arrays)`` run on ``_HOST`` from a jitted program: on the CPU through srround's
+    FFI target (``_ffi``: callable from a per-shard function too), elsewhere through
+    ``jax.pure_callback``. Vmapped calls are sequential."""
 
     def on_host(*arrays):
         return _HOST.submit(fn, *arrays).result()
 
-    return jax.pure_callback(on_host, result_shape, *args, vmap_method="sequential")
+    def ffi(*a):
+        return _ffi.call(on_host, result_shape, *a)
+
+    def pure(*a):
+        return jax.pure_callback(on_host, result_shape, *a, vmap_method="sequential")
+
+    return lax.platform_dependent(*args, cpu=ffi, default=pure)
+
+
+def _shard_index(entry, mesh):
+    """This device's block index along a dimension partitioned over mesh axes ``entry``
+    (``None``, a name or a tuple of names, major first)."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    index = jnp.uint32(0)
+    for name in names:
+        index = index * jnp.uint32(mesh.shape[name]) + _u(lax.axis_index(name))
+    return index
+
+
+def _per_shard(body, n_sharded: int, *args):
+    """``body(*args, origin)`` run by XLA on each shard under ``jit``: ``args[:n_sharded]`` and
+    the result share ``args[0]``'s sharding, the other operands are replicated; ``origin``
+    (uint32, one per dimension) is the shard's first element in the global array, or ``None``
+    for the whole array. On the CPU (``custom_partitioning`` around the FFI call); elsewhere
+    the whole array."""
+    x = args[0]
+    if x.ndim == 0:
+        return body(*args, None)
+
+    @custom_partitioning
+    def whole(*a):
+        return body(*a, None)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return arg_shapes[0].sharding
+
+    def partition(mesh, arg_shapes, result_shape):
+        sharding = arg_shapes[0].sharding
+        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+
+        def shard(*a):
+            local = a[0].shape  # uneven splits: padded to the same shape on every device
+            origin = [_shard_index(e, mesh) * jnp.uint32(n) for e, n in zip(spec, local)]
+            return body(*a, origin)
+
+        replicated = NamedSharding(mesh, PartitionSpec())
+        operands = (sharding,) * n_sharded + (replicated,) * (len(args) - n_sharded)
+        return mesh, shard, sharding, operands
+
+    dims = " ".join(f"d{i}" for i in range(x.ndim))
+    rule = ", ".join([dims] * n_sharded + [""] * (len(args) - n_sharded)) + " -> " + dims
+    whole.def_partition(infer_sharding_from_operands=infer, partition=partition, sharding_rule=rule)
+
+    # vmapped: one call per example (custom_partitioning has no batching rule)
+    @jax.custom_batching.sequential_vmap
+    def call(*a):
+        return lax.platform_dependent(*a, cpu=whole, default=lambda *b: body(*b, None))
+
+    return call(*args)
 
 
 def _runs(local_shape, origin, global_shape):
@@ -78,14 +145,14 @@ def _host(name: str):
 def stochastic_round(
     x, fmt: Format, k0, k1, offset: int, overflow: str, origin=None, global_shape=None
 ):
-    """``srround.stochastic_round`` of float32 ``x`` on the host; a block of a sharded array
-    (``origin`` traced inside ``shard_map``) rounds run by run at its global offsets."""
-    sharded = origin is not None
+    """``srround.stochastic_round`` of float32 ``x`` on the host, run by run at the global
+    offsets of a block (``origin`` traced inside ``shard_map``; under ``jit``, each shard's)."""
+    global_shape = tuple(x.shape) if global_shape is None else global_shape
 
     def host(xh, h0, h1, oh):
         flat = np.asarray(xh, order="C").reshape(-1)
         y = np.empty(flat.shape, result_dtype(fmt))
-        for lo, n, start in _runs(xh.shape, oh if sharded else None, global_shape):
+        for lo, n, start in _runs(xh.shape, oh, global_shape):
             y[lo : lo + n] = np.asarray(
                 _host("stochastic_round")(
                     flat[lo : lo + n],
@@ -97,12 +164,17 @@ def stochastic_round(
             ).view(result_dtype(fmt))
         return y.reshape(xh.shape)
 
-    shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
-    return _callback(host, shape, x, _u(k0), _u(k1), _origin_arg(origin, x.ndim))
+    def body(x, k0, k1, origin):
+        shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
+        return _callback(host, shape, x, k0, k1, _origin_arg(origin, x.ndim))
+
+    if origin is not None:
+        return body(x, _u(k0), _u(k1), origin)
+    return _per_shard(body, 1, x, _u(k0), _u(k1))
 
 
 def round_nearest(x, fmt: Format, overflow: str):
-    """``srround.round_nearest`` of float32 ``x`` on the host."""
+    """``srround.round_nearest`` of float32 ``x`` on the host (per shard under ``jit``)."""
 
     def host(xh):
         return (
@@ -113,30 +185,37 @@ def round_nearest(x, fmt: Format, overflow: str):
             .reshape(xh.shape)
         )
 
-    return _callback(host, jax.ShapeDtypeStruct(x.shape, result_dtype(fmt)), x)
+    def body(x, origin):
+        return _callback(host, jax.ShapeDtypeStruct(x.shape, result_dtype(fmt)), x)
+
+    return _per_shard(body, 1, x)
 
 
 def to_float32(y, fmt: Format):
-    """``srround.to_float32`` of narrow ``y`` (format ``fmt``) on the host."""
+    """``srround.to_float32`` of narrow ``y`` (format ``fmt``) on the host (per shard under
+    ``jit``)."""
 
     def host(yh):
         widened = _host("to_float32")(np.asarray(yh, order="C"), dtype=fmt.name)
         return np.asarray(widened).reshape(yh.shape)
 
-    return _callback(host, jax.ShapeDtypeStruct(y.shape, jnp.float32), y)
+    def body(y, origin):
+        return _callback(host, jax.ShapeDtypeStruct(y.shape, jnp.float32), y)
+
+    return _per_shard(body, 1, y)
 
 
 def stochastic_add(
     w, u, alpha, fmt: Format, k0, k1, offset: int, overflow: str, origin=None, global_shape=None
 ):
-    """``srround.stochastic_add`` on a host copy of ``w``; returns the new ``w`` (a block of a
-    sharded array: run by run at its global offsets, as ``stochastic_round``)."""
-    sharded = origin is not None
+    """``srround.stochastic_add`` on a host copy of ``w``; returns the new ``w`` (run by run at
+    a block's global offsets, as ``stochastic_round``)."""
+    global_shape = tuple(w.shape) if global_shape is None else global_shape
 
     def host(wh, uh, ah, h0, h1, oh):
         target = np.array(wh).reshape(-1)  # a writable copy: the callback's input is read-only
         flat_u = np.asarray(uh, order="C").reshape(-1)
-        for lo, n, start in _runs(wh.shape, oh if sharded else None, global_shape):
+        for lo, n, start in _runs(wh.shape, oh, global_shape):
             _host("stochastic_add")(
                 target[lo : lo + n],
                 flat_u[lo : lo + n],
@@ -148,9 +227,14 @@ def stochastic_add(
             )
         return target.reshape(wh.shape)
 
-    shape = jax.ShapeDtypeStruct(w.shape, w.dtype)
-    alpha = jnp.asarray(alpha, jnp.float32)
-    return _callback(host, shape, w, u, alpha, _u(k0), _u(k1), _origin_arg(origin, w.ndim))
+    def body(w, u, alpha, k0, k1, origin):
+        shape = jax.ShapeDtypeStruct(w.shape, w.dtype)
+        return _callback(host, shape, w, u, alpha, k0, k1, _origin_arg(origin, w.ndim))
+
+    args = (w, u, jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1))
+    if origin is not None:
+        return body(*args, origin)
+    return _per_shard(body, 2, *args)
 
 
 def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):

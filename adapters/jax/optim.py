@@ -53,8 +53,9 @@ Implementations (``impl``):
   small leaves of the same dtypes share one loop (``_small_leaves_call``); elsewhere (GPU,
   TPU, several devices) each leaf computes its own bits from its elements' global indices (it
   stays elementwise and keeps its sharding). The same bits either way (``_native_leaves``).
-* ``"callback"``: ``jax.pure_callback`` into ``srround.adamw_step`` / ``srround.stochastic_add``
-  on NumPy copies (one callback for the whole tree), on the adapter's host thread. CPU only in
+* ``"callback"``: host calls (``_callback.py``) into ``srround.adamw_step`` (one for the whole
+  tree) / ``srround.stochastic_add`` (one per leaf, per shard under ``jit``), on the adapter's
+  host thread. CPU only in
   practice (device -> host -> device copies).
 
 ``found_inf`` (a scalar; nonzero/True/NaN means skip): the step returns params and state
@@ -78,7 +79,7 @@ from srround import _optim, _state8, _validate
 from srround._formats import FORMATS
 
 from ._api import _key_words
-from ._callback import _callback, _host, _origin_arg, _runs, _seed_of
+from ._callback import _callback, _host, _origin_arg, _per_shard, _runs, _seed_of
 from ._lax import (
     _decode,
     _element_index,
@@ -558,6 +559,37 @@ def _check_arrays(leaves, name: str) -> None:
                 )
 
 
+def _apply_leaf_on_host(p, u, k0, k1, t, name: str, start: int, layout):
+    """``srround.stochastic_add(p, u)`` of one leaf on the host at stream position
+    ``(t << STEP_SHIFT) + start`` plus each element's global index: a block inside
+    ``shard_map`` (``layout`` = (origin, global shape)), else per shard under ``jit``."""
+    global_shape = tuple(p.shape) if layout is None else layout[1]
+
+    def host(w, uh, h0, h1, t_host, oh):
+        target = np.array(w).reshape(-1)  # a writable copy: the callback's input is read-only
+        flat_u = np.asarray(uh, order="C").reshape(-1)
+        base = (int(t_host) << _optim.STEP_SHIFT) + start
+        for lo, size, first in _runs(w.shape, oh, global_shape):
+            _host("stochastic_add")(
+                target[lo : lo + size],
+                flat_u[lo : lo + size],
+                alpha=1.0,
+                seed=_seed_of(h0, h1),
+                offset=base + first,
+                dtype=name,
+            )
+        return target.reshape(w.shape)
+
+    def body(p, u, k0, k1, t, origin):
+        shape = jax.ShapeDtypeStruct(p.shape, p.dtype)
+        return _callback(host, shape, p, u, k0, k1, t, _origin_arg(origin, p.ndim))
+
+    args = (p, u, k0, k1, jnp.asarray(t, jnp.int32))
+    if layout is not None:
+        return body(*args, layout[0])
+    return _per_shard(body, 2, *args)
+
+
 def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=None):
     """``optax.apply_updates`` with stochastic rounding of the low-precision leaves.
 
@@ -655,48 +687,9 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
-    elif narrow:  # callback
-        offsets = [starts[k] for k, *_ in narrow]
-        names = [name for *_, name in narrow]
-        shaped = [layouts[k] for k, *_ in narrow]
-
-        def host(h0, h1, t_host, *arrays):
-            n = len(narrow)
-            base = int(t_host) << _optim.STEP_SHIFT
-            results = []
-            ws, us, origins = arrays[:n], arrays[n : 2 * n], arrays[2 * n :]
-            for w, uh, oh, off, name, lay in zip(ws, us, origins, offsets, names, shaped):
-                target = np.array(w).reshape(-1)
-                flat_u = np.asarray(uh, order="C").reshape(-1)
-                runs = _runs(w.shape, None if lay is None else oh, lay and lay[1])
-                for lo, size, start in runs:
-                    _host("stochastic_add")(
-                        target[lo : lo + size],
-                        flat_u[lo : lo + size],
-                        alpha=1.0,
-                        seed=_seed_of(h0, h1),
-                        offset=base + off + start,
-                        dtype=name,
-                    )
-                results.append(target.reshape(w.shape))
-            return tuple(results)
-
-        shapes = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for _, p, _, _ in narrow)
-        results = _callback(
-            host,
-            shapes,
-            _u(k0),
-            _u(k1),
-            jnp.asarray(t, jnp.int32),
-            *[p for _, p, _, _ in narrow],
-            *[u for _, _, u, _ in narrow],
-            *[
-                _origin_arg(None if lay is None else lay[0], p.ndim)
-                for lay, (_, p, _, _) in zip(shaped, narrow)
-            ],
-        )
-        for (k, *_), r in zip(narrow, results):
-            out[k] = r
+    elif impl != "native":  # callback: a call per leaf, per shard under jit
+        for k, p, u, name in narrow:
+            out[k] = _apply_leaf_on_host(p, u, _u(k0), _u(k1), t, name, starts[k], layouts[k])
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -1415,7 +1408,7 @@ def _scale_usable(inv_scale):
 
 
 def _callback_step(host_step, p_leaves, g_leaves, s_leaves, a_leaves, t, lr, k0, k1, inv_scale):
-    """The fused step as one ``pure_callback`` into srround's NumPy step (``host_step``) on
+    """The fused step as one host call (``_callback``) into srround's NumPy step (``host_step``) on
     host copies; ``s_leaves``: per state buffer its leaves (``None`` leaves: absent)."""
     live = [i for i, p in enumerate(p_leaves) if p.size > 0]
     has_aux = [a_leaves[i] is not None for i in live]

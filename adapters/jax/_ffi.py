@@ -1,0 +1,221 @@
+"""Host functions as an XLA FFI custom call on the CPU: the callback path's transport.
+
+``jax.pure_callback`` names its Python function by an index into the program's own list of
+host callbacks, so it cannot live in the per-shard function of ``custom_partitioning`` (that
+list is lowered apart and dropped). This module registers one typed-FFI target with XLA's CPU
+backend, ``srround_host_call``, whose handler (a ``ctypes`` function) finds the Python function
+by an id in its first operand - an entry of this module's registry, which lives as long as the
+process - and runs it on NumPy views of the operands' buffers. Anything XLA lowers, including
+a per-shard function, can then call the kernels.
+
+The handler copies the function's results into XLA's result buffers and reports an exception
+as an XLA error (``XlaRuntimeError`` at the caller), never a silent result. It runs on XLA's
+thread: ``_callback`` hands the work to a thread of its own (flush-to-zero, see there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import traceback
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+TARGET = "srround_host_call"
+
+# XLA_FFI_DataType codes (xla/ffi/api/c_api.h) of the dtypes srround's host functions see
+_DTYPES = {
+    1: np.dtype(np.bool_),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.uint8),
+    7: np.dtype(np.uint16),
+    8: np.dtype(np.uint32),
+    9: np.dtype(np.uint64),
+    10: np.dtype(np.float16),
+    11: np.dtype(np.float32),
+    12: np.dtype(np.float64),
+    16: np.dtype(ml_dtypes.bfloat16),
+    19: np.dtype(ml_dtypes.float8_e5m2),
+    20: np.dtype(ml_dtypes.float8_e4m3fn),
+    32: np.dtype(ml_dtypes.float4_e2m1fn),
+    33: np.dtype(ml_dtypes.float8_e8m0fnu),
+}
+_EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
+_METADATA = 1  # XLA_FFI_Extension_Metadata
+_INTERNAL = 13  # XLA_FFI_Error_Code_INTERNAL
+
+
+# -- the C structs of xla/ffi/api/c_api.h that the handler reads --------------------------------
+
+
+class _Extension(ctypes.Structure):
+    pass
+
+
+_Extension._fields_ = [
+    ("struct_size", ctypes.c_size_t),
+    ("type", ctypes.c_int),
+    ("next", ctypes.POINTER(_Extension)),
+]
+
+
+class _ApiVersion(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("major_version", ctypes.c_int),
+        ("minor_version", ctypes.c_int),
+    ]
+
+
+class _Metadata(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("api_version", _ApiVersion),
+        ("traits", ctypes.c_uint32),
+    ]
+
+
+class _MetadataExtension(ctypes.Structure):
+    _fields_ = [("extension_base", _Extension), ("metadata", ctypes.POINTER(_Metadata))]
+
+
+class _Buffer(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
+        ("data", ctypes.c_void_p),
+        ("rank", ctypes.c_int64),
+        ("dims", ctypes.POINTER(ctypes.c_int64)),
+    ]
+
+
+class _Operands(ctypes.Structure):  # XLA_FFI_Args and XLA_FFI_Rets share this layout
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("size", ctypes.c_int64),
+        ("types", ctypes.c_void_p),
+        ("buffers", ctypes.POINTER(ctypes.POINTER(_Buffer))),
+    ]
+
+
+class _Attrs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("size", ctypes.c_int64),
+        ("types", ctypes.c_void_p),
+        ("names", ctypes.c_void_p),
+        ("attrs", ctypes.c_void_p),
+    ]
+
+
+class _CallFrame(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(_Extension)),
+        ("api", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p),
+        ("stage", ctypes.c_int),
+        ("args", _Operands),
+        ("rets", _Operands),
+        ("attrs", _Attrs),
+        ("future", ctypes.c_void_p),
+    ]
+
+
+class _ErrorCreateArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.c_void_p),
+        ("message", ctypes.c_char_p),
+        ("errc", ctypes.c_int),
+    ]
+
+
+_ERROR_CREATE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_ErrorCreateArgs))
+_ERROR_CREATE_OFFSET = 48  # XLA_FFI_Api: struct_size, extension_start, api_version, internal_api
+
+
+# -- the registry and the handler ---------------------------------------------------------------
+
+_FUNCTIONS: dict[int, object] = {}
+_IDS = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+def _array(buffer: _Buffer, writable: bool) -> np.ndarray:
+    """A NumPy view of an XLA buffer (no copy)."""
+    dtype = _DTYPES.get(buffer.dtype)
+    if dtype is None:
+        raise TypeError(f"srround's FFI handler got an unsupported XLA dtype code {buffer.dtype}")
+    shape = tuple(buffer.dims[i] for i in range(buffer.rank))
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:
+        return np.zeros(shape, dtype)
+    raw = (ctypes.c_uint8 * nbytes).from_address(buffer.data)
+    out = np.frombuffer(raw, np.uint8).view(dtype).reshape(shape)
+    out.flags.writeable = writable
+    return out
+
+
+def _run(frame: _CallFrame) -> None:
+    args = [_array(frame.args.buffers[i].contents, False) for i in range(frame.args.size)]
+    outs = [_array(frame.rets.buffers[i].contents, True) for i in range(frame.rets.size)]
+    results = _FUNCTIONS[int(args[0])](*args[1:])
+    if len(outs) == 1:
+        results = (results,)
+    for out, result in zip(outs, results, strict=True):
+        result = np.asarray(result)
+        if result.dtype != out.dtype:
+            result = result.view(out.dtype)
+        np.copyto(out, result.reshape(out.shape))
+
+
+def _error(api: int, message: str) -> int:
+    create = _ERROR_CREATE(ctypes.c_void_p.from_address(api + _ERROR_CREATE_OFFSET).value)
+    text = message.encode("utf-8", "replace")
+    args = _ErrorCreateArgs(ctypes.sizeof(_ErrorCreateArgs) - 4, None, text, _INTERNAL)
+    return create(ctypes.byref(args))
+
+
+@ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_CallFrame))
+def _handler(frame_pointer):
+    frame = frame_pointer.contents
+    if frame.extension_start:
+        extension = frame.extension_start.contents
+        if extension.type == _METADATA:  # XLA asks which FFI version the handler speaks
+            meta = ctypes.cast(frame.extension_start, ctypes.POINTER(_MetadataExtension))
+            version = meta.contents.metadata.contents.api_version
+            version.major_version, version.minor_version = 0, 1
+            return None
+    if frame.stage != _EXECUTE:
+        return None
+    try:
+        _run(frame)
+    except BaseException:  # reported to XLA: the caller gets an XlaRuntimeError
+        return _error(frame.api, "srround host call failed:\n" + traceback.format_exc())
+    return None
+
+
+jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_handler), platform="cpu")
+
+
+def call(fn, result_shape, *args, vmap_method: str = "sequential"):
+    """``fn(*host arrays)`` on the host as an FFI custom call (CPU only): ``result_shape`` a
+    ``jax.ShapeDtypeStruct`` or a tuple of them; ``fn`` returns an array or a tuple of arrays of
+    those shapes (bit patterns of the same width are viewed as the result's dtype)."""
+    with _LOCK:
+        ident = next(_IDS)
+        _FUNCTIONS[ident] = fn
+    ident_arg = jnp.asarray(ident, jnp.int32)
+    return jax.ffi.ffi_call(TARGET, result_shape, vmap_method=vmap_method)(ident_arg, *args)
