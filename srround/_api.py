@@ -436,6 +436,7 @@ def _fused_step(
     found_inf,
     name,
     scales=None,
+    stream_starts=None,
 ):
     """Validate the buffer lists, plan (``_plan.plan_step``) and run one ``FusedStep``."""
     mode = _plan.check_rounding(rounding)
@@ -466,7 +467,18 @@ def _fused_step(
         aux = _as_list(aux, "aux", count)
     if scales is not None:
         scales = [(label, None if a is None else _as_list(a, label, count)) for label, a in scales]
-    plan = _plan.plan_step(adapter, rounding, params, grads, states, aux, scales=scales)
+    noise = None
+    if stream_starts is not None:
+        if scales is not None and any(a is not None for _, a in scales):
+            raise ValueError("stream_starts: not with fp8 states (their blocks span the params)")
+        noise = _as_list(stream_starts, "stream_starts", count)
+        noise = [
+            _validate.integer(s, f"stream_starts[{i}]", low=0, high=1 << _optim.STREAM_SHIFT)
+            for i, s in enumerate(noise)
+        ]
+    plan = _plan.plan_step(
+        adapter, rounding, params, grads, states, aux, noise=noise, scales=scales
+    )
     first, _ = _writable_view(adapter, params[0], "params[0]")
     steps = _step_counter(adapter, step, first, count)
     scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)
@@ -523,6 +535,7 @@ def adamw_step(
     found_inf=None,
     exp_avg_scales=None,
     exp_avg_sq_scales=None,
+    stream_starts=None,
 ):
     """One fused AdamW step (torch.optim.AdamW's math) over lists of buffers, in place: each
     element read and written once, one launch (two on CUDA) for any number of tensors.
@@ -550,6 +563,10 @@ def adamw_step(
         exp_avg_scales, exp_avg_sq_scales: with fp8 states only: float32 arrays of
             ``ceil(size / srround.STATE_BLOCK)`` block scales per param (zeros before the first
             step), updated in place.
+        stream_starts: per param, the position of its element 0 in the step's random stream
+            (ints in [0, 2**34)); default: the prefix sums of the sizes. A tensor updated in
+            pieces (shards) gets the bits of the whole when each piece starts at the tensor's
+            start plus the piece's first flat index. Not with fp8 states (their blocks).
     """
     lr, beta1, beta2, eps, weight_decay = _validate.adamw(lr, betas, eps, weight_decay)
     _fused_step(
@@ -566,6 +583,7 @@ def adamw_step(
         found_inf=found_inf,
         name="adamw_step",
         scales=(("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)),
+        stream_starts=stream_starts,
     )
 
 
@@ -585,6 +603,7 @@ def sgd_step(
     seed=None,
     inv_scale=None,
     found_inf=None,
+    stream_starts=None,
 ):
     """One fused SGD step (torch.optim.SGD's math: momentum, dampening, nesterov, weight
     decay) over lists of buffers, in place. ``momentum_buffers`` (fp32 or bf16, one per param)
@@ -607,4 +626,5 @@ def sgd_step(
         inv_scale=inv_scale,
         found_inf=found_inf,
         name="sgd_step",
+        stream_starts=stream_starts,
     )

@@ -207,3 +207,68 @@ def test_cuda_check_grads_flags_any_non_finite(small_cuda_launch):
         fused.check_grads(found)
         assert found.copy_to_host().view(np.float32)[0] == (0.0 if where is None else 1.0)
         assert _same_bits([d.copy_to_host() for d in device], grads)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_stream_starts_pieces_equal_the_whole(opt):
+    """A tensor updated in pieces (a shard's contiguous runs), each piece's ``stream_starts``
+    the tensor's start plus its first flat index, gets the bits of the whole-tensor step; the
+    default starts are the prefix sums of the sizes."""
+    rng = np.random.default_rng(4)
+    shapes = [(6, 5), (64,)]
+    params = [rng.standard_normal(s).astype(np.float32).astype(ml_dtypes.bfloat16) for s in shapes]
+    grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+    def step(ps, gs, **kw):
+        states = [np.zeros(p.shape, np.float32) for p in ps]
+        if opt == "adamw":
+            v = [np.zeros(p.shape, np.float32) for p in ps]
+            srround.adamw_step(ps, gs, states, v, lr=1e-2, step=3, seed=7, **kw)
+        else:
+            srround.sgd_step(ps, gs, states, lr=1e-2, momentum=0.9, step=3, seed=7, **kw)
+
+    whole = [p.copy() for p in params]
+    step(whole, grads)
+    flat, rest = params[0].copy().reshape(-1), params[1].copy()
+    # the second leaf first, then the runs of the first in reverse (not the prefix sums)
+    runs = [(r * 5 + a, r * 5 + b) for r in range(6) for a, b in ((0, 2), (2, 5))][::-1]
+    pieces = [rest] + [flat[a:b] for a, b in runs]
+    g_pieces = [grads[1]] + [grads[0].reshape(-1)[a:b] for a, b in runs]
+    step(pieces, g_pieces, stream_starts=[30] + [a for a, _ in runs])
+    for got, expected in zip((flat.reshape(6, 5), rest), whole):
+        np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
+    moved = [p.copy() for p in params]
+    step(moved, grads, stream_starts=[0, 31])  # another start: other bits
+    assert not np.array_equal(moved[1].view(np.uint16), whole[1].view(np.uint16))
+
+
+def test_stream_starts_errors():
+    p, g = np.ones(4, ml_dtypes.bfloat16), np.ones(4, np.float32)
+    m, v = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    kw = dict(lr=1e-3, step=1, seed=0)
+    with pytest.raises(ValueError, match="stream_starts: expected 1 arrays"):
+        srround.adamw_step([p], [g], [m], [v], stream_starts=[0, 4], **kw)
+    with pytest.raises(ValueError, match=r"stream_starts\[0\]"):
+        srround.adamw_step([p], [g], [m], [v], stream_starts=[-1], **kw)
+    with pytest.raises(TypeError, match=r"stream_starts\[0\]"):
+        srround.adamw_step([p], [g], [m], [v], stream_starts=[1.5], **kw)
+    assert np.array_equal(p, np.ones(4, ml_dtypes.bfloat16))  # nothing written
+
+
+def test_stream_starts_not_with_fp8_states():
+    p, g = np.ones(4, ml_dtypes.bfloat16), np.ones(4, np.float32)
+    m, v = np.zeros(4, ml_dtypes.float8_e4m3fn), np.zeros(4, ml_dtypes.float8_e4m3fn)
+    scales = [np.zeros(1, np.float32)], [np.zeros(1, np.float32)]
+    with pytest.raises(ValueError, match="stream_starts: not with fp8 states"):
+        srround.adamw_step(
+            [p],
+            [g],
+            [m],
+            [v],
+            lr=1e-3,
+            step=1,
+            seed=0,
+            stream_starts=[0],
+            exp_avg_scales=scales[0],
+            exp_avg_sq_scales=scales[1],
+        )
