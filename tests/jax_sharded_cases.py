@@ -261,23 +261,29 @@ def case_optim():
             _same(got[k], expected[k], f"apply_updates callback {k} {what}")
             _same_sharding(got[k], ps[k], f"apply_updates callback {k} {what}")
         _no_gather(apply_host, ps, us, KEY, what=f"apply_updates callback {what}")
-        for state_dtype in (jnp.float32, jnp.bfloat16) if last else (jnp.float32,):
-            tx = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype)
+        variants = [(jnp.float32, "native")]
+        if last or index == 1:  # the callback path runs per shard too
+            variants += [(jnp.float32, "callback")]
+        if last:
+            variants += [(jnp.bfloat16, "native"), (jnp.bfloat16, "callback")]
+        for state_dtype, impl in variants:
+            what_s = f"{impl} {what}"
+            tx = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype, impl=impl)
             state = tx.init(params)
             e_params, e_state = jax.jit(tx.step)(grads, state, params)
             s_state = tx.init(ps)  # the states take the params' shardings
             g_params, g_state = jax.jit(tx.step)(gs, s_state, ps)
-            if last:
-                _no_gather(tx.step, gs, s_state, ps, what=f"adamw {what}")
+            if last or impl == "callback":
+                _no_gather(tx.step, gs, s_state, ps, what=f"adamw {what_s}")
             for k in params:
-                _same(g_params[k], e_params[k], f"adamw {k} {what}")
-                _same_sharding(g_params[k], ps[k], f"adamw {k} {what}")
-                _same(g_state.exp_avg[k], e_state.exp_avg[k], f"adamw m {k} {what}")
-                _same_sharding(g_state.exp_avg[k], ps[k], f"adamw m {k} {what}")
+                _same(g_params[k], e_params[k], f"adamw {k} {what_s}")
+                _same_sharding(g_params[k], ps[k], f"adamw {k} {what_s}")
+                _same(g_state.exp_avg[k], e_state.exp_avg[k], f"adamw m {k} {what_s}")
+                _same_sharding(g_state.exp_avg[k], ps[k], f"adamw m {k} {what_s}")
             if not even:
                 continue
             # inside shard_map with shard_specs
-            tx_s = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype, shard_specs=specs)
+            tx_s = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype, shard_specs=specs, impl=impl)
             state_specs = type(state)(P(), specs, specs, specs)
             fn = jax.shard_map(
                 tx_s.step,
@@ -287,8 +293,8 @@ def case_optim():
             )
             m_params, m_state = jax.jit(fn)(gs, s_state, ps)
             for k in params:
-                _same(m_params[k], e_params[k], f"adamw shard_map {k} {what}")
-                _same(m_state.exp_avg_sq[k], e_state.exp_avg_sq[k], f"shard_map v {k} {what}")
+                _same(m_params[k], e_params[k], f"adamw shard_map {k} {what_s}")
+                _same(m_state.exp_avg_sq[k], e_state.exp_avg_sq[k], f"shard_map v {k} {what_s}")
         if even:
             for impl in ("native", "callback") if last or index == 1 else ("native",):
 
@@ -315,10 +321,23 @@ def case_optim():
         return jax.lax.with_sharding_constraint(new, shardings)
 
     expected = sj.apply_updates(params, updates, KEY, step=2)
+    tx = sj.adamw(1e-2, seed=KEY)
+    e_params, _ = tx.step(updates, tx.init(params), params)
     for impl in ("native", "callback"):
         got = jax.jit(functools.partial(apply_uneven, impl=impl))(params, updates, KEY)
         for k in params:
             _same(got[k], expected[k], f"apply_updates uneven {impl} {k}")
+        tx = sj.adamw(1e-2, seed=KEY, impl=impl)
+
+        def adamw_uneven(g, p, tx=tx):
+            g = jax.lax.with_sharding_constraint(g, shardings)
+            p = jax.lax.with_sharding_constraint(p, shardings)
+            new, _ = tx.step(g, tx.init(p), p)
+            return jax.lax.with_sharding_constraint(new, shardings)
+
+        got = jax.jit(adamw_uneven)(updates, params)
+        for k in params:
+            _same(got[k], e_params[k], f"adamw uneven {impl} {k}")
     print("optim ok")
 
 

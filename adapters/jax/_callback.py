@@ -65,38 +65,51 @@ def _shard_index(entry, mesh):
     return index
 
 
-def _per_shard(body, n_sharded: int, *args):
-    """``body(*args, origin)`` run by XLA on each shard under ``jit``: ``args[:n_sharded]`` and
-    the result share ``args[0]``'s sharding, the other operands are replicated; ``origin``
-    (uint32, one per dimension) is the shard's first element in the global array, or ``None``
-    for the whole array. On the CPU (``custom_partitioning`` around the FFI call); elsewhere
-    the whole array."""
-    x = args[0]
-    if x.ndim == 0:
+def _per_shard(body, leaf_of, *args, result_leaves=(0,)):
+    """``body(*args, origins)`` run by XLA on each shard under ``jit``, on the CPU
+    (``custom_partitioning`` around the FFI call; elsewhere on the whole arrays).
+
+    ``leaf_of[i]``: the leaf of operand ``i`` (a leaf's operands take the sharding of its first
+    one), or ``None`` for a replicated scalar. ``result_leaves``: the leaf of each result (one
+    result: an array, else a tuple). ``origins``: per leaf, the shard's first element in the
+    global array (uint32 scalars, one per dimension), or ``None`` for the whole arrays."""
+    leaves = sorted({j for j in leaf_of if j is not None})
+    first = {j: leaf_of.index(j) for j in leaves}
+    if all(args[first[j]].ndim == 0 for j in leaves):
         return body(*args, None)
+    single = len(result_leaves) == 1
 
     @custom_partitioning
     def whole(*a):
         return body(*a, None)
 
+    def results(shardings):
+        out = tuple(shardings[first[j]] for j in result_leaves)
+        return out[0] if single else out
+
     def infer(mesh, arg_shapes, result_shape):
-        return arg_shapes[0].sharding
+        return results([a.sharding for a in arg_shapes])
 
     def partition(mesh, arg_shapes, result_shape):
-        sharding = arg_shapes[0].sharding
-        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        operands = [replicated if j is None else arg_shapes[first[j]].sharding for j in leaf_of]
 
         def shard(*a):
-            local = a[0].shape  # uneven splits: padded to the same shape on every device
-            origin = [_shard_index(e, mesh) * jnp.uint32(n) for e, n in zip(spec, local)]
-            return body(*a, origin)
+            origins = {}
+            for j in leaves:
+                local = a[first[j]].shape  # uneven splits: padded to one shape on all devices
+                spec = tuple(operands[first[j]].spec)
+                spec += (None,) * (len(local) - len(spec))
+                origins[j] = [_shard_index(e, mesh) * jnp.uint32(n) for e, n in zip(spec, local)]
+            return body(*a, origins)
 
-        replicated = NamedSharding(mesh, PartitionSpec())
-        operands = (sharding,) * n_sharded + (replicated,) * (len(args) - n_sharded)
-        return mesh, shard, sharding, operands
+        return mesh, shard, results(operands), tuple(operands)
 
-    dims = " ".join(f"d{i}" for i in range(x.ndim))
-    rule = ", ".join([dims] * n_sharded + [""] * (len(args) - n_sharded)) + " -> " + dims
+    def factors(j):
+        return "" if j is None else " ".join(f"l{j}d{i}" for i in range(args[first[j]].ndim))
+
+    rule = ", ".join(factors(j) for j in leaf_of)
+    rule += " -> " + ", ".join(factors(j) for j in result_leaves)
     whole.def_partition(infer_sharding_from_operands=infer, partition=partition, sharding_rule=rule)
 
     # vmapped: one call per example (custom_partitioning has no batching rule)
@@ -164,13 +177,14 @@ def stochastic_round(
             ).view(result_dtype(fmt))
         return y.reshape(xh.shape)
 
-    def body(x, k0, k1, origin):
+    def body(x, k0, k1, origins):
         shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
-        return _callback(host, shape, x, k0, k1, _origin_arg(origin, x.ndim))
+        origin_arg = _origin_arg(None if origins is None else origins[0], x.ndim)
+        return _callback(host, shape, x, k0, k1, origin_arg)
 
     if origin is not None:
-        return body(x, _u(k0), _u(k1), origin)
-    return _per_shard(body, 1, x, _u(k0), _u(k1))
+        return body(x, _u(k0), _u(k1), {0: origin})
+    return _per_shard(body, (0, None, None), x, _u(k0), _u(k1))
 
 
 def round_nearest(x, fmt: Format, overflow: str):
@@ -185,10 +199,10 @@ def round_nearest(x, fmt: Format, overflow: str):
             .reshape(xh.shape)
         )
 
-    def body(x, origin):
+    def body(x, origins):
         return _callback(host, jax.ShapeDtypeStruct(x.shape, result_dtype(fmt)), x)
 
-    return _per_shard(body, 1, x)
+    return _per_shard(body, (0,), x)
 
 
 def to_float32(y, fmt: Format):
@@ -199,10 +213,10 @@ def to_float32(y, fmt: Format):
         widened = _host("to_float32")(np.asarray(yh, order="C"), dtype=fmt.name)
         return np.asarray(widened).reshape(yh.shape)
 
-    def body(y, origin):
+    def body(y, origins):
         return _callback(host, jax.ShapeDtypeStruct(y.shape, jnp.float32), y)
 
-    return _per_shard(body, 1, y)
+    return _per_shard(body, (0,), y)
 
 
 def stochastic_add(
@@ -227,14 +241,15 @@ def stochastic_add(
             )
         return target.reshape(wh.shape)
 
-    def body(w, u, alpha, k0, k1, origin):
+    def body(w, u, alpha, k0, k1, origins):
         shape = jax.ShapeDtypeStruct(w.shape, w.dtype)
-        return _callback(host, shape, w, u, alpha, k0, k1, _origin_arg(origin, w.ndim))
+        origin_arg = _origin_arg(None if origins is None else origins[0], w.ndim)
+        return _callback(host, shape, w, u, alpha, k0, k1, origin_arg)
 
     args = (w, u, jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1))
     if origin is not None:
-        return body(*args, origin)
-    return _per_shard(body, 2, *args)
+        return body(*args, {0: origin})
+    return _per_shard(body, (0, 0, None, None, None), *args)
 
 
 def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):

@@ -580,14 +580,15 @@ def _apply_leaf_on_host(p, u, k0, k1, t, name: str, start: int, layout):
             )
         return target.reshape(w.shape)
 
-    def body(p, u, k0, k1, t, origin):
+    def body(p, u, k0, k1, t, origins):
         shape = jax.ShapeDtypeStruct(p.shape, p.dtype)
-        return _callback(host, shape, p, u, k0, k1, t, _origin_arg(origin, p.ndim))
+        origin_arg = _origin_arg(None if origins is None else origins[0], p.ndim)
+        return _callback(host, shape, p, u, k0, k1, t, origin_arg)
 
     args = (p, u, k0, k1, jnp.asarray(t, jnp.int32))
     if layout is not None:
-        return body(*args, layout[0])
-    return _per_shard(body, 2, *args)
+        return body(*args, {0: layout[0]})
+    return _per_shard(body, (0, 0, None, None, None), *args)
 
 
 def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=None):
@@ -1111,7 +1112,7 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
         s_leaves = [treedef.flatten_up_to(state[1 + i]) for i in range(len(states))]
         a_leaves = treedef.flatten_up_to(state[-1])
         specs = _leaf_specs(shard_specs, params, treedef)
-        layouts, _ = _layouts(p_leaves, specs)
+        layouts, global_shapes = _layouts(p_leaves, specs)
         t = state.count + 1
         lr_t = lr_at(state.count)
         if inv_scale is not None:
@@ -1121,16 +1122,17 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
             columns = [p_leaves, g_leaves, *s_leaves, a_leaves]
             outs = _native_step(update, ucfg, columns, layouts, t, _u(k0), _u(k1), extras)
         else:
-            if any(lay is not None for lay in layouts):
-                raise ValueError(
-                    "shard_specs: impl='callback' runs srround's NumPy step on whole leaves;"
-                    " inside shard_map with split leaves use impl='native'"
-                )
             blocked = [col for col in s_leaves if col and isinstance(col[0], tuple)]
             if blocked:  # fp8 states: (moments, scales) pairs as four columns, then paired
+                if any(lay is not None for lay in layouts):
+                    raise ValueError(
+                        "shard_specs: impl='callback' with fp8 states runs on whole leaves"
+                        " (their blocks); inside shard_map with split leaves use impl='native'"
+                    )
                 s_leaves = [[x[part] for x in col] for part in (0, 1) for col in s_leaves]
+            columns = (p_leaves, g_leaves, s_leaves, a_leaves)
             outs = _callback_step(
-                host, p_leaves, g_leaves, s_leaves, a_leaves, t, lr_t, k0, k1, inv_scale
+                host, columns, t, lr_t, k0, k1, inv_scale, layouts, global_shapes, bool(blocked)
             )
             if blocked:
                 outs = [(o[0], (o[1], o[3]), (o[2], o[4]), o[5]) for o in outs]
@@ -1407,52 +1409,94 @@ def _scale_usable(inv_scale):
     return (bits > 0) & (bits < 0x7F800000)
 
 
-def _callback_step(host_step, p_leaves, g_leaves, s_leaves, a_leaves, t, lr, k0, k1, inv_scale):
-    """The fused step as one host call (``_callback``) into srround's NumPy step (``host_step``) on
-    host copies; ``s_leaves``: per state buffer its leaves (``None`` leaves: absent)."""
+def _callback_step(host_step, columns, t, lr, k0, k1, inv_scale, layouts, global_shapes, whole):
+    """The fused step as one host call (``_callback``) into srround's NumPy step (``host_step``)
+    on host copies. ``columns`` = (params, grads, state columns, aux): leaves per column
+    (``None`` leaves: absent). Under ``jit`` each shard runs on its own (and inside
+    ``shard_map``, each block: ``layouts``), its contiguous runs placed in the random stream at
+    their global indices (``stream_starts``). ``whole``: whole leaves only (fp8 states: their
+    blocks span a leaf)."""
+    p_leaves, g_leaves, s_leaves, a_leaves = columns
     live = [i for i, p in enumerate(p_leaves) if p.size > 0]
     has_aux = [a_leaves[i] is not None for i in live]
-    aux_in = [a_leaves[i] for i, h in zip(live, has_aux) if h]
     states = [col for col in s_leaves if any(col[i] is not None for i in live)]
-    n, ns = len(live), len(states)
+    n, ns, na = len(live), len(states), sum(has_aux)
     static_lr = None if not isinstance(lr, float) else lr
+    starts = _starts([global_shapes[i] for i in live])
+    shapes_live = [global_shapes[i] for i in live]
 
     def host(h0, h1, t_host, lr_host, scale_host, *arrays):
         arrays = [np.array(a) for a in arrays]  # writable copies: the callback's are read-only
         ps, gs = arrays[:n], arrays[n : 2 * n]
         sts = [arrays[(2 + j) * n : (3 + j) * n] for j in range(ns)]
-        it = iter(arrays[(2 + ns) * n :])
-        aux = [next(it) if h else None for h in has_aux]
+        aux_it = iter(arrays[(2 + ns) * n : (2 + ns) * n + na])
+        aux = [next(aux_it) if h else None for h in has_aux]
+        origins = arrays[(2 + ns) * n + na :]
+        runs = [_runs(p.shape, o, g) for p, o, g in zip(ps, origins, shapes_live)]
+        positions = [s + first for s, r in zip(starts, runs) for _, _, first in r]
+        placed = {} if whole else {"stream_starts": positions}
+
+        def pieces(leaves):  # each leaf's runs: flat views of the host copies
+            return [
+                None if x is None else x.reshape(-1)[lo : lo + size]
+                for x, leaf_runs in zip(leaves, runs)
+                for lo, size, _ in leaf_runs
+            ]
+
         host_step(
-            ps,
-            gs,
-            sts,
-            aux=aux if any(has_aux) else None,
+            pieces(ps),
+            pieces(gs),
+            [pieces(st) for st in sts],
+            aux=pieces(aux) if any(has_aux) else None,
             lr=static_lr if static_lr is not None else float(lr_host),
             step=int(t_host),
             seed=_seed_of(h0, h1),
             inv_scale=float(scale_host),
+            **placed,
         )
         return tuple(ps + [x for st in sts for x in st] + [a for a in aux if a is not None])
-
-    def sds(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
     def pick(leaves):
         return [leaves[i] for i in live]
 
-    state_in = [x for col in states for x in pick(col)]
-    ins = pick(p_leaves) + pick(g_leaves) + state_in + aux_in
-    shapes = tuple(sds(x) for x in pick(p_leaves) + state_in + aux_in)
+    aux_leaf = [j for j, h in enumerate(has_aux) if h]
+    result_leaves = (*range(n), *(list(range(n)) * ns), *aux_leaf)
+    leaves_in = (
+        pick(p_leaves)
+        + pick(g_leaves)
+        + [x for col in states for x in pick(col)]
+        + [a_leaves[i] for i in live if a_leaves[i] is not None]
+    )
+    results_in = leaves_in[:n] + leaves_in[2 * n :]  # what the step writes, in result order
     scale = jnp.float32(1.0) if inv_scale is None else jnp.asarray(inv_scale, jnp.float32)
     lr_arg = jnp.asarray(0.0 if static_lr is not None else lr, jnp.float32)
-    results = (
-        list(
-            _callback(host, shapes, _u(k0), _u(k1), jnp.asarray(t, jnp.int32), lr_arg, scale, *ins)
+    scalars = (_u(k0), _u(k1), jnp.asarray(t, jnp.int32), lr_arg, scale)
+
+    def body(*operands_and_origins):
+        *operands, origins = operands_and_origins
+        local = operands[5:]
+        shapes = tuple(  # this shard's
+            jax.ShapeDtypeStruct(local[_result_operand(r, n)].shape, x.dtype)
+            for r, x in enumerate(results_in)
         )
-        if n
-        else []
-    )
+        origin_args = [
+            _origin_arg(None if origins is None else origins.get(j), local[j].ndim)
+            for j in range(n)
+        ]
+        out = _callback(host, shapes, *operands, *origin_args)
+        return out[0] if len(shapes) == 1 else tuple(out)
+
+    results = []
+    if n:
+        blocks = {j: layouts[i][0] for j, i in enumerate(live) if layouts[i] is not None}
+        if blocks:  # inside shard_map: each block's origin
+            out = body(*scalars, *leaves_in, blocks)
+        elif whole:
+            out = body(*scalars, *leaves_in, None)
+        else:
+            leaf_of = (None,) * 5 + (*range(n), *range(n), *result_leaves[n:])
+            out = _per_shard(body, leaf_of, *scalars, *leaves_in, result_leaves=result_leaves)
+        results = [out] if len(result_leaves) == 1 else list(out)
     outs = [
         [p, *(col[k] for col in s_leaves), a] for k, (p, a) in enumerate(zip(p_leaves, a_leaves))
     ]
@@ -1465,3 +1509,9 @@ def _callback_step(host_step, p_leaves, g_leaves, s_leaves, a_leaves, t, lr, k0,
         if has_aux[j]:
             outs[i][-1] = next(it)
     return [tuple(o) for o in outs]
+
+
+def _result_operand(r: int, n: int) -> int:
+    """The operand (after the scalars) that result ``r`` of ``_callback_step`` overwrites:
+    params come first, then the grads (not written), then states and aux."""
+    return r if r < n else r + n
