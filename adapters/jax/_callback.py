@@ -24,6 +24,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 import srround._api as _srround_api
+from srround._elements import STEP_SHIFT
 from srround._formats import Format
 
 from . import _ffi
@@ -220,36 +221,49 @@ def to_float32(y, fmt: Format):
 
 
 def stochastic_add(
-    w, u, alpha, fmt: Format, k0, k1, offset: int, overflow: str, origin=None, global_shape=None
+    w,
+    u,
+    alpha,
+    fmt: Format,
+    k0,
+    k1,
+    offset: int,
+    overflow: str,
+    origin=None,
+    global_shape=None,
+    step=None,
 ):
     """``srround.stochastic_add`` on a host copy of ``w``; returns the new ``w`` (run by run at
-    a block's global offsets, as ``stochastic_round``)."""
+    a block's global offsets, as ``stochastic_round``). ``step``: a traced step count ``t``
+    whose stream ``offset + t * 2**STEP_SHIFT`` is used (``apply_updates``), or ``None``."""
     global_shape = tuple(w.shape) if global_shape is None else global_shape
 
-    def host(wh, uh, ah, h0, h1, oh):
+    def host(wh, uh, ah, h0, h1, th, oh):
         target = np.array(wh).reshape(-1)  # a writable copy: the callback's input is read-only
         flat_u = np.asarray(uh, order="C").reshape(-1)
+        base = offset + (int(th) << STEP_SHIFT)
         for lo, n, start in _runs(wh.shape, oh, global_shape):
             _host("stochastic_add")(
                 target[lo : lo + n],
                 flat_u[lo : lo + n],
                 alpha=np.float32(ah),
                 seed=_seed_of(h0, h1),
-                offset=offset + start,
+                offset=base + start,
                 dtype=fmt.name,
                 overflow=overflow,
             )
         return target.reshape(wh.shape)
 
-    def body(w, u, alpha, k0, k1, origins):
+    def body(w, u, alpha, k0, k1, t, origins):
         shape = jax.ShapeDtypeStruct(w.shape, w.dtype)
         origin_arg = _origin_arg(None if origins is None else origins[0], w.ndim)
-        return _callback(host, shape, w, u, alpha, k0, k1, origin_arg)
+        return _callback(host, shape, w, u, alpha, k0, k1, t, origin_arg)
 
-    args = (w, u, jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1))
+    t = jnp.asarray(0 if step is None else step, jnp.int32)
+    args = (w, u, jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1), t)
     if origin is not None:
         return body(*args, {0: origin})
-    return _per_shard(body, (0, 0, None, None, None), *args)
+    return _per_shard(body, (0, 0, None, None, None, None), *args)
 
 
 def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):

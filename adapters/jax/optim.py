@@ -80,6 +80,7 @@ from srround._formats import FORMATS
 
 from ._api import _key_words
 from ._callback import _callback, _host, _origin_arg, _per_shard, _runs, _seed_of
+from ._callback import stochastic_add as _callback_stochastic_add
 from ._lax import (
     _decode,
     _element_index,
@@ -560,35 +561,12 @@ def _check_arrays(leaves, name: str) -> None:
 
 
 def _apply_leaf_on_host(p, u, k0, k1, t, name: str, start: int, layout):
-    """``srround.stochastic_add(p, u)`` of one leaf on the host at stream position
-    ``(t << STEP_SHIFT) + start`` plus each element's global index: a block inside
+    """``srround.stochastic_add(p, u)`` of one leaf on the host (the callback path) at stream
+    position ``(t << STEP_SHIFT) + start`` plus each element's global index: a block inside
     ``shard_map`` (``layout`` = (origin, global shape)), else per shard under ``jit``."""
-    global_shape = tuple(p.shape) if layout is None else layout[1]
-
-    def host(w, uh, h0, h1, t_host, oh):
-        target = np.array(w).reshape(-1)  # a writable copy: the callback's input is read-only
-        flat_u = np.asarray(uh, order="C").reshape(-1)
-        base = (int(t_host) << _optim.STEP_SHIFT) + start
-        for lo, size, first in _runs(w.shape, oh, global_shape):
-            _host("stochastic_add")(
-                target[lo : lo + size],
-                flat_u[lo : lo + size],
-                alpha=1.0,
-                seed=_seed_of(h0, h1),
-                offset=base + first,
-                dtype=name,
-            )
-        return target.reshape(w.shape)
-
-    def body(p, u, k0, k1, t, origins):
-        shape = jax.ShapeDtypeStruct(p.shape, p.dtype)
-        origin_arg = _origin_arg(None if origins is None else origins[0], p.ndim)
-        return _callback(host, shape, p, u, k0, k1, t, origin_arg)
-
-    args = (p, u, k0, k1, jnp.asarray(t, jnp.int32))
-    if layout is not None:
-        return body(*args, {0: layout[0]})
-    return _per_shard(body, (0, 0, None, None, None), *args)
+    origin, global_shape = (None, None) if layout is None else layout
+    fmt = FORMATS[name]
+    return _callback_stochastic_add(p, u, 1.0, fmt, k0, k1, start, "inf", origin, global_shape, t)
 
 
 def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=None):
