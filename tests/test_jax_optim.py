@@ -253,9 +253,9 @@ def test_adamw_bf16_states_compute_the_update_once():
 
 
 def test_narrow_rounds_float64_to_float32_as_numpy():
-    """``_lax.narrow`` (float64 -> float32 in integer ops, which XLA cannot skip as it may a
-    conversion pair) is NumPy's conversion: ties to even, subnormals, overflow, inf; NaN as
-    +qNaN. Random patterns around float32's range and every rounding case near ties."""
+    """``_lax.narrow`` (float64 -> float32; on a GPU in integer ops, which XLA cannot skip as
+    it may a conversion pair) is NumPy's conversion: ties to even, subnormals, overflow, inf;
+    NaN as +qNaN. Random patterns around float32's range and every rounding case near ties."""
     rng = np.random.default_rng(0)
     expo = rng.integers(1023 - 160, 1023 + 130, 200_000, dtype=np.uint64)
     mant = rng.integers(0, 2**52, 200_000, dtype=np.uint64)
@@ -265,19 +265,23 @@ def test_narrow_rounds_float64_to_float32_as_numpy():
     x = (sign | (expo << np.uint64(52)) | mant).view(np.float64)
     specials = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 3.5e38, 3.4028235677973366e38]
     x = np.concatenate([x, np.array(specials), np.float32(1e-45) * np.arange(-40.0, 40.0)])
-    with jax.enable_x64(True):
-        got = np.asarray(jax.jit(_lax.narrow)(jnp.asarray(x)))
     with np.errstate(over="ignore"):
         want = x.astype(np.float32)
     want[np.isnan(want)] = np.uint32(0x7FC00000).view(np.float32)
-    assert_same_bits(got, want)
+    # both branches, whatever the backend: XLA's conversion (CPU), integer ops (GPU)
+    for fn in (_lax.narrow, _lax._narrow_by_conversion, _lax._narrow_in_integers):
+        with jax.enable_x64(True):
+            got = np.asarray(jax.jit(fn)(jnp.asarray(x)))
+        assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("kw", [{}, {"nesterov": True}, {"eps_root": 1e-8}])
 def test_adamw_divides_in_float64_on_a_gpu(kw):
     """XLA's GPU backend divides float32 with ``div.full`` (up to 1 ulp off: an H100 run gave
     1-ulp differences from the kernels): lowered for CUDA, every division and square root of
-    the native step is a float64 op (then rounded once, ``_lax.div``); for the CPU, float32."""
+    the native step is a float64 op (then rounded once, ``_lax.div``), and float64 results are
+    rounded to float32 in integer ops (``_lax.narrow``); for the CPU, float32 ops and XLA's
+    conversion."""
     opt = sj.adamw(1e-3, seed=SEED, **kw)
     params = [jnp.ones((8,), jnp.bfloat16), jnp.ones((3, 5), jnp.float32)]
     step = jax.jit(lambda p, s, g: opt.step(g, s, p)).trace(params, opt.init(params), params)
@@ -287,6 +291,8 @@ def test_adamw_divides_in_float64_on_a_gpu(kw):
         elementwise = [t for t in types if "x" in t]  # not the scalar coefficients
         assert elementwise, text
         assert all(t.endswith("f64") == wide for t in elementwise), (platform, types)
+        # float64 -> float32 rounded in integer ops (mask 0xFFFFFFFFE0000000) on a GPU only
+        assert (str(0xFFFFFFFFE0000000) in text) == wide, platform
 
 
 def test_apply_updates_fresh_noise_per_step():

@@ -210,12 +210,14 @@ def _handler(frame_pointer):
 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_handler), platform="cpu")
 
 
-def call(fn, result_shape, *args, vmap_method: str = "sequential"):
+def call(fn, result_shape, *args):
     """``fn(*host arrays)`` on the host as an FFI custom call (CPU only): ``result_shape`` a
     ``jax.ShapeDtypeStruct`` or a tuple of them; ``fn`` returns an array or a tuple of arrays of
-    those shapes (bit patterns of the same width are viewed as the result's dtype)."""
+    those shapes (bit patterns of the same width are viewed as the result's dtype). Vmapped:
+    one call per example. Each trace registers ``fn`` for the life of the process: a compiled
+    program may run at any later time."""
     with _LOCK:
         ident = next(_IDS)
         _FUNCTIONS[ident] = fn
     ident_arg = jnp.asarray(ident, jnp.int32)
-    return jax.ffi.ffi_call(TARGET, result_shape, vmap_method=vmap_method)(ident_arg, *args)
+    return jax.ffi.ffi_call(TARGET, result_shape, vmap_method="sequential")(ident_arg, *args)

@@ -308,23 +308,41 @@ def canonical_nan(u):
 
 def narrow(x):
     """float32 nearest to float64 ``x`` (ties to even), subnormals included, a NaN as +qNaN.
-    Rounded in integer ops, so that the conversion to float32 at the end is exact: XLA may drop
-    a float64 -> float32 -> float64 conversion pair (excess precision; on an H100 that gave
-    1-ulp differences from the kernels), which is harmless then. XLA's CPU backend flushes
-    subnormal conversions: below 2**-126, ``|x| + 2**-97`` rounds ``|x|`` to the subnormal
-    quantum 2**-149, and its low mantissa bits count the quanta. The last op takes several
-    arrays (XLA writes the result once for all its readers)."""
+
+    On a GPU the rounding happens in integer ops (``_narrow_in_integers``), so that the final
+    conversion to float32 is exact: XLA's GPU backend may drop a float64 -> float32 -> float64
+    conversion pair (excess precision; on an H100 that gave 1-ulp differences from the
+    kernels), which is harmless then. XLA's CPU backend keeps such pairs and converts
+    (``_narrow_by_conversion``). The last op takes several arrays (XLA writes the result once
+    for all its readers)."""
     with jax.enable_x64(True):
         x = jnp.asarray(x, jnp.float64)
-        b = lax.bitcast_convert_type(x, jnp.uint64)
-        # to nearest even at float32's last mantissa bit (bit 29); inf stays inf
-        b = (b + np.uint64(0x0FFFFFFF) + ((b >> 29) & 1)) & np.uint64(0xFFFFFFFFE0000000)
-        wide = lax.bitcast_convert_type(b, jnp.float64).astype(jnp.float32)
-        wide = jnp.where(jnp.isnan(x), _f32(np.uint32(0x7FC00000)), wide)
-        mag = jnp.abs(x)
-        quanta = lax.bitcast_convert_type(mag + 2.0**-97, jnp.uint64).astype(_U32) & 0xFFFFFF
-        sign = (b >> 63).astype(_U32) << 31
-        return jnp.where(mag < 2.0**-126, _f32(sign | quanta), wide)
+        return lax.platform_dependent(x, cpu=_narrow_by_conversion, default=_narrow_in_integers)
+
+
+def _narrow_by_conversion(x):
+    """``narrow`` with XLA's conversion for normal results. XLA's CPU backend flushes
+    subnormal conversions: below 2**-126, ``|x| + 2**-97`` rounds ``|x|`` to the subnormal
+    quantum 2**-149, and its low mantissa bits count the quanta."""
+    return _narrow_with(x, x.astype(jnp.float32))
+
+
+def _narrow_in_integers(x):
+    """``narrow`` rounding normal results in integer ops: to nearest even at float32's last
+    mantissa bit (bit 29 of float64's), then an exact conversion; inf stays inf."""
+    b = lax.bitcast_convert_type(x, jnp.uint64)
+    b = (b + np.uint64(0x0FFFFFFF) + ((b >> 29) & 1)) & np.uint64(0xFFFFFFFFE0000000)
+    return _narrow_with(x, lax.bitcast_convert_type(b, jnp.float64).astype(jnp.float32))
+
+
+def _narrow_with(x, normal):
+    """``narrow`` of float64 ``x`` given its float32 rounding ``normal`` where that is
+    normal: subnormal results from the quanta, NaN as +qNaN."""
+    mag = jnp.abs(x)
+    quanta = lax.bitcast_convert_type(mag + 2.0**-97, jnp.uint64).astype(_U32) & 0xFFFFFF
+    sign = (lax.bitcast_convert_type(x, jnp.uint64) >> 63).astype(_U32) << 31
+    wide = jnp.where(jnp.isnan(x), _f32(np.uint32(0x7FC00000)), normal)
+    return jnp.where(mag < 2.0**-126, _f32(sign | quanta), wide)
 
 
 def _wide_then_narrow(op):
