@@ -15,18 +15,21 @@
 #          JAX native path vs copy bandwidth, bits vs the Numba CUDA kernels).
 #   lossscale, adapters, lowbit  bench_lossscale, bench_adapters, bench_lowbit on the GPU.
 #   compile  the torch.compile rows on the GPU (bench_optim --sections compile).
+#   profile  where the host time of a small CUDA call goes (gpu_call_profile: launch floor,
+#          srround on Numba arrays and torch tensors, cProfile).
 #   demo   the language-model demo's GPU configuration (srround demo --device cuda).
 # JSON lands in benchmarks/results/<name>_gpu.json; regenerate benchmarks/RESULTS.md from it
 # with `python benchmarks/results.py` (here or after fetching gpu.tgz).
 # Seen on one H100 (2026-11-26): tests 130-150 s, round 30 s, optim 60 s, jax 12 s, lowbit 11 s,
-# compile 23 s (the demo has not run there yet): every phase fits one call of about 7 minutes,
-# e.g. `T_TESTS=200 T_MORE=60 bash benchmarks/gpu_session.sh` with the device's timeout_s=480.
+# compile 23 s, demo 181 s: every phase but the demo fits one call of about 7 minutes, e.g.
+# `T_TESTS=200 T_MORE=60 bash benchmarks/gpu_session.sh` with the device's timeout_s=480 (the
+# demo then stops at 60 s); the demo alone: `T_MORE=230 bash benchmarks/gpu_session.sh demo`.
 set -uo pipefail
 out="${OUT:-gpu-out}"
 logs="$(mktemp -d)/gpu"
 mkdir -p "$out" "$logs" benchmarks/results
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-phases="${*:-tests round optim jax lossscale adapters lowbit compile demo}"
+phases="${*:-tests round optim jax lossscale adapters lowbit compile profile demo}"
 py="${PYTHON:-python3}"  # the GPU image's python3 holds torch, JAX and CuPy
 
 pack() { tar czf "$out/gpu.tgz" -C "$(dirname "$logs")" gpu benchmarks 2>/dev/null; }
@@ -77,6 +80,10 @@ for phase in $phases; do
     compile)
         step bench_optim_compile "${T_MORE:-60}" "$py" benchmarks/bench_optim.py --device cuda \
             --quick --sections compile --json benchmarks/results/bench_optim_compile_gpu.json
+        ;;
+    profile)
+        step gpu_call_profile "${T_MORE:-60}" "$py" benchmarks/gpu_call_profile.py \
+            --json benchmarks/results/gpu_call_profile_gpu.json
         ;;
     demo) step demo_lm "${T_MORE:-60}" "$py" -m srround demo --device cuda --out "$logs" ;;
     *) echo "unknown phase $phase" >&2 ;;

@@ -69,6 +69,17 @@ def test_bench_adapters_cuda_smoke(tmp_path):
     assert "core, raw buffers" in out and "numba device arrays" in out, out
 
 
+def test_gpu_call_profile_smoke(tmp_path):
+    """The call-cost profiler of gpu_session.sh runs (the simulator on CPU-only machines, its
+    torch rows skipped there) and writes its JSON."""
+    out = _run(
+        [str(BENCH / "gpu_call_profile.py"), "--calls", "4", "--json", str(tmp_path / "p.json")],
+        tmp_path,
+    )
+    assert "srround.stochastic_round, numba arrays" in out and "cProfile" in out, out
+    assert (tmp_path / "p.json").exists()
+
+
 def test_bench_adapters_smoke(tmp_path):
     """Every CPU row of bench_adapters runs and lands in the table and the JSON."""
     out = _run(
