@@ -385,6 +385,53 @@ def case_errors():
     print("errors ok")
 
 
+def case_explicit():
+    """Meshes with explicit axes (shardings in the types): both paths keep each input's spec
+    and give the unsharded bits (the callback path runs per shard through ``shard_map``)."""
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    x = jnp.asarray(_data((8, 4), 1))
+    w = x.astype(jnp.bfloat16)
+    params = {"a": w, "b": jnp.asarray(_data((6,), 2)).astype(jnp.bfloat16)}
+    updates = {"a": x * 1e-2, "b": jnp.asarray(_data((6,), 3)) * 1e-2}
+    specs = {"a": P("x", "y"), "b": P()}
+    tx = sj.adamw(1e-2, seed=KEY)
+    e_params, _ = tx.step(updates, tx.init(params), params)
+    expected = {
+        "round": sj.stochastic_round(x, seed=KEY, offset=5),
+        "add": sj.stochastic_add(w, x, alpha=0.1, seed=KEY),
+        "apply": sj.apply_updates(params, updates, KEY, step=2),
+    }
+    with jax.set_mesh(mesh):
+        for spec in (P("x", "y"), P(None, "x"), P(("x", "y"))):
+            xs, ws = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, w))
+            for impl in ("native", "callback"):
+                what = f"explicit {spec} {impl}"
+                got = jax.jit(lambda a, i=impl: sj.stochastic_round(a, seed=KEY, offset=5, impl=i))(
+                    xs
+                )
+                _same(got, expected["round"], f"round {what}")
+                _same_sharding(got, xs, f"round {what}")
+                got = jax.jit(
+                    lambda a, b, i=impl: sj.stochastic_add(a, b, alpha=0.1, seed=KEY, impl=i)
+                )(ws, xs)
+                _same(got, expected["add"], f"add {what}")
+                _same_sharding(got, ws, f"add {what}")
+        ps = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        us = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in updates.items()}
+        for impl in ("native", "callback"):
+            got = jax.jit(lambda p, u, i=impl: sj.apply_updates(p, u, KEY, step=2, impl=i))(ps, us)
+            tx = sj.adamw(1e-2, seed=KEY, impl=impl)
+            new, _ = jax.jit(lambda g, p, tx=tx: tx.step(g, tx.init(p), p))(us, ps)
+            for k in params:
+                _same(got[k], expected["apply"][k], f"apply_updates explicit {impl} {k}")
+                _same_sharding(got[k], ps[k], f"apply_updates explicit {impl} {k}")
+                _same(new[k], e_params[k], f"adamw explicit {impl} {k}")
+                _same_sharding(new[k], ps[k], f"adamw explicit {impl} {k}")
+    print("explicit ok")
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     for name in sys.argv[1:]:

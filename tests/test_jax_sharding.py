@@ -18,7 +18,9 @@ pytest.importorskip("jax")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("case", ["functional", "shard_map", "optim", "loss_scale", "errors"])
+@pytest.mark.parametrize(
+    "case", ["functional", "shard_map", "optim", "loss_scale", "errors", "explicit"]
+)
 def test_sharded_equals_unsharded(case):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

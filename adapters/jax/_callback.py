@@ -67,8 +67,9 @@ def _shard_index(entry, mesh):
 
 
 def _per_shard(body, leaf_of, *args, result_leaves=(0,)):
-    """``body(*args, origins)`` run by XLA on each shard under ``jit``, on the CPU
-    (``custom_partitioning`` around the FFI call; elsewhere on the whole arrays).
+    """``body(*args, origins)`` run on each shard under ``jit``: on a mesh with explicit axes
+    through ``shard_map`` (each leaf's spec from its type); else by XLA's partitioner on the
+    CPU (``custom_partitioning`` around the FFI call), and on the whole arrays elsewhere.
 
     ``leaf_of[i]``: the leaf of operand ``i`` (a leaf's operands take the sharding of its first
     one), or ``None`` for a replicated scalar. ``result_leaves``: the leaf of each result (one
@@ -79,6 +80,29 @@ def _per_shard(body, leaf_of, *args, result_leaves=(0,)):
     if all(args[first[j]].ndim == 0 for j in leaves):
         return body(*args, None)
     single = len(result_leaves) == 1
+
+    def origins_of(a, specs, mesh):
+        origins = {}
+        for j in leaves:
+            local = a[first[j]].shape  # uneven splits: padded to one shape on all devices
+            spec = tuple(specs[j]) + (None,) * (len(local) - len(specs[j]))
+            origins[j] = [_shard_index(e, mesh) * jnp.uint32(n) for e, n in zip(spec, local)]
+        return origins
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.are_all_axes_explicit:  # shardings in the types: shard_map
+        specs = {j: jax.typeof(args[first[j]]).sharding.spec for j in leaves}
+        in_specs = tuple(PartitionSpec() if j is None else specs[j] for j in leaf_of)
+        out_specs = tuple(specs[j] for j in result_leaves)
+        operands = [
+            a if j is None else jax.sharding.reshard(a, specs[j]) for a, j in zip(args, leaf_of)
+        ]
+        return jax.shard_map(
+            lambda *a: body(*a, origins_of(a, specs, mesh)),
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs[0] if single else out_specs,
+        )(*operands)
 
     @custom_partitioning
     def whole(*a):
@@ -95,14 +119,10 @@ def _per_shard(body, leaf_of, *args, result_leaves=(0,)):
         replicated = NamedSharding(mesh, PartitionSpec())
         operands = [replicated if j is None else arg_shapes[first[j]].sharding for j in leaf_of]
 
+        specs = {j: operands[first[j]].spec for j in leaves}
+
         def shard(*a):
-            origins = {}
-            for j in leaves:
-                local = a[first[j]].shape  # uneven splits: padded to one shape on all devices
-                spec = tuple(operands[first[j]].spec)
-                spec += (None,) * (len(local) - len(spec))
-                origins[j] = [_shard_index(e, mesh) * jnp.uint32(n) for e, n in zip(spec, local)]
-            return body(*a, origins)
+            return body(*a, origins_of(a, specs, mesh))
 
         return mesh, shard, results(operands), tuple(operands)
 
