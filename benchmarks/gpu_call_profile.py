@@ -1,12 +1,14 @@
 """Where the host time of a small CUDA call goes (the H100 runs measured 0.23-0.75 ms per call
-whatever its size). Run by ``gpu_session.sh``::
+whatever its size, and 1.3 ms for ``unscale_and_check`` of 200 small tensors). Run by
+``gpu_session.sh``::
 
     python benchmarks/gpu_call_profile.py [--calls 2000] [--json PATH]
 
 Times, per call on 1024 elements: an empty Numba CUDA kernel with as many arguments as
 srround's (the launch floor), ``srround.stochastic_round`` on raw Numba device arrays and on
-torch CUDA tensors, and torch's own ``.to(bfloat16)``; then prints the functions that take the
-most host time in the srround calls (``cProfile``, sorted by own time)."""
+torch CUDA tensors, and torch's own cast; ``srround.unscale_and_check`` of 200 tensors and
+torch's own unscale; then prints the functions that take the most host time in the srround
+calls (``cProfile``, sorted by own time)."""
 
 from __future__ import annotations
 
@@ -84,17 +86,31 @@ def main(argv=None) -> int:
         def torch_cast():
             ot.copy_(xt)
 
+        grads = [torch.randn(n, device="cuda") for _ in range(200)]
+        inv_scale = torch.ones(1, device="cuda")
+        found = torch.zeros(1, device="cuda")
+
+        def unscale():
+            srround.unscale_and_check(grads, inv_scale, found_inf=found)
+
+        def torch_unscale():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
+
         sync = torch.cuda.synchronize
         rows["srround.stochastic_round, torch tensors"] = _per_call(on_torch, args.calls, sync)
         rows["torch out.copy_(x) (bf16 cast)"] = _per_call(torch_cast, args.calls, sync)
-        profiled.append(("torch tensors", on_torch))
+        rows["srround.unscale_and_check, 200 tensors"] = _per_call(unscale, args.calls, sync)
+        rows["torch _amp_foreach_..._unscale_, 200 tensors"] = _per_call(
+            torch_unscale, args.calls, sync
+        )
+        profiled += [("torch tensors", on_torch), ("unscale_and_check, 200 tensors", unscale)]
     print(f"host time per call, {n} elements, {args.calls} calls ({gpu or 'no torch GPU'})")
     for label, seconds in rows.items():
         print(f"  {label:44s} {seconds * 1e6:9.1f} us")
     profiles = {}
     for label, fn in profiled:
         profiles[label] = _profile(fn, args.calls // 4, args.top)
-        print(f"\n== cProfile of srround.stochastic_round on {label} (own time) ==")
+        print(f"\n== cProfile of srround on {label} (own time) ==")
         print(profiles[label])
     write_json(
         args.json,
