@@ -429,6 +429,20 @@ def case_explicit():
                 _same_sharding(got[k], ps[k], f"apply_updates explicit {impl} {k}")
                 _same(new[k], e_params[k], f"adamw explicit {impl} {k}")
                 _same_sharding(new[k], ps[k], f"adamw explicit {impl} {k}")
+        # the loss scale: unscale, all_finite and adjust on sharded gradients
+        ls = sj.DynamicLossScale(jnp.float32(2**15))
+
+        def scale_step(grads, ls):
+            grads = ls.unscale(grads)
+            finite = sj.all_finite(grads)
+            return grads, finite, ls.adjust(finite)
+
+        grads, finite, new_ls = jax.jit(scale_step)(us, ls)
+        e_grads, e_finite, e_ls = scale_step(updates, ls)
+        assert bool(finite) == bool(e_finite) and float(new_ls.loss_scale) == float(e_ls.loss_scale)
+        for k in params:
+            _same(grads[k], e_grads[k], f"unscale explicit {k}")
+            _same_sharding(grads[k], us[k], f"unscale explicit {k}")
     print("explicit ok")
 
 
