@@ -56,6 +56,17 @@ cuda = import_numba_cuda()
 # the simulator cannot pass device arrays into njit functions: the same body as a device function
 _find_tensor = cuda.jit(device=True)(find_tensor.py_func)
 
+
+@cuda.jit(device=True)
+def _block_range(total):
+    """``(first, end)``: the contiguous element range of this block in a tensor-list kernel
+    (its threads stride it by the block size, so a thread's tensor index only moves forward:
+    one binary search per thread, not one per element)."""
+    chunk = (total + cuda.gridDim.x - 1) // cuda.gridDim.x
+    first = cuda.blockIdx.x * chunk
+    return first, min(first + chunk, total)
+
+
 # the element-wise operations; each has a general and a vec4 kernel (``_make_kernels``)
 _ROUND, _ADD, _NEAREST, _WIDEN = range(4)
 
@@ -248,9 +259,11 @@ def to_float32(h, out, mantissa_bits, exponent_bits, kind=0, *, stream):
 
 @cuda.jit(cache=True)
 def _unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor):
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for i in range(start, starts[starts.size - 1], stride):
-        k = _find_tensor(starts, i)
+    first, end = _block_range(starts[starts.size - 1])
+    k = _find_tensor(starts, min(first + cuda.threadIdx.x, end - 1)) if first < end else 0
+    for i in range(first + cuda.threadIdx.x, end, cuda.blockDim.x):
+        while i >= starts[k + 1]:
+            k += 1
         slot = k if per_tensor else 0
         if not unscale_in_place(addresses[k], formats[k], i - starts[k], inv_scales[slot]):
             found[slot] = 0x3F800000  # 1.0f
@@ -316,9 +329,11 @@ def _optim_step(
 ):
     if found[0] & 0x7FFFFFFF:
         return
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for i in range(start, starts[starts.size - 1], stride):
-        k = _find_tensor(starts, i)
+    first, end = _block_range(starts[starts.size - 1])
+    k = _find_tensor(starts, min(first + cuda.threadIdx.x, end - 1)) if first < end else 0
+    for i in range(first + cuda.threadIdx.x, end, cuda.blockDim.x):
+        while i >= starts[k + 1]:
+            k += 1
         g = table[k, GROUP]
         step_element(
             kind,
