@@ -14,6 +14,9 @@ Kernels run on the stream the caller passes (the adapters pass the framework's c
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import numpy as np
 from numba import njit
 
@@ -278,9 +281,35 @@ def _update_scale(scale, growth_tracker, overflow_tracker, found, factors):
         )
 
 
+_TABLES: collections.OrderedDict = collections.OrderedDict()  # see _device_table
+_TABLES_LOCK = threading.Lock()
+
+
+def _device_table(arrays):
+    """Device copies of a tensor list's host table (int64 arrays), of the last
+    ``_config.CUDA_TABLES_KEPT`` tables: a training loop passes the same table every step, and
+    each copy costs an allocation and a transfer. A new table is copied and synchronized once,
+    so that any stream may read it."""
+    device = getattr(cuda.get_current_device(), "id", 0)  # (the simulator's has none)
+    key = (device, *(a.tobytes() for a in arrays))
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    table = [cuda.to_device(a) for a in arrays]
+    cuda.synchronize()
+    with _TABLES_LOCK:
+        _TABLES[key] = table
+        while len(_TABLES) > _config.CUDA_TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    return table
+
+
 def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor, *, total, stream):
-    """``total``: elements over all tensors; table arrays on the host are copied over."""
-    table = [cuda.to_device(a, stream=stream) for a in (addresses, formats, starts)]
+    """``total``: elements over all tensors; the host table arrays are copied over (cached,
+    ``_device_table``)."""
+    table = _device_table((addresses, formats, starts))
     grid = _grid(total)
     _unscale_and_check[grid[0], grid[1], stream](*table, inv_scales, found, per_tensor)
 

@@ -16,8 +16,8 @@ def unscale_and_check(
     """Unscale every element of a tensor list in place and flag non-finite inputs.
 
     Args:
-        addresses, formats, starts: the tensor list (``_tensor_list.TensorList``); on CUDA the
-            host arrays are copied over (or device arrays are used as they are).
+        addresses, formats, starts: the tensor list (``_tensor_list.TensorList``), host
+            arrays; on CUDA their device copies are cached (``_cuda._device_table``).
         inv_scales, found: uint32 float32 patterns (1, or one per tensor with ``per_tensor``)
             on ``device``; ``found`` is set to 1.0 where an input was non-finite.
         device: ``"cpu"`` or ``"cuda"``; total: elements over all tensors; stream: CUDA stream.

@@ -101,8 +101,8 @@ class TensorList:
     """The pointer table of a list of buffers (see the module docstring).
 
     Attributes:
-        addresses, formats, starts: the table as NumPy int64 arrays (host), or as device arrays
-            after ``on_device``.
+        addresses, formats, starts: the table as NumPy int64 arrays (host; CUDA kernels get
+            cached device copies, ``_cuda._device_table``).
         total: number of elements over all buffers.
         keepalive: the buffers, so their memory outlives the table.
     """

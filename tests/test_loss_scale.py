@@ -181,3 +181,24 @@ def test_errors():
     ro.flags.writeable = False
     with pytest.raises(ValueError, match=r"grads\[0\]: is read-only"):
         srround.unscale_and_check([ro], 0.5)
+
+
+def test_cuda_reuses_the_device_table_of_a_gradient_list(small_cuda_launch):
+    """On CUDA the tensor list's table is copied to the device once per list (``_cuda``'s
+    cache, the last few lists): the same list again reuses the copy, another list gets its own,
+    and both unscale their own tensors (a stale table would write into the first list)."""
+    from srround import _cuda
+
+    from .reference import to_cuda
+
+    first = [to_cuda(np.full(n, 2.0, np.float32)) for n in (5, 3, 9)]
+    second = [to_cuda(np.full(n, 2.0, np.float32)) for n in (4, 6)]
+    _cuda._TABLES.clear()
+    srround.unscale_and_check(first, 0.5)
+    copies = list(_cuda._TABLES.values())
+    srround.unscale_and_check(first, 0.5)
+    assert list(_cuda._TABLES.values()) == copies  # reused, not copied again
+    srround.unscale_and_check(second, 0.25)
+    assert len(_cuda._TABLES) == 2
+    for g, value in [(g, 0.5) for g in first] + [(g, 0.5) for g in second]:
+        np.testing.assert_array_equal(g.copy_to_host(), value)
