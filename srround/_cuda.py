@@ -34,6 +34,7 @@ from ._elements import (
     S1_SCALE,
     S2_ADDR,
     S2_SCALE,
+    first_noise_cache,
     prepare_coefs,
     scale_usable,
     step_element,
@@ -61,11 +62,13 @@ _find_tensor = cuda.jit(device=True)(find_tensor.py_func)
 
 
 @cuda.jit(device=True)
-def _block_range(total):
-    """``(first, end)``: the contiguous element range of this block in a tensor-list kernel
-    (its threads stride it by the block size, so a thread's tensor index only moves forward:
-    one binary search per thread, not one per element)."""
+def _block_range(total, quantum):
+    """``(first, end)``: the contiguous element range of this block in a tensor-list kernel, a
+    multiple of ``quantum`` elements long (its threads take ``quantum`` consecutive elements at
+    a time and stride by the block, so a thread's tensor index only moves forward: one binary
+    search per thread, not one per element)."""
     chunk = (total + cuda.gridDim.x - 1) // cuda.gridDim.x
+    chunk = (chunk + quantum - 1) // quantum * quantum
     first = cuda.blockIdx.x * chunk
     return first, min(first + chunk, total)
 
@@ -262,7 +265,7 @@ def to_float32(h, out, mantissa_bits, exponent_bits, kind=0, *, stream):
 
 @cuda.jit(cache=True)
 def _unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor):
-    first, end = _block_range(starts[starts.size - 1])
+    first, end = _block_range(starts[starts.size - 1], 1)
     k = _find_tensor(starts, min(first + cuda.threadIdx.x, end - 1)) if first < end else 0
     for i in range(first + cuda.threadIdx.x, end, cuda.blockDim.x):
         while i >= starts[k + 1]:
@@ -358,25 +361,30 @@ def _optim_step(
 ):
     if found[0] & 0x7FFFFFFF:
         return
-    first, end = _block_range(starts[starts.size - 1])
-    k = _find_tensor(starts, min(first + cuda.threadIdx.x, end - 1)) if first < end else 0
-    for i in range(first + cuda.threadIdx.x, end, cuda.blockDim.x):
-        while i >= starts[k + 1]:
-            k += 1
-        g = table[k, GROUP]
-        step_element(
-            kind,
-            mode,
-            state_fmt,
-            _buffers(table, k) + (g,),  # the row, in Column order
-            i - starts[k],
-            table[k, NOISE],
-            steps[k],
-            inv_scale[0],
-            (coefs[k, 0], coefs[k, 1], coefs[k, 2]),
-            (hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4]),
-            (k0, k1),
-        )
+    # four consecutive elements per thread: one Threefry block per stream serves them
+    first, end = _block_range(starts[starts.size - 1], 4)
+    k = _find_tensor(starts, min(first + 4 * cuda.threadIdx.x, end - 1)) if first < end else 0
+    cache = first_noise_cache(k0, k1)
+    caches = (cache, cache, cache)
+    for quad in range(first + 4 * cuda.threadIdx.x, end, 4 * cuda.blockDim.x):
+        for i in range(quad, min(quad + 4, end)):
+            while i >= starts[k + 1]:
+                k += 1
+            g = table[k, GROUP]
+            caches = step_element(
+                kind,
+                mode,
+                state_fmt,
+                _buffers(table, k) + (g,),  # the row, in Column order
+                i - starts[k],
+                table[k, NOISE],
+                steps[k],
+                inv_scale[0],
+                (coefs[k, 0], coefs[k, 1], coefs[k, 2]),
+                (hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4]),
+                (k0, k1),
+                caches,
+            )
 
 
 def optim_step(
@@ -404,7 +412,7 @@ def optim_step(
     _optim_prepare[grid[0], grid[1], stream](
         kind, table, hyper, steps, coefs, inv_scale, sign, found
     )
-    grid = _grid(total)
+    grid = _grid(-(-total // 4))  # a thread per four elements
     _optim_step[grid[0], grid[1], stream](
         kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1
     )

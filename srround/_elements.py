@@ -93,11 +93,24 @@ def store(address, j, value, code):
         store_bits(address, j, value, 8)
 
 
-@njit(cache=True)
-def bits16_at(k0, k1, offset):
-    """The 16 random bits of counter ``offset`` of the stream of key ``(k0, k1)``."""
-    x0, x1 = random_block(k0, k1, offset >> 2)
-    return lane_bits16(x0, x1, offset & 3)
+@njit(forceinline=True, cache=True)
+def noise_bits16(k0, k1, offset, cache):
+    """The 16 random bits of counter ``offset`` of the stream of key ``(k0, k1)``, given
+    ``cache`` = ``(block, x0, x1)``, the last Threefry block drawn: four consecutive counters
+    share a block, so a new one is drawn only when ``offset`` lies in another. Returns
+    ``(bits, cache)``; a first cache: ``first_noise_cache``."""
+    block = offset >> 2
+    if block != cache[0]:
+        x0, x1 = random_block(k0, k1, block)
+        cache = (block, x0, x1)
+    return lane_bits16(cache[1], cache[2], offset & 3), cache
+
+
+@njit(forceinline=True, cache=True)
+def first_noise_cache(k0, k1):
+    """A valid ``noise_bits16`` cache (block 0, drawn: no step's counter lies there)."""
+    x0, x1 = random_block(k0, k1, np.int64(0))
+    return np.int64(0), x0, x1
 
 
 # -- loss scaling ----------------------------------------------------------------------------
@@ -405,9 +418,11 @@ def update_element(kind, mode, formats, buffers, has_state1, j, scale, coefs, gr
 
 
 @njit(cache=True)
-def step_element(kind, mode, state_fmt, row, j, start, step, scale_bits, coefs, hyper, key):
+def step_element(kind, mode, state_fmt, row, j, start, step, scale_bits, coefs, hyper, key, caches):
     """``update_element`` for a kernel that has no random-bit buffer (CUDA): draws element
-    ``j``'s noise itself.
+    ``j``'s noise itself, through ``caches`` (a ``noise_bits16`` cache per stream: weight,
+    state1, state2), and returns the updated caches, so that a thread taking consecutive
+    elements draws one Threefry block per four of them.
 
     Args:
         row: the tensor's table row as a tuple in ``Column`` order.
@@ -421,14 +436,18 @@ def step_element(kind, mode, state_fmt, row, j, start, step, scale_bits, coefs, 
     p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr, aux_addr, _group = row
     k0, k1 = key
     group = group_constants(kind, hyper[0], hyper[1], hyper[2], hyper[3])
+    w_cache, m_cache, v_cache = caches
     w_bits16 = m_bits16 = v_bits16 = 0
     if mode == STOCHASTIC and p_fmt != F32:
-        w_bits16 = bits16_at(k0, k1, stream_offset(step, WEIGHT_STREAM, start) + j)
+        offset = stream_offset(step, WEIGHT_STREAM, start) + j
+        w_bits16, w_cache = noise_bits16(k0, k1, offset, w_cache)
     if state_fmt != F32:
         if s1_addr:
-            m_bits16 = bits16_at(k0, k1, stream_offset(step, STATE1_STREAM, start) + j)
+            offset = stream_offset(step, STATE1_STREAM, start) + j
+            m_bits16, m_cache = noise_bits16(k0, k1, offset, m_cache)
         if kind == ADAMW:
-            v_bits16 = bits16_at(k0, k1, stream_offset(step, STATE2_STREAM, start) + j)
+            offset = stream_offset(step, STATE2_STREAM, start) + j
+            v_bits16, v_cache = noise_bits16(k0, k1, offset, v_cache)
     update_element(
         kind,
         mode,
@@ -441,3 +460,4 @@ def step_element(kind, mode, state_fmt, row, j, start, step, scale_bits, coefs, 
         group,
         (w_bits16, m_bits16, v_bits16),
     )
+    return w_cache, m_cache, v_cache

@@ -272,3 +272,28 @@ def test_stream_starts_not_with_fp8_states():
             exp_avg_scales=scales[0],
             exp_avg_sq_scales=scales[1],
         )
+
+
+def test_cuda_noise_blocks_shared_by_four_elements_match_cpu(small_cuda_launch):
+    """The CUDA step draws one Threefry block per four consecutive elements and stream (a
+    per-thread cache): bf16 params and states (three streams), tensors of odd sizes, and noise
+    starts not aligned with the elements' places (``stream_starts``): the CPU's bits."""
+    rng = np.random.default_rng(9)
+    sizes = (7, 13, 5, 9)
+    starts = [5, 102, 3, 41]
+
+    def run(put, get):
+        ps = [put(rng_p.copy()) for rng_p in params]
+        gs = [put(g) for g in grads]
+        ms = [put(np.zeros(n, ml_dtypes.bfloat16)) for n in sizes]
+        vs = [put(np.zeros(n, ml_dtypes.bfloat16)) for n in sizes]
+        for t in (1, 2):
+            srround.adamw_step(ps, gs, ms, vs, lr=1e-2, step=t, seed=3, stream_starts=starts)
+        return [get(a).view(np.uint16) for a in ps + ms + vs]
+
+    params = [rng.standard_normal(n).astype(np.float32).astype(ml_dtypes.bfloat16) for n in sizes]
+    grads = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    cpu = run(lambda a: a, lambda a: a)
+    cuda = run(to_cuda, lambda a: a.copy_to_host())
+    for a, b in zip(cuda, cpu):
+        np.testing.assert_array_equal(a, b)
