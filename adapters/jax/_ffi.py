@@ -184,7 +184,8 @@ def _run(frame: _CallFrame) -> None:
 def _error(api: int, message: str) -> int:
     create = _ERROR_CREATE(ctypes.c_void_p.from_address(api + _ERROR_CREATE_OFFSET).value)
     text = message.encode("utf-8", "replace")
-    args = _ErrorCreateArgs(ctypes.sizeof(_ErrorCreateArgs) - 4, None, text, _INTERNAL)
+    size = _ErrorCreateArgs.errc.offset + ctypes.sizeof(ctypes.c_int)  # XLA's: up to errc
+    args = _ErrorCreateArgs(size, None, text, _INTERNAL)
     return create(ctypes.byref(args))
 
 
