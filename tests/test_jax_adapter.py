@@ -248,9 +248,34 @@ def test_callback_errors_reach_the_caller():
 
     shape = jax.ShapeDtypeStruct((3,), jnp.float32)
     with pytest.raises(Exception, match="bad host input"):
-        jax.block_until_ready(jax.jit(lambda x: _ffi.call(fails, shape, x))(jnp.ones(3)))
-    doubled = jax.jit(lambda x: _ffi.call(lambda h: h * 2, shape, x))(jnp.ones(3))
+        failing = jax.jit(lambda x: _ffi.call(fails, shape, x, key="test: fails"))
+        jax.block_until_ready(failing(jnp.ones(3)))
+    doubled = jax.jit(lambda x: _ffi.call(lambda h: h * 2, shape, x, key="test: doubles"))(
+        jnp.ones(3)
+    )
     np.testing.assert_array_equal(np.asarray(doubled), [2.0, 2.0, 2.0])
+
+
+def test_callback_registers_each_host_function_once():
+    """Eager callback calls in a loop (each traced anew) register no new host function: one
+    per distinct static setting (``_ffi.call``'s key), so a training loop does not grow."""
+    from srround.adapters.jax import _ffi
+
+    x = jnp.ones(16, jnp.float32)
+    tx = sj.adamw(1e-3, seed=0, impl="callback")
+    params = [x.astype(jnp.bfloat16)]
+    state = tx.init(params)
+
+    def calls(i):
+        sj.stochastic_round(x, seed=jax.random.key(i), impl="callback")
+        sj.apply_updates(params, [x], jax.random.key(i), step=i + 1, impl="callback")
+        tx.step([x], state, params)
+
+    calls(0)
+    registered = len(_ffi._FUNCTIONS)
+    for i in range(1, 6):
+        calls(i)
+    assert len(_ffi._FUNCTIONS) == registered
 
 
 def test_callback_from_many_threads():

@@ -39,16 +39,17 @@ def _seed_of(k0, k1) -> int:
     return int(k0) | (int(k1) << 32)
 
 
-def _callback(fn, result_shape, *args):
+def _callback(fn, result_shape, *args, key):
     """``fn(*host arrays)`` run on ``_HOST`` from a jitted program: on the CPU through srround's
-    FFI target (``_ffi``: callable from a per-shard function too), elsewhere through
-    ``jax.pure_callback``. Vmapped calls are sequential."""
+    FFI target (``_ffi``: callable from a per-shard function too; ``key``: what ``fn`` does,
+    see ``_ffi.call``), elsewhere through ``jax.pure_callback``. Vmapped calls are
+    sequential."""
 
     def on_host(*arrays):
         return _HOST.submit(fn, *arrays).result()
 
     def ffi(*a):
-        return _ffi.call(on_host, result_shape, *a)
+        return _ffi.call(on_host, result_shape, *a, key=key)
 
     def pure(*a):
         return jax.pure_callback(on_host, result_shape, *a, vmap_method="sequential")
@@ -201,7 +202,8 @@ def stochastic_round(
     def body(x, k0, k1, origins):
         shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
         origin_arg = _origin_arg(None if origins is None else origins[0], x.ndim)
-        return _callback(host, shape, x, k0, k1, origin_arg)
+        key = ("stochastic_round", fmt.name, offset, overflow, tuple(global_shape))
+        return _callback(host, shape, x, k0, k1, origin_arg, key=key)
 
     if origin is not None:
         return body(x, _u(k0), _u(k1), {0: origin})
@@ -221,7 +223,8 @@ def round_nearest(x, fmt: Format, overflow: str):
         )
 
     def body(x, origins):
-        return _callback(host, jax.ShapeDtypeStruct(x.shape, result_dtype(fmt)), x)
+        shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
+        return _callback(host, shape, x, key=("round_nearest", fmt.name, overflow))
 
     return _per_shard(body, (0,), x)
 
@@ -235,7 +238,8 @@ def to_float32(y, fmt: Format):
         return np.asarray(widened).reshape(yh.shape)
 
     def body(y, origins):
-        return _callback(host, jax.ShapeDtypeStruct(y.shape, jnp.float32), y)
+        shape = jax.ShapeDtypeStruct(y.shape, jnp.float32)
+        return _callback(host, shape, y, key=("to_float32", fmt.name))
 
     return _per_shard(body, (0,), y)
 
@@ -277,7 +281,8 @@ def stochastic_add(
     def body(w, u, alpha, k0, k1, t, origins):
         shape = jax.ShapeDtypeStruct(w.shape, w.dtype)
         origin_arg = _origin_arg(None if origins is None else origins[0], w.ndim)
-        return _callback(host, shape, w, u, alpha, k0, k1, t, origin_arg)
+        key = ("stochastic_add", fmt.name, offset, overflow, tuple(global_shape))
+        return _callback(host, shape, w, u, alpha, k0, k1, t, origin_arg, key=key)
 
     t = jnp.asarray(0 if step is None else step, jnp.int32)
     args = (w, u, jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1), t)
@@ -322,7 +327,8 @@ def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):
         jax.ShapeDtypeStruct(scale_shape, scale_dtype),
         jax.ShapeDtypeStruct((1,), jnp.float32),
     )
-    return _callback(host, result, x, _u(k0), _u(k1)), axis
+    key = ("quantize_blocks", bf.name, rounding, offset, axis, scale)
+    return _callback(host, result, x, _u(k0), _u(k1), key=key), axis
 
 
 def dequantize_blocks(q):
@@ -345,4 +351,6 @@ def dequantize_blocks(q):
         )
         return _blocks.dequantize_blocks(host_q)
 
-    return _callback(host, jax.ShapeDtypeStruct(shape, jnp.float32), q.data, q.scales, tensor)
+    shape = jax.ShapeDtypeStruct(shape, jnp.float32)
+    key = ("dequantize_blocks", q.format, q.axis)
+    return _callback(host, shape, q.data, q.scales, tensor, key=key)

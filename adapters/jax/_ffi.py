@@ -148,7 +148,8 @@ _ERROR_CREATE_OFFSET = 48  # XLA_FFI_Api: struct_size, extension_start, api_vers
 
 # -- the registry and the handler ---------------------------------------------------------------
 
-_FUNCTIONS: dict[int, object] = {}
+_FUNCTIONS: dict[int, object] = {}  # id -> host function
+_IDS_OF: dict = {}  # key -> id
 _IDS = itertools.count(1)
 _LOCK = threading.Lock()
 
@@ -211,14 +212,18 @@ def _handler(frame_pointer):
 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_handler), platform="cpu")
 
 
-def call(fn, result_shape, *args):
+def call(fn, result_shape, *args, key):
     """``fn(*host arrays)`` on the host as an FFI custom call (CPU only): ``result_shape`` a
     ``jax.ShapeDtypeStruct`` or a tuple of them; ``fn`` returns an array or a tuple of arrays of
     those shapes (bit patterns of the same width are viewed as the result's dtype). Vmapped:
-    one call per example. Each trace registers ``fn`` for the life of the process: a compiled
-    program may run at any later time."""
+    one call per example. ``key`` (hashable) names what ``fn`` does - its static settings -
+    and registers it for the life of the process (a compiled program may run at any later
+    time); a key seen before reuses its function, so code traced again and again (eager
+    calls in a loop) registers nothing new."""
     with _LOCK:
-        ident = next(_IDS)
-        _FUNCTIONS[ident] = fn
+        ident = _IDS_OF.get(key)
+        if ident is None:
+            ident = _IDS_OF[key] = next(_IDS)
+            _FUNCTIONS[ident] = fn
     ident_arg = jnp.asarray(ident, jnp.int32)
     return jax.ffi.ffi_call(TARGET, result_shape, vmap_method="sequential")(ident_arg, *args)

@@ -1450,6 +1450,10 @@ def _callback_step(host_step, columns, t, lr, k0, k1, inv_scale, layouts, global
     lr_arg = jnp.asarray(0.0 if static_lr is not None else lr, jnp.float32)
     scalars = (_u(k0), _u(k1), jnp.asarray(t, jnp.int32), lr_arg, scale)
 
+    # what the host function does: the optimizer's step and this tree's static layout
+    key = ("optimizer step", host_step, n, ns, tuple(has_aux), static_lr, whole)
+    key += (tuple(starts), tuple(tuple(g) for g in shapes_live))
+
     def body(*operands_and_origins):
         *operands, origins = operands_and_origins
         local = operands[5:]
@@ -1461,7 +1465,7 @@ def _callback_step(host_step, columns, t, lr, k0, k1, inv_scale, layouts, global
             _origin_arg(None if origins is None else origins.get(j), local[j].ndim)
             for j in range(n)
         ]
-        out = _callback(host, shapes, *operands, *origin_args)
+        out = _callback(host, shapes, *operands, *origin_args, key=key)
         return out[0] if len(shapes) == 1 else tuple(out)
 
     results = []
