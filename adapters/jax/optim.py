@@ -54,9 +54,8 @@ Implementations (``impl``):
   TPU, several devices) each leaf computes its own bits from its elements' global indices (it
   stays elementwise and keeps its sharding). The same bits either way (``_native_leaves``).
 * ``"callback"``: host calls (``_callback.py``) into ``srround.adamw_step`` (one for the whole
-  tree) / ``srround.stochastic_add`` (one per leaf, per shard under ``jit``), on the adapter's
-  host thread. CPU only in
-  practice (device -> host -> device copies).
+  tree) / ``srround.stochastic_add`` (one per leaf), per shard under ``jit``, on the adapter's
+  host thread. CPU only in practice (elsewhere: device -> host -> device copies).
 
 ``found_inf`` (a scalar; nonzero/True/NaN means skip): the step returns params and state
 unchanged (``lax.cond``), the step count included, with no host synchronisation. An array
