@@ -165,10 +165,11 @@ def buffer_dtypes(name: str) -> str:
     return f"a {', '.join(words[:-1])} or {words[-1]}"
 
 
-def buffer_table(arrays, name: str, buffer_info):
-    """``(addresses, sizes, format codes, place)`` of arrays updated in place by a tensor-list
-    kernel; ``buffer_info(array, name)`` checks one array (errors name ``name[i]``)."""
-    infos = [buffer_info(a, f"{name}[{i}]") for i, a in enumerate(arrays)]
+def buffer_table(arrays, name: str, buffer_info, writes: bool = True):
+    """``(addresses, sizes, format codes, place)`` of arrays a tensor-list kernel reads (and
+    updates in place: ``writes``); ``buffer_info(array, name, writes)`` checks one array (errors
+    name ``name[i]``)."""
+    infos = [buffer_info(a, f"{name}[{i}]", writes) for i, a in enumerate(arrays)]
     places = {info[3] for info in infos}
     if len(places) > 1:
         raise ValueError(

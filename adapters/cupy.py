@@ -125,13 +125,13 @@ def counter(c, name: str, like: View) -> View:
     return _view(a, np.uint32, name)
 
 
-def buffer_table(arrays, name: str):
-    """``(addresses, sizes, format codes, place)`` of arrays updated in place by a tensor-list
-    kernel (``_common.buffer_table``)."""
-    return _buffer_table(arrays, name, _buffer_info)
+def buffer_table(arrays, name: str, writes: bool = True):
+    """``(addresses, sizes, format codes, place)`` of arrays a tensor-list kernel reads (and
+    updates in place: ``writes``) (``_common.buffer_table``)."""
+    return _buffer_table(arrays, name, _buffer_info, writes)
 
 
-def _buffer_info(a, name: str) -> tuple[int, int, int, str]:
+def _buffer_info(a, name: str, writes: bool) -> tuple[int, int, int, str]:
     """``(address, size, format code, place)`` of one array of a tensor list: the cheap path
     for lists of hundreds of arrays (no Numba array is built)."""
     a = _as_array(a, name)

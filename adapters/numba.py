@@ -99,15 +99,15 @@ def counter(c, name: str, like: View) -> View:
     return _view(c, np.uint32)
 
 
-def buffer_table(arrays, name: str):
-    """``(addresses, sizes, format codes, place)`` of arrays updated in place by a tensor-list
-    kernel (``_common.buffer_table``)."""
-    return _buffer_table(arrays, name, _buffer_info)
+def buffer_table(arrays, name: str, writes: bool = True):
+    """``(addresses, sizes, format codes, place)`` of arrays a tensor-list kernel reads (and
+    updates in place: ``writes``) (``_common.buffer_table``)."""
+    return _buffer_table(arrays, name, _buffer_info, writes)
 
 
-def _buffer_info(a, name: str) -> tuple[int, int, int, str]:
-    """``(address, size, format code, place)`` of a device array updated in place by a
-    tensor-list kernel."""
+def _buffer_info(a, name: str, writes: bool) -> tuple[int, int, int, str]:
+    """``(address, size, format code, place)`` of a device array of a tensor-list kernel
+    (device arrays are always writable)."""
     code = buffer_code(a.dtype, name)
     check_contiguous(_contiguous(a), name, _FIX)
     view = _view(a, code_bits_dtype(code))

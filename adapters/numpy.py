@@ -84,17 +84,18 @@ def counter(c, name: str, like: View) -> View:
     return _view(a, np.uint32)
 
 
-def buffer_table(arrays, name: str):
-    """``(addresses, sizes, format codes, place)`` of arrays updated in place by a tensor-list
-    kernel (``_common.buffer_table``)."""
-    return _buffer_table(arrays, name, _buffer_info)
+def buffer_table(arrays, name: str, writes: bool = True):
+    """``(addresses, sizes, format codes, place)`` of arrays a tensor-list kernel reads (and
+    updates in place: ``writes``; read-only arrays are taken otherwise) (``_common.buffer_table``)."""
+    return _buffer_table(arrays, name, _buffer_info, writes)
 
 
-def _buffer_info(a, name: str) -> tuple[int, int, int, str]:
-    """``(address, size, format code, place)`` of an array updated in place by a tensor-list
-    kernel: the cheap per-array path for lists of hundreds of arrays."""
+def _buffer_info(a, name: str, writes: bool) -> tuple[int, int, int, str]:
+    """``(address, size, format code, place)`` of an array a tensor-list kernel reads (and
+    writes: ``writes``): the cheap per-array path for lists of hundreds of arrays."""
     a = _as_array(a, name)
     code = buffer_code(a.dtype, name)
     check_contiguous(a.flags.c_contiguous, name, _FIX)
-    _check_writable(a, name)
+    if writes:
+        _check_writable(a, name)
     return a.__array_interface__["data"][0], a.size, code, "cpu"

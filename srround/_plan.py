@@ -136,14 +136,18 @@ class Plan:
     spans: list = dataclasses.field(default_factory=list)
 
 
-def _columns(adapter, arrays, name, sizes, place, allowed, expected=None, size_rule=None):
+def _columns(
+    adapter, arrays, name, sizes, place, allowed, expected=None, size_rule=None, writes=True
+):
     """Addresses and codes of one buffer list, checked against the parameters' sizes (or the
     sizes ``size_rule`` names) and place; ``None`` entries (no buffer) give address 0 and
-    code 0."""
+    code 0. ``writes=False``: the step only reads the list (read-only arrays are taken)."""
     present = [i for i, a in enumerate(arrays) if a is not None]
     addresses, codes = [0] * len(arrays), [0] * len(arrays)
     if present:
-        adds, got, cods, where = adapter.buffer_table([arrays[i] for i in present], name)
+        adds, got, cods, where = adapter.buffer_table(
+            [arrays[i] for i in present], name, writes=writes
+        )
         if where != place:
             raise ValueError(f"{name}: on {where}, but params are on {place}")
         bad = _first_bad(cods, allowed)
@@ -189,7 +193,7 @@ def plan_step(
     count = len(params)
     p_addr, sizes, p_codes, place = adapter.buffer_table(params, "params")
     check_param_codes(p_codes, mode)
-    g_addr, g_codes = _columns(adapter, grads, "grads", sizes, place, FLOAT_CODES)
+    g_addr, g_codes = _columns(adapter, grads, "grads", sizes, place, FLOAT_CODES, writes=False)
     spans = _validate.list_spans("params", p_addr, sizes, p_codes, CODE_WIDTH, True)
     spans += _validate.list_spans("grads", g_addr, sizes, g_codes, CODE_WIDTH, False)
     columns, state_fmt = [], None

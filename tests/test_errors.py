@@ -93,3 +93,30 @@ def test_bad_dtype_and_overflow_names():
 def test_empty_and_scalar_inputs():
     assert srround.stochastic_round(np.empty(0, np.float32), seed=0).shape == (0,)
     assert srround.round_nearest(np.float32(1.5)).shape == ()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_fused_step_reads_read_only_grads_and_rejects_read_only_params(optimizer):
+    """The step only reads the gradients: read-only ones (e.g. views of another framework's
+    buffers) are taken, with the same bits; what the step writes must be writable."""
+
+    def step(grads, params):
+        states = [[np.zeros(5, np.float32)], [np.zeros(5, np.float32)]]
+        if optimizer == "adamw":
+            srround.adamw_step(params, grads, *states, lr=1e-2, step=1, seed=3)
+        else:
+            srround.sgd_step(params, grads, states[0], lr=1e-2, momentum=0.9, step=1, seed=3)
+        return params[0]
+
+    grad = np.linspace(-1, 1, 5, dtype=np.float32)
+    frozen = grad.copy()
+    frozen.flags.writeable = False
+    weights = np.full(5, 0.5, ml_dtypes.bfloat16)
+    expected = step([grad], [weights.copy()])
+    np.testing.assert_array_equal(
+        step([frozen], [weights.copy()]).view(np.uint16), expected.view(np.uint16)
+    )
+    locked = weights.copy()
+    locked.flags.writeable = False
+    with pytest.raises(ValueError, match=r"params\[0\]: is read-only"):
+        step([grad], [locked])

@@ -239,9 +239,9 @@ _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
-def buffer_table(tensors, name: str):
-    """``(addresses, sizes, format codes, place)`` of tensors updated in place by a tensor-list
-    kernel. A gradient list has hundreds of tensors: the per-tensor work is C-level ``map``
+def buffer_table(tensors, name: str, writes: bool = True):
+    """``(addresses, sizes, format codes, place)`` of tensors a tensor-list kernel reads (and
+    updates in place: ``writes``; tensors are always writable). A gradient list has hundreds of tensors: the per-tensor work is C-level ``map``
     calls, with only the checks that matter (dtype, contiguity, one device); the first bad
     tensor is then found and named. DTensors (all or none): their local pieces."""
     tensors = _dist.locals_of(tensors, name)
