@@ -86,7 +86,7 @@ def counter(c, name: str, like: View) -> View:
 
 def buffer_table(arrays, name: str, writes: bool = True):
     """``(addresses, sizes, format codes, place)`` of arrays a tensor-list kernel reads (and
-    updates in place: ``writes``; read-only arrays are taken otherwise) (``_common.buffer_table``)."""
+    updates in place: ``writes``; else read-only arrays are taken) (``_common.buffer_table``)."""
     return _buffer_table(arrays, name, _buffer_info, writes)
 
 

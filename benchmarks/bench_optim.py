@@ -38,9 +38,10 @@ GPU: the time until ``step()`` returns, without a synchronize (launch overhead t
 ``first step`` includes state allocation, Numba/JAX/Inductor compilation and first touch.
 
 The JAX section (CPU, or the GPU when JAX sees one) times ``jit``-compiled steps with donated
-parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (native),
-``optax.adamw`` followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding of the
-sum), plain ``optax.adamw`` on fp32 and on bf16 params, and ``optax.adamw`` with a hand-written
+parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (its default
+``impl``: on a CPU the Numba step through srround's FFI target; and, on a CPU, ``impl="native"``
+too), ``optax.adamw`` followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding of
+the sum), plain ``optax.adamw`` on fp32 and on bf16 params, and ``optax.adamw`` with a hand-written
 ``jax.random.bits`` stochastic-rounding apply (what a user writes). Bytes/param there are the same
 nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B fp32). On a CPU its
 rows are timed in turns (every round times one step of each row), so on a shared machine they
@@ -417,7 +418,7 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
 
         return build
 
-    def fused_row(state_dtype):
+    def fused_row(state_dtype, impl=None):
         def build():
             if sj is None or not hasattr(sj, "adamw"):
                 raise Unavailable("srround.adapters.jax.adamw not present")
@@ -430,7 +431,7 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
                 seed=SEED,
                 rounding="stochastic",
                 state_dtype=state_dtype,
-                impl="native",
+                impl=impl,
             )
             params, grads = make(jnp.bfloat16)
             state = opt.init(params)
@@ -450,13 +451,18 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
 
     plain = (lambda p, u, k: optax.apply_updates(p, u)) if optax else None
     rows = [
-        ("srround jax.adamw native fp32 states", 22, fused_row(jnp.float32)),
-        ("srround jax.adamw native bf16 states", 14, fused_row(jnp.bfloat16)),
+        ("srround jax.adamw fp32 states", 22, fused_row(jnp.float32)),
+        ("srround jax.adamw bf16 states", 14, fused_row(jnp.bfloat16)),
         ("optax.adamw + srround apply_updates", 14, optax_row(srround_apply, jnp.bfloat16)),
         ("optax.adamw + user jax.random.bits SR", 14, optax_row(user_sr_apply, jnp.bfloat16)),
         ("optax.adamw bf16 params (RNE)", 14, optax_row(plain, jnp.bfloat16)),
         ("optax.adamw fp32 params", 28, optax_row(plain, jnp.float32)),
     ]
+    if backend == "cpu":  # the default there is the host step; elsewhere it is native
+        rows[2:2] = [
+            ("srround jax.adamw native fp32 states", 22, fused_row(jnp.float32, "native")),
+            ("srround jax.adamw native bf16 states", 14, fused_row(jnp.bfloat16, "native")),
+        ]
     # on a CPU the rows are timed in turns (each keeps its buffers meanwhile): a shared machine's
     # load moves between rows timed one after the other, and so would their ratios to optax
     in_turns = backend == "cpu"

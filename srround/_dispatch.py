@@ -12,8 +12,9 @@ statically). An adapter module declares ``MUTABLE``:
 
 * ``MUTABLE = True`` (NumPy, Numba, CuPy, torch): the kernels write into the caller's memory
   through ``View`` s that the module makes - ``source``, ``target``, ``inplace``, ``counter``
-  and ``buffer_table(arrays, name, writes=True)`` (``writes=False``: read-only arrays taken); optionally ``reduce_flags(arrays, flags)``, which combines overflow
-  flags across processes for sharded arrays (torch: DTensors).
+  and ``buffer_table(arrays, name, writes=True)`` (``writes=False``: read-only arrays are
+  taken); optionally ``reduce_flags(arrays, flags)``, which combines overflow flags across
+  processes for sharded arrays (torch: DTensors).
 * ``MUTABLE = False`` (JAX): arrays are immutable, so the module implements the functional API
   itself - ``stochastic_round``, ``round_nearest``, ``to_float32`` and ``stochastic_add``, with
   the keyword arguments of ``srround``'s functions - and operations that update arrays in place

@@ -256,6 +256,56 @@ def test_callback_errors_reach_the_caller():
     np.testing.assert_array_equal(np.asarray(doubled), [2.0, 2.0, 2.0])
 
 
+def test_callback_updates_aliased_operands_in_xla_buffers():
+    """``_ffi.call(..., aliases=)``: the host function gets the aliased operand writable, in the
+    result's buffer - the donated input's own buffer (no copy) - and the other operands
+    read-only; a caller's array that was not donated keeps its values (XLA copies it first)."""
+    from srround.adapters.jax import _ffi
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the FFI target is the CPU's")
+    seen = {}
+
+    def add(a, b):
+        seen.update(address=a.__array_interface__["data"][0], writable=a.flags.writeable)
+        seen["b_writable"] = b.flags.writeable
+        a += b
+        return a
+
+    shape = jax.ShapeDtypeStruct((1024,), jnp.float32)
+
+    def call(w, b):
+        return _ffi.call(add, shape, w, b, key="test: adds in place", aliases={0: 0})
+
+    b = jnp.ones(1024, jnp.float32)
+    w = jnp.zeros(1024, jnp.float32)
+    address = w.unsafe_buffer_pointer()
+    out = jax.jit(call, donate_argnums=0)(w, b)
+    assert seen == {"address": address, "writable": True, "b_writable": False}
+    assert out.unsafe_buffer_pointer() == address
+    np.testing.assert_array_equal(np.asarray(out), np.ones(1024, np.float32))
+    kept = jnp.zeros(1024, jnp.float32)
+    out = jax.jit(call)(kept, b)
+    np.testing.assert_array_equal(np.asarray(kept), np.zeros(1024, np.float32))
+    np.testing.assert_array_equal(np.asarray(out), np.ones(1024, np.float32))
+
+
+def test_apply_updates_callback_leaves_inputs_unchanged():
+    """The callback ``stochastic_add`` writes in the result's buffer: params that were not
+    donated keep their bits, donated ones give the same result."""
+    p = jnp.asarray(_inputs(5000, seed=2)[:5000]).astype(jnp.bfloat16)
+    u = jnp.full(5000, 2.0**-9, jnp.float32)
+    before = _bits(p)
+    plain = jax.jit(lambda p, u: sj.apply_updates(p, u, 7, step=3, impl="callback"))(p, u)
+    np.testing.assert_array_equal(_bits(p), before)
+    native = sj.apply_updates(p, u, 7, step=3, impl="native")
+    np.testing.assert_array_equal(_bits(plain), _bits(native))
+    donated = jax.jit(
+        lambda p, u: sj.apply_updates(p, u, 7, step=3, impl="callback"), donate_argnums=0
+    )(jnp.array(p), u)
+    np.testing.assert_array_equal(_bits(donated), _bits(native))
+
+
 def test_callback_registers_each_host_function_once():
     """Eager callback calls in a loop (each traced anew) register no new host function: one
     per distinct static setting (``_ffi.call``'s key), so a training loop does not grow."""

@@ -240,7 +240,7 @@ def test_adamw_bf16_states_compute_the_update_once():
     checked is the CPU backend's (a GPU fuses differently)."""
     if jax.default_backend() != "cpu":
         pytest.skip("checks the CPU backend's compiled program")
-    opt = sj.adamw(1e-3, seed=SEED, state_dtype=jnp.bfloat16)
+    opt = sj.adamw(1e-3, seed=SEED, state_dtype=jnp.bfloat16, impl="native")
     shape = (129, 128)  # above optim._SMALL_LEAF: each leaf a loop of its own
     params = [jnp.ones(shape, jnp.bfloat16)] * 2
     grads = [jnp.full(shape, 1e-3, jnp.bfloat16)] * 2
@@ -282,7 +282,7 @@ def test_adamw_divides_in_float64_on_a_gpu(kw):
     the native step is a float64 op (then rounded once, ``_lax.div``), and float64 results are
     rounded to float32 in integer ops (``_lax.narrow``); for the CPU, float32 ops and XLA's
     conversion."""
-    opt = sj.adamw(1e-3, seed=SEED, **kw)
+    opt = sj.adamw(1e-3, seed=SEED, impl="native", **kw)
     params = [jnp.ones((8,), jnp.bfloat16), jnp.ones((3, 5), jnp.float32)]
     step = jax.jit(lambda p, s, g: opt.step(g, s, p)).trace(params, opt.init(params), params)
     for platform, wide in (("cuda", True), ("cpu", False)):
@@ -293,6 +293,43 @@ def test_adamw_divides_in_float64_on_a_gpu(kw):
         assert all(t.endswith("f64") == wide for t in elementwise), (platform, types)
         # float64 -> float32 rounded in integer ops (mask 0xFFFFFFFFE0000000) on a GPU only
         assert (str(0xFFFFFFFFE0000000) in text) == wide, platform
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_fused_step_default_is_the_host_step_on_the_cpu_only(opt):
+    """``impl=None``: lowered for the CPU the fused step is one call of srround's FFI target
+    (the Numba step in XLA's buffers) and no elementwise math; lowered for CUDA (from this
+    CPU machine, as ``jax.export`` does) it is the native ``jax.lax`` step. Settings the host
+    step cannot run (optax's ``mask``, ``nesterov``, ``eps_root``, another ``mu_dtype``, fp8
+    states) stay native everywhere."""
+    make = {
+        "adamw": lambda **kw: sj.adamw(1e-3, seed=SEED, **kw),
+        "sgd": lambda **kw: sj.sgd(1e-2, momentum=0.9, seed=SEED, **kw),
+    }[opt]
+    params = [jnp.ones((8,), jnp.bfloat16), jnp.ones((3, 5), jnp.float32)]
+
+    def lowered(tx, platform):
+        step = jax.jit(lambda p, s, g: tx.step(g, s, p))
+        return (
+            step.trace(params, tx.init(params), params)
+            .lower(lowering_platforms=(platform,))
+            .as_text()
+        )
+
+    tx = make()
+    on_cpu, on_gpu = lowered(tx, "cpu"), lowered(tx, "cuda")
+    assert on_cpu.count("srround_host_call") == 1
+    assert "srround_host_call" not in on_gpu
+    assert re.search(r"stablehlo\.(divide|sqrt|multiply) .*tensor<8x", on_gpu)
+    assert not re.search(r"stablehlo\.(divide|sqrt|multiply) .*tensor<8x", on_cpu)
+    if opt == "adamw":
+        for kw in (
+            {"nesterov": True},
+            {"eps_root": 1e-8},
+            {"mask": [True, False]},
+            {"state_dtype": jnp.float8_e4m3fn},
+        ):
+            assert "srround_host_call" not in lowered(make(**kw), "cpu"), kw
 
 
 def test_apply_updates_fresh_noise_per_step():

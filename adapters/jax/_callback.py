@@ -39,20 +39,26 @@ def _seed_of(k0, k1) -> int:
     return int(k0) | (int(k1) << 32)
 
 
-def _callback(fn, result_shape, *args, key):
+def _callback(fn, result_shape, *args, key, aliases=None):
     """``fn(*host arrays)`` run on ``_HOST`` from a jitted program: on the CPU through srround's
     FFI target (``_ffi``: callable from a per-shard function too; ``key``: what ``fn`` does,
     see ``_ffi.call``), elsewhere through ``jax.pure_callback``. Vmapped calls are
-    sequential."""
+    sequential. ``aliases`` (``{operand: result}``): ``fn`` updates those operands in place
+    and returns them as those results - XLA's buffers on the CPU (``_ffi.call``), host copies
+    elsewhere."""
 
     def on_host(*arrays):
         return _HOST.submit(fn, *arrays).result()
 
     def ffi(*a):
-        return _ffi.call(on_host, result_shape, *a, key=key)
+        return _ffi.call(on_host, result_shape, *a, key=key, aliases=aliases)
+
+    def on_host_copies(*arrays):  # pure_callback's arrays are read-only
+        arrays = [np.array(a) if i in (aliases or {}) else a for i, a in enumerate(arrays)]
+        return on_host(*arrays)
 
     def pure(*a):
-        return jax.pure_callback(on_host, result_shape, *a, vmap_method="sequential")
+        return jax.pure_callback(on_host_copies, result_shape, *a, vmap_method="sequential")
 
     return lax.platform_dependent(*args, cpu=ffi, default=pure)
 
@@ -257,13 +263,14 @@ def stochastic_add(
     global_shape=None,
     step=None,
 ):
-    """``srround.stochastic_add`` on a host copy of ``w``; returns the new ``w`` (run by run at
-    a block's global offsets, as ``stochastic_round``). ``step``: a traced step count ``t``
+    """``srround.stochastic_add`` of ``w`` on the host, in place in the result's buffer
+    (``_callback``'s ``aliases``); returns the new ``w`` (run by run at a block's global
+    offsets, as ``stochastic_round``). ``step``: a traced step count ``t``
     whose stream ``offset + t * 2**STEP_SHIFT`` is used (``apply_updates``), or ``None``."""
     global_shape = tuple(w.shape) if global_shape is None else global_shape
 
     def host(wh, uh, ah, h0, h1, th, oh):
-        target = np.array(wh).reshape(-1)  # a writable copy: the callback's input is read-only
+        target = wh.reshape(-1)  # a view: updated in place
         flat_u = np.asarray(uh, order="C").reshape(-1)
         base = offset + (int(th) << STEP_SHIFT)
         for lo, n, start in _runs(wh.shape, oh, global_shape):
@@ -276,13 +283,14 @@ def stochastic_add(
                 dtype=fmt.name,
                 overflow=overflow,
             )
-        return target.reshape(wh.shape)
+        return wh
 
     def body(w, u, alpha, k0, k1, t, origins):
         shape = jax.ShapeDtypeStruct(w.shape, w.dtype)
         origin_arg = _origin_arg(None if origins is None else origins[0], w.ndim)
         key = ("stochastic_add", fmt.name, offset, overflow, tuple(global_shape))
-        return _callback(host, shape, w, u, alpha, k0, k1, t, origin_arg, key=key)
+        args = (w, u, alpha, k0, k1, t, origin_arg)
+        return _callback(host, shape, *args, key=key, aliases={0: 0})
 
     t = jnp.asarray(0 if step is None else step, jnp.int32)
     args = (w, u, jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1), t)

@@ -8,8 +8,11 @@ by an id in its first operand - an entry of this module's registry, which lives 
 process - and runs it on NumPy views of the operands' buffers. Anything XLA lowers, including
 a per-shard function, can then call the kernels.
 
-The handler copies the function's results into XLA's result buffers and reports an exception
-as an XLA error (``XlaRuntimeError`` at the caller), never a silent result. It runs on XLA's
+The handler copies the function's results into XLA's result buffers - except a result that
+aliases an operand (``call(..., aliases=)``): XLA hands over that operand's data in the
+result's buffer (the operand's own when it was donated), the function updates it in place and
+nothing is copied. An exception is reported as an XLA error (``XlaRuntimeError`` at the
+caller), never a silent result. It runs on XLA's
 thread: ``_callback`` hands the work to a thread of its own (flush-to-zero, see there).
 """
 
@@ -148,7 +151,7 @@ _ERROR_CREATE_OFFSET = 48  # XLA_FFI_Api: struct_size, extension_start, api_vers
 
 # -- the registry and the handler ---------------------------------------------------------------
 
-_FUNCTIONS: dict[int, object] = {}  # id -> host function
+_FUNCTIONS: dict[int, tuple] = {}  # id -> (host function, aliases: ((operand, result), ...))
 _IDS_OF: dict = {}  # key -> id
 _IDS = itertools.count(1)
 _LOCK = threading.Lock()
@@ -169,14 +172,24 @@ def _array(buffer: _Buffer, writable: bool) -> np.ndarray:
     return out
 
 
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
 def _run(frame: _CallFrame) -> None:
     args = [_array(frame.args.buffers[i].contents, False) for i in range(frame.args.size)]
     outs = [_array(frame.rets.buffers[i].contents, True) for i in range(frame.rets.size)]
-    results = _FUNCTIONS[int(args[0])](*args[1:])
+    fn, aliases = _FUNCTIONS[int(args[0])]
+    args = args[1:]
+    for operand, result in aliases:  # the operand's data, in the result's (writable) buffer
+        args[operand] = outs[result]
+    results = fn(*args)
     if len(outs) == 1:
         results = (results,)
     for out, result in zip(outs, results, strict=True):
         result = np.asarray(result)
+        if _address(result) == _address(out) and result.nbytes == out.nbytes:
+            continue  # updated in place
         if result.dtype != out.dtype:
             result = result.view(out.dtype)
         np.copyto(out, result.reshape(out.shape))
@@ -212,18 +225,30 @@ def _handler(frame_pointer):
 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_handler), platform="cpu")
 
 
-def call(fn, result_shape, *args, key):
+def call(fn, result_shape, *args, key, aliases=None):
     """``fn(*host arrays)`` on the host as an FFI custom call (CPU only): ``result_shape`` a
     ``jax.ShapeDtypeStruct`` or a tuple of them; ``fn`` returns an array or a tuple of arrays of
     those shapes (bit patterns of the same width are viewed as the result's dtype). Vmapped:
     one call per example. ``key`` (hashable) names what ``fn`` does - its static settings -
     and registers it for the life of the process (a compiled program may run at any later
     time); a key seen before reuses its function, so code traced again and again (eager
-    calls in a loop) registers nothing new."""
+    calls in a loop) registers nothing new.
+
+    ``aliases``: ``{operand index in args: result index}`` (same shape and dtype): ``fn`` gets
+    that operand as a writable array and returns it as that result, updated in place (XLA
+    copies the operand first unless it was donated, so the caller's array never changes).
+    The other operands are read-only."""
+    aliases = tuple(sorted((aliases or {}).items()))
     with _LOCK:
-        ident = _IDS_OF.get(key)
+        ident = _IDS_OF.get((key, aliases))
         if ident is None:
-            ident = _IDS_OF[key] = next(_IDS)
-            _FUNCTIONS[ident] = fn
+            ident = _IDS_OF[key, aliases] = next(_IDS)
+            _FUNCTIONS[ident] = (fn, aliases)
     ident_arg = jnp.asarray(ident, jnp.int32)
-    return jax.ffi.ffi_call(TARGET, result_shape, vmap_method="sequential")(ident_arg, *args)
+    call = jax.ffi.ffi_call(
+        TARGET,
+        result_shape,
+        vmap_method="sequential",
+        input_output_aliases={operand + 1: result for operand, result in aliases},
+    )
+    return call(ident_arg, *args)

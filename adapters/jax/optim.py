@@ -38,7 +38,13 @@ data ``(w0, w1)`` equals the int seed ``w0 | w1 << 32``).
 
 Implementations (``impl``):
 
-* ``"native"`` (default): ``jax.lax`` only, jit-able on any backend, with the Threefry stream
+* ``None`` (default): for ``adamw`` and ``sgd`` the callback path where the program is lowered
+  for the CPU (``lax.platform_dependent``) - on a CPU the Numba step in XLA's own buffers runs a
+  step in less time than ``optax.adamw`` and compiles in less (``benchmarks/bench_optim.py
+  --jax``) - and native elsewhere; native for the settings the host step does not take
+  (optax's ``mask``, ``nesterov``, ``eps_root``, another ``mu_dtype``, fp8 states) and for
+  ``apply_updates``.
+* ``"native"``: ``jax.lax`` only, jit-able on any backend, with the Threefry stream
   and rounding of ``_lax.py``. Every fma of the AdamW math is exact (``_fma``: float64 ops
   rounded to odd, subnormals in integer ops), and so is the sum of ``apply_updates`` (``_add``:
   float32 and integer ops); the other float32 ops are single IEEE ops. Bits can differ from
@@ -55,7 +61,8 @@ Implementations (``impl``):
   stays elementwise and keeps its sharding). The same bits either way (``_native_leaves``).
 * ``"callback"``: host calls (``_callback.py``) into ``srround.adamw_step`` (one for the whole
   tree) / ``srround.stochastic_add`` (one per leaf), per shard under ``jit``, on the adapter's
-  host thread. CPU only in practice (elsewhere: device -> host -> device copies).
+  host thread. On the CPU they update XLA's result buffers in place (donated params and
+  states: their own buffers, no copy); elsewhere they are device -> host -> device copies.
 
 ``found_inf`` (a scalar; nonzero/True/NaN means skip): the step returns params and state
 unchanged (``lax.cond``), the step count included, with no host synchronisation. An array
@@ -105,9 +112,9 @@ _NARROW = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16
 _ROUNDINGS = tuple(_optim.MODES)
 
 
-def _impl(impl) -> str:
+def _impl(impl, default="native") -> str:
     if impl is None:
-        return "native"
+        return default
     if impl not in ("native", "callback"):
         raise ValueError(f"impl: expected 'native', 'callback' or None, got {impl!r}")
     return impl
@@ -1051,12 +1058,13 @@ def _mask_leaves(mask, params, treedef):
 def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, host):
     """The optimizer object shared by ``adamw`` and ``sgd``.
 
-    ``states``: (name, dtype or None (absent), stream) per state buffer; ``native(t, lr,
-    inv_scale, params, treedef) -> (update, cfg, extras)``; ``host``: the NumPy step for the
-    callback path, ``host(ps, gs, states, *, aux, lr, step, seed, inv_scale)``."""
+    ``impl``: ``"native"``, ``"callback"`` or ``"auto"`` (callback where the program is lowered
+    for the CPU, native elsewhere: ``lax.platform_dependent``); ``states``: (name,
+    dtype or None (absent), stream) per state buffer; ``native(t, lr, inv_scale, params,
+    treedef) -> (update, cfg, extras)``; ``host``: the NumPy step for the callback path,
+    ``host(ps, gs, states, *, aux, lr, step, seed, inv_scale)``."""
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding: expected one of {sorted(_ROUNDINGS)}, got {rounding!r}")
-    impl = _impl(impl)
     k0, k1 = _key_words(seed)
     state_type = {"adamw": AdamWState, "sgd": SGDState}[kind]
 
@@ -1094,25 +1102,34 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
         lr_t = lr_at(state.count)
         if inv_scale is not None:
             inv_scale = jnp.asarray(inv_scale, jnp.float32)
-        if impl == "native":
+
+        def on_lax():
             update, ucfg, extras = native(t, lr_t, inv_scale, params, treedef)
             columns = [p_leaves, g_leaves, *s_leaves, a_leaves]
-            outs = _native_step(update, ucfg, columns, layouts, t, _u(k0), _u(k1), extras)
-        else:
+            return _native_step(update, ucfg, columns, layouts, t, _u(k0), _u(k1), extras)
+
+        def on_host():
             blocked = [col for col in s_leaves if col and isinstance(col[0], tuple)]
+            s_cols = s_leaves
             if blocked:  # fp8 states: (moments, scales) pairs as four columns, then paired
                 if any(lay is not None for lay in layouts):
                     raise ValueError(
                         "shard_specs: impl='callback' with fp8 states runs on whole leaves"
                         " (their blocks); inside shard_map with split leaves use impl='native'"
                     )
-                s_leaves = [[x[part] for x in col] for part in (0, 1) for col in s_leaves]
-            columns = (p_leaves, g_leaves, s_leaves, a_leaves)
+                s_cols = [[x[part] for x in col] for part in (0, 1) for col in s_leaves]
+            columns = (p_leaves, g_leaves, s_cols, a_leaves)
             outs = _callback_step(
                 host, columns, t, lr_t, k0, k1, inv_scale, layouts, global_shapes, bool(blocked)
             )
             if blocked:
                 outs = [(o[0], (o[1], o[3]), (o[2], o[4]), o[5]) for o in outs]
+            return outs
+
+        if impl == "auto":  # the host step where the program is lowered for the CPU
+            outs = lax.platform_dependent(cpu=on_host, default=on_lax)
+        else:
+            outs = on_lax() if impl == "native" else on_host()
 
         def unflat(i):
             return jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
@@ -1207,7 +1224,9 @@ def adamw(
             moments. An fp8
             state leaf is the pair ``(moments, float32 block scales)``, the second moment in
             the square-root domain (``docs/contracts.md``, "fp8 states").
-        impl: ``"native"`` (default) or ``"callback"`` (``srround.adamw_step`` on the host).
+        impl: ``None`` (default: the host step when lowered for the CPU and the settings allow,
+            else native; see the module docstring), ``"native"`` or ``"callback"``
+            (``srround.adamw_step`` on the host).
         shard_specs: when the step runs inside ``shard_map``: the partition specs of the
             params (a spec or a pytree prefix, as ``in_specs``; grads and states split alike),
             so every block uses the noise of its global elements (equal to the unsharded step).
@@ -1221,15 +1240,16 @@ def adamw(
     """
     state_dtype = _state_dtype(state_dtype, "state_dtype", fp8=True)
     mu_dtype = state_dtype if mu_dtype is None else _state_dtype(mu_dtype, "mu_dtype")
-    impl_ = _impl(impl)
     fp8 = state_dtype in _FP8_STATES
     variant = (bool(nesterov), float(eps_root))
+    torch_math = mask is None and not any(variant) and mu_dtype == state_dtype
+    impl_ = _impl(impl, "auto" if torch_math and not fp8 else "native")
     if fp8 and (any(variant) or shard_specs is not None or mu_dtype != state_dtype):
         raise ValueError(
             f"state_dtype: {state_dtype} (block-scaled) states take neither nesterov, eps_root,"
             " shard_specs nor another mu_dtype"
         )
-    if impl_ == "callback" and (mask is not None or any(variant) or mu_dtype != state_dtype):
+    if impl_ == "callback" and not torch_math:
         raise ValueError(
             "impl='callback' runs srround.adamw_step (torch's AdamW): mask, nesterov, eps_root"
             " and a mu_dtype other than state_dtype need impl='native'"
@@ -1277,7 +1297,7 @@ def adamw(
         lr=learning_rate,
         seed=seed,
         rounding=rounding,
-        impl=impl,
+        impl=impl_,
         shard_specs=shard_specs,
         states=(("exp_avg", mu_dtype, 1), ("exp_avg_sq", state_dtype, 2)),
         cfg=cfg,
@@ -1356,7 +1376,7 @@ def sgd(
         lr=learning_rate,
         seed=seed,
         rounding=rounding,
-        impl=impl,
+        impl=_impl(impl, "auto"),
         shard_specs=shard_specs,
         states=(("momentum_buffer", buf_dtype if has_buf else None, 1),),
         cfg=cfg,
@@ -1387,12 +1407,12 @@ def _scale_usable(inv_scale):
 
 
 def _callback_step(host_step, columns, t, lr, k0, k1, inv_scale, layouts, global_shapes, whole):
-    """The fused step as one host call (``_callback``) into srround's NumPy step (``host_step``)
-    on host copies. ``columns`` = (params, grads, state columns, aux): leaves per column
-    (``None`` leaves: absent). Under ``jit`` each shard runs on its own (and inside
-    ``shard_map``, each block: ``layouts``), its contiguous runs placed in the random stream at
-    their global indices (``stream_starts``). ``whole``: whole leaves only (fp8 states: their
-    blocks span a leaf)."""
+    """The fused step as one host call (``_callback``) into srround's NumPy step (``host_step``),
+    in place in the results' buffers (``aliases``; the gradients are only read). ``columns`` =
+    (params, grads, state columns, aux): leaves per column (``None`` leaves: absent). Under
+    ``jit`` each shard runs on its own (and inside ``shard_map``, each block: ``layouts``), its
+    contiguous runs placed in the random stream at their global indices (``stream_starts``).
+    ``whole``: whole leaves only (fp8 states: their blocks span a leaf)."""
     p_leaves, g_leaves, s_leaves, a_leaves = columns
     live = [i for i, p in enumerate(p_leaves) if p.size > 0]
     has_aux = [a_leaves[i] is not None for i in live]
@@ -1403,7 +1423,7 @@ def _callback_step(host_step, columns, t, lr, k0, k1, inv_scale, layouts, global
     shapes_live = [global_shapes[i] for i in live]
 
     def host(h0, h1, t_host, lr_host, scale_host, *arrays):
-        arrays = [np.array(a) for a in arrays]  # writable copies: the callback's are read-only
+        arrays = list(arrays)  # params, states, aux: writable; grads, origins: read-only
         ps, gs = arrays[:n], arrays[n : 2 * n]
         sts = [arrays[(2 + j) * n : (3 + j) * n] for j in range(ns)]
         aux_it = iter(arrays[(2 + ns) * n : (2 + ns) * n + na])
@@ -1413,7 +1433,7 @@ def _callback_step(host_step, columns, t, lr, k0, k1, inv_scale, layouts, global
         positions = [s + first for s, r in zip(starts, runs) for _, _, first in r]
         placed = {} if whole else {"stream_starts": positions}
 
-        def pieces(leaves):  # each leaf's runs: flat views of the host copies
+        def pieces(leaves):  # each leaf's runs: flat views of the host arrays
             return [
                 None if x is None else x.reshape(-1)[lo : lo + size]
                 for x, leaf_runs in zip(leaves, runs)
@@ -1464,7 +1484,8 @@ def _callback_step(host_step, columns, t, lr, k0, k1, inv_scale, layouts, global
             _origin_arg(None if origins is None else origins.get(j), local[j].ndim)
             for j in range(n)
         ]
-        out = _callback(host, shapes, *operands, *origin_args, key=key)
+        aliases = {5 + _result_operand(r, n): r for r in range(len(shapes))}
+        out = _callback(host, shapes, *operands, *origin_args, key=key, aliases=aliases)
         return out[0] if len(shapes) == 1 else tuple(out)
 
     results = []

@@ -241,9 +241,10 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 def buffer_table(tensors, name: str, writes: bool = True):
     """``(addresses, sizes, format codes, place)`` of tensors a tensor-list kernel reads (and
-    updates in place: ``writes``; tensors are always writable). A gradient list has hundreds of tensors: the per-tensor work is C-level ``map``
-    calls, with only the checks that matter (dtype, contiguity, one device); the first bad
-    tensor is then found and named. DTensors (all or none): their local pieces."""
+    updates in place: ``writes``; tensors are always writable). A gradient list has hundreds
+    of tensors: the per-tensor work is C-level ``map`` calls, with only the checks that matter
+    (dtype, contiguity, one device); the first bad tensor is then found and named. DTensors
+    (all or none): their local pieces."""
     tensors = _dist.locals_of(tensors, name)
     try:
         codes = list(map(_BUFFER_CODES.__getitem__, map(_DTYPE, tensors)))
