@@ -261,42 +261,68 @@ def stochastic_add(
     overflow: str,
     origin=None,
     global_shape=None,
-    step=None,
 ):
-    """``srround.stochastic_add`` of ``w`` on the host, in place in the result's buffer
-    (``_callback``'s ``aliases``); returns the new ``w`` (run by run at a block's global
-    offsets, as ``stochastic_round``). ``step``: a traced step count ``t``
-    whose stream ``offset + t * 2**STEP_SHIFT`` is used (``apply_updates``), or ``None``."""
-    global_shape = tuple(w.shape) if global_shape is None else global_shape
+    """``srround.stochastic_add`` of one array on the host: ``stochastic_add_leaves`` of one
+    leaf (``origin`` traced inside ``shard_map``; under ``jit``, each shard's)."""
+    (out,) = stochastic_add_leaves(
+        [w], [u], alpha, [fmt], k0, k1, [offset], overflow, [origin], [global_shape]
+    )
+    return out
 
-    def host(wh, uh, ah, h0, h1, th, oh):
-        target = wh.reshape(-1)  # a view: updated in place
-        flat_u = np.asarray(uh, order="C").reshape(-1)
-        base = offset + (int(th) << STEP_SHIFT)
-        for lo, n, start in _runs(wh.shape, oh, global_shape):
-            _host("stochastic_add")(
-                target[lo : lo + n],
-                flat_u[lo : lo + n],
-                alpha=np.float32(ah),
-                seed=_seed_of(h0, h1),
-                offset=base + start,
-                dtype=fmt.name,
-                overflow=overflow,
-            )
-        return wh
 
-    def body(w, u, alpha, k0, k1, t, origins):
-        shape = jax.ShapeDtypeStruct(w.shape, w.dtype)
-        origin_arg = _origin_arg(None if origins is None else origins[0], w.ndim)
-        key = ("stochastic_add", fmt.name, offset, overflow, tuple(global_shape))
-        args = (w, u, alpha, k0, k1, t, origin_arg)
-        return _callback(host, shape, *args, key=key, aliases={0: 0})
+def stochastic_add_leaves(
+    ws, us, alpha, fmts, k0, k1, offsets, overflow: str, origins, global_shapes, step=None
+):
+    """``srround.stochastic_add`` of every leaf ``w`` with its ``u`` (same shapes, float32) in
+    one host call, in place in the results' buffers (``_callback``'s ``aliases``); returns the
+    new leaves. Leaf ``k`` is added run by run at its block's global offsets from
+    ``offsets[k]`` (``origins[k]``: traced inside ``shard_map``; ``None``: each shard's under
+    ``jit``, or the whole leaf). ``step``: a traced step count ``t`` whose stream
+    ``offsets[k] + t * 2**STEP_SHIFT`` is used (``apply_updates``), or ``None``."""
+    n = len(ws)
+    names = [fmt.name for fmt in fmts]
+    shapes = [tuple(w.shape) if g is None else tuple(g) for w, g in zip(ws, global_shapes)]
+
+    def host(ah, h0, h1, th, *arrays):
+        seed, base = _seed_of(h0, h1), int(th) << STEP_SHIFT
+        targets, updates, where = arrays[:n], arrays[n : 2 * n], arrays[2 * n :]
+        for w, uh, o, shape, name, offset in zip(targets, updates, where, shapes, names, offsets):
+            flat_w, flat_u = w.reshape(-1), uh.reshape(-1)  # views: w is updated in place
+            for lo, size, start in _runs(w.shape, o, shape):
+                _host("stochastic_add")(
+                    flat_w[lo : lo + size],
+                    flat_u[lo : lo + size],
+                    alpha=np.float32(ah),
+                    seed=seed,
+                    offset=base + offset + start,
+                    dtype=name,
+                    overflow=overflow,
+                )
+        return targets[0] if n == 1 else tuple(targets)
+
+    def body(*operands_and_origins):
+        *operands, blocks = operands_and_origins
+        local = operands[4 : 4 + n]
+        result = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype) for w in local)
+        where = [
+            _origin_arg(None if blocks is None else blocks.get(k), w.ndim)
+            for k, w in enumerate(local)
+        ]
+        key = ("stochastic_add", tuple(names), tuple(offsets), overflow, tuple(shapes))
+        aliases = {4 + k: k for k in range(n)}
+        return _callback(
+            host, result[0] if n == 1 else result, *operands, *where, key=key, aliases=aliases
+        )
 
     t = jnp.asarray(0 if step is None else step, jnp.int32)
-    args = (w, u, jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1), t)
-    if origin is not None:
-        return body(*args, {0: origin})
-    return _per_shard(body, (0, 0, None, None, None, None), *args)
+    scalars = (jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1), t)
+    blocks = {k: o for k, o in enumerate(origins) if o is not None}
+    if blocks:  # inside shard_map: each block's origin
+        out = body(*scalars, *ws, *us, blocks)
+    else:
+        leaf_of = (None,) * 4 + (*range(n), *range(n))
+        out = _per_shard(body, leaf_of, *scalars, *ws, *us, result_leaves=tuple(range(n)))
+    return [out] if n == 1 else list(out)
 
 
 def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):

@@ -85,8 +85,15 @@ from srround import _optim, _state8, _validate
 from srround._formats import FORMATS
 
 from ._api import _key_words
-from ._callback import _callback, _host, _origin_arg, _per_shard, _runs, _seed_of
-from ._callback import stochastic_add as _callback_stochastic_add
+from ._callback import (
+    _callback,
+    _host,
+    _origin_arg,
+    _per_shard,
+    _runs,
+    _seed_of,
+    stochastic_add_leaves,
+)
 from ._lax import (
     _decode,
     _element_index,
@@ -566,15 +573,6 @@ def _check_arrays(leaves, name: str) -> None:
                 )
 
 
-def _apply_leaf_on_host(p, u, k0, k1, t, name: str, start: int, layout):
-    """``srround.stochastic_add(p, u)`` of one leaf on the host (the callback path) at stream
-    position ``(t << STEP_SHIFT) + start`` plus each element's global index: a block inside
-    ``shard_map`` (``layout`` = (origin, global shape)), else per shard under ``jit``."""
-    origin, global_shape = (None, None) if layout is None else layout
-    fmt = FORMATS[name]
-    return _callback_stochastic_add(p, u, 1.0, fmt, k0, k1, start, "inf", origin, global_shape, t)
-
-
 def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=None):
     """``optax.apply_updates`` with stochastic rounding of the low-precision leaves.
 
@@ -672,9 +670,22 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
-    elif impl != "native":  # callback: a call per leaf, per shard under jit
-        for k, p, u, name in narrow:
-            out[k] = _apply_leaf_on_host(p, u, _u(k0), _u(k1), t, name, starts[k], layouts[k])
+    elif narrow:  # callback: one host call for the tree, per shard under jit
+        results = stochastic_add_leaves(
+            [p for _, p, _, _ in narrow],
+            [u for _, _, u, _ in narrow],
+            1.0,
+            [FORMATS[name] for *_, name in narrow],
+            k0,
+            k1,
+            [starts[k] for k, *_ in narrow],
+            "inf",
+            [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
+            [None if layouts[k] is None else layouts[k][1] for k, *_ in narrow],
+            step=t,
+        )
+        for (k, *_), r in zip(narrow, results):
+            out[k] = r
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
