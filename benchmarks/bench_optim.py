@@ -40,10 +40,12 @@ GPU: the time until ``step()`` returns, without a synchronize (launch overhead t
 The JAX section (CPU, or the GPU when JAX sees one) times ``jit``-compiled steps with donated
 parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (its default
 ``impl``: on a CPU the Numba step through srround's FFI target; and, on a CPU, ``impl="native"``
-too), ``optax.adamw`` followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding of
-the sum), plain ``optax.adamw`` on fp32 and on bf16 params, and ``optax.adamw`` with a hand-written
-``jax.random.bits`` stochastic-rounding apply (what a user writes). Bytes/param there are the same
-nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B fp32). On a CPU its
+too), ``optax.adamw`` followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding
+of the sum), plain ``optax.adamw`` on fp32 and on bf16 params, ``optax.adamw`` with a
+hand-written ``jax.random.bits`` stochastic-rounding apply (what a user writes), and srround's
+fused ``sgd`` (momentum 0.9, float32 momentum) next to ``optax.sgd`` on bf16 params. Bytes/param
+there are the same nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B
+fp32; SGD 10 B, srround's 14 B). On a CPU its
 rows are timed in turns (every round times one step of each row), so on a shared machine they
 see the same load and their ratios to optax hold; each row's first call is timed on its own.
 
@@ -401,11 +403,14 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
             out.append(jax.lax.bitcast_convert_type(sb, jnp.float32).astype(p.dtype))
         return out
 
-    def optax_row(apply, dtype):
+    def optax_row(apply, dtype, kind="adamw"):
         def build():
             if optax is None:
                 raise Unavailable("optax not importable")
-            tx = optax.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2)
+            if kind == "sgd":
+                tx = optax.sgd(LR, momentum=0.9)
+            else:
+                tx = optax.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2)
             params, grads = make(dtype)
             state = tx.init(params)
 
@@ -444,6 +449,21 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
 
         return build
 
+    def fused_sgd_row(impl=None):
+        def build():
+            if sj is None or not hasattr(sj, "sgd"):
+                raise Unavailable("srround.adapters.jax.sgd not present")
+            opt = sj.sgd(LR, momentum=0.9, seed=SEED, rounding="stochastic", impl=impl)
+            params, grads = make(jnp.bfloat16)
+            state = opt.init(params)
+
+            def step(params, state, grads, t):
+                return opt.step(grads, state, params)
+
+            return jax.jit(step, donate_argnums=(0, 1)), params, state, grads
+
+        return build
+
     def srround_apply(params, updates, key):
         if sj is None or not hasattr(sj, "apply_updates"):
             raise Unavailable("srround.adapters.jax.apply_updates not present")
@@ -457,12 +477,15 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
         ("optax.adamw + user jax.random.bits SR", 14, optax_row(user_sr_apply, jnp.bfloat16)),
         ("optax.adamw bf16 params (RNE)", 14, optax_row(plain, jnp.bfloat16)),
         ("optax.adamw fp32 params", 28, optax_row(plain, jnp.float32)),
+        ("srround jax.sgd fp32 momentum", 14, fused_sgd_row()),
+        ("optax.sgd bf16 params (RNE)", 10, optax_row(plain, jnp.bfloat16, "sgd")),
     ]
     if backend == "cpu":  # the default there is the host step; elsewhere it is native
         rows[2:2] = [
             ("srround jax.adamw native fp32 states", 22, fused_row(jnp.float32, "native")),
             ("srround jax.adamw native bf16 states", 14, fused_row(jnp.bfloat16, "native")),
         ]
+        rows.insert(-1, ("srround jax.sgd native fp32 momentum", 14, fused_sgd_row("native")))
     # on a CPU the rows are timed in turns (each keeps its buffers meanwhile): a shared machine's
     # load moves between rows timed one after the other, and so would their ratios to optax
     in_turns = backend == "cpu"
@@ -524,14 +547,17 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
             add_row(label, nbytes, {"first_s": first, **r})
         turns.clear()
         gc.collect()
-    base = {r["method"]: r for r in results}.get("optax.adamw bf16 params (RNE)")
-    if base:
+    by_method = {r["method"]: r for r in results}
+    for kind in ("adamw", "sgd"):
+        base = by_method.get(f"optax.{kind} bf16 params (RNE)")
+        if not base:
+            continue
         print(
-            "   vs optax.adamw + optax.apply_updates on the same bf16 params, this run"
+            f"   vs optax.{kind} + optax.apply_updates on the same bf16 params, this run"
             " (targets: first call <= 3x, step <= 1.2x):"
         )
         for r in results:
-            if r["method"].startswith("srround") or "srround" in r["method"]:
+            if "srround" in r["method"] and f".{kind}" in r["method"]:
                 r["first_vs_optax"] = r["first_s"] / base["first_s"]
                 r["step_vs_optax"] = r["median_s"] / base["median_s"]
                 print(
