@@ -589,3 +589,19 @@ def test_errors():
         srround.adamw_step(
             [jnp.zeros(2)], [jnp.zeros(2)], [jnp.zeros(2)], [jnp.zeros(2)], lr=1e-3, step=1
         )
+
+
+def test_fused_step_vmapped_over_an_ensemble():
+    """``jax.vmap`` of the fused step (an ensemble of models, the default path: a host call per
+    member on the CPU) gives each member's own step, and the native path's bits."""
+    p = jnp.linspace(-1, 1, 3 * 40).reshape(3, 40).astype(jnp.bfloat16)
+    g = jnp.full((3, 40), 0.1, jnp.bfloat16)
+    tx, native = sj.adamw(1e-2, seed=3), sj.adamw(1e-2, seed=3, impl="native")
+    state = jax.vmap(tx.init)(p)
+    out, new_state = jax.vmap(lambda g, s, p: tx.step(g, s, p))(g, state, p)
+    for i in range(3):
+        one, one_state = tx.step(g[i], tx.init(p[i]), p[i])
+        assert_same_bits(np.asarray(out[i]), np.asarray(one))
+        assert_same_bits(np.asarray(new_state.exp_avg[i]), np.asarray(one_state.exp_avg))
+    lax_out, _ = jax.vmap(lambda g, s, p: native.step(g, s, p))(g, state, p)
+    assert_same_bits(np.asarray(out), np.asarray(lax_out))
