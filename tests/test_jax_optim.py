@@ -605,3 +605,22 @@ def test_fused_step_vmapped_over_an_ensemble():
         assert_same_bits(np.asarray(new_state.exp_avg[i]), np.asarray(one_state.exp_avg))
     lax_out, _ = jax.vmap(lambda g, s, p: native.step(g, s, p))(g, state, p)
     assert_same_bits(np.asarray(out), np.asarray(lax_out))
+
+
+def test_fused_step_export():
+    """``jax.export``: the default step exports for CUDA (native) and, with ``impl="native"``,
+    for the CPU; the CPU host call is process-local, so exporting it is JAX's clear error."""
+    from jax import export
+
+    p = [jnp.ones(40, jnp.bfloat16)]
+    tx = sj.adamw(1e-2, seed=3)
+    state = tx.init(p)
+
+    def step_of(opt):
+        return jax.jit(lambda g, s, p: opt.step(g, s, p))
+
+    assert export.export(step_of(tx), platforms=("cuda",))(p, state, p).platforms == ("cuda",)
+    native = sj.adamw(1e-2, seed=3, impl="native")
+    assert export.export(step_of(native), platforms=("cpu",))(p, state, p).platforms == ("cpu",)
+    with pytest.raises(ValueError, match="srround_host_call"):
+        export.export(step_of(tx), platforms=("cpu",))(p, state, p)
