@@ -10,11 +10,16 @@ numba-cuda is imported. Remove it once numba-cuda stops referencing ``np.row_sta
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
+@functools.cache
 def import_numba_cuda():
-    """Return the ``numba.cuda`` module, with the NumPy 2.5 shim applied first."""
+    """Return the ``numba.cuda`` module, with the NumPy 2.5 shim applied first and srround's
+    cache locator installed (once per process: every CUDA call asks for the module, and
+    installing the locator builds a class)."""
     if not hasattr(np, "row_stack"):
         np.row_stack = np.vstack
     from numba import cuda
