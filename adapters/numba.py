@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from srround._dispatch import View
-from srround._formats import Format, code_bits_dtype
+from srround._formats import Format
 from srround._numba_cuda_compat import import_numba_cuda
 from srround._tensor_list import address
 
@@ -101,14 +101,14 @@ def counter(c, name: str, like: View) -> View:
 
 def buffer_table(arrays, name: str, writes: bool = True):
     """``(addresses, sizes, format codes, place)`` of arrays a tensor-list kernel reads (and
-    updates in place: ``writes``) (``_common.buffer_table``)."""
-    return _buffer_table(arrays, name, _buffer_info, writes)
+    updates in place: ``writes``; device arrays are always writable) (``_common.buffer_table``).
+    A list has hundreds of arrays: each is only checked (dtype, contiguity) and its data
+    pointer read; the place is the current device's, looked up once."""
+    place = f"cuda:{_device_id()}"
 
+    def buffer_info(a, name: str, writes: bool) -> tuple[int, int, int, str]:
+        code = buffer_code(a.dtype, name)
+        check_contiguous(_contiguous(a), name, _FIX)
+        return address(a), a.size, code, place
 
-def _buffer_info(a, name: str, writes: bool) -> tuple[int, int, int, str]:
-    """``(address, size, format code, place)`` of a device array of a tensor-list kernel
-    (device arrays are always writable)."""
-    code = buffer_code(a.dtype, name)
-    check_contiguous(_contiguous(a), name, _FIX)
-    view = _view(a, code_bits_dtype(code))
-    return address(view.bits), a.size, code, view.where
+    return _buffer_table(arrays, name, buffer_info, writes)
