@@ -143,8 +143,9 @@ def no_overlap(buffers) -> None:
     """Raise ``ValueError`` naming both arguments if two buffers share memory and at least one
     of them is written (two read-only inputs may share memory).
 
-    ``buffers``: ``(name, address, nbytes, writes)`` per buffer (empty ones are skipped). The
-    ranges are sorted by start once; without any overlap (the usual case) the check is one
+    ``buffers``: ``(name, address, nbytes, writes)`` per buffer (empty ones are skipped; a name
+    is a string or a ``(list name, index)`` pair, spelled ``name[index]``). The ranges are
+    sorted by start once; without any overlap (the usual case) the check is one
     vectorised pass, a sweep finds the pair only when there is one.
     """
     items = [b for b in buffers if b[2] > 0]
@@ -162,6 +163,7 @@ def no_overlap(buffers) -> None:
         for other in (furthest_any if writes else furthest_written,):
             if other is not None and start < other[0]:
                 first, second = sorted((other[1][0], name), key=_argument_order(items))
+                first, second = _spelled(first), _spelled(second)
                 raise ValueError(
                     f"{second}: shares memory with {first}; srround reads and writes buffers in"
                     " one pass, so overlapping arguments give wrong results - pass separate"
@@ -174,17 +176,23 @@ def no_overlap(buffers) -> None:
             furthest_written = (end, items[k])
 
 
+def _spelled(name) -> str:
+    return name if isinstance(name, str) else f"{name[0]}[{name[1]}]"
+
+
 def _argument_order(items):
     rank = {item[0]: i for i, item in enumerate(items)}
     return rank.__getitem__
 
 
 def list_spans(name: str, addresses, sizes, codes, widths, writes: bool, present=None):
-    """``no_overlap`` entries ``name[i]`` of a tensor list given by its table columns;
-    ``widths[code]``: bytes per element of a buffer code; ``present``: the indices that hold
-    a buffer (default: every one)."""
-    indices = range(len(addresses)) if present is None else present
+    """``no_overlap`` entries ``name[i]`` of a tensor list given by its table columns (named
+    ``(name, i)``: spelled only for an error); ``widths[code]``: bytes per element of a buffer
+    code; ``present``: the indices that hold a buffer (default: every one)."""
+    if present is None:
+        rows = zip(range(len(addresses)), addresses, sizes, codes)
+        return [((name, i), int(a), int(n) * int(widths[c]), writes) for i, a, n, c in rows]
     return [
-        (f"{name}[{i}]", int(addresses[i]), int(sizes[i]) * int(widths[codes[i]]), writes)
-        for i in indices
+        ((name, i), int(addresses[i]), int(sizes[i]) * int(widths[codes[i]]), writes)
+        for i in present
     ]
