@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from . import _cpu
 from ._block_kernels import (
     amax_bits_cpu,
     dequantize_blocks_cpu,
@@ -231,9 +232,14 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
         tensor.bits[0] = 0x3F800000  # an empty tensor's tensor scale: 1.0 (as an all-zero one)
     if src.bits.size:
         if src.device == "cpu":
-            ts = nv_tensor_scale(int(amax_bits_cpu(src.bits))) if bf.two_level else 0
+            size = src.bits.size
+            ts = 0
+            if bf.two_level:
+                ts = nv_tensor_scale(int(_cpu.run(amax_bits_cpu, size, src.bits)))
             tensor.bits[0] = ts
-            quantize_blocks_cpu(
+            _cpu.run(  # as every CPU launch: counted, locked where the threading layer needs it
+                quantize_blocks_cpu,
+                size,
                 address(src.bits),
                 address(data.bits),
                 address(scales.bits),
@@ -310,7 +316,9 @@ def dequantize_blocks(q, *, dtype="float32"):
     if out.bits.size:
         if out.device == "cpu":
             ts = int(tensor.bits[0]) if tensor is not None else 0
-            dequantize_blocks_cpu(
+            _cpu.run(
+                dequantize_blocks_cpu,
+                out.bits.size,
                 address(data.bits),
                 address(scales.bits),
                 address(out.bits),

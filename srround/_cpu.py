@@ -82,11 +82,12 @@ _E2M1 = (FORMATS["float4_e2m1fn"].mantissa_bits, FORMATS["float4_e2m1fn"].expone
 
 def run(kernel, elements: int, *args):
     """``kernel(*args)`` for a ``prange`` kernel over ``elements`` elements; below
-    ``_config.CPU_SERIAL_BELOW`` on the calling thread alone (the thread count is per calling
-    thread in Numba, and restored after): a parallel region wakes and then waits for every
-    worker thread, which on a busy machine can cost a scheduler time slice."""
-    with _threads.launch_lock:  # a no-op unless the threading layer needs it (``_threads``)
-        if elements >= _config.CPU_SERIAL_BELOW:
+    ``_config.CPU_SERIAL_BELOW`` (or in a child forked during a launch, ``_threads``) on the
+    calling thread alone (the thread count is per calling thread in Numba, and restored
+    after): a parallel region wakes and then waits for every worker thread, which on a busy
+    machine can cost a scheduler time slice."""
+    with _threads.launching:  # counted, and locked where the layer needs it (``_threads``)
+        if elements >= _config.CPU_SERIAL_BELOW and not _threads.serial_only:
             return kernel(*args)
         threads = get_num_threads()
         set_num_threads(1)

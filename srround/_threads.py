@@ -20,6 +20,12 @@ So, at import, unless the layer is already decided (``NUMBA_THREADING_LAYER`` se
 
 The threads are launched right away (``numba.get_num_threads()``), so a later change of
 ``NUMBA_*`` environment variables cannot switch the layer back to OpenMP.
+
+Fork while another thread runs a parallel kernel: TBB cannot shut its workers down before the
+fork ("Unable to join threads to shut down before fork()"), and the child's first parallel
+launch then waits forever for workers that were not copied (seen in about one fork in six).
+Every srround CPU launch is counted (``launching``); a child forked while one was running runs
+its own launches on the calling thread alone (``serial_only``), which needs no worker.
 """
 
 from __future__ import annotations
@@ -37,6 +43,47 @@ _TBB_MIN_INTERFACE = 12060  # what Numba's tbb layer needs (TBB 2021.6)
 # Held around CPU kernel launches when the layer cannot take concurrent launches (workqueue);
 # a no-op context otherwise.
 launch_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
+
+# In a child forked while another thread of the parent ran an srround CPU kernel: launch on the
+# calling thread alone (the worker pool may be unusable there, see the module docstring).
+serial_only = False
+
+_active = 0  # srround CPU launches running now, in all threads
+_active_lock = threading.Lock()
+_busy_at_fork = False
+
+
+class _Launching:
+    """``with launching:`` around one CPU launch: takes ``launch_lock`` and counts the launch."""
+
+    def __enter__(self):
+        global _active
+        launch_lock.__enter__()
+        with _active_lock:
+            _active += 1
+
+    def __exit__(self, *exc):
+        global _active
+        with _active_lock:
+            _active -= 1
+        launch_lock.__exit__(*exc)
+
+
+launching = _Launching()
+
+
+def _before_fork() -> None:
+    global _busy_at_fork
+    _busy_at_fork = _active > 0  # the forking thread holds the GIL: no launch starts meanwhile
+
+
+def _after_fork_in_child() -> None:
+    global _active, _active_lock, serial_only
+    _active, _active_lock = 0, threading.Lock()  # another thread may have held it
+    serial_only = serial_only or _busy_at_fork
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def _load_tbb():

@@ -216,9 +216,48 @@ def test_dataloader_workers_call_srround():
     _ok(_python(code))
 
 
+def test_child_forked_during_a_launch_runs_serially():
+    """A child forked while another thread is inside an srround CPU launch runs its launches
+    on the calling thread alone (the worker pool it inherits may be unusable: TBB could not
+    shut it down for the fork), with the same bits; a child forked between launches, and the
+    parent, keep the pool."""
+    code = """
+    import os, threading, numpy as np, srround
+    from srround import _threads
+    x = np.linspace(-1, 1, 1 << 17, dtype=np.float32)
+    expected = srround.stochastic_round(x, seed=5).view(np.uint16)
+
+    def forked(check):
+        pid = os.fork()
+        if pid == 0:
+            same = np.array_equal(srround.stochastic_round(x, seed=5).view(np.uint16), expected)
+            os._exit(0 if same and check() else 1)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _threads.launching:  # as a thread in the middle of a kernel
+            inside.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(30)
+    assert forked(lambda: _threads.serial_only) == 0
+    release.set()
+    holder.join()
+    assert forked(lambda: not _threads.serial_only) == 0
+    assert not _threads.serial_only
+    print("ok")
+    """
+    _ok(_python(code, env={"PYTHONWARNINGS": "ignore::DeprecationWarning"}))
+
+
 def test_fork_while_other_threads_run_kernels():
     """Threads keep launching parallel kernels while the main thread forks children that
-    call srround: no child dies or hangs, every result has the expected bits."""
+    call srround: no child dies or hangs, every result has the expected bits. (With TBB, about
+    one fork in six caught a kernel running and its child hung: 12 forks.)"""
     code = """
     import multiprocessing as mp, threading, numpy as np, srround
     x = np.linspace(-1, 1, 1 << 17, dtype=np.float32)
@@ -236,11 +275,11 @@ def test_fork_while_other_threads_run_kernels():
     threads = [threading.Thread(target=busy) for _ in range(3)]
     [t.start() for t in threads]
     ctx = mp.get_context("fork")
-    for _ in range(4):
+    for _ in range(12):
         queue = ctx.Queue()
         p = ctx.Process(target=child, args=(queue,))
         p.start()
-        assert queue.get(timeout=120) == expected.tobytes()
+        assert queue.get(timeout=30) == expected.tobytes()
         p.join(30)
         assert p.exitcode == 0, p.exitcode
     stop.set()
