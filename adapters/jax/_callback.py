@@ -63,6 +63,26 @@ def _callback(fn, result_shape, *args, key, aliases=None):
     return lax.platform_dependent(*args, cpu=ffi, default=pure)
 
 
+def _varying_axes(x) -> frozenset:
+    """The mesh axes that ``x`` varies over inside ``shard_map`` (its type's)."""
+    t = jax.typeof(x)
+    manual = getattr(t, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(t, "vma", ()))
+
+
+def varying_as(results, like):
+    """``results`` typed as varying over the mesh axes the matching leaves of ``like`` vary
+    over inside ``shard_map`` (same values, other type): a host call's results carry no such
+    type, and ``lax.platform_dependent`` between a host call and ``jax.lax`` ops needs both
+    branches typed alike."""
+
+    def typed(r, model):
+        missing = tuple(sorted(_varying_axes(model) - _varying_axes(r)))
+        return lax.pcast(r, missing, to="varying") if missing else r
+
+    return jax.tree.map(typed, results, like)
+
+
 def _shard_index(entry, mesh):
     """This device's block index along a dimension partitioned over mesh axes ``entry``
     (``None``, a name or a tuple of names, major first)."""

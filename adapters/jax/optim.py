@@ -93,6 +93,7 @@ from ._callback import (
     _runs,
     _seed_of,
     stochastic_add_leaves,
+    varying_as,
 )
 from ._lax import (
     _decode,
@@ -1137,8 +1138,13 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
                 outs = [(o[0], (o[1], o[3]), (o[2], o[4]), o[5]) for o in outs]
             return outs
 
-        if impl == "auto":  # the host step where the program is lowered for the CPU
-            outs = lax.platform_dependent(cpu=on_host, default=on_lax)
+        if impl == "auto" and not jax.sharding.get_abstract_mesh().manual_axes:
+            outs = lax.platform_dependent(cpu=on_host, default=on_lax)  # the host step on CPUs
+        elif impl == "auto":  # inside shard_map: the host step's results typed as the native's
+            native_outs = on_lax()  # (traced here for its types; unused on a CPU, so dropped)
+            outs = lax.platform_dependent(
+                cpu=lambda: varying_as(on_host(), native_outs), default=lambda: native_outs
+            )
         else:
             outs = on_lax() if impl == "native" else on_host()
 
