@@ -420,7 +420,7 @@ def case_explicit():
                 _same_sharding(got, ws, f"add {what}")
         ps = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
         us = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in updates.items()}
-        for impl in ("native", "callback"):
+        for impl in ("native", "callback", None):  # None: the defaults
             got = jax.jit(lambda p, u, i=impl: sj.apply_updates(p, u, KEY, step=2, impl=i))(ps, us)
             tx = sj.adamw(1e-2, seed=KEY, impl=impl)
             new, _ = jax.jit(lambda g, p, tx=tx: tx.step(g, tx.init(p), p))(us, ps)
