@@ -624,3 +624,21 @@ def test_fused_step_export():
     assert export.export(step_of(native), platforms=("cpu",))(p, state, p).platforms == ("cpu",)
     with pytest.raises(ValueError, match="srround_host_call"):
         export.export(step_of(tx), platforms=("cpu",))(p, state, p)
+
+
+def test_fused_step_in_a_scanned_training_loop():
+    """Five default steps in ``lax.scan`` (the host step in a loop body, with ``found_inf``)
+    give the native path's params and states, bit for bit."""
+    p = [jnp.linspace(-1, 1, 300).astype(jnp.bfloat16).reshape(3, 100), jnp.ones(7, jnp.float32)]
+    g = [jnp.full((3, 100), 0.01, jnp.bfloat16), jnp.full(7, 0.1, jnp.float32)]
+
+    def run(tx):
+        def body(carry, _):
+            params, state = carry
+            return tx.step(g, state, params, found_inf=jnp.float32(0)), None
+
+        out, _ = jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=5))(p)
+        return jax.tree.leaves(out)
+
+    for got, want in zip(run(sj.adamw(1e-2, seed=1)), run(sj.adamw(1e-2, seed=1, impl="native"))):
+        assert_same_bits(np.atleast_1d(np.asarray(got)), np.atleast_1d(np.asarray(want)))
