@@ -306,6 +306,40 @@ def test_apply_updates_callback_leaves_inputs_unchanged():
     np.testing.assert_array_equal(_bits(donated), _bits(native))
 
 
+def test_callback_through_pure_callback_equals_the_ffi_path(monkeypatch):
+    """The callback path off the CPU is a ``jax.pure_callback`` (host copies, results made on
+    the host): forced here on the CPU, every entry point gives the FFI path's bits."""
+    from types import SimpleNamespace
+
+    from srround.adapters.jax import _callback
+
+    x = jnp.asarray(_inputs(3000, seed=4)[:3000])
+    w = x.astype(jnp.bfloat16)
+    params, grads = [w, x[:7]], [x * 1e-3, x[:7] * 1e-3]
+    tx = sj.adamw(1e-2, seed=9, impl="callback")
+
+    def calls():
+        out = [
+            sj.stochastic_round(x, seed=3, offset=5, impl="callback"),
+            sj.stochastic_round(x, dtype="float4_e2m1fn", seed=3, impl="callback"),
+            sj.round_nearest(x, dtype="float16", impl="callback"),
+            sj.to_float32(w, impl="callback"),
+            sj.stochastic_add(w, x, alpha=1e-3, seed=3, impl="callback"),
+            *sj.apply_updates(params, grads, 3, step=2, impl="callback"),
+            *jax.tree.leaves(tx.step(grads, tx.init(params), params)),
+        ]
+        return [np.atleast_1d(np.asarray(o)).view(np.uint8) for o in out]
+
+    expected = calls()
+    pure_only = SimpleNamespace(
+        **{n: getattr(jax.lax, n) for n in dir(jax.lax) if not n.startswith("_")}
+    )
+    pure_only.platform_dependent = lambda *args, default, **_: default(*args)
+    monkeypatch.setattr(_callback, "lax", pure_only)
+    for got, want in zip(calls(), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_callback_registers_each_host_function_once():
     """Eager callback calls in a loop (each traced anew) register no new host function: one
     per distinct static setting (``_ffi.call``'s key), so a training loop does not grow."""

@@ -39,23 +39,31 @@ def _seed_of(k0, k1) -> int:
     return int(k0) | (int(k1) << 32)
 
 
-def _callback(fn, result_shape, *args, key, aliases=None):
+def _callback(fn, result_shape, *args, key, aliases=None, into=False):
     """``fn(*host arrays)`` run on ``_HOST`` from a jitted program: on the CPU through srround's
     FFI target (``_ffi``: callable from a per-shard function too; ``key``: what ``fn`` does,
     see ``_ffi.call``), elsewhere through ``jax.pure_callback``. Vmapped calls are
     sequential. ``aliases`` (``{operand: result}``): ``fn`` updates those operands in place
     and returns them as those results - XLA's buffers on the CPU (``_ffi.call``), host copies
-    elsewhere."""
+    elsewhere. ``into``: ``fn(*arrays, outs=...)`` writes the results into the arrays ``outs``
+    (XLA's result buffers on the CPU, new arrays elsewhere) and returns nothing."""
 
-    def on_host(*arrays):
-        return _HOST.submit(fn, *arrays).result()
+    def on_host(*arrays, **outs):
+        return _HOST.submit(fn, *arrays, **outs).result()
 
     def ffi(*a):
-        return _ffi.call(on_host, result_shape, *a, key=key, aliases=aliases)
+        return _ffi.call(on_host, result_shape, *a, key=key, aliases=aliases, into=into)
 
-    def on_host_copies(*arrays):  # pure_callback's arrays are read-only
-        arrays = [np.array(a) if i in (aliases or {}) else a for i, a in enumerate(arrays)]
-        return on_host(*arrays)
+    def on_host_copies(*arrays):  # pure_callback's: read-only, and JAX arrays in recent JAX
+        arrays = [
+            (np.array if i in (aliases or {}) else np.asarray)(a) for i, a in enumerate(arrays)
+        ]
+        if not into:
+            return on_host(*arrays)
+        shapes = result_shape if isinstance(result_shape, tuple) else (result_shape,)
+        outs = tuple(np.empty(s.shape, s.dtype) for s in shapes)
+        on_host(*arrays, outs=outs)
+        return outs if isinstance(result_shape, tuple) else outs[0]
 
     def pure(*a):
         return jax.pure_callback(on_host_copies, result_shape, *a, vmap_method="sequential")
@@ -210,26 +218,23 @@ def stochastic_round(
     offsets of a block (``origin`` traced inside ``shard_map``; under ``jit``, each shard's)."""
     global_shape = tuple(x.shape) if global_shape is None else global_shape
 
-    def host(xh, h0, h1, oh):
-        flat = np.asarray(xh, order="C").reshape(-1)
-        y = np.empty(flat.shape, result_dtype(fmt))
+    def host(xh, h0, h1, oh, *, outs):
+        flat, y = xh.reshape(-1), outs[0].reshape(-1).view(fmt.numpy_dtype)  # views
         for lo, n, start in _runs(xh.shape, oh, global_shape):
-            y[lo : lo + n] = np.asarray(
-                _host("stochastic_round")(
-                    flat[lo : lo + n],
-                    dtype=fmt.name,
-                    seed=_seed_of(h0, h1),
-                    offset=offset + start,
-                    overflow=overflow,
-                )
-            ).view(result_dtype(fmt))
-        return y.reshape(xh.shape)
+            _host("stochastic_round")(
+                flat[lo : lo + n],
+                dtype=fmt.name,
+                seed=_seed_of(h0, h1),
+                offset=offset + start,
+                overflow=overflow,
+                out=y[lo : lo + n],
+            )
 
     def body(x, k0, k1, origins):
         shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
         origin_arg = _origin_arg(None if origins is None else origins[0], x.ndim)
         key = ("stochastic_round", fmt.name, offset, overflow, tuple(global_shape))
-        return _callback(host, shape, x, k0, k1, origin_arg, key=key)
+        return _callback(host, shape, x, k0, k1, origin_arg, key=key, into=True)
 
     if origin is not None:
         return body(x, _u(k0), _u(k1), {0: origin})
@@ -239,18 +244,14 @@ def stochastic_round(
 def round_nearest(x, fmt: Format, overflow: str):
     """``srround.round_nearest`` of float32 ``x`` on the host (per shard under ``jit``)."""
 
-    def host(xh):
-        return (
-            np.asarray(
-                _host("round_nearest")(np.asarray(xh, order="C"), dtype=fmt.name, overflow=overflow)
-            )
-            .view(result_dtype(fmt))
-            .reshape(xh.shape)
-        )
+    def host(xh, *, outs):
+        out = outs[0].view(fmt.numpy_dtype)
+        _host("round_nearest")(xh, dtype=fmt.name, overflow=overflow, out=out)
 
     def body(x, origins):
         shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
-        return _callback(host, shape, x, key=("round_nearest", fmt.name, overflow))
+        key = ("round_nearest", fmt.name, overflow)
+        return _callback(host, shape, x, key=key, into=True)
 
     return _per_shard(body, (0,), x)
 
@@ -259,13 +260,12 @@ def to_float32(y, fmt: Format):
     """``srround.to_float32`` of narrow ``y`` (format ``fmt``) on the host (per shard under
     ``jit``)."""
 
-    def host(yh):
-        widened = _host("to_float32")(np.asarray(yh, order="C"), dtype=fmt.name)
-        return np.asarray(widened).reshape(yh.shape)
+    def host(yh, *, outs):
+        _host("to_float32")(yh, dtype=fmt.name, out=outs[0])
 
     def body(y, origins):
         shape = jax.ShapeDtypeStruct(y.shape, jnp.float32)
-        return _callback(host, shape, y, key=("to_float32", fmt.name))
+        return _callback(host, shape, y, key=("to_float32", fmt.name), into=True)
 
     return _per_shard(body, (0,), y)
 

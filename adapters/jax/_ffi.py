@@ -151,7 +151,7 @@ _ERROR_CREATE_OFFSET = 48  # XLA_FFI_Api: struct_size, extension_start, api_vers
 
 # -- the registry and the handler ---------------------------------------------------------------
 
-_FUNCTIONS: dict[int, tuple] = {}  # id -> (host function, aliases: ((operand, result), ...))
+_FUNCTIONS: dict[int, tuple] = {}  # id -> (host function, aliases ((operand, result), ...), into)
 _IDS_OF: dict = {}  # key -> id
 _IDS = itertools.count(1)
 _LOCK = threading.Lock()
@@ -179,10 +179,13 @@ def _address(a: np.ndarray) -> int:
 def _run(frame: _CallFrame) -> None:
     args = [_array(frame.args.buffers[i].contents, False) for i in range(frame.args.size)]
     outs = [_array(frame.rets.buffers[i].contents, True) for i in range(frame.rets.size)]
-    fn, aliases = _FUNCTIONS[int(args[0])]
+    fn, aliases, into = _FUNCTIONS[int(args[0])]
     args = args[1:]
     for operand, result in aliases:  # the operand's data, in the result's (writable) buffer
         args[operand] = outs[result]
+    if into:  # the function writes the results' buffers itself
+        fn(*args, outs=tuple(outs))
+        return
     results = fn(*args)
     if len(outs) == 1:
         results = (results,)
@@ -225,7 +228,7 @@ def _handler(frame_pointer):
 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_handler), platform="cpu")
 
 
-def call(fn, result_shape, *args, key, aliases=None):
+def call(fn, result_shape, *args, key, aliases=None, into=False):
     """``fn(*host arrays)`` on the host as an FFI custom call (CPU only): ``result_shape`` a
     ``jax.ShapeDtypeStruct`` or a tuple of them; ``fn`` returns an array or a tuple of arrays of
     those shapes (bit patterns of the same width are viewed as the result's dtype). Vmapped:
@@ -237,13 +240,14 @@ def call(fn, result_shape, *args, key, aliases=None):
     ``aliases``: ``{operand index in args: result index}`` (same shape and dtype): ``fn`` gets
     that operand as a writable array and returns it as that result, updated in place (XLA
     copies the operand first unless it was donated, so the caller's array never changes).
-    The other operands are read-only."""
+    The other operands are read-only. ``into``: ``fn(*args, outs=...)`` writes the results into
+    XLA's result buffers (a tuple of writable arrays) and returns nothing: no copy."""
     aliases = tuple(sorted((aliases or {}).items()))
     with _LOCK:
-        ident = _IDS_OF.get((key, aliases))
+        ident = _IDS_OF.get((key, aliases, into))
         if ident is None:
-            ident = _IDS_OF[key, aliases] = next(_IDS)
-            _FUNCTIONS[ident] = (fn, aliases)
+            ident = _IDS_OF[key, aliases, into] = next(_IDS)
+            _FUNCTIONS[ident] = (fn, aliases, into)
     ident_arg = jnp.asarray(ident, jnp.int32)
     call = jax.ffi.ffi_call(
         TARGET,
