@@ -328,6 +328,8 @@ def test_callback_through_pure_callback_equals_the_ffi_path(monkeypatch):
             *sj.apply_updates(params, grads, 3, step=2, impl="callback"),
             *jax.tree.leaves(tx.step(grads, tx.init(params), params)),
         ]
+        q = sj.quantize_blocks(x[:2048], "nvfp4", seed=3, impl="callback")
+        out += [q.data, q.scales, q.tensor_scale, sj.dequantize_blocks(q, impl="callback")]
         return [np.atleast_1d(np.asarray(o)).view(np.uint8) for o in out]
 
     expected = calls()
