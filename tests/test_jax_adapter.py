@@ -3,6 +3,8 @@ form, any offset; the exact fma of the native stochastic_add against Numba's llv
 
 from __future__ import annotations
 
+import ctypes
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -340,6 +342,58 @@ def test_callback_through_pure_callback_equals_the_ffi_path(monkeypatch):
     monkeypatch.setattr(_callback, "lax", pure_only)
     for got, want in zip(calls(), expected, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("where", ["in place", "host thread"])
+def test_callback_host_work_sees_ieee_subnormals(where, monkeypatch):
+    """XLA runs host calls with flush-to-zero/denormals-are-zero set: the host work runs with
+    IEEE subnormals, on XLA's thread with those bits cleared for its duration (x86-64 Linux)
+    or on the module's own thread elsewhere (forced here), and XLA's thread gets its own
+    environment back. An addend times 2**-130 is subnormal: flushed, it would be lost."""
+    import concurrent.futures
+
+    from srround.adapters.jax import _callback
+
+    if where == "host thread":  # started here, outside any XLA computation
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        executor.submit(int).result()
+        monkeypatch.setattr(_callback, "_HOST", executor)
+    elif _callback._LIBM is None:
+        pytest.skip("in place needs glibc on x86-64")
+    w, u = _add_case("bfloat16")
+    expected = w.copy()
+    srround.stochastic_add(expected, u, alpha=2.0**-130, seed=5, offset=11)
+    got = jax.jit(
+        lambda a, b: sj.stochastic_add(a, b, alpha=2.0**-130, seed=5, offset=11, impl="callback")
+    )(jnp.asarray(w), jnp.asarray(u))
+    np.testing.assert_array_equal(_bits(got), _bits(expected))
+    if _callback._LIBM is None:
+        return
+    seen = []  # the premise: XLA's thread flushes subnormals
+    jax.jit(lambda x: jax.pure_callback(lambda h: seen.append(_mxcsr()) or h, x, x))(
+        jnp.ones(3)
+    ).block_until_ready()
+    assert seen and seen[0] & 0x8040 == 0x8040
+    own = _callback._X86Env()
+    _callback._LIBM.fegetenv(ctypes.byref(own))
+    flushing = _callback._X86Env.from_buffer_copy(own)
+    flushing.mxcsr |= 0x8040
+    _callback._LIBM.fesetenv(ctypes.byref(flushing))
+    try:
+        with _callback._ieee_floats():
+            inside = _mxcsr()
+        after = _mxcsr()
+    finally:
+        _callback._LIBM.fesetenv(ctypes.byref(own))
+    assert inside & 0x8040 == 0 and after & 0x8040 == 0x8040
+
+
+def _mxcsr() -> int:
+    from srround.adapters.jax import _callback
+
+    env = _callback._X86Env()
+    _callback._LIBM.fegetenv(ctypes.byref(env))
+    return env.mxcsr
 
 
 def test_callback_registers_each_host_function_once():

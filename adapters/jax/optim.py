@@ -60,8 +60,8 @@ Implementations (``impl``):
   TPU, several devices) each leaf computes its own bits from its elements' global indices (it
   stays elementwise and keeps its sharding). The same bits either way (``_native_leaves``).
 * ``"callback"``: host calls (``_callback.py``) into ``srround.adamw_step`` (one for the whole
-  tree) / ``srround.stochastic_add`` (one per leaf), per shard under ``jit``, on the adapter's
-  host thread. On the CPU they update XLA's result buffers in place (donated params and
+  tree) / ``srround.stochastic_add`` (one for all leaves), per shard under ``jit``, with IEEE
+  subnormals. On the CPU they update XLA's result buffers in place (donated params and
   states: their own buffers, no copy); elsewhere they are device -> host -> device copies.
 
 ``found_inf`` (a scalar; nonzero/True/NaN means skip): the step returns params and state
