@@ -11,9 +11,10 @@ a per-shard function, can then call the kernels.
 The handler copies the function's results into XLA's result buffers - except a result that
 aliases an operand (``call(..., aliases=)``): XLA hands over that operand's data in the
 result's buffer (the operand's own when it was donated), the function updates it in place and
-nothing is copied. An exception is reported as an XLA error (``XlaRuntimeError`` at the
-caller), never a silent result. It runs on XLA's
-thread: ``_callback`` hands the work to a thread of its own (flush-to-zero, see there).
+nothing is copied; with ``call(..., into=True)`` the function writes every result's buffer
+itself. An exception is reported as an XLA error (``XlaRuntimeError`` at the caller), never a
+silent result. The handler runs on XLA's thread, with XLA's flush-to-zero set: ``_callback``
+runs the work with IEEE subnormals (see there).
 """
 
 from __future__ import annotations
