@@ -101,14 +101,14 @@ def _seed_of(k0, k1) -> int:
 
 
 def _callback(fn, result_shape, *args, key, aliases=None, into=False):
-    """``fn(*host arrays)`` run with IEEE subnormals (``_run_on_host``) from a jitted program: on
-    the CPU through srround's
-    FFI target (``_ffi``: callable from a per-shard function too; ``key``: what ``fn`` does,
-    see ``_ffi.call``), elsewhere through ``jax.pure_callback``. Vmapped calls are
-    sequential. ``aliases`` (``{operand: result}``): ``fn`` updates those operands in place
-    and returns them as those results - XLA's buffers on the CPU (``_ffi.call``), host copies
-    elsewhere. ``into``: ``fn(*arrays, outs=...)`` writes the results into the arrays ``outs``
-    (XLA's result buffers on the CPU, new arrays elsewhere) and returns nothing."""
+    """``fn(*host arrays)`` run with IEEE subnormals (``_run_on_host``) from a jitted program:
+    on the CPU through srround's FFI target (``_ffi``: callable from a per-shard function too;
+    ``key``: what ``fn`` does, see ``_ffi.call``), elsewhere through ``jax.pure_callback``.
+    Vmapped calls are sequential. ``aliases`` (``{operand: result}``): ``fn`` updates those
+    operands in place and returns them as those results - XLA's buffers on the CPU
+    (``_ffi.call``), host copies elsewhere. ``into``: ``fn(*arrays, outs=...)`` writes the
+    results into the arrays ``outs`` (XLA's result buffers on the CPU, new arrays elsewhere)
+    and returns nothing."""
 
     def on_host(*arrays, **outs):
         return _run_on_host(fn, *arrays, **outs)
