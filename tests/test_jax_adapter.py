@@ -345,7 +345,7 @@ def test_callback_through_pure_callback_equals_the_ffi_path(monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["in place", "host thread"])
-def test_callback_host_work_sees_ieee_subnormals(where, monkeypatch):
+def test_callback_host_work_sees_ieee_subnormals(where, monkeypatch, request):
     """XLA runs host calls with flush-to-zero/denormals-are-zero set: the host work runs with
     IEEE subnormals, on XLA's thread with those bits cleared for its duration (x86-64 Linux)
     or on the module's own thread elsewhere (forced here), and XLA's thread gets its own
@@ -358,6 +358,7 @@ def test_callback_host_work_sees_ieee_subnormals(where, monkeypatch):
         executor = concurrent.futures.ThreadPoolExecutor(1)
         executor.submit(int).result()
         monkeypatch.setattr(_callback, "_HOST", executor)
+        request.addfinalizer(executor.shutdown)
     elif _callback._LIBM is None:
         pytest.skip("in place needs glibc on x86-64")
     w, u = _add_case("bfloat16")
