@@ -53,12 +53,9 @@ def _libm():
         return None
     name = ctypes.util.find_library("m")
     try:
-        libm = ctypes.CDLL(name) if name else None
+        return ctypes.CDLL(name) if name else None
     except OSError:
         return None
-    if libm is None or ctypes.sizeof(_X86Env) != 32:
-        return None
-    return libm
 
 
 _LIBM = _libm()
