@@ -274,6 +274,30 @@ def _make_random_kernel(op):
     return kernel
 
 
+@njit(parallel=True, cache=True)
+def random_lanes(out, k0, k1, positions, targets, lengths):
+    """The 16 random bits of stream positions, as the other kernels draw them: for each piece
+    ``j``, ``out[targets[j] + i]`` (uint16, ``out.size`` even) = the bits of position
+    ``positions[j] + i`` (lane ``p & 3`` of counter block ``p >> 2``), ``i < lengths[j]``.
+    Pieces run in parallel; a piece whose position and target are multiples of 4 is filled
+    in place, block by block, others through a buffer."""
+    words = out.view(np.uint32)
+    for j in prange(positions.size):
+        p, t, n = positions[j], targets[j], lengths[j]
+        whole = n >> 2 if (p & 3) == 0 and (t & 3) == 0 else 0
+        if whole > 0:
+            _fill_bits(words[t >> 1 : (t >> 1) + 2 * whole], k0, k1, p >> 2, whole)
+            p, t, n = p + 4 * whole, t + 4 * whole, n - 4 * whole
+        buffer = np.empty(2 * _CHUNK_BLOCKS, np.uint32)
+        step = 4 * _CHUNK_BLOCKS - 4
+        for i in range(0, n, step):
+            m = min(step, n - i)
+            first, blocks = _block_range(m, p + i)
+            _fill_bits(buffer, k0, k1, first, blocks)
+            b = p + i - 4 * first
+            out[t + i : t + i + m] = buffer.view(np.uint16)[b : b + m]
+
+
 #: ``stochastic_round(x, out, alpha, k0, k1, offset, mantissa_bits, exponent_bits, saturate)``:
 #: ``out[i] = SR(x[i])``; x: uint32[n] (fp32 bits), out: narrow patterns; ``alpha`` unused.
 stochastic_round = _make_random_kernel(_ROUND)

@@ -30,6 +30,7 @@ from .reference import (
 )
 
 IMPLS = ["native", "callback"]
+APPLY_IMPLS = [None, "native", "callback"]  # None: on one CPU device, bits from the host
 SHAPES = [(33,), (7, 5), (130,), (3,), (2, 2, 3)]
 SEED = 0x1234_5678_9ABC
 
@@ -51,7 +52,7 @@ MIXED = [ml_dtypes.bfloat16, np.float32, np.float16, ml_dtypes.bfloat16, np.floa
 
 
 @pytest.mark.parametrize("step", [None, 5, "traced"])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", APPLY_IMPLS)
 def test_apply_updates_is_stochastic_add_per_leaf(impl, step):
     params = normal_params(SHAPES, MIXED)
     updates = [u * np.float32(1e-2) for u in _grads(0)]
@@ -78,7 +79,7 @@ def test_apply_updates_is_stochastic_add_per_leaf(impl, step):
         assert_same_bits(g, w)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", APPLY_IMPLS)
 def test_apply_updates_nan_is_the_positive_quiet_nan(impl):
     """NaN updates of both signs, a -NaN weight and inf + (-inf) give bf16 leaves +qNaN 0x7FC0
     (x86 keeps the NaN operand's sign and gives -qNaN for inf - inf)."""
@@ -97,7 +98,7 @@ def test_apply_updates_matches_optax_structure_and_none_leaves():
     assert_same_bits(out["b"], np.ones(3, np.float32))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", APPLY_IMPLS)
 def test_apply_updates_0d_leaves(impl):
     """A scalar (0-d) leaf keeps its shape and gets the bits of the 1-element array."""
     params = {"s": jnp.asarray(0.01, jnp.bfloat16), "v": jnp.full((3,), 0.01, jnp.bfloat16)}
@@ -145,18 +146,24 @@ GROUPED_DTYPES = [
 ]
 
 
+@pytest.mark.parametrize("lane_chunk", [None, 64])
+@pytest.mark.parametrize("impl", [None, "native"])
 @pytest.mark.parametrize("step", [None, 3, "traced"])
-def test_apply_updates_native_many_leaves(step, monkeypatch):
+def test_apply_updates_native_many_leaves(step, impl, lane_chunk, monkeypatch):
     """The native apply_updates on 0-d, empty, fp32 (plain add), bf16 and fp16 leaves, several of
     one shape: the bits of ``stochastic_add`` per leaf at its start (every leaf's loop takes its
     start as a runtime scalar, ``_lax._opaque``: a traced step makes it one). Leaves up to 40
-    elements are updated together (``optim._small_leaves_call``), larger ones one by one."""
+    elements are updated together (``optim._small_leaves_call``), larger ones one by one; with
+    ``lane_chunk`` the larger ones in several runs of random lanes (``optim._lane_chunks``),
+    one leaf (130 elements) longer than a run. ``impl=None``: the lanes from the host."""
     monkeypatch.setattr(optim, "_SMALL_LEAF", 40)
+    if lane_chunk:
+        monkeypatch.setattr(optim, "_LANE_CHUNK", lane_chunk)
     rng = np.random.default_rng(5)
     params = [rng.standard_normal(s).astype(d) for s, d in zip(GROUPED_SHAPES, GROUPED_DTYPES)]
     updates = [(rng.standard_normal(s) * 1e-2).astype(np.float32) for s in GROUPED_SHAPES]
     if step == "traced":
-        fn = jax.jit(lambda p, u, s: sj.apply_updates(p, u, SEED, step=s, impl="native"))
+        fn = jax.jit(lambda p, u, s: sj.apply_updates(p, u, SEED, step=s, impl=impl))
         got = fn(list(map(jnp.asarray, params)), list(map(jnp.asarray, updates)), jnp.int32(3))
         t = 3
     else:
@@ -165,7 +172,7 @@ def test_apply_updates_native_many_leaves(step, monkeypatch):
             list(map(jnp.asarray, updates)),
             SEED,
             step=step,
-            impl="native",
+            impl=impl,
         )
         t = step or 0
     for p, u, start, g in zip(params, updates, _starts(params), got):
@@ -230,6 +237,25 @@ def test_small_leaves_are_one_loop():
         return sum(b.startswith("%fused_computation") and b.count("\n") > 50 for b in blocks)
 
     assert loops([(64,), (5, 7), (3,), (2, 3, 4), (100,), (9,)]) == loops([(64,)])
+
+
+def test_random_lanes_reuse_one_buffer(monkeypatch):
+    """On one CPU device the random lanes of the leaves come in runs of ``_LANE_CHUNK``
+    positions, one run after another, so XLA keeps one run's buffer at a time: 16 leaves of
+    4096 bf16 elements in runs of 4096 need about 8 KiB of lanes, not 128 KiB (2 bytes per
+    element: fresh pages on every call of a large model, and memory). Both ways of making
+    the lanes: ``jax.lax`` (``impl="native"``) and the host (the default)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the lanes are a buffer on one CPU device only")
+    monkeypatch.setattr(optim, "_SMALL_LEAF", 1000)  # each leaf a loop of its own
+    monkeypatch.setattr(optim, "_LANE_CHUNK", 4096)
+    params = [jnp.full((4096,), 1.0, jnp.bfloat16) for _ in range(16)]
+    updates = [jnp.full((4096,), 1e-3, jnp.float32) for _ in range(16)]
+    for impl in (None, "native"):
+        fn = jax.jit(lambda p, u, k, impl=impl: sj.apply_updates(p, u, k, impl=impl))
+        compiled = fn.lower(params, updates, jax.random.key(1)).compile()
+        assert compiled.memory_analysis().temp_size_in_bytes < 4 * 4096 * 2
+        assert ("srround_host_call" in compiled.as_text()) == (impl is None)
 
 
 def test_adamw_bf16_states_compute_the_update_once():
@@ -401,8 +427,11 @@ DTYPES = [ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float16, ml_dty
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_adamw_native_leaves(rounding, state_dtype, monkeypatch):
     """The native step leaf by leaf, every leaf's start a runtime scalar, the leaves up to 40
-    elements in one loop (``optim._small_leaves_call``): the bits of ``srround.adamw_step``."""
+    elements in one loop (``optim._small_leaves_call``), the others in runs of random lanes of
+    at most 32 positions (``optim._lane_chunks``; 130 elements: a run of its own): the bits of
+    ``srround.adamw_step``."""
     monkeypatch.setattr(optim, "_SMALL_LEAF", 40)
+    monkeypatch.setattr(optim, "_LANE_CHUNK", 32)
     params = normal_params(SHAPES, DTYPES)
     got, state = _jax_run(params, 2, impl="native", rounding=rounding, state_dtype=state_dtype)
     _check_against_numpy(

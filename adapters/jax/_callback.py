@@ -404,6 +404,36 @@ def stochastic_add_leaves(
     return [out] if n == 1 else list(out)
 
 
+_LANE_PIECE = 1 << 16  # positions per parallel piece of ``random_lanes``
+
+
+def random_lanes(k0, k1, high, ranges, after):
+    """The 16 random bits (uint16) of the stream positions in ``ranges`` (``(start, size)``
+    pairs, static ints; one after another, padded to an even count) at counter high word
+    ``high`` (uint32, traced: position ``p``'s counter block is ``high * 2**32 + (p >> 2)``,
+    lane ``p & 3``), filled on the host by the Numba kernel ``srround._cpu.random_lanes``
+    through the FFI target (CPU only): one Threefry block per four positions, in parallel.
+    ``after``: an operand the call only waits for (the order of XLA's work)."""
+    from srround import _cpu
+
+    pieces, total = [], 0
+    for start, size in ranges:
+        for i in range(0, size, _LANE_PIECE):
+            pieces.append((start + i, total + i, min(_LANE_PIECE, size - i)))
+        total += size
+    total += total & 1
+    positions, targets, lengths = (np.array(c, np.int64) for c in zip(*pieces))
+
+    def fill(h0, h1, hh, _after, *, outs):
+        base = int(hh) << 34  # four positions per block
+        k0, k1 = int(h0), int(h1)
+        _cpu.run(_cpu.random_lanes, total, outs[0], k0, k1, positions + base, targets, lengths)
+
+    result = jax.ShapeDtypeStruct((total,), jnp.uint16)
+    key = ("random_lanes", tuple(pieces))
+    return _ffi.call(fill, result, _u(k0), _u(k1), _u(high), after, key=key, into=True)
+
+
 def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):
     """``srround.quantize_blocks`` of float32 ``x`` on the host: ``(data, scales,
     tensor_scale)`` JAX arrays (``tensor_scale`` float32[1], 1.0 unread for MX)."""

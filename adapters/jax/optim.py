@@ -92,6 +92,7 @@ from ._callback import (
     _per_shard,
     _runs,
     _seed_of,
+    random_lanes,
     stochastic_add_leaves,
     varying_as,
 )
@@ -256,15 +257,14 @@ def _dtypes(x):
 
 
 @functools.partial(jax.jit, static_argnames=("update", "cfg"))
-def _shared_leaf_call(arrays, stream_lanes, start, extra, *, update, cfg):
-    """``update(cfg, *arrays, bits, *extra)`` of one leaf at global element ``start`` (a
-    uint32 scalar), ``bits(stream)`` read from ``stream_lanes[stream]``, the 16-bit lanes of
-    every position of the call (``_stream_lanes``): the leaf's contiguous window of lanes, from
-    position ``start`` on (a dynamic slice, read in the leaf's loop)."""
+def _shared_leaf_call(arrays, lanes, start, extra, *, update, cfg):
+    """``update(cfg, *arrays, bits, *extra)`` of one leaf whose elements have the random lanes
+    (uint16) of ``lanes[stream]`` from position ``start`` (a uint32 scalar) on: a dynamic
+    slice, read in the leaf's loop."""
     shape, size = arrays[0].shape, arrays[0].size
 
     def bits(stream):
-        window = lax.dynamic_slice(stream_lanes[stream], (start,), (size,))
+        window = lax.dynamic_slice(lanes[stream], (start,), (size,))
         return window.reshape(shape).astype(_U32)
 
     return _packed(lambda: update(cfg, *arrays, bits, *extra), shape, start)
@@ -274,13 +274,14 @@ _SMALL_LEAF = 1 << 14  # leaves up to this size are updated together (``_small_l
 
 
 @functools.partial(jax.jit, static_argnames=("update", "cfg"))
-def _small_leaves_call(arrays, stream_lanes, starts, extra, *, update, cfg):
-    """``_shared_leaf_call`` of several small leaves of the same dtypes in one loop:
-    ``arrays[i]`` holds input ``i`` of every leaf (``None`` where absent), ``starts`` their
-    global elements. The leaves are flattened and concatenated, their windows of random lanes
-    likewise, and the outputs split back: XLA's compile time grows with the loops of a program
-    more than with their sizes, and copying a small leaf costs little. Same bits (the update
-    is elementwise)."""
+def _small_leaves_call(arrays, lanes, probe, extra, *, update, cfg):
+    """``update(cfg, *arrays, bits, *extra)`` of several small leaves of the same dtypes in
+    one loop: ``arrays[i]`` holds input ``i`` of every leaf (``None`` where absent),
+    ``lanes[stream]`` the random lanes (uint16) of their elements, leaf after leaf
+    (``_small_lanes``); ``probe``: a uint32 XLA cannot evaluate. The leaves are flattened and
+    concatenated, and the outputs split back: XLA's compile time grows with the loops of a
+    program more than with their sizes, and copying a small leaf costs little. Same bits (the
+    update is elementwise)."""
     shapes = [x.shape for x in arrays[0]]
     sizes = [x.size for x in arrays[0]]
 
@@ -292,18 +293,14 @@ def _small_leaves_call(arrays, stream_lanes, starts, extra, *, update, cfg):
     flat = tuple(joined(leaves) for leaves in arrays)
 
     def bits(stream):
-        windows = [
-            lax.dynamic_slice(stream_lanes[stream], (start,), (size,))
-            for start, size in zip(starts, sizes)
-        ]
-        return jnp.concatenate(windows).astype(_U32)
+        return lanes[stream][: sum(sizes)].astype(_U32)
 
     def compute():
-        return _packed(lambda: update(cfg, *flat, bits, *extra), (sum(sizes),), starts[0])
+        return _packed(lambda: update(cfg, *flat, bits, *extra), (sum(sizes),), probe)
 
     # computed in a conditional XLA cannot evaluate, so the outputs are buffers the slices
     # below read: XLA would otherwise copy the math into each slice's loop
-    zero = _u(starts[0]) & ~_u(starts[0])
+    zero = _u(probe) & ~_u(probe)
     absent = jax.tree_util.tree_map(lambda o: jnp.zeros(o.shape, o.dtype), jax.eval_shape(compute))
     outs = lax.cond(zero == 0, compute, lambda: absent)
     result, offset = [], 0
@@ -358,24 +355,123 @@ def _packed(compute, shape, probe):
     return tuple(result)
 
 
-def _stream_lanes(k0, k1, t, stream: int, total: int, zero):
-    """The 16-bit random lanes (uint16) of positions ``[0, total)`` of ``stream`` at step
-    ``t``: position ``i`` is lane ``i & 3`` of the Threefry block of counter ``t * 2**36 +
-    stream * 2**34 + (i >> 2)`` (``_lax._random16``), so a leaf reads its bits as one
-    contiguous window. ``zero``: a uint32 0 that ties it to the while loop it runs in
-    (``_lax._opaque``), which keeps it out of its readers' loops (each would compute the
+_LANE_CHUNK = 1 << 21  # stream positions per buffer of random lanes on one CPU device (4 MiB)
+
+
+def _chunk_lanes(k0, k1, high, first, count: int, zero):
+    """The 16-bit random lanes (uint16) of the ``4 * count`` stream positions from block
+    ``first`` on (uint32, traced) at counter high word ``high``: position ``i`` is lane
+    ``i & 3`` of the Threefry block ``first + (i >> 2)`` (``_lax._random16``), so a leaf reads
+    its bits as one contiguous window. Computed in a conditional on ``zero`` (a uint32 0 XLA
+    cannot evaluate), which keeps it out of its readers' loops (each would compute the
     Threefry again)."""
-    blocks = -(-total // 4)
 
-    def words():  # materialized: the lanes' loop below reads each word four times
-        counters = lax.iota(_U32, blocks) + zero
-        hi = jnp.broadcast_to(_u(t) * _U32(4) + _U32(stream), counters.shape)
-        x0, x1 = _threefry2x32(k0, k1, counters, hi)
-        return x0.astype(jnp.uint64) | (x1.astype(jnp.uint64) << 32)
+    def lanes():
+        blocks = lax.broadcasted_iota(_U32, (count, 4), 0) + first
+        lane = lax.broadcasted_iota(_U32, (count, 4), 1)
+        x0, x1 = _threefry2x32(k0, k1, blocks, high)
+        word = jnp.where(lane < 2, x0, x1)
+        return ((word >> ((lane & 1) << 4)) & 0xFFFF).astype(jnp.uint16).reshape(-1)
 
-    with jax.enable_x64(True):
-        computed = lax.cond(zero == 0, words, lambda: jnp.zeros((blocks,), jnp.uint64))
-        return lax.bitcast_convert_type(computed, jnp.uint16).reshape(-1)  # little-endian
+    return lax.cond(zero == 0, lanes, lambda: jnp.zeros((4 * count,), jnp.uint16))
+
+
+def _small_lanes(k0, k1, high, starts, sizes, zero):
+    """The 16-bit random lanes (uint16) of the elements of leaves at stream positions
+    ``starts`` (uint32, traced) of ``sizes``, leaf after leaf, each element computing its
+    Threefry block (few elements); in a conditional on ``zero`` as ``_chunk_lanes``."""
+    positions = jnp.concatenate([lax.iota(_U32, n) + s for s, n in zip(starts, sizes)])
+
+    def lanes():
+        return _random16(k0, k1, _U32(0), high, 0, positions).astype(jnp.uint16)
+
+    return lax.cond(zero == 0, lanes, lambda: jnp.zeros(positions.shape, jnp.uint16))
+
+
+def _lane_chunks(starts, sizes, leaves) -> list[list[int]]:
+    """``leaves`` (indices, in order of their starts) in runs whose positions span at most
+    ``_LANE_CHUNK`` (a larger leaf alone): each run's random lanes are one buffer."""
+    chunks: list[list[int]] = []
+    base = 0
+    for k in sorted(leaves, key=lambda k: starts[k]):
+        if not chunks or starts[k] + sizes[k] - base > _LANE_CHUNK:
+            chunks.append([])
+            base = starts[k] & ~3
+        chunks[-1].append(k)
+    return chunks
+
+
+def _zero_after(outputs, zero):
+    """A uint32 0 read from the first element of each array in ``outputs``, in a conditional
+    on ``zero`` (a uint32 0 XLA cannot evaluate): what depends on it runs after the loops that
+    wrote them. Read outside a conditional, XLA would fuse a copy of those loops into the
+    read, reading their inputs after the loops overwrote them in place."""
+
+    def read(leaves):
+        result = _U32(0)
+        for a in leaves:
+            width = jnp.dtype(a.dtype).itemsize * 8
+            bits = lax.bitcast_convert_type(a.reshape(-1)[0], jnp.dtype(f"uint{width}"))
+            result = result | (bits.astype(_U32) & ~bits.astype(_U32))
+        return result
+
+    leaves = jax.tree_util.tree_leaves(outputs)
+    return lax.cond(zero == 0, read, lambda leaves: _U32(0), leaves)
+
+
+def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
+    """``_native_leaves`` on one CPU device (see there); ``host_bits``: the random lanes from
+    the Numba kernels (``_callback.random_lanes``), else from ``jax.lax`` ops."""
+    n, sizes = len(starts), [x.size for x in columns[0]]
+    small: dict[tuple, list[int]] = {}  # small leaves by their dtypes
+    big = []
+    for k in range(n):
+        kind = tuple(_dtypes(col[k]) for col in columns)
+        if sizes[k] <= _SMALL_LEAF and not any(isinstance(d, tuple) for d in kind):
+            small.setdefault(kind, []).append(k)
+        else:
+            big.append(k)
+    chunks = _lane_chunks(starts, sizes, big)
+    bases = [starts[ks[0]] & ~3 for ks in chunks]
+    base_of = {k: b for b, ks in zip(bases, chunks) for k in ks}
+    # runtime scalars, so loops of the same shapes are one kernel: every leaf's start (in its
+    # run's lanes, or in the stream for a small leaf) and every run's first block
+    words = _opaque(
+        [starts[k] - base_of.get(k, 0) for k in range(n)] + [b >> 2 for b in bases], (k0, k1, t)
+    )
+    streams = _streams(update, cfg, columns, extra)
+    hi = _u(t) * _U32(4)
+    outs: list[Any] = [None] * n
+    for group in small.values():
+        if host_bits:
+            ranges = [(starts[k], sizes[k]) for k in group]
+            lanes = {s: random_lanes(k0, k1, hi + _U32(s), ranges, words[0]) for s in streams}
+        else:
+            at, count = [words[k] for k in group], [sizes[k] for k in group]
+            zero = words[group[0]] & ~words[group[0]]
+            lanes = {s: _small_lanes(k0, k1, hi + _U32(s), at, count, zero) for s in streams}
+        arrays = tuple(tuple(col[k] for k in group) for col in columns)
+        results = _small_leaves_call(arrays, lanes, words[group[0]], extra, update=update, cfg=cfg)
+        for k, o in zip(group, results):
+            outs[k] = o
+    after = None
+    for c, ks in enumerate(chunks):
+        first = words[n + c]
+        zero = first & ~first if after is None else (first & ~first) | after
+        span = max(starts[k] + sizes[k] for k in ks) - bases[c]
+        count = -(-max(span, _LANE_CHUNK) // 4)
+        if host_bits:
+            ranges = [(bases[c], 4 * count)]
+            lanes = {s: random_lanes(k0, k1, hi + _U32(s), ranges, zero) for s in streams}
+        else:
+            lanes = {s: _chunk_lanes(k0, k1, hi + _U32(s), first, count, zero) for s in streams}
+        for k in ks:
+            arrays = tuple(col[k] for col in columns)
+            outs[k] = _shared_leaf_call(arrays, lanes, words[k], extra, update=update, cfg=cfg)
+        # the next run's lanes come after this run's last loop (XLA keeps that order for the
+        # others), so they reuse its buffer: a few MiB of lanes, not 2 bytes per element
+        after = _zero_after(outs[ks[-1]], zero)
+    return outs
 
 
 def _streams(update, cfg, columns, extra) -> list[int]:
@@ -414,7 +510,9 @@ def _on_one_cpu(leaves) -> bool:
     return True
 
 
-def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=None):
+def _native_leaves(
+    update, cfg, columns, starts, k0, k1, t, extra=(), layouts=None, host_bits=False
+):
     """``update(cfg, *arrays, bits, *extra)`` (a tuple of arrays or ``None``) for every leaf:
     ``columns`` holds per input a list of nonempty leaves (``None`` where absent), leaf ``k``
     at global element ``starts[k]``; ``bits(stream)`` gives the random bits of its elements
@@ -422,10 +520,13 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     over its buffers (nothing concatenated or sliced back), made in one of two ways (the same
     bits).
 
-    * on one CPU device: the random bits of all leaves are computed together, one Threefry
-      block per four elements, as 16-bit lanes (``_stream_lanes``; transient buffers of 2
-      bytes per element and stream), and each leaf's loop reads its window of them; leaves of
-      up to ``_SMALL_LEAF`` elements with the same dtypes share one loop.
+    * on one CPU device (``_one_cpu_leaves``): the leaves in runs of up to ``_LANE_CHUNK``
+      stream positions; a run's random bits are one buffer of 16-bit lanes (``jax.lax``
+      ops, or with ``host_bits`` the Numba kernels: one Threefry block per four elements)
+      and each leaf's loop reads its window of them. The runs follow one another, so the
+      buffers reuse one block of XLA's memory (a few MiB, where lanes for the whole tree
+      would be 2 bytes per element and stream: fresh pages every call on XLA's CPU backend).
+      Leaves of up to ``_SMALL_LEAF`` elements with the same dtypes share one loop.
     * otherwise (GPU, TPU; laid out over several devices: ``jit`` with sharded arrays,
       ``shard_map``): every leaf's loop computes its bits from the global element indices
       (``_leaf_call``), so it stays elementwise and keeps its leaf's sharding.
@@ -433,36 +534,12 @@ def _native_leaves(update, cfg, columns, starts, k0, k1, t, extra=(), layouts=No
     Compile time: the leaf starts reach the loops as runtime scalars (``_lax._opaque``), so the
     loops of leaves with the same shapes and dtypes are one computation, which XLA's CPU
     backend compiles once (a start folded in as a constant makes every leaf's loop a kernel of
-    its own); on one CPU device no leaf's loop carries Threefry rounds.
+    its own); on one CPU device no big leaf's loop carries Threefry rounds.
     ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
     ``shard_map`` (``None``: the whole leaf). Returns the per-leaf tuples."""
     layouts = layouts or [None] * len(starts)
     if all(lay is None for lay in layouts) and _on_one_cpu(columns[0]):
-        total = max(s + x.size for s, x in zip(starts, columns[0]))
-        streams = _streams(update, cfg, columns, extra)
-
-        def blocks(zero):
-            return tuple(_stream_lanes(k0, k1, t, s, total, zero) for s in streams)
-
-        words, computed = _opaque(starts, (k0, k1, t), blocks)
-        bits = dict(zip(streams, computed))
-        outs: list[Any] = [None] * len(starts)
-        groups: dict[tuple, list[int]] = {}
-        for k in range(len(starts)):
-            arrays = tuple(c[k] for c in columns)
-            kind = tuple(_dtypes(a) for a in arrays)
-            if arrays[0].size <= _SMALL_LEAF and not any(isinstance(d, tuple) for d in kind):
-                groups.setdefault(kind, []).append(k)
-            else:
-                outs[k] = _shared_leaf_call(arrays, bits, words[k], extra, update=update, cfg=cfg)
-        for ks in groups.values():
-            arrays = tuple(tuple(c[k] for k in ks) for c in columns)
-            group = _small_leaves_call(
-                arrays, bits, tuple(words[k] for k in ks), extra, update=update, cfg=cfg
-            )
-            for k, o in zip(ks, group):
-                outs[k] = o
-        return outs
+        return _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits)
     words = _opaque([w for s in starts for w in (s >> 2, s & 3)], (k0, k1, t))
     outs = []
     for k, layout in enumerate(layouts):
@@ -504,13 +581,15 @@ def _apply_update(cfg, w, u, bits):
     return (_narrow_out(_encode(sums, fmt, False, bits(0)), w.dtype),)
 
 
-@functools.partial(jax.jit, static_argnames=("starts", "global_shapes"))
-def _native_apply(ws, us, k0, k1, t, origins, *, starts, global_shapes):
+@functools.partial(jax.jit, static_argnames=("starts", "global_shapes", "host_bits"))
+def _native_apply(ws, us, k0, k1, t, origins, *, starts, global_shapes, host_bits):
     """``SR(w + u)`` of the nonempty narrow leaves ``ws`` (leaf k at global element
     ``starts[k]``): ``_apply_update`` leaf by leaf (``_native_leaves``). Jitted: an eager
     call is one compiled program, under an outer ``jit`` it is inlined."""
     layouts = [None if o is None else (o, g) for o, g in zip(origins, global_shapes)]
-    outs = _native_leaves(_apply_update, None, (ws, us), starts, k0, k1, t, layouts=layouts)
+    outs = _native_leaves(
+        _apply_update, None, (ws, us), starts, k0, k1, t, layouts=layouts, host_bits=host_bits
+    )
     return [o[0] for o in outs]
 
 
@@ -586,7 +665,10 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         step: ``None``, or the 1-based step (int or traced int scalar, < 2**26): leaf ``k``
             then uses the weight stream of the fused optimizers at counter
             ``step * 2**36 + starts[k]``, so a fixed seed gives fresh noise every step.
-        impl: ``"native"`` (default) or ``"callback"``; the same bits.
+        impl: ``None`` (default): ``"native"``, except on one CPU device where the random
+            bits come from the Numba kernels (through the FFI target) and the sums and
+            rounding from ``jax.lax`` (the fastest there); ``"native"`` (``jax.lax`` only)
+            or ``"callback"``. The same bits every way.
         shard_specs: inside ``shard_map`` only: the partition specs of ``params`` (a spec or a
             pytree prefix, as ``in_specs``). Each device then updates its blocks with the
             noise of their global elements, equal to the unsharded call. Under ``jit`` with
@@ -603,6 +685,7 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
             (donated) array, leaves on different meshes, bad ``shard_specs``.
         TypeError: a float64 (or non-float) update for a bf16/fp16 param (it would round twice).
     """
+    host_bits = impl is None
     impl = _impl(impl)
     _check_step(step)
 
@@ -668,6 +751,7 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
             [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
             starts=tuple(starts[k] for k, *_ in narrow),
             global_shapes=tuple(None if layouts[k] is None else layouts[k][1] for k, *_ in narrow),
+            host_bits=host_bits,
         )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
