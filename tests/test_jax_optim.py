@@ -158,7 +158,7 @@ def test_apply_updates_native_many_leaves(step, impl, lane_chunk, monkeypatch):
     one leaf (130 elements) longer than a run. ``impl=None``: the lanes from the host."""
     monkeypatch.setattr(optim, "_SMALL_LEAF", 40)
     if lane_chunk:
-        monkeypatch.setattr(optim, "_LANE_CHUNK", lane_chunk)
+        monkeypatch.setattr(optim, "_LANE_BYTES", 2 * lane_chunk)  # one stream
     rng = np.random.default_rng(5)
     params = [rng.standard_normal(s).astype(d) for s, d in zip(GROUPED_SHAPES, GROUPED_DTYPES)]
     updates = [(rng.standard_normal(s) * 1e-2).astype(np.float32) for s in GROUPED_SHAPES]
@@ -240,15 +240,15 @@ def test_small_leaves_are_one_loop():
 
 
 def test_random_lanes_reuse_one_buffer(monkeypatch):
-    """On one CPU device the random lanes of the leaves come in runs of ``_LANE_CHUNK``
-    positions, one run after another, so XLA keeps one run's buffer at a time: 16 leaves of
+    """On one CPU device the random lanes of the leaves come in runs of ``_LANE_BYTES``, one
+    run after another, so XLA keeps one run's buffer at a time: 16 leaves of
     4096 bf16 elements in runs of 4096 need about 8 KiB of lanes, not 128 KiB (2 bytes per
     element: fresh pages on every call of a large model, and memory). Both ways of making
     the lanes: ``jax.lax`` (``impl="native"``) and the host (the default)."""
     if jax.default_backend() != "cpu":
         pytest.skip("the lanes are a buffer on one CPU device only")
     monkeypatch.setattr(optim, "_SMALL_LEAF", 1000)  # each leaf a loop of its own
-    monkeypatch.setattr(optim, "_LANE_CHUNK", 4096)
+    monkeypatch.setattr(optim, "_LANE_BYTES", 2 * 4096)
     params = [jnp.full((4096,), 1.0, jnp.bfloat16) for _ in range(16)]
     updates = [jnp.full((4096,), 1e-3, jnp.float32) for _ in range(16)]
     for impl in (None, "native"):
@@ -428,10 +428,10 @@ DTYPES = [ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float16, ml_dty
 def test_adamw_native_leaves(rounding, state_dtype, monkeypatch):
     """The native step leaf by leaf, every leaf's start a runtime scalar, the leaves up to 40
     elements in one loop (``optim._small_leaves_call``), the others in runs of random lanes of
-    at most 32 positions (``optim._lane_chunks``; 130 elements: a run of its own): the bits of
-    ``srround.adamw_step``."""
+    at most 64 bytes (32 positions with one stream, 8 with three; ``optim._lane_chunks``; 130
+    elements: a run of its own): the bits of ``srround.adamw_step``."""
     monkeypatch.setattr(optim, "_SMALL_LEAF", 40)
-    monkeypatch.setattr(optim, "_LANE_CHUNK", 32)
+    monkeypatch.setattr(optim, "_LANE_BYTES", 64)
     params = normal_params(SHAPES, DTYPES)
     got, state = _jax_run(params, 2, impl="native", rounding=rounding, state_dtype=state_dtype)
     _check_against_numpy(

@@ -355,7 +355,10 @@ def _packed(compute, shape, probe):
     return tuple(result)
 
 
-_LANE_CHUNK = 1 << 21  # stream positions per buffer of random lanes on one CPU device (4 MiB)
+# random lanes of one run of leaves, all streams together, on one CPU device: below glibc's
+# largest mmap threshold (32 MiB), so XLA's buffer for them is heap memory it reuses from call
+# to call, not fresh pages (a page fault per 4 KiB: ~1 ms per 5 MiB on the 2-core CI machine)
+_LANE_BYTES = 16 << 20
 
 
 def _chunk_lanes(k0, k1, high, first, count: int, zero):
@@ -388,13 +391,13 @@ def _small_lanes(k0, k1, high, starts, sizes, zero):
     return lax.cond(zero == 0, lanes, lambda: jnp.zeros(positions.shape, jnp.uint16))
 
 
-def _lane_chunks(starts, sizes, leaves) -> list[list[int]]:
+def _lane_chunks(starts, sizes, leaves, limit: int) -> list[list[int]]:
     """``leaves`` (indices, in order of their starts) in runs whose positions span at most
-    ``_LANE_CHUNK`` (a larger leaf alone): each run's random lanes are one buffer."""
+    ``limit`` (a larger leaf alone): each run's random lanes are one buffer."""
     chunks: list[list[int]] = []
     base = 0
     for k in sorted(leaves, key=lambda k: starts[k]):
-        if not chunks or starts[k] + sizes[k] - base > _LANE_CHUNK:
+        if not chunks or starts[k] + sizes[k] - base > limit:
             chunks.append([])
             base = starts[k] & ~3
         chunks[-1].append(k)
@@ -431,7 +434,9 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
             small.setdefault(kind, []).append(k)
         else:
             big.append(k)
-    chunks = _lane_chunks(starts, sizes, big)
+    streams = _streams(update, cfg, columns, extra)
+    limit = max(4, _LANE_BYTES // (2 * max(1, len(streams))) & ~3)  # positions per run
+    chunks = _lane_chunks(starts, sizes, big, limit)
     bases = [starts[ks[0]] & ~3 for ks in chunks]
     base_of = {k: b for b, ks in zip(bases, chunks) for k in ks}
     # runtime scalars, so loops of the same shapes are one kernel: every leaf's start (in its
@@ -439,7 +444,6 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
     words = _opaque(
         [starts[k] - base_of.get(k, 0) for k in range(n)] + [b >> 2 for b in bases], (k0, k1, t)
     )
-    streams = _streams(update, cfg, columns, extra)
     hi = _u(t) * _U32(4)
     outs: list[Any] = [None] * n
     for group in small.values():
@@ -459,7 +463,7 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
         first = words[n + c]
         zero = first & ~first if after is None else (first & ~first) | after
         span = max(starts[k] + sizes[k] for k in ks) - bases[c]
-        count = -(-max(span, _LANE_CHUNK) // 4)
+        count = -(-max(span, limit) // 4)
         if host_bits:
             ranges = [(bases[c], 4 * count)]
             lanes = {s: random_lanes(k0, k1, hi + _U32(s), ranges, zero) for s in streams}
@@ -520,12 +524,12 @@ def _native_leaves(
     over its buffers (nothing concatenated or sliced back), made in one of two ways (the same
     bits).
 
-    * on one CPU device (``_one_cpu_leaves``): the leaves in runs of up to ``_LANE_CHUNK``
-      stream positions; a run's random bits are one buffer of 16-bit lanes (``jax.lax``
-      ops, or with ``host_bits`` the Numba kernels: one Threefry block per four elements)
-      and each leaf's loop reads its window of them. The runs follow one another, so the
-      buffers reuse one block of XLA's memory (a few MiB, where lanes for the whole tree
-      would be 2 bytes per element and stream: fresh pages every call on XLA's CPU backend).
+    * on one CPU device (``_one_cpu_leaves``): the leaves in runs whose random bits are one
+      buffer of 16-bit lanes of at most ``_LANE_BYTES`` (a leaf with more elements is a run
+      of its own), made by ``jax.lax`` ops or, with ``host_bits``, by the Numba kernels (one
+      Threefry block per four elements); each leaf's loop reads its window of them. The runs
+      follow one another, so their buffers reuse one block of XLA's memory (lanes for the
+      whole tree would be 2 bytes per element and stream, fresh pages every call).
       Leaves of up to ``_SMALL_LEAF`` elements with the same dtypes share one loop.
     * otherwise (GPU, TPU; laid out over several devices: ``jit`` with sharded arrays,
       ``shard_map``): every leaf's loop computes its bits from the global element indices
