@@ -41,7 +41,7 @@ The JAX section (CPU, or the GPU when JAX sees one) times ``jit``-compiled steps
 parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (its default
 ``impl``: on a CPU the Numba step through srround's FFI target; and, on a CPU, ``impl="native"``
 too), ``optax.adamw`` followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding
-of the sum), plain ``optax.adamw`` on fp32 and on bf16 params, ``optax.adamw`` with a
+of the sum; its default, and on a CPU ``impl="native"`` too), plain ``optax.adamw`` on fp32 and on bf16 params, ``optax.adamw`` with a
 hand-written ``jax.random.bits`` stochastic-rounding apply (what a user writes), and srround's
 fused ``sgd`` (momentum 0.9, float32 momentum) next to ``optax.sgd`` on bf16 params. Bytes/param
 there are the same nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B
@@ -464,16 +464,19 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
 
         return build
 
-    def srround_apply(params, updates, key):
-        if sj is None or not hasattr(sj, "apply_updates"):
-            raise Unavailable("srround.adapters.jax.apply_updates not present")
-        return sj.apply_updates(params, updates, key, impl="native")
+    def srround_apply(impl=None):
+        def apply(params, updates, key):
+            if sj is None or not hasattr(sj, "apply_updates"):
+                raise Unavailable("srround.adapters.jax.apply_updates not present")
+            return sj.apply_updates(params, updates, key, impl=impl)
+
+        return apply
 
     plain = (lambda p, u, k: optax.apply_updates(p, u)) if optax else None
     rows = [
         ("srround jax.adamw fp32 states", 22, fused_row(jnp.float32)),
         ("srround jax.adamw bf16 states", 14, fused_row(jnp.bfloat16)),
-        ("optax.adamw + srround apply_updates", 14, optax_row(srround_apply, jnp.bfloat16)),
+        ("optax.adamw + srround apply_updates", 14, optax_row(srround_apply(), jnp.bfloat16)),
         ("optax.adamw + user jax.random.bits SR", 14, optax_row(user_sr_apply, jnp.bfloat16)),
         ("optax.adamw bf16 params (RNE)", 14, optax_row(plain, jnp.bfloat16)),
         ("optax.adamw fp32 params", 28, optax_row(plain, jnp.float32)),
@@ -486,6 +489,8 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
             ("srround jax.adamw native bf16 states", 14, fused_row(jnp.bfloat16, "native")),
         ]
         rows.insert(-1, ("srround jax.sgd native fp32 momentum", 14, fused_sgd_row("native")))
+        native_apply = optax_row(srround_apply("native"), jnp.bfloat16)
+        rows.insert(5, ("optax.adamw + srround apply_updates native", 14, native_apply))
     # on a CPU the rows are timed in turns (each keeps its buffers meanwhile): a shared machine's
     # load moves between rows timed one after the other, and so would their ratios to optax
     in_turns = backend == "cpu"

@@ -407,13 +407,14 @@ def stochastic_add_leaves(
 _LANE_PIECE = 1 << 16  # positions per parallel piece of ``random_lanes``
 
 
-def random_lanes(k0, k1, high, ranges, after):
-    """The 16 random bits (uint16) of the stream positions in ``ranges`` (``(start, size)``
-    pairs, static ints; one after another, padded to an even count) at counter high word
-    ``high`` (uint32, traced: position ``p``'s counter block is ``high * 2**32 + (p >> 2)``,
-    lane ``p & 3``), filled on the host by the Numba kernel ``srround._cpu.random_lanes``
-    through the FFI target (CPU only): one Threefry block per four positions, in parallel.
-    ``after``: an operand the call only waits for (the order of XLA's work)."""
+def random_lanes(k0, k1, high, ranges, after, streams: int = 1):
+    """The 16 random bits (uint16, ``streams`` rows) of the stream positions in ``ranges``
+    (``(start, size)`` pairs, static ints; one after another, padded to an even count): row
+    ``s`` at counter high word ``high + s`` (``high`` a traced uint32: position ``p``'s block
+    is ``(high + s) * 2**32 + (p >> 2)``, lane ``p & 3``). Filled on the host by the Numba
+    kernel ``srround._cpu.random_lanes`` through the FFI target (CPU only): one Threefry block
+    per four positions, in parallel. ``after``: an operand the call only waits for (the order
+    of XLA's work)."""
     from srround import _cpu
 
     pieces, total = [], 0
@@ -423,14 +424,16 @@ def random_lanes(k0, k1, high, ranges, after):
         total += size
     total += total & 1
     positions, targets, lengths = (np.array(c, np.int64) for c in zip(*pieces))
+    rows = np.arange(streams, dtype=np.int64)[:, None]
+    targets, lengths = (targets + rows * total).reshape(-1), np.tile(lengths, streams)
 
     def fill(h0, h1, hh, _after, *, outs):
-        base = int(hh) << 34  # four positions per block
-        k0, k1 = int(h0), int(h1)
-        _cpu.run(_cpu.random_lanes, total, outs[0], k0, k1, positions + base, targets, lengths)
+        at = (positions + ((int(hh) + rows) << 34)).reshape(-1)  # four positions per block
+        lanes = outs[0].reshape(-1)
+        _cpu.run(_cpu.random_lanes, lanes.size, lanes, int(h0), int(h1), at, targets, lengths)
 
-    result = jax.ShapeDtypeStruct((total,), jnp.uint16)
-    key = ("random_lanes", tuple(pieces))
+    result = jax.ShapeDtypeStruct((streams, total), jnp.uint16)
+    key = ("random_lanes", tuple(pieces), streams)
     return _ffi.call(fill, result, _u(k0), _u(k1), _u(high), after, key=key, into=True)
 
 

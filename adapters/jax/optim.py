@@ -361,34 +361,38 @@ def _packed(compute, shape, probe):
 _LANE_BYTES = 16 << 20
 
 
-def _chunk_lanes(k0, k1, high, first, count: int, zero):
-    """The 16-bit random lanes (uint16) of the ``4 * count`` stream positions from block
-    ``first`` on (uint32, traced) at counter high word ``high``: position ``i`` is lane
-    ``i & 3`` of the Threefry block ``first + (i >> 2)`` (``_lax._random16``), so a leaf reads
-    its bits as one contiguous window. Computed in a conditional on ``zero`` (a uint32 0 XLA
-    cannot evaluate), which keeps it out of its readers' loops (each would compute the
-    Threefry again)."""
+def _chunk_lanes(k0, k1, highs, first, count: int, zero):
+    """The 16-bit random lanes (uint16, one row per counter high word in ``highs``) of the
+    ``4 * count`` stream positions from block ``first`` on (uint32, traced): position ``i``
+    is lane ``i & 3`` of the Threefry block ``first + (i >> 2)`` (``_lax._random16``), so a
+    leaf reads its bits as one contiguous window. Computed in a conditional on ``zero`` (a
+    uint32 0 XLA cannot evaluate), which keeps it out of its readers' loops (each would
+    compute the Threefry again)."""
+    shape = (len(highs), count, 4)
 
     def lanes():
-        blocks = lax.broadcasted_iota(_U32, (count, 4), 0) + first
-        lane = lax.broadcasted_iota(_U32, (count, 4), 1)
+        blocks = lax.broadcasted_iota(_U32, shape, 1) + first
+        lane = lax.broadcasted_iota(_U32, shape, 2)
+        high = jnp.stack([_u(h) for h in highs])[:, None, None]
         x0, x1 = _threefry2x32(k0, k1, blocks, high)
         word = jnp.where(lane < 2, x0, x1)
-        return ((word >> ((lane & 1) << 4)) & 0xFFFF).astype(jnp.uint16).reshape(-1)
+        return ((word >> ((lane & 1) << 4)) & 0xFFFF).astype(jnp.uint16).reshape(len(highs), -1)
 
-    return lax.cond(zero == 0, lanes, lambda: jnp.zeros((4 * count,), jnp.uint16))
+    return lax.cond(zero == 0, lanes, lambda: jnp.zeros((len(highs), 4 * count), jnp.uint16))
 
 
-def _small_lanes(k0, k1, high, starts, sizes, zero):
-    """The 16-bit random lanes (uint16) of the elements of leaves at stream positions
-    ``starts`` (uint32, traced) of ``sizes``, leaf after leaf, each element computing its
-    Threefry block (few elements); in a conditional on ``zero`` as ``_chunk_lanes``."""
+def _small_lanes(k0, k1, highs, starts, sizes, zero):
+    """The 16-bit random lanes (uint16, one row per counter high word in ``highs``) of the
+    elements of leaves at stream positions ``starts`` (uint32, traced) of ``sizes``, leaf after
+    leaf, each element computing its Threefry block (few elements); in a conditional on
+    ``zero`` as ``_chunk_lanes``."""
     positions = jnp.concatenate([lax.iota(_U32, n) + s for s, n in zip(starts, sizes)])
 
     def lanes():
-        return _random16(k0, k1, _U32(0), high, 0, positions).astype(jnp.uint16)
+        rows = [_random16(k0, k1, _U32(0), h, 0, positions) for h in highs]
+        return jnp.stack(rows).astype(jnp.uint16)
 
-    return lax.cond(zero == 0, lanes, lambda: jnp.zeros(positions.shape, jnp.uint16))
+    return lax.cond(zero == 0, lanes, lambda: jnp.zeros((len(highs), positions.size), jnp.uint16))
 
 
 def _lane_chunks(starts, sizes, leaves, limit: int) -> list[list[int]]:
@@ -444,17 +448,23 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
     words = _opaque(
         [starts[k] - base_of.get(k, 0) for k in range(n)] + [b >> 2 for b in bases], (k0, k1, t)
     )
-    hi = _u(t) * _U32(4)
+    highs = [_u(t) * _U32(4) + _U32(s) for s in streams]  # counter high word of each stream
+
+    def by_stream(rows):
+        return {s: rows[i] for i, s in enumerate(streams)}
+
     outs: list[Any] = [None] * n
     for group in small.values():
-        if host_bits:
+        if not streams:
+            rows = []
+        elif host_bits:
             ranges = [(starts[k], sizes[k]) for k in group]
-            lanes = {s: random_lanes(k0, k1, hi + _U32(s), ranges, words[0]) for s in streams}
+            rows = random_lanes(k0, k1, highs[0], ranges, words[0], streams=len(streams))
         else:
             at, count = [words[k] for k in group], [sizes[k] for k in group]
-            zero = words[group[0]] & ~words[group[0]]
-            lanes = {s: _small_lanes(k0, k1, hi + _U32(s), at, count, zero) for s in streams}
+            rows = _small_lanes(k0, k1, highs, at, count, words[group[0]] & ~words[group[0]])
         arrays = tuple(tuple(col[k] for k in group) for col in columns)
+        lanes = by_stream(rows)
         results = _small_leaves_call(arrays, lanes, words[group[0]], extra, update=update, cfg=cfg)
         for k, o in zip(group, results):
             outs[k] = o
@@ -463,12 +473,16 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
         first = words[n + c]
         zero = first & ~first if after is None else (first & ~first) | after
         span = max(starts[k] + sizes[k] for k in ks) - bases[c]
-        count = -(-max(span, limit) // 4)
-        if host_bits:
+        # runs but the last have lanes of one size (one kernel), the last only what it needs
+        count = -(-(span if c == len(chunks) - 1 else max(span, limit)) // 4)
+        if not streams:
+            rows = []
+        elif host_bits:
             ranges = [(bases[c], 4 * count)]
-            lanes = {s: random_lanes(k0, k1, hi + _U32(s), ranges, zero) for s in streams}
+            rows = random_lanes(k0, k1, highs[0], ranges, zero, streams=len(streams))
         else:
-            lanes = {s: _chunk_lanes(k0, k1, hi + _U32(s), first, count, zero) for s in streams}
+            rows = _chunk_lanes(k0, k1, highs, first, count, zero)
+        lanes = by_stream(rows)
         for k in ks:
             arrays = tuple(col[k] for col in columns)
             outs[k] = _shared_leaf_call(arrays, lanes, words[k], extra, update=update, cfg=cfg)
