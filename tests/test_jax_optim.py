@@ -655,6 +655,26 @@ def test_fused_step_export():
         export.export(step_of(tx), platforms=("cpu",))(p, state, p)
 
 
+def test_apply_updates_export():
+    """``apply_updates``' default takes its random lanes from a host call only where the
+    program is lowered for the CPU: traced on this CPU machine and exported for CUDA it has
+    none (the ``jax.lax`` lanes, the same bits); ``impl="native"`` exports for the CPU."""
+    from jax import export
+
+    p = [jnp.ones(40_000, jnp.bfloat16), jnp.ones(30, jnp.bfloat16)]
+    u = [jnp.full(40_000, 1e-3, jnp.float32), jnp.full(30, 1e-3, jnp.float32)]
+
+    def apply(impl):
+        return jax.jit(lambda p, u: sj.apply_updates(p, u, SEED, step=3, impl=impl))
+
+    assert "srround_host_call" in apply(None).lower(p, u).as_text()
+    for_cuda = export.export(apply(None), platforms=("cuda",))(p, u)
+    assert "srround_host_call" not in for_cuda.mlir_module()
+    assert export.export(apply("native"), platforms=("cpu",))(p, u).platforms == ("cpu",)
+    with pytest.raises(ValueError, match="srround_host_call"):
+        export.export(apply(None), platforms=("cpu",))(p, u)
+
+
 def test_fused_step_in_a_scanned_training_loop():
     """Five default steps in ``lax.scan`` (the host step in a loop body, with ``found_inf``)
     give the native path's params and states, bit for bit."""

@@ -409,7 +409,7 @@ _LANE_PIECE = 1 << 16  # positions per parallel piece of ``random_lanes``
 
 def random_lanes(k0, k1, high, ranges, after, streams: int = 1):
     """The 16 random bits (uint16, ``streams`` rows) of the stream positions in ``ranges``
-    (``(start, size)`` pairs, static ints; one after another, padded to an even count): row
+    (``(start, size)`` pairs, static ints; one after another): row
     ``s`` at counter high word ``high + s`` (``high`` a traced uint32: position ``p``'s block
     is ``(high + s) * 2**32 + (p >> 2)``, lane ``p & 3``). Filled on the host by the Numba
     kernel ``srround._cpu.random_lanes`` through the FFI target (CPU only): one Threefry block
@@ -417,12 +417,12 @@ def random_lanes(k0, k1, high, ranges, after, streams: int = 1):
     of XLA's work)."""
     from srround import _cpu
 
-    pieces, total = [], 0
+    pieces, count = [], 0
     for start, size in ranges:
         for i in range(0, size, _LANE_PIECE):
-            pieces.append((start + i, total + i, min(_LANE_PIECE, size - i)))
-        total += size
-    total += total & 1
+            pieces.append((start + i, count + i, min(_LANE_PIECE, size - i)))
+        count += size
+    total = count + (count & 1)  # the kernel writes whole 32-bit words where it can
     positions, targets, lengths = (np.array(c, np.int64) for c in zip(*pieces))
     rows = np.arange(streams, dtype=np.int64)[:, None]
     targets, lengths = (targets + rows * total).reshape(-1), np.tile(lengths, streams)
@@ -434,7 +434,8 @@ def random_lanes(k0, k1, high, ranges, after, streams: int = 1):
 
     result = jax.ShapeDtypeStruct((streams, total), jnp.uint16)
     key = ("random_lanes", tuple(pieces), streams)
-    return _ffi.call(fill, result, _u(k0), _u(k1), _u(high), after, key=key, into=True)
+    lanes = _ffi.call(fill, result, _u(k0), _u(k1), _u(high), after, key=key, into=True)
+    return lanes[:, :count]
 
 
 def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):

@@ -426,6 +426,16 @@ def _zero_after(outputs, zero):
     return lax.cond(zero == 0, read, lambda leaves: _U32(0), leaves)
 
 
+def _host_or_lax(lax_lanes, host_lanes, host_bits: bool):
+    """``host_lanes()`` where the program is lowered for the CPU and ``host_bits`` is set,
+    else ``lax_lanes()`` (the same lanes): ``lax.platform_dependent``, so a program traced on
+    a CPU machine and lowered for a GPU (``jax.export``) takes no host call. Both are traced
+    (a few ops each)."""
+    if not host_bits:
+        return lax_lanes()
+    return lax.platform_dependent(cpu=host_lanes, default=lax_lanes)
+
+
 def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
     """``_native_leaves`` on one CPU device (see there); ``host_bits``: the random lanes from
     the Numba kernels (``_callback.random_lanes``), else from ``jax.lax`` ops."""
@@ -457,12 +467,16 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
     for group in small.values():
         if not streams:
             rows = []
-        elif host_bits:
-            ranges = [(starts[k], sizes[k]) for k in group]
-            rows = random_lanes(k0, k1, highs[0], ranges, words[0], streams=len(streams))
         else:
             at, count = [words[k] for k in group], [sizes[k] for k in group]
-            rows = _small_lanes(k0, k1, highs, at, count, words[group[0]] & ~words[group[0]])
+            zero = words[group[0]] & ~words[group[0]]
+            rows = _host_or_lax(
+                lambda: _small_lanes(k0, k1, highs, at, count, zero),
+                lambda: random_lanes(
+                    k0, k1, highs[0], [(starts[k], sizes[k]) for k in group], zero, len(streams)
+                ),
+                host_bits,
+            )
         arrays = tuple(tuple(col[k] for k in group) for col in columns)
         lanes = by_stream(rows)
         results = _small_leaves_call(arrays, lanes, words[group[0]], extra, update=update, cfg=cfg)
@@ -477,11 +491,12 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
         count = -(-(span if c == len(chunks) - 1 else max(span, limit)) // 4)
         if not streams:
             rows = []
-        elif host_bits:
-            ranges = [(bases[c], 4 * count)]
-            rows = random_lanes(k0, k1, highs[0], ranges, zero, streams=len(streams))
         else:
-            rows = _chunk_lanes(k0, k1, highs, first, count, zero)
+            rows = _host_or_lax(
+                lambda: _chunk_lanes(k0, k1, highs, first, count, zero),
+                lambda: random_lanes(k0, k1, highs[0], [(bases[c], 4 * count)], zero, len(streams)),
+                host_bits,
+            )
         lanes = by_stream(rows)
         for k in ks:
             arrays = tuple(col[k] for col in columns)
