@@ -41,11 +41,11 @@ The JAX section (CPU, or the GPU when JAX sees one) times ``jit``-compiled steps
 parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (its default
 ``impl``: on a CPU the Numba step through srround's FFI target; and, on a CPU, ``impl="native"``
 too), ``optax.adamw`` followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding
-of the sum; its default, and on a CPU ``impl="native"`` too), plain ``optax.adamw`` on fp32 and on bf16 params, ``optax.adamw`` with a
-hand-written ``jax.random.bits`` stochastic-rounding apply (what a user writes), and srround's
-fused ``sgd`` (momentum 0.9, float32 momentum) next to ``optax.sgd`` on bf16 params. Bytes/param
-there are the same nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B
-fp32; SGD 10 B, srround's 14 B). On a CPU its
+of the sum; its default, and on a CPU ``impl="native"`` too), plain ``optax.adamw`` on fp32
+and on bf16 params, ``optax.adamw`` with a hand-written ``jax.random.bits`` stochastic-rounding
+apply (what a user writes), and srround's fused ``sgd`` (momentum 0.9, float32 momentum) next
+to ``optax.sgd`` on bf16 params. Bytes/param there are the same nominal counts (optax keeps
+states in the parameter dtype: 14 B bf16, 28 B fp32; SGD 10 B, srround's 14 B). On a CPU its
 rows are timed in turns (every round times one step of each row), so on a shared machine they
 see the same load and their ratios to optax hold; each row's first call is timed on its own.
 

@@ -115,3 +115,22 @@ def test_cpu_vectorized_threefry_equals_reference():
     for k0, k1, c0, c1 in rng.integers(0, 2**32, (200, 4)):
         args = (int(k0), int(k1), int(c0), int(c1))
         assert tuple(int(v) for v in run(*args)) == threefry2x32(*args)
+
+
+def test_cpu_random_lanes_are_the_stream():
+    """``_cpu.random_lanes`` (the JAX adapter's host lanes): pieces at any position - 4-aligned
+    ones filled in place, others through its buffer, one across a change of the counter's
+    high word, one longer than a buffer - give the stream's 16 bits, each at its target."""
+    from srround._cpu import random_lanes
+    from srround._rng import split_seed
+
+    seed = 0x0123_4567_89AB_CDEF
+    positions = [0, 5, 3 * 2**34 + 7, 4093, 8, 2**35 - 8, 2**20 + 3]
+    lengths = [100, 4092, 13_000, 50, 9_003, 4_000, 1]
+    targets = np.concatenate([[0], np.cumsum(lengths)[:-1]]) + 4  # 4-aligned: [0, 4, ...]
+    out = np.zeros(int(targets[-1] + lengths[-1]) + 1 & ~1, np.uint16)
+    arrays = (np.array(a, np.int64) for a in (positions, targets, lengths))
+    random_lanes(out, *split_seed(seed), *arrays)
+    for p, t, n in zip(positions, targets, lengths):
+        assert (out[t : t + n] == random16(seed, p, n)).all(), p
+    assert (out[:4] == 0).all()

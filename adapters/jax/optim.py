@@ -42,8 +42,10 @@ Implementations (``impl``):
   for the CPU (``lax.platform_dependent``) - on a CPU the Numba step in XLA's own buffers runs a
   step in less time than ``optax.adamw`` and compiles in less (``benchmarks/bench_optim.py
   --jax``) - and native elsewhere; native for the settings the host step does not take
-  (optax's ``mask``, ``nesterov``, ``eps_root``, another ``mu_dtype``, fp8 states) and for
-  ``apply_updates``.
+  (optax's ``mask``, ``nesterov``, ``eps_root``, another ``mu_dtype``, fp8 states). For
+  ``apply_updates`` the native path, except that on one CPU device (where the program is
+  lowered for the CPU) its random lanes come from the Numba kernels through the FFI target
+  (``_callback.random_lanes``: one Threefry block per four elements) - the same bits.
 * ``"native"``: ``jax.lax`` only, jit-able on any backend, with the Threefry stream
   and rounding of ``_lax.py``. Every fma of the AdamW math is exact (``_fma``: float64 ops
   rounded to odd, subnormals in integer ops), and so is the sum of ``apply_updates`` (``_add``:
@@ -54,11 +56,12 @@ Implementations (``impl``):
   TPU emulates float64 and may differ in the last bit. Each leaf is a loop of its own that
   takes its start in the stream as a runtime value, so XLA compiles one kernel per leaf shape
   and dtypes (when the key or the step is traced; with both constant, one per leaf). On one
-  CPU device the Threefry blocks of all leaves are computed in one loop, each leaf reads
-  its bits from them as a contiguous window, a leaf's narrow outputs come from one loop, and
-  small leaves of the same dtypes share one loop (``_small_leaves_call``); elsewhere (GPU,
-  TPU, several devices) each leaf computes its own bits from its elements' global indices (it
-  stays elementwise and keeps its sharding). The same bits either way (``_native_leaves``).
+  CPU device the leaves go in runs whose random lanes (16 MiB at most) are computed in one
+  loop, one run after another (XLA reuses one buffer), each leaf reads its bits from them as a
+  contiguous window, a leaf's narrow outputs come from one loop, and small leaves of the same
+  dtypes share one loop (``_small_leaves_call``); elsewhere (GPU, TPU, several devices) each
+  leaf computes its own bits from its elements' global indices (it stays elementwise and
+  keeps its sharding). The same bits either way (``_native_leaves``).
 * ``"callback"``: host calls (``_callback.py``) into ``srround.adamw_step`` (one for the whole
   tree) / ``srround.stochastic_add`` (one for all leaves), per shard under ``jit``, with IEEE
   subnormals. On the CPU they update XLA's result buffers in place (donated params and
