@@ -655,6 +655,28 @@ def test_fused_step_export():
         export.export(step_of(tx), platforms=("cpu",))(p, state, p)
 
 
+def test_apply_updates_vmapped_default_equals_native(monkeypatch):
+    """Under ``vmap`` (an ensemble, one key per member or one for all) the default's host
+    lanes - one call per member, in runs - give the native path's bits."""
+    monkeypatch.setattr(optim, "_SMALL_LEAF", 10)
+    monkeypatch.setattr(optim, "_LANE_BYTES", 64)  # runs of 32 positions
+    rng = np.random.default_rng(2)
+    p = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((3, 50), (3, 7))]
+    u = [jnp.asarray(rng.standard_normal(x.shape) * 1e-2, jnp.float32) for x in p]
+    keys = jax.random.split(jax.random.key(3), 3)
+    for per_member in (False, True):
+        got = []
+        for impl in (None, "native"):
+            if per_member:
+                fn = jax.vmap(lambda p, u, k, impl=impl: sj.apply_updates(p, u, k, impl=impl))
+                got.append(jax.jit(fn)(p, u, keys))
+            else:
+                fn = jax.vmap(lambda p, u, impl=impl: sj.apply_updates(p, u, 7, step=2, impl=impl))
+                got.append(jax.jit(fn)(p, u))
+        for a, b in zip(*got):
+            assert_same_bits(a, b)
+
+
 def test_apply_updates_export():
     """``apply_updates``' default takes its random lanes from a host call only where the
     program is lowered for the CPU: traced on this CPU machine and exported for CUDA it has

@@ -439,39 +439,22 @@ def _random16(k0, k1, first_lo, first_hi, lane0, index):
     return (jnp.where((i & 2) == 0, x0, x1) >> ((i & 1) << 4)) & 0xFFFF
 
 
-def _opaque(values, probes, compute=None):
+def _opaque(values, probes):
     """Python ints ``values`` (< 2**32) as uint32 scalars XLA cannot constant-fold: the
     outputs of a conditional whose predicate XLA cannot evaluate, as it depends on the traced
     ``probes`` (key words, step; always true). A computation that takes such a value as a
     parameter is the same for every value; with the values folded in as constants, each would
-    be a computation of its own (on XLA's CPU backend, a kernel of its own to compile).
-
-    ``compute(zero)`` (optional: a tuple of arrays, ``zero`` a uint32 0 XLA cannot fold) runs
-    in the taken branch, so its results are buffers of their own: XLA does not fuse it into
-    its readers (each would compute it again). Returns the words, or ``(words, computed)``
-    with ``compute``. When every probe is a constant there is nothing to hide behind:
-    constants, and ``compute(0)`` (the same results)."""
+    be a computation of its own (on XLA's CPU backend, a kernel of its own to compile). When
+    every probe is a constant there is nothing to hide behind: constants."""
     probes = [p for p in probes if not isinstance(p, (int, np.integer))]
     if not probes:
-        words = tuple(np.uint32(v) for v in values)
-        return words if compute is None else (words, compute(np.uint32(0)))
-    with jax.enable_x64(True):  # computed arrays may be 64-bit
-        zero = None
-        for p in probes:
-            p = _u(p)
-            zero = p & ~p if zero is None else zero | (p & ~p)
-        words = tuple(jnp.asarray(np.uint32(v)) for v in values)
-
-        def taken():
-            computed = () if compute is None else compute(zero)
-            return tuple(w + zero for w in words), computed
-
-        def never():
-            shapes = () if compute is None else jax.eval_shape(compute, zero)
-            return words, tuple(jnp.zeros(x.shape, x.dtype) for x in shapes)
-
-        words, computed = lax.cond(zero == 0, taken, never)
-    return words if compute is None else (words, computed)
+        return tuple(np.uint32(v) for v in values)
+    zero = None
+    for p in probes:
+        p = _u(p)
+        zero = p & ~p if zero is None else zero | (p & ~p)
+    words = tuple(jnp.asarray(np.uint32(v)) for v in values)
+    return lax.cond(zero == 0, lambda: tuple(w + zero for w in words), lambda: words)
 
 
 def _spec_axes(spec, ndim: int, name: str):
