@@ -258,6 +258,24 @@ def test_random_lanes_reuse_one_buffer(monkeypatch):
         assert ("srround_host_call" in compiled.as_text()) == (impl is None)
 
 
+def test_host_lanes_equal_lax_lanes():
+    """The two makers of random lanes on one CPU device agree: the Numba kernels through the
+    FFI target (``_callback.random_lanes``) and ``jax.lax`` (``optim._small_lanes``), for
+    several ranges and streams that are not consecutive (each row its own high word)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the host lanes are a CPU call")
+    from srround.adapters.jax._callback import random_lanes
+
+    k0, k1, high, zero = jnp.uint32(11), jnp.uint32(22), jnp.uint32(4 * 5), jnp.uint32(0)
+    ranges = [(8, 40), (101, 9), (2**20 + 3, 70_000)]
+    host = jax.jit(lambda: random_lanes(k0, k1, high, ranges, zero, (0, 2)))()
+    starts = [jnp.uint32(s) for s, _ in ranges]
+    sizes = [n for _, n in ranges]
+    lax_lanes = jax.jit(lambda: optim._small_lanes(k0, k1, [high, high + 2], starts, sizes, zero))()
+    assert host.shape == lax_lanes.shape == (2, sum(sizes))
+    assert_same_bits(host, lax_lanes)
+
+
 def test_adamw_bf16_states_compute_the_update_once():
     """With bf16 params and states, a leaf's three outputs come from one loop that runs the
     AdamW math once (``optim._packed``): XLA's CPU backend would copy the math into a loop per

@@ -407,14 +407,14 @@ def stochastic_add_leaves(
 _LANE_PIECE = 1 << 16  # positions per parallel piece of ``random_lanes``
 
 
-def random_lanes(k0, k1, high, ranges, after, streams: int = 1):
-    """The 16 random bits (uint16, ``streams`` rows) of the stream positions in ``ranges``
-    (``(start, size)`` pairs, static ints; one after another): row
-    ``s`` at counter high word ``high + s`` (``high`` a traced uint32: position ``p``'s block
-    is ``(high + s) * 2**32 + (p >> 2)``, lane ``p & 3``). Filled on the host by the Numba
-    kernel ``srround._cpu.random_lanes`` through the FFI target (CPU only): one Threefry block
-    per four positions, in parallel. ``after``: an operand the call only waits for (the order
-    of XLA's work)."""
+def random_lanes(k0, k1, high, ranges, after, streams=(0,)):
+    """The 16 random bits (uint16, a row per stream) of the stream positions in ``ranges``
+    (``(start, size)`` pairs, static ints; one after another): row ``i`` at counter high word
+    ``high + streams[i]`` (``high`` a traced uint32: position ``p``'s block is that word
+    ``* 2**32 + (p >> 2)``, lane ``p & 3``). Filled on the host by the Numba kernel
+    ``srround._cpu.random_lanes`` through the FFI target (CPU only): one Threefry block per
+    four positions, in parallel. ``after``: an operand the call only waits for (the order of
+    XLA's work)."""
     from srround import _cpu
 
     pieces, count = [], 0
@@ -424,16 +424,17 @@ def random_lanes(k0, k1, high, ranges, after, streams: int = 1):
         count += size
     total = count + (count & 1)  # the kernel writes whole 32-bit words where it can
     positions, targets, lengths = (np.array(c, np.int64) for c in zip(*pieces))
-    rows = np.arange(streams, dtype=np.int64)[:, None]
-    targets, lengths = (targets + rows * total).reshape(-1), np.tile(lengths, streams)
+    rows = np.arange(len(streams), dtype=np.int64)[:, None]
+    targets, lengths = (targets + rows * total).reshape(-1), np.tile(lengths, len(streams))
+    offsets = np.array(streams, np.int64)[:, None]
 
     def fill(h0, h1, hh, _after, *, outs):
-        at = (positions + ((int(hh) + rows) << 34)).reshape(-1)  # four positions per block
+        at = (positions + ((int(hh) + offsets) << 34)).reshape(-1)  # four positions per block
         lanes = outs[0].reshape(-1)
         _cpu.run(_cpu.random_lanes, lanes.size, lanes, int(h0), int(h1), at, targets, lengths)
 
-    result = jax.ShapeDtypeStruct((streams, total), jnp.uint16)
-    key = ("random_lanes", tuple(pieces), streams)
+    result = jax.ShapeDtypeStruct((len(streams), total), jnp.uint16)
+    key = ("random_lanes", tuple(pieces), tuple(streams))
     lanes = _ffi.call(fill, result, _u(k0), _u(k1), _u(high), after, key=key, into=True)
     return lanes[:, :count]
 

@@ -461,7 +461,8 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
     words = _opaque(
         [starts[k] - base_of.get(k, 0) for k in range(n)] + [b >> 2 for b in bases], (k0, k1, t)
     )
-    highs = [_u(t) * _U32(4) + _U32(s) for s in streams]  # counter high word of each stream
+    high = _u(t) * _U32(4)
+    highs = [high + _U32(s) for s in streams]  # counter high word of each stream
 
     def by_stream(rows):
         return {s: rows[i] for i, s in enumerate(streams)}
@@ -476,7 +477,7 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
             rows = _host_or_lax(
                 lambda: _small_lanes(k0, k1, highs, at, count, zero),
                 lambda: random_lanes(
-                    k0, k1, highs[0], [(starts[k], sizes[k]) for k in group], zero, len(streams)
+                    k0, k1, high, [(starts[k], sizes[k]) for k in group], zero, streams
                 ),
                 host_bits,
             )
@@ -497,7 +498,7 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
         else:
             rows = _host_or_lax(
                 lambda: _chunk_lanes(k0, k1, highs, first, count, zero),
-                lambda: random_lanes(k0, k1, highs[0], [(bases[c], 4 * count)], zero, len(streams)),
+                lambda: random_lanes(k0, k1, high, [(bases[c], 4 * count)], zero, streams),
                 host_bits,
             )
         lanes = by_stream(rows)
