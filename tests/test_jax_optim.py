@@ -345,7 +345,8 @@ def test_fused_step_default_is_the_host_step_on_the_cpu_only(opt):
     (the Numba step in XLA's buffers) and no elementwise math; lowered for CUDA (from this
     CPU machine, as ``jax.export`` does) it is the native ``jax.lax`` step. Settings the host
     step cannot run (optax's ``mask``, ``nesterov``, ``eps_root``, another ``mu_dtype``, fp8
-    states) stay native everywhere."""
+    states) run the native step everywhere, on the CPU with its random lanes from the host
+    (the bits of ``impl="native"``)."""
     make = {
         "adamw": lambda **kw: sj.adamw(1e-3, seed=SEED, **kw),
         "sgd": lambda **kw: sj.sgd(1e-2, momentum=0.9, seed=SEED, **kw),
@@ -373,7 +374,17 @@ def test_fused_step_default_is_the_host_step_on_the_cpu_only(opt):
             {"mask": [True, False]},
             {"state_dtype": jnp.float8_e4m3fn},
         ):
-            assert "srround_host_call" not in lowered(make(**kw), "cpu"), kw
+            cpu = lowered(make(**kw), "cpu")
+            assert "stablehlo.sqrt" in cpu, kw  # the native step
+            assert "srround_host_call" in cpu, kw  # the random lanes
+            assert "srround_host_call" not in lowered(make(**kw), "cuda"), kw
+            grads = [jnp.full(p.shape, 0.1, p.dtype) for p in params]
+            got = [
+                jax.jit(lambda p, s, g, tx=tx: tx.step(g, s, p))(params, tx.init(params), grads)
+                for tx in (make(**kw), make(impl="native", **kw))
+            ]
+            for a, b in zip(*map(jax.tree_util.tree_leaves, got)):
+                assert_same_bits(a, b)
 
 
 def test_apply_updates_fresh_noise_per_step():

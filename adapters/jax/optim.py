@@ -42,7 +42,8 @@ Implementations (``impl``):
   for the CPU (``lax.platform_dependent``) - on a CPU the Numba step in XLA's own buffers runs a
   step in less time than ``optax.adamw`` and compiles in less (``benchmarks/bench_optim.py
   --jax``) - and native elsewhere; native for the settings the host step does not take
-  (optax's ``mask``, ``nesterov``, ``eps_root``, another ``mu_dtype``, fp8 states). For
+  (optax's ``mask``, ``nesterov``, ``eps_root``, another ``mu_dtype``, fp8 states), with the
+  random lanes from the host on one CPU device as ``apply_updates`` below. For
   ``apply_updates`` the native path, except that on one CPU device (where the program is
   lowered for the CPU) its random lanes come from the Numba kernels through the FFI target
   (``_callback.random_lanes``: one Threefry block per four elements) - the same bits.
@@ -1063,7 +1064,7 @@ def _sgd_update(cfg, p, g, b, a, bits, coefs, inv_scale):
     return p_new, buf_new, a_new
 
 
-def _native_step(update, cfg, columns, layouts, t, k0, k1, extras):
+def _native_step(update, cfg, columns, layouts, t, k0, k1, extras, host_bits=False):
     """The native fused step: ``update`` leaf by leaf (``_native_leaves``). ``columns``: per
     input (params, grads, states..., aux) the list of leaves; ``extras[k]``: the extra
     arguments of leaf k (coefficients, inv_scale) - leaves are updated in runs of equal extras
@@ -1071,7 +1072,7 @@ def _native_step(update, cfg, columns, layouts, t, k0, k1, extras):
     float32 states end in an op of several arrays, which it writes once (into the state
     buffer) for the parameter's loop to read; on one CPU device, a leaf's 8/16-bit outputs
     (bf16 params and states) are computed in one loop (``_packed``). Returns per-leaf output
-    tuples (params, states..., aux)."""
+    tuples (params, states..., aux). ``host_bits``: see ``_native_leaves``."""
     p_leaves = columns[0]
     starts = _starts(
         [tuple(p.shape) if lay is None else lay[1] for p, lay in zip(p_leaves, layouts)]
@@ -1092,6 +1093,7 @@ def _native_step(update, cfg, columns, layouts, t, k0, k1, extras):
             t,
             extra,
             [layouts[k] for k in live],
+            host_bits=host_bits,
         )
         for k, o in zip(live, new):
             outs[k] = o
@@ -1188,11 +1190,14 @@ def _mask_leaves(mask, params, treedef):
     return [bool(f) for f in flags]
 
 
-def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, host):
+def _fused(
+    kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, host, host_bits=False
+):
     """The optimizer object shared by ``adamw`` and ``sgd``.
 
     ``impl``: ``"native"``, ``"callback"`` or ``"auto"`` (callback where the program is lowered
-    for the CPU, native elsewhere: ``lax.platform_dependent``); ``states``: (name,
+    for the CPU, native elsewhere: ``lax.platform_dependent``); ``host_bits``: the native
+    step's random lanes from the host on one CPU device (``_native_leaves``); ``states``: (name,
     dtype or None (absent), stream) per state buffer; ``native(t, lr, inv_scale, params,
     treedef) -> (update, cfg, extras)``; ``host``: the NumPy step for the callback path,
     ``host(ps, gs, states, *, aux, lr, step, seed, inv_scale)``."""
@@ -1239,7 +1244,9 @@ def _fused(kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, 
         def on_lax():
             update, ucfg, extras = native(t, lr_t, inv_scale, params, treedef)
             columns = [p_leaves, g_leaves, *s_leaves, a_leaves]
-            return _native_step(update, ucfg, columns, layouts, t, _u(k0), _u(k1), extras)
+            return _native_step(
+                update, ucfg, columns, layouts, t, _u(k0), _u(k1), extras, host_bits
+            )
 
         def on_host():
             blocked = [col for col in s_leaves if col and isinstance(col[0], tuple)]
@@ -1443,6 +1450,7 @@ def adamw(
         cfg=cfg,
         native=native,
         host=host,
+        host_bits=impl is None and impl_ == "native",  # the default, for native-only settings
     )
 
 
