@@ -457,7 +457,7 @@ DTYPES = [ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float16, ml_dty
 def test_adamw_native_leaves(rounding, state_dtype, monkeypatch):
     """The native step leaf by leaf, every leaf's start a runtime scalar, the leaves up to 40
     elements in one loop (``optim._small_leaves_call``), the others in runs of random lanes of
-    at most 64 bytes (32 positions with one stream, 8 with three; ``optim._lane_chunks``; 130
+    at most 64 bytes (32 positions with one stream, 4 with three; ``optim._lane_chunks``; 130
     elements: a run of its own): the bits of ``srround.adamw_step``."""
     monkeypatch.setattr(optim, "_SMALL_LEAF", 40)
     monkeypatch.setattr(optim, "_LANE_BYTES", 64)

@@ -453,7 +453,12 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
         else:
             big.append(k)
     streams = _streams(update, cfg, columns, extra)
-    limit = max(4, _LANE_BYTES // (2 * max(1, len(streams))) & ~3)  # positions per run
+    # positions per run; with several streams (bf16 states) the leaves' loops keep about as
+    # many bytes of packed outputs alive as the lanes take: half the lanes, so XLA's whole
+    # temporary buffer stays below the mmap threshold too (bf16 states, 24.6M params: 37.7 MB
+    # of temporaries and 9,600 page faults a step with 16 MiB of lanes, 18.6 MB and none with 8)
+    budget = _LANE_BYTES if len(streams) <= 1 else _LANE_BYTES // 2
+    limit = max(4, budget // (2 * max(1, len(streams))) & ~3)
     chunks = _lane_chunks(starts, sizes, big, limit)
     bases = [starts[ks[0]] & ~3 for ks in chunks]
     base_of = {k: b for b, ks in zip(bases, chunks) for k in ks}
