@@ -376,7 +376,8 @@ def test_fused_step_default_is_the_host_step_on_the_cpu_only(opt):
         ):
             cpu = lowered(make(**kw), "cpu")
             assert "stablehlo.sqrt" in cpu, kw  # the native step
-            assert "srround_host_call" in cpu, kw  # the random lanes
+            if jax.default_backend() == "cpu":  # on one CPU device: the random lanes
+                assert "srround_host_call" in cpu, kw
             assert "srround_host_call" not in lowered(make(**kw), "cuda"), kw
             grads = [jnp.full(p.shape, 0.1, p.dtype) for p in params]
             got = [
@@ -718,12 +719,14 @@ def test_apply_updates_export():
     def apply(impl):
         return jax.jit(lambda p, u: sj.apply_updates(p, u, SEED, step=3, impl=impl))
 
-    assert "srround_host_call" in apply(None).lower(p, u).as_text()
+    on_one_cpu = jax.default_backend() == "cpu"  # else the lanes are the leaves' own
+    assert ("srround_host_call" in apply(None).lower(p, u).as_text()) == on_one_cpu
     for_cuda = export.export(apply(None), platforms=("cuda",))(p, u)
     assert "srround_host_call" not in for_cuda.mlir_module()
     assert export.export(apply("native"), platforms=("cpu",))(p, u).platforms == ("cpu",)
-    with pytest.raises(ValueError, match="srround_host_call"):
-        export.export(apply(None), platforms=("cpu",))(p, u)
+    if on_one_cpu:
+        with pytest.raises(ValueError, match="srround_host_call"):
+            export.export(apply(None), platforms=("cpu",))(p, u)
 
 
 def test_fused_step_in_a_scanned_training_loop():
