@@ -430,14 +430,18 @@ def _zero_after(outputs, zero):
     return lax.cond(zero == 0, read, lambda leaves: _U32(0), leaves)
 
 
-def _host_or_lax(lax_lanes, host_lanes, host_bits: bool):
-    """``host_lanes()`` where the program is lowered for the CPU and ``host_bits`` is set,
-    else ``lax_lanes()`` (the same lanes): ``lax.platform_dependent``, so a program traced on
-    a CPU machine and lowered for a GPU (``jax.export``) takes no host call. Both are traced
-    (a few ops each)."""
-    if not host_bits:
-        return lax_lanes()
-    return lax.platform_dependent(cpu=host_lanes, default=lax_lanes)
+def _lanes_by_stream(streams, lax_lanes, host_lanes, host_bits: bool):
+    """``{stream: its row of lanes}``: ``host_lanes()`` where the program is lowered for the
+    CPU and ``host_bits`` is set, else ``lax_lanes()`` (the same lanes; ``{}`` without
+    streams). ``lax.platform_dependent``, so a program traced on a CPU machine and lowered for
+    a GPU (``jax.export``) takes no host call; both are traced (a few ops each)."""
+    if not streams:
+        return {}
+    if host_bits:
+        rows = lax.platform_dependent(cpu=host_lanes, default=lax_lanes)
+    else:
+        rows = lax_lanes()
+    return {s: rows[i] for i, s in enumerate(streams)}
 
 
 def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
@@ -470,25 +474,19 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
     high = _u(t) * _U32(4)
     highs = [high + _U32(s) for s in streams]  # counter high word of each stream
 
-    def by_stream(rows):
-        return {s: rows[i] for i, s in enumerate(streams)}
-
     outs: list[Any] = [None] * n
     for group in small.values():
-        if not streams:
-            rows = []
-        else:
-            at, count = [words[k] for k in group], [sizes[k] for k in group]
-            zero = words[group[0]] & ~words[group[0]]
-            rows = _host_or_lax(
-                lambda: _small_lanes(k0, k1, highs, at, count, zero),
-                lambda: random_lanes(
-                    k0, k1, high, [(starts[k], sizes[k]) for k in group], zero, streams
-                ),
-                host_bits,
-            )
+        at, count = [words[k] for k in group], [sizes[k] for k in group]
+        zero = words[group[0]] & ~words[group[0]]
+        lanes = _lanes_by_stream(
+            streams,
+            lambda: _small_lanes(k0, k1, highs, at, count, zero),
+            lambda: random_lanes(
+                k0, k1, high, [(starts[k], sizes[k]) for k in group], zero, streams
+            ),
+            host_bits,
+        )
         arrays = tuple(tuple(col[k] for k in group) for col in columns)
-        lanes = by_stream(rows)
         results = _small_leaves_call(arrays, lanes, words[group[0]], extra, update=update, cfg=cfg)
         for k, o in zip(group, results):
             outs[k] = o
@@ -499,15 +497,12 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
         span = max(starts[k] + sizes[k] for k in ks) - bases[c]
         # runs but the last have lanes of one size (one kernel), the last only what it needs
         count = -(-(span if c == len(chunks) - 1 else max(span, limit)) // 4)
-        if not streams:
-            rows = []
-        else:
-            rows = _host_or_lax(
-                lambda: _chunk_lanes(k0, k1, highs, first, count, zero),
-                lambda: random_lanes(k0, k1, high, [(bases[c], 4 * count)], zero, streams),
-                host_bits,
-            )
-        lanes = by_stream(rows)
+        lanes = _lanes_by_stream(
+            streams,
+            lambda: _chunk_lanes(k0, k1, highs, first, count, zero),
+            lambda: random_lanes(k0, k1, high, [(bases[c], 4 * count)], zero, streams),
+            host_bits,
+        )
         for k in ks:
             arrays = tuple(col[k] for col in columns)
             outs[k] = _shared_leaf_call(arrays, lanes, words[k], extra, update=update, cfg=cfg)
