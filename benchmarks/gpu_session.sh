@@ -4,8 +4,8 @@
 #     bash benchmarks/gpu_session.sh [PHASE ...]   # default: every phase below, in this order
 # Logs, JUnit XML and the benchmarks' JSON are packed after every step into ${OUT:-gpu-out}/gpu.tgz
 # (one file, so that a run stopped at its time limit still returns what it did). Every step has
-# its own time limit (seconds, environment variables T_TESTS, T_BENCH, T_OPTIM, T_MORE), so one
-# slow step cannot take the whole lease.
+# its own time limit (seconds, environment variables T_TESTS, T_BENCH, T_OPTIM, T_MORE,
+# T_PROBE), so one slow step cannot take the whole lease.
 #   tests  installs srround in place without dependencies and runs the whole test suite on the
 #          real GPU (tests/conftest.py uses the GPU when /dev/nvidiactl exists: CUDA tests are
 #          not simulated), several workers, JAX without preallocation, a Python traceback on a
@@ -13,6 +13,9 @@
 #   round, optim, jax  the kernel benchmarks for the GPU, each against its same-run baselines
 #          (copy bandwidth, torch's kernels): bench_round, bench_optim, and jax_gpu_check (the
 #          JAX native path vs copy bandwidth, bits vs the Numba CUDA kernels).
+#   probe  where the JAX native fused step's time goes (jax_gpu_check --probe: the step with
+#          parts of its work swapped for cheaper stand-ins, each variant's optimized HLO kept
+#          in the packed logs under probe/).
 #   lossscale, adapters, lowbit  bench_lossscale, bench_adapters, bench_lowbit on the GPU.
 #   compile  the torch.compile rows on the GPU (bench_optim --sections compile).
 #   profile  where the host time of a small CUDA call goes (gpu_call_profile: launch floor,
@@ -23,13 +26,15 @@
 # Seen on one H100 (2026-11-26): tests 130-150 s, round 30 s, optim 60 s, jax 12 s, lowbit 11 s,
 # compile 23 s, demo 181 s: every phase but the demo fits one call of about 7 minutes, e.g.
 # `T_TESTS=200 T_MORE=60 bash benchmarks/gpu_session.sh` with the device's timeout_s=480 (the
-# demo then stops at 60 s); the demo alone: `T_MORE=230 bash benchmarks/gpu_session.sh demo`.
+# demo then stops at 60 s; the probe, not yet run on a GPU, may be cut short too); the demo
+# alone: `T_MORE=230 bash benchmarks/gpu_session.sh demo`; the probe alone:
+# `bash benchmarks/gpu_session.sh probe`.
 set -uo pipefail
 out="${OUT:-gpu-out}"
 logs="$(mktemp -d)/gpu"
 mkdir -p "$out" "$logs" benchmarks/results
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-phases="${*:-tests round optim jax lossscale adapters lowbit compile profile demo}"
+phases="${*:-tests round optim jax lossscale adapters lowbit compile profile probe demo}"
 py="${PYTHON:-python3}"  # the GPU image's python3 holds torch, JAX and CuPy
 
 pack() { tar czf "$out/gpu.tgz" -C "$(dirname "$logs")" gpu benchmarks 2>/dev/null; }
@@ -73,6 +78,10 @@ for phase in $phases; do
     jax)
         step jax_gpu_check "${T_BENCH:-80}" "$py" benchmarks/jax_gpu_check.py --params 67 \
             --json benchmarks/results/jax_gpu_check_gpu.json
+        ;;
+    probe)
+        step jax_gpu_probe "${T_PROBE:-120}" "$py" benchmarks/jax_gpu_check.py --params 67 \
+            --probe "$logs/probe" --json benchmarks/results/jax_gpu_probe_gpu.json
         ;;
     lossscale) bench bench_lossscale "${T_MORE:-60}" --device cuda --quick ;;
     adapters) bench bench_adapters "${T_MORE:-60}" --device cuda --quick ;;

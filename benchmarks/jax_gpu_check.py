@@ -1,11 +1,20 @@
 """The JAX native path on a GPU (issue item: >= 80 % of copy bandwidth for ``stochastic_round``
 and the fused step, bits equal to the Numba CUDA kernels). Run by ``gpu_session.sh``::
 
-    python benchmarks/jax_gpu_check.py [--params 268] [--json PATH]
+    python benchmarks/jax_gpu_check.py [--params 268] [--json PATH] [--probe DIR]
 
 Prints per row the time, the bandwidth and the fraction of a same-bytes copy (``x.astype``
 to the output dtype, and ``optax.adamw`` + ``optax.apply_updates`` on the same bf16 params),
-then whether the JAX bits equal srround's Numba CUDA kernels on the same inputs."""
+then whether the JAX bits equal srround's Numba CUDA kernels on the same inputs.
+
+``--probe DIR``: where the fused step's time goes. The same step again with one part of its
+work swapped for a cheaper stand-in (not srround's bits: a measurement only): no random bits,
+float32 conversions for the exact roundings (``_lax.narrow``), float32 arithmetic for the exact
+fma/division/square root, float64 widening without the CPU's subnormal handling, several at
+once; and the random bits with one Threefry block per four elements (a layout XLA may share
+between four elements). Each row says whether its parameters' bits equal the shipped step's
+(random inputs, subnormal gradients among them). Writes each variant's optimized HLO to DIR,
+with its count of fusions."""
 
 from __future__ import annotations
 
@@ -29,9 +38,113 @@ def _time(fn, *args, reps=20):
     return statistics.median(samples)
 
 
+def _random16_blocks(k0, k1, first_lo, first_hi, lane0, index):
+    """``_lax._random16`` for leaves whose last dimension is a multiple of 4 and whose elements
+    start at a multiple of 4 in the stream (``lane0`` 0): one Threefry block per row of four,
+    broadcast to its four lanes."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from srround.adapters.jax import _lax
+
+    if isinstance(index, int):
+        index = lax.iota(jnp.uint32, index)
+    shape = index.shape
+    quads = index.reshape(shape[:-1] + (shape[-1] // 4, 4))
+    j = quads[..., 0] >> 2
+    c_lo = first_lo + j
+    c_hi = first_hi + (c_lo < j).astype(jnp.uint32)
+    x0, x1 = _lax._threefry2x32(k0, k1, c_lo, c_hi)
+    lane = lax.broadcasted_iota(jnp.uint32, quads.shape, quads.ndim - 1)
+    word = jnp.where(lane < 2, x0[..., None], x1[..., None])
+    return ((word >> ((lane & 1) << 4)) & 0xFFFF).reshape(shape)
+
+
+def _probe(directory, tx, params, nbytes, floor, row, x, key, cast):
+    """The ``--probe`` rows (see the module docstring)."""
+    import os
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from srround.adapters import jax as sj
+    from srround.adapters.jax import _lax, optim
+
+    os.makedirs(directory, exist_ok=True)
+    # random inputs, a few subnormal gradients among them, so that bits can differ
+    keys = jax.random.split(jax.random.key(7), 2 * len(params))
+    params = [(0.02 * jax.random.normal(k, p.shape)).astype(p.dtype) for k, p in zip(keys, params)]
+    grads = [1e-3 * jax.random.normal(k, p.shape) for k, p in zip(keys[len(params) :], params)]
+    params[0] = params[0].at[0, :64].set(jnp.asarray(1e-39, params[0].dtype))  # subnormal
+    grads[0] = grads[0].at[0, 64:128].set(jnp.float32(1e-40))
+    step_args = (grads, tx.init(params), params)
+    saved = {
+        (m, name): getattr(m, name)
+        for m, name in [
+            (optim, "_random16"),
+            (_lax, "_random16"),
+            (optim, "narrow"),
+            (_lax, "narrow"),
+            (optim, "_wide"),
+            (optim, "_fma"),
+            (optim, "div"),
+            (optim, "sqrt"),
+        ]
+    }
+
+    def no_bits(k0, k1, first_lo, first_hi, lane0, index):
+        return jnp.zeros(index if isinstance(index, int) else index.shape, jnp.uint32)
+
+    def converted(v):
+        with jax.enable_x64(True):
+            return jnp.asarray(v, jnp.float64).astype(jnp.float32)
+
+    def widened(v, exact):
+        return v.astype(jnp.float64)
+
+    def fma32(a, b, c, exact=None):
+        return jnp.asarray(a, jnp.float32) * b + c
+
+    f32_math = {"_fma": fma32, "div": jnp.divide, "sqrt": jnp.sqrt}
+    swaps = {
+        "no random bits": {"_random16": no_bits},
+        "Threefry block per 4 elements": {"_random16": _random16_blocks},
+        "plain float64 widening": {"_wide": widened},
+        "narrow by conversion": {"narrow": converted},
+        "float32 fma, div, sqrt": f32_math,
+        "all but the bits": {"narrow": converted, **f32_math},
+        "none of the three": {"_random16": no_bits, "narrow": converted, **f32_math},
+    }
+    reference = None
+    for label, swap in [("as shipped", {})] + list(swaps.items()):
+        for (m, name), f in saved.items():
+            setattr(m, name, swap.get(name, f))
+        jax.clear_caches()
+        try:
+            fn = jax.jit(tx.step)
+            text = fn.lower(*step_args).compile().as_text()
+            slug = "".join(c if c.isalnum() else "_" for c in label)
+            with open(os.path.join(directory, f"fused_{slug}.hlo.txt"), "w") as f:
+                f.write(text)
+            bits = [np.asarray(p).view(np.uint16) for p in fn(*step_args)[0]]
+            reference = bits if reference is None else reference
+            same = all(np.array_equal(r, b) for r, b in zip(reference, bits))
+            note = f"{text.count(', kind=k')} fusions, bits as shipped: {same}"
+            row(f"fused step: {label} ({note})", _time(fn, *step_args, reps=10), nbytes, floor)
+            if "Threefry" in label:
+                sr = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k))
+                row("stochastic_round: Threefry block per 4", _time(sr, x, key), 6 * x.size, cast)
+        finally:
+            for (m, name), f in saved.items():
+                setattr(m, name, f)
+            jax.clear_caches()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--params", type=float, default=268.0, help="millions of elements")
+    p.add_argument("--probe", metavar="DIR", help="ablate the fused step, HLO into DIR")
     add_json_argument(p)
     args = p.parse_args(argv)
     started = utc_now()
@@ -86,6 +199,8 @@ def main(argv=None) -> int:
             22 * n,
             base * 22 / 14,
         )
+        if args.probe:
+            _probe(args.probe, tx, params, 22 * n, base * 22 / 14, row, x, key, cast)
     except ImportError as exc:
         print(f"optax rows skipped: {exc}")
     same = None
