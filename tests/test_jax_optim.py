@@ -650,6 +650,121 @@ def test_errors():
         )
 
 
+def _subnormal_inputs(dtypes):
+    """Params with every third value subnormal (fp16: in fp16's subnormal range) and per step
+    gradients whose every other value squares to a subnormal, every fourth subnormal itself:
+    moments, products and quotients at and below float32's normal range."""
+    rng = np.random.default_rng(8)
+    shapes = [(64,), (8, 8), (40,)]
+    params = []
+    for s, dtype in zip(shapes, dtypes):
+        x = rng.standard_normal(s).astype(np.float32).reshape(-1)
+        x[::3] *= np.float32(2.0**-128) if dtype != np.float16 else np.float32(2.0**-20)
+        params.append(x.reshape(s).astype(dtype))
+
+    def grads(t):
+        r = np.random.default_rng(10 + t)
+        out = []
+        for s in shapes:
+            g = r.standard_normal(s).astype(np.float32).reshape(-1)
+            g[::2] *= np.float32(1e-20)
+            g[1::4] *= np.float32(2.0**-135)
+            out.append(g.reshape(s))
+        return out
+
+    return params, grads
+
+
+def _skip_where_xla_flushes(impl):
+    """The native step on a backend that flushes float32 subnormals (XLA's CPU backend, TPU)
+    computes as XLA does there: a subnormal weight, moment, gradient or intermediate is zero
+    (README, "optax conventions"). The kernels (the default on the CPU) and the GPU keep
+    them."""
+    flushed = float(jax.jit(lambda x: x * 0.5)(jnp.float32(2.0**-140))) == 0.0
+    if impl == "native" and flushed:
+        pytest.skip("this backend flushes float32 subnormals: the native step does too")
+
+
+@pytest.mark.parametrize("impl", [None, "native"])
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "master", "remainder"])
+def test_fused_step_keeps_subnormals(rounding, state_dtype, impl):
+    """Subnormal weights, gradients (times ``inv_scale``), moments and intermediates: the bits
+    of ``srround.adamw_step``, which keeps them (the default step on the CPU runs those
+    kernels; the native step where the backend keeps subnormals: on a GPU)."""
+    _skip_where_xla_flushes(impl)
+    dtypes = [np.float32, ml_dtypes.bfloat16]
+    dtypes.append(ml_dtypes.bfloat16 if rounding == "remainder" else np.float16)
+    params, grads = _subnormal_inputs(dtypes)
+    tx = sj.adamw(
+        1e-2,
+        seed=SEED,
+        rounding=rounding,
+        state_dtype=state_dtype,
+        impl=impl,
+        weight_decay=0.5,
+    )
+    ps = [jnp.asarray(p) for p in params]
+    state = tx.init(ps)
+    step = jax.jit(lambda g, s, p: tx.step(g, s, p, inv_scale=jnp.float32(0.5)))
+    P = [p.copy() for p in params]
+    npd = np.float32 if state_dtype == jnp.float32 else ml_dtypes.bfloat16
+    M, V = [np.zeros(p.shape, npd) for p in P], [np.zeros(p.shape, npd) for p in P]
+    aux = None
+    if rounding != "stochastic":
+        make = {
+            "master": lambda p: p.astype(np.float32),
+            "kahan": np.zeros_like,
+            "remainder": lambda p: np.zeros(p.shape, np.int16),
+        }[rounding]
+        aux = [None if p.dtype == np.float32 else make(p) for p in P]
+    for t in range(3):
+        ps, state = step([jnp.asarray(g) for g in grads(t)], state, ps)
+        srround.adamw_step(
+            P,
+            grads(t),
+            M,
+            V,
+            lr=1e-2,
+            weight_decay=0.5,
+            step=t + 1,
+            seed=SEED,
+            rounding=rounding,
+            aux=aux,
+            inv_scale=0.5,
+        )
+    _check_against_numpy(ps, state, (P, M, V, aux))
+
+
+@pytest.mark.parametrize("impl", [None, "native"])
+@pytest.mark.parametrize("momentum", ["fp32", "bf16", "nesterov"])
+def test_sgd_keeps_subnormals(momentum, impl):
+    """``test_fused_step_keeps_subnormals`` for SGD: the bits of ``srround.sgd_step``."""
+    _skip_where_xla_flushes(impl)
+    params, grads = _subnormal_inputs([np.float32, ml_dtypes.bfloat16, np.float16])
+    acc = jnp.bfloat16 if momentum == "bf16" else None
+    tx = sj.sgd(1e-1, 0.9, momentum == "nesterov", acc, seed=SEED, impl=impl)
+    ps = [jnp.asarray(p) for p in params]
+    state = tx.init(ps)
+    step = jax.jit(tx.step)
+    P = [p.copy() for p in params]
+    B = [np.zeros(p.shape, ml_dtypes.bfloat16 if acc else np.float32) for p in P]
+    for t in range(3):
+        ps, state = step([jnp.asarray(g) for g in grads(t)], state, ps)
+        srround.sgd_step(
+            P,
+            grads(t),
+            B,
+            lr=1e-1,
+            momentum=0.9,
+            nesterov=momentum == "nesterov",
+            step=t + 1,
+            seed=SEED,
+        )
+    for a, b in zip(list(ps) + list(state.momentum_buffer), P + B):
+        assert_same_bits(a, b)
+
+
 def test_fused_step_vmapped_over_an_ensemble():
     """``jax.vmap`` of the fused step (an ensemble of models, the default path: a host call per
     member on the CPU) gives each member's own step, and the native path's bits."""
