@@ -69,7 +69,7 @@ def _probe(directory, tx, params, nbytes, floor, row, x, key, cast):
     import numpy as np
 
     from srround.adapters import jax as sj
-    from srround.adapters.jax import _lax, optim
+    from srround.adapters.jax import _lax, _leaves, optim
 
     os.makedirs(directory, exist_ok=True)
     # random inputs, a few subnormal gradients among them, so that bits can differ
@@ -82,7 +82,7 @@ def _probe(directory, tx, params, nbytes, floor, row, x, key, cast):
     saved = {
         (m, name): getattr(m, name)
         for m, name in [
-            (optim, "_random16"),
+            (_leaves, "_random16"),
             (_lax, "_random16"),
             (optim, "narrow"),
             (_lax, "narrow"),

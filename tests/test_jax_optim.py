@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import srround
 from srround import _optim
 from srround.adapters import jax as sj
-from srround.adapters.jax import _lax, optim
+from srround.adapters.jax import _lax, _leaves
 
 from .reference import (
     assert_same_bits,
@@ -153,12 +153,12 @@ def test_apply_updates_native_many_leaves(step, impl, lane_chunk, monkeypatch):
     """The native apply_updates on 0-d, empty, fp32 (plain add), bf16 and fp16 leaves, several of
     one shape: the bits of ``stochastic_add`` per leaf at its start (every leaf's loop takes its
     start as a runtime scalar, ``_lax._opaque``: a traced step makes it one). Leaves up to 40
-    elements are updated together (``optim._small_leaves_call``), larger ones one by one; with
-    ``lane_chunk`` the larger ones in several runs of random lanes (``optim._lane_chunks``),
+    elements are updated together (``_leaves._small_leaves_call``), larger ones one by one; with
+    ``lane_chunk`` the larger ones in several runs of random lanes (``_leaves._lane_chunks``),
     one leaf (130 elements) longer than a run. ``impl=None``: the lanes from the host."""
-    monkeypatch.setattr(optim, "_SMALL_LEAF", 40)
+    monkeypatch.setattr(_leaves, "_SMALL_LEAF", 40)
     if lane_chunk:
-        monkeypatch.setattr(optim, "_LANE_BYTES", 2 * lane_chunk)  # one stream
+        monkeypatch.setattr(_leaves, "_LANE_BYTES", 2 * lane_chunk)  # one stream
     rng = np.random.default_rng(5)
     params = [rng.standard_normal(s).astype(d) for s, d in zip(GROUPED_SHAPES, GROUPED_DTYPES)]
     updates = [(rng.standard_normal(s) * 1e-2).astype(np.float32) for s in GROUPED_SHAPES]
@@ -209,7 +209,7 @@ def test_apply_updates_leaves_of_one_shape_share_a_kernel():
         return sj.apply_updates(p, u, key, impl="native")
 
     def kernels(n):
-        size = optim._SMALL_LEAF + 1  # updated one by one
+        size = _leaves._SMALL_LEAF + 1  # updated one by one
         params = [jnp.full((size,), 1.0 + i, jnp.bfloat16) for i in range(n)]
         updates = [jnp.full((size,), 1e-3, jnp.float32) for _ in range(n)]
         return _distinct_kernels(step, params, updates, jax.random.key(1))
@@ -247,8 +247,8 @@ def test_random_lanes_reuse_one_buffer(monkeypatch):
     the lanes: ``jax.lax`` (``impl="native"``) and the host (the default)."""
     if jax.default_backend() != "cpu":
         pytest.skip("the lanes are a buffer on one CPU device only")
-    monkeypatch.setattr(optim, "_SMALL_LEAF", 1000)  # each leaf a loop of its own
-    monkeypatch.setattr(optim, "_LANE_BYTES", 2 * 4096)
+    monkeypatch.setattr(_leaves, "_SMALL_LEAF", 1000)  # each leaf a loop of its own
+    monkeypatch.setattr(_leaves, "_LANE_BYTES", 2 * 4096)
     params = [jnp.full((4096,), 1.0, jnp.bfloat16) for _ in range(16)]
     updates = [jnp.full((4096,), 1e-3, jnp.float32) for _ in range(16)]
     for impl in (None, "native"):
@@ -260,7 +260,7 @@ def test_random_lanes_reuse_one_buffer(monkeypatch):
 
 def test_host_lanes_equal_lax_lanes():
     """The two makers of random lanes on one CPU device agree: the Numba kernels through the
-    FFI target (``_callback.random_lanes``) and ``jax.lax`` (``optim._small_lanes``), for
+    FFI target (``_callback.random_lanes``) and ``jax.lax`` (``_leaves._small_lanes``), for
     several ranges and streams that are not consecutive (each row its own high word)."""
     if jax.default_backend() != "cpu":
         pytest.skip("the host lanes are a CPU call")
@@ -271,21 +271,23 @@ def test_host_lanes_equal_lax_lanes():
     host = jax.jit(lambda: random_lanes(k0, k1, high, ranges, zero, (0, 2)))()
     starts = [jnp.uint32(s) for s, _ in ranges]
     sizes = [n for _, n in ranges]
-    lax_lanes = jax.jit(lambda: optim._small_lanes(k0, k1, [high, high + 2], starts, sizes, zero))()
+    lax_lanes = jax.jit(
+        lambda: _leaves._small_lanes(k0, k1, [high, high + 2], starts, sizes, zero)
+    )()
     assert host.shape == lax_lanes.shape == (2, sum(sizes))
     assert_same_bits(host, lax_lanes)
 
 
 def test_adamw_bf16_states_compute_the_update_once():
     """With bf16 params and states, a leaf's three outputs come from one loop that runs the
-    AdamW math once (``optim._packed``): XLA's CPU backend would copy the math into a loop per
+    AdamW math once (``_leaves._packed``): XLA's CPU backend would copy the math into a loop per
     output. Each leaf reads its random bits as a contiguous window (a dynamic slice), not by a
     gather. Compiled only; the bits are checked by ``test_adamw_native_leaves``. The HLO text
     checked is the CPU backend's (a GPU fuses differently)."""
     if jax.default_backend() != "cpu":
         pytest.skip("checks the CPU backend's compiled program")
     opt = sj.adamw(1e-3, seed=SEED, state_dtype=jnp.bfloat16, impl="native")
-    shape = (129, 128)  # above optim._SMALL_LEAF: each leaf a loop of its own
+    shape = (129, 128)  # above _leaves._SMALL_LEAF: each leaf a loop of its own
     params = [jnp.ones(shape, jnp.bfloat16)] * 2
     grads = [jnp.full(shape, 1e-3, jnp.bfloat16)] * 2
     state = opt.init(params)
@@ -457,11 +459,11 @@ DTYPES = [ml_dtypes.bfloat16, np.float32, ml_dtypes.bfloat16, np.float16, ml_dty
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_adamw_native_leaves(rounding, state_dtype, monkeypatch):
     """The native step leaf by leaf, every leaf's start a runtime scalar, the leaves up to 40
-    elements in one loop (``optim._small_leaves_call``), the others in runs of random lanes of
-    at most 64 bytes (32 positions with one stream, 4 with three; ``optim._lane_chunks``; 130
+    elements in one loop (``_leaves._small_leaves_call``), the others in runs of random lanes of
+    at most 64 bytes (32 positions with one stream, 4 with three; ``_leaves._lane_chunks``; 130
     elements: a run of its own): the bits of ``srround.adamw_step``."""
-    monkeypatch.setattr(optim, "_SMALL_LEAF", 40)
-    monkeypatch.setattr(optim, "_LANE_BYTES", 64)
+    monkeypatch.setattr(_leaves, "_SMALL_LEAF", 40)
+    monkeypatch.setattr(_leaves, "_LANE_BYTES", 64)
     params = normal_params(SHAPES, DTYPES)
     got, state = _jax_run(params, 2, impl="native", rounding=rounding, state_dtype=state_dtype)
     _check_against_numpy(
@@ -803,8 +805,8 @@ def test_fused_step_export():
 def test_apply_updates_vmapped_default_equals_native(monkeypatch):
     """Under ``vmap`` (an ensemble, one key per member or one for all) the default's host
     lanes - one call per member, in runs - give the native path's bits."""
-    monkeypatch.setattr(optim, "_SMALL_LEAF", 10)
-    monkeypatch.setattr(optim, "_LANE_BYTES", 64)  # runs of 32 positions
+    monkeypatch.setattr(_leaves, "_SMALL_LEAF", 10)
+    monkeypatch.setattr(_leaves, "_LANE_BYTES", 64)  # runs of 32 positions
     rng = np.random.default_rng(2)
     p = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((3, 50), (3, 7))]
     u = [jnp.asarray(rng.standard_normal(x.shape) * 1e-2, jnp.float32) for x in p]
