@@ -402,7 +402,9 @@ def test_apply_updates_fresh_noise_per_step():
 # -- fused adamw: bits of srround.adamw_step ---------------------------------------------------
 
 
-def _numpy_run(params, steps, *, rounding, state_dtype, lr=1e-2, lrs=None, seed=SEED, **kw):
+def _numpy_run(
+    params, steps, *, rounding, state_dtype, lr=1e-2, lrs=None, seed=SEED, grads=_grads, **kw
+):
     P = [p.copy() for p in params]
     npd = np.float32 if state_dtype == jnp.float32 else ml_dtypes.bfloat16
     M = [np.zeros(p.shape, npd) for p in P]
@@ -417,7 +419,7 @@ def _numpy_run(params, steps, *, rounding, state_dtype, lr=1e-2, lrs=None, seed=
     for t in range(steps):
         srround.adamw_step(
             P,
-            _grads(t),
+            grads(t),
             M,
             V,
             lr=lr if lrs is None else lrs[t],
@@ -430,14 +432,16 @@ def _numpy_run(params, steps, *, rounding, state_dtype, lr=1e-2, lrs=None, seed=
     return P, M, V, aux
 
 
-def _jax_run(params, steps, *, impl, rounding, state_dtype, lr=1e-2, seed=SEED, **kw):
+def _jax_run(params, steps, *, impl, rounding, state_dtype, lr=1e-2, seed=SEED, grads=_grads, **kw):
+    """``steps`` fused steps (``inv_scale`` in ``kw`` goes to the step, the rest to ``adamw``)."""
     kw.setdefault("weight_decay", 1e-2)  # srround.adamw_step's default (optax's is 1e-4)
+    inv_scale = kw.pop("inv_scale", None)
     tx = sj.adamw(lr, seed=seed, rounding=rounding, state_dtype=state_dtype, impl=impl, **kw)
     ps = [jnp.asarray(p) for p in params]
     state = tx.init(ps)
-    fn = jax.jit(tx.step)
+    fn = jax.jit(lambda g, s, p: tx.step(g, s, p, inv_scale=inv_scale))
     for t in range(steps):
-        ps, state = fn([jnp.asarray(g) for g in _grads(t)], state, ps)
+        ps, state = fn([jnp.asarray(g) for g in grads(t)], state, ps)
     return ps, state
 
 
@@ -698,44 +702,9 @@ def test_fused_step_keeps_subnormals(rounding, state_dtype, impl):
     dtypes = [np.float32, ml_dtypes.bfloat16]
     dtypes.append(ml_dtypes.bfloat16 if rounding == "remainder" else np.float16)
     params, grads = _subnormal_inputs(dtypes)
-    tx = sj.adamw(
-        1e-2,
-        seed=SEED,
-        rounding=rounding,
-        state_dtype=state_dtype,
-        impl=impl,
-        weight_decay=0.5,
-    )
-    ps = [jnp.asarray(p) for p in params]
-    state = tx.init(ps)
-    step = jax.jit(lambda g, s, p: tx.step(g, s, p, inv_scale=jnp.float32(0.5)))
-    P = [p.copy() for p in params]
-    npd = np.float32 if state_dtype == jnp.float32 else ml_dtypes.bfloat16
-    M, V = [np.zeros(p.shape, npd) for p in P], [np.zeros(p.shape, npd) for p in P]
-    aux = None
-    if rounding != "stochastic":
-        make = {
-            "master": lambda p: p.astype(np.float32),
-            "kahan": np.zeros_like,
-            "remainder": lambda p: np.zeros(p.shape, np.int16),
-        }[rounding]
-        aux = [None if p.dtype == np.float32 else make(p) for p in P]
-    for t in range(3):
-        ps, state = step([jnp.asarray(g) for g in grads(t)], state, ps)
-        srround.adamw_step(
-            P,
-            grads(t),
-            M,
-            V,
-            lr=1e-2,
-            weight_decay=0.5,
-            step=t + 1,
-            seed=SEED,
-            rounding=rounding,
-            aux=aux,
-            inv_scale=0.5,
-        )
-    _check_against_numpy(ps, state, (P, M, V, aux))
+    kw = dict(rounding=rounding, state_dtype=state_dtype, grads=grads, weight_decay=0.5)
+    got, state = _jax_run(params, 3, impl=impl, inv_scale=0.5, **kw)
+    _check_against_numpy(got, state, _numpy_run(params, 3, inv_scale=0.5, **kw))
 
 
 @pytest.mark.parametrize("impl", [None, "native"])
