@@ -13,8 +13,8 @@ float32 conversions for the exact roundings (``_lax.narrow``), float32 arithmeti
 fma/division/square root, float64 widening without the CPU's subnormal handling, several at
 once; and the random bits with one Threefry block per four elements (a layout XLA may share
 between four elements). Each row says whether its parameters' bits equal the shipped step's
-(random inputs, subnormal gradients among them). Writes each variant's optimized HLO to DIR,
-with its count of fusions."""
+(random inputs, subnormal weights and gradients among them). Writes each variant's optimized
+HLO to DIR, with its count of fusions."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def _probe(directory, tx, params, nbytes, floor, row, x, key, cast):
     from srround.adapters.jax import _lax, _leaves, optim
 
     os.makedirs(directory, exist_ok=True)
-    # random inputs, a few subnormal gradients among them, so that bits can differ
+    # random inputs, a few subnormal weights and gradients among them, so that bits can differ
     keys = jax.random.split(jax.random.key(7), 2 * len(params))
     params = [(0.02 * jax.random.normal(k, p.shape)).astype(p.dtype) for k, p in zip(keys, params)]
     grads = [1e-3 * jax.random.normal(k, p.shape) for k, p in zip(keys[len(params) :], params)]
