@@ -697,8 +697,8 @@ def _native_step(update, cfg, columns, layouts, t, k0, k1, extras, host_bits=Fal
     (e.g. inside and outside optax's ``mask``). XLA's CPU backend emits one loop per output;
     float32 states end in an op of several arrays, which it writes once (into the state
     buffer) for the parameter's loop to read; on one CPU device, a leaf's 8/16-bit outputs
-    (bf16 params and states) are computed in one loop (``_packed``). Returns per-leaf output
-    tuples (params, states..., aux). ``host_bits``: see ``_native_leaves``."""
+    (bf16 params and states) are computed in one loop (``_leaves._packed``). Returns per-leaf
+    output tuples (params, states..., aux). ``host_bits``: see ``_native_leaves``."""
     p_leaves = columns[0]
     starts = _starts(
         [tuple(p.shape) if lay is None else lay[1] for p, lay in zip(p_leaves, layouts)]
