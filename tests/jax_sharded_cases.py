@@ -295,6 +295,20 @@ def case_optim():
             for k in params:
                 _same(m_params[k], e_params[k], f"adamw shard_map {k} {what_s}")
                 _same(m_state.exp_avg_sq[k], e_state.exp_avg_sq[k], f"shard_map v {k} {what_s}")
+        if last:  # optax's mask: on the CPU two host calls (inside it, outside), per shard
+            mask = {k: i % 2 == 0 for i, k in enumerate(params)}
+            steps = {
+                impl: jax.jit(sj.adamw(1e-2, seed=KEY, mask=mask, weight_decay=0.5, impl=impl).step)
+                for impl in (None, "native")
+            }
+            tx = sj.adamw(1e-2, seed=KEY, mask=mask)
+            e_params, e_state = steps["native"](grads, tx.init(params), params)
+            g_params, g_state = steps[None](gs, tx.init(ps), ps)
+            _no_gather(steps[None], gs, tx.init(ps), ps, what=f"adamw mask {what}")
+            for k in params:
+                _same(g_params[k], e_params[k], f"adamw mask {k} {what}")
+                _same(g_state.exp_avg_sq[k], e_state.exp_avg_sq[k], f"adamw mask v {k} {what}")
+                _same_sharding(g_params[k], ps[k], f"adamw mask {k} {what}")
         if even:
             for impl in ("native", "callback") if last or index == 1 else ("native",):
 

@@ -346,9 +346,10 @@ def test_fused_step_default_is_the_host_step_on_the_cpu_only(opt):
     """``impl=None``: lowered for the CPU the fused step is one call of srround's FFI target
     (the Numba step in XLA's buffers) and no elementwise math; lowered for CUDA (from this
     CPU machine, as ``jax.export`` does) it is the native ``jax.lax`` step. Settings the host
-    step cannot run (optax's ``mask``, ``nesterov``, ``eps_root``, another ``mu_dtype``, fp8
-    states) run the native step everywhere, on the CPU with its random lanes from the host
-    (the bits of ``impl="native"``)."""
+    step cannot run (``nesterov``, ``eps_root``, another ``mu_dtype``, fp8 states) run the
+    native step everywhere, on the CPU with its random lanes from the host (the bits of
+    ``impl="native"``). optax's ``mask`` is two host calls on the CPU (the leaves inside it,
+    those outside with no weight decay): the bits of the native step too."""
     make = {
         "adamw": lambda **kw: sj.adamw(1e-3, seed=SEED, **kw),
         "sgd": lambda **kw: sj.sgd(1e-2, momentum=0.9, seed=SEED, **kw),
@@ -374,12 +375,18 @@ def test_fused_step_default_is_the_host_step_on_the_cpu_only(opt):
             {"nesterov": True},
             {"eps_root": 1e-8},
             {"mask": [True, False]},
+            {"mask": [False, True], "weight_decay": 0.5},
             {"state_dtype": jnp.float8_e4m3fn},
+            {"state_dtype": jnp.float8_e4m3fn, "mask": [True, False]},
         ):
             cpu = lowered(make(**kw), "cpu")
-            assert "stablehlo.sqrt" in cpu, kw  # the native step
-            if jax.default_backend() == "cpu":  # on one CPU device: the random lanes
-                assert "srround_host_call" in cpu, kw
+            if "mask" in kw and "state_dtype" not in kw:  # the host step, one call per group
+                assert cpu.count("srround_host_call") == 2, kw
+                assert "stablehlo.sqrt" not in cpu, kw
+            else:
+                assert "stablehlo.sqrt" in cpu, kw  # the native step
+                if jax.default_backend() == "cpu":  # on one CPU device: the random lanes
+                    assert "srround_host_call" in cpu, kw
             assert "srround_host_call" not in lowered(make(**kw), "cuda"), kw
             grads = [jnp.full(p.shape, 0.1, p.dtype) for p in params]
             got = [

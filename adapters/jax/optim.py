@@ -41,9 +41,10 @@ Implementations (``impl``):
 * ``None`` (default): for ``adamw`` and ``sgd`` the callback path where the program is lowered
   for the CPU (``lax.platform_dependent``) - on a CPU the Numba step in XLA's own buffers runs a
   step in less time than ``optax.adamw`` and compiles in less (``benchmarks/bench_optim.py
-  --jax``) - and native elsewhere; native for the settings the host step does not take
-  (optax's ``mask``, ``nesterov``, ``eps_root``, another ``mu_dtype``, fp8 states), with the
-  random lanes from the host on one CPU device as ``apply_updates`` below. For
+  --jax``) - and native elsewhere (optax's ``mask``: one host call for the leaves inside it,
+  one for those outside); native for the settings the host step does not take (``nesterov``,
+  ``eps_root``, another ``mu_dtype``, fp8 states), with the random lanes from the host on
+  one CPU device as ``apply_updates`` below. For
   ``apply_updates`` the native path, except that on one CPU device (where the program is
   lowered for the CPU) its random lanes come from the Numba kernels through the FFI target
   (``_callback.random_lanes``: one Threefry block per four elements) - the same bits.
@@ -817,7 +818,19 @@ def _mask_leaves(mask, params, treedef):
 
 
 def _fused(
-    kind, *, lr, seed, rounding, impl, shard_specs, states, cfg, native, host, host_bits=False
+    kind,
+    *,
+    lr,
+    seed,
+    rounding,
+    impl,
+    shard_specs,
+    states,
+    cfg,
+    native,
+    host,
+    host_groups=None,
+    host_bits=False,
 ):
     """The optimizer object shared by ``adamw`` and ``sgd``.
 
@@ -826,7 +839,10 @@ def _fused(
     step's random lanes from the host on one CPU device (``_native_leaves``); ``states``: (name,
     dtype or None (absent), stream) per state buffer; ``native(t, lr, inv_scale, params,
     treedef) -> (update, cfg, extras)``; ``host``: the NumPy step for the callback path,
-    ``host(ps, gs, states, *, aux, lr, step, seed, inv_scale)``."""
+    ``host(ps, gs, states, *, aux, lr, step, seed, inv_scale)``; ``host_groups(params,
+    treedef) -> [(host, leaf indices), ...]``: leaves that take different host steps (optax's
+    ``mask``: with and without weight decay), one host call per group; ``None``: ``host`` for
+    every leaf."""
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding: expected one of {sorted(_ROUNDINGS)}, got {rounding!r}")
     k0, k1 = _key_words(seed)
@@ -885,9 +901,27 @@ def _fused(
                     )
                 s_cols = [[x[part] for x in col] for part in (0, 1) for col in s_leaves]
             columns = (p_leaves, g_leaves, s_cols, a_leaves)
-            outs = _callback_step(
-                host, columns, t, lr_t, k0, k1, inv_scale, layouts, global_shapes, bool(blocked)
-            )
+            groups = [(host, None)] if host_groups is None else host_groups(params, treedef)
+            outs = None
+            for host_step, leaves in groups:
+                group_outs = _callback_step(
+                    host_step,
+                    columns,
+                    t,
+                    lr_t,
+                    k0,
+                    k1,
+                    inv_scale,
+                    layouts,
+                    global_shapes,
+                    bool(blocked),
+                    leaves,
+                )
+                if outs is None:
+                    outs = group_outs
+                else:  # the groups are disjoint: each leaf from its own group's call
+                    for i in leaves:
+                        outs[i] = group_outs[i]
             if blocked:
                 outs = [(o[0], (o[1], o[3]), (o[2], o[4]), o[5]) for o in outs]
             return outs
@@ -985,7 +1019,8 @@ def adamw(
         mu_dtype: dtype of the first moment, float32 or bfloat16 (default: ``state_dtype``;
             fp8 states: ``state_dtype`` only).
         mask: as optax: a pytree of bools like params (or a function of params giving one);
-            weight decay applies where True. Native only.
+            weight decay applies where True (the host step: one call for the leaves inside,
+            one for those outside; with fp8 states native only).
         nesterov: optax's Nesterov momentum. Native only.
         seed: int in [0, 2**64) or a JAX PRNG key, fixed for the run: step ``t`` derives its
             noise from the counter ``t * 2**36 + ...``, so no key is threaded by hand.
@@ -1015,7 +1050,9 @@ def adamw(
     mu_dtype = state_dtype if mu_dtype is None else _state_dtype(mu_dtype, "mu_dtype")
     fp8 = state_dtype in _FP8_STATES
     variant = (bool(nesterov), float(eps_root))
-    torch_math = mask is None and not any(variant) and mu_dtype == state_dtype
+    # what srround.adamw_step runs (optax's mask: one host call per group of leaves, with and
+    # without weight decay; not with fp8 states, whose host step takes no stream positions)
+    torch_math = not any(variant) and mu_dtype == state_dtype and not (fp8 and mask is not None)
     impl_ = _impl(impl, "auto" if torch_math and not fp8 else "native")
     if fp8 and (any(variant) or shard_specs is not None or mu_dtype != state_dtype):
         raise ValueError(
@@ -1024,8 +1061,8 @@ def adamw(
         )
     if impl_ == "callback" and not torch_math:
         raise ValueError(
-            "impl='callback' runs srround.adamw_step (torch's AdamW): mask, nesterov, eps_root"
-            " and a mu_dtype other than state_dtype need impl='native'"
+            "impl='callback' runs srround.adamw_step (torch's AdamW): nesterov, eps_root, a"
+            " mu_dtype other than state_dtype and a mask with fp8 states need impl='native'"
         )
     constants = tuple(np.float32(c) for c in (b2, eps, 1.0 - b1, 1.0 - b2))
     b1, b2, wd = float(b1), float(b2), float(weight_decay)
@@ -1040,19 +1077,31 @@ def adamw(
             return _update8, (rounding, state_dtype.name, constants), extras
         return _update, (rounding, (mu_dtype, state_dtype), constants, variant), extras
 
-    def host(ps, gs, sts, **step):
-        scales = dict(exp_avg_scales=sts[2], exp_avg_sq_scales=sts[3]) if fp8 else {}
-        _host("adamw_step")(
-            ps,
-            gs,
-            *sts[:2],
-            betas=(b1, b2),
-            eps=float(eps),
-            weight_decay=wd,
-            rounding=rounding,
-            **scales,
-            **step,
-        )
+    def host_with(weight_decay):
+        def host(ps, gs, sts, **step):
+            scales = dict(exp_avg_scales=sts[2], exp_avg_sq_scales=sts[3]) if fp8 else {}
+            _host("adamw_step")(
+                ps,
+                gs,
+                *sts[:2],
+                betas=(b1, b2),
+                eps=float(eps),
+                weight_decay=weight_decay,
+                rounding=rounding,
+                **scales,
+                **step,
+            )
+
+        return host
+
+    host, host_undecayed = host_with(wd), host_with(0.0)
+
+    def host_groups(params, treedef):  # optax's mask: leaves outside it take no weight decay
+        flags = _mask_leaves(mask, params, treedef)
+        return [
+            (host, [i for i, f in enumerate(flags) if f]),
+            (host_undecayed, [i for i, f in enumerate(flags) if not f]),
+        ]
 
     cfg = dict(
         lr=learning_rate,
@@ -1076,6 +1125,7 @@ def adamw(
         cfg=cfg,
         native=native,
         host=host,
+        host_groups=None if mask is None else host_groups,
         host_bits=impl is None and impl_ == "native",  # the default, for native-only settings
     )
 
@@ -1180,20 +1230,26 @@ def _scale_usable(inv_scale):
     return (bits > 0) & (bits < 0x7F800000)
 
 
-def _callback_step(host_step, columns, t, lr, k0, k1, inv_scale, layouts, global_shapes, whole):
+def _callback_step(
+    host_step, columns, t, lr, k0, k1, inv_scale, layouts, global_shapes, whole, leaves=None
+):
     """The fused step as one host call (``_callback``) into srround's NumPy step (``host_step``),
     in place in the results' buffers (``aliases``; the gradients are only read). ``columns`` =
     (params, grads, state columns, aux): leaves per column (``None`` leaves: absent). Under
     ``jit`` each shard runs on its own (and inside ``shard_map``, each block: ``layouts``), its
     contiguous runs placed in the random stream at their global indices (``stream_starts``).
-    ``whole``: whole leaves only (fp8 states: their blocks span a leaf)."""
+    ``whole``: whole leaves only (fp8 states: their blocks span a leaf). ``leaves``: the
+    indices of the leaves this call updates (default: all), at their places in the whole
+    tree's stream; the others come back as they are."""
     p_leaves, g_leaves, s_leaves, a_leaves = columns
-    live = [i for i, p in enumerate(p_leaves) if p.size > 0]
+    chosen = range(len(p_leaves)) if leaves is None else leaves
+    live = [i for i in chosen if p_leaves[i].size > 0]
     has_aux = [a_leaves[i] is not None for i in live]
     states = [col for col in s_leaves if any(col[i] is not None for i in live)]
     n, ns, na = len(live), len(states), sum(has_aux)
     static_lr = None if not isinstance(lr, float) else lr
-    starts = _starts([global_shapes[i] for i in live])
+    tree_starts = _starts(global_shapes)
+    starts = [tree_starts[i] for i in live]
     shapes_live = [global_shapes[i] for i in live]
 
     def host(h0, h1, t_host, lr_host, scale_host, *arrays):
