@@ -229,19 +229,19 @@ def _lanes_by_stream(streams, lax_lanes, host_lanes, host_bits: bool):
     return {s: rows[i] for i, s in enumerate(streams)}
 
 
-def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
+def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extras, host_bits):
     """``_native_leaves`` on one CPU device (see there); ``host_bits``: the random lanes from
     the Numba kernels (``_callback.random_lanes``), else from ``jax.lax`` ops."""
     n, sizes = len(starts), [x.size for x in columns[0]]
-    small: dict[tuple, list[int]] = {}  # small leaves by their dtypes
+    small: dict[tuple, list[int]] = {}  # small leaves by their dtypes and extra arguments
     big = []
     for k in range(n):
         kind = tuple(_dtypes(col[k]) for col in columns)
         if sizes[k] <= _SMALL_LEAF and not any(isinstance(d, tuple) for d in kind):
-            small.setdefault(kind, []).append(k)
+            small.setdefault(kind + (id(extras[k]),), []).append(k)
         else:
             big.append(k)
-    streams = _streams(update, cfg, columns, extra)
+    streams = _streams(update, cfg, columns, extras[0])
     # positions per run; with several streams (bf16 states) the leaves' loops keep about as
     # many bytes of packed outputs alive as the lanes take: half the lanes, so XLA's whole
     # temporary buffer stays below the mmap threshold too (bf16 states, 24.6M params: 37.7 MB
@@ -272,6 +272,7 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
             host_bits,
         )
         arrays = tuple(tuple(col[k] for k in group) for col in columns)
+        extra = extras[group[0]]
         results = _small_leaves_call(arrays, lanes, words[group[0]], extra, update=update, cfg=cfg)
         for k, o in zip(group, results):
             outs[k] = o
@@ -290,7 +291,7 @@ def _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits):
         )
         for k in ks:
             arrays = tuple(col[k] for col in columns)
-            outs[k] = _shared_leaf_call(arrays, lanes, words[k], extra, update=update, cfg=cfg)
+            outs[k] = _shared_leaf_call(arrays, lanes, words[k], extras[k], update=update, cfg=cfg)
         # the next run's lanes come after this run's last loop (XLA keeps that order for the
         # others), so they reuse its buffer: a few MiB of lanes, not 2 bytes per element
         after = _zero_after(outs[ks[-1]], zero)
@@ -334,12 +335,14 @@ def _on_one_cpu(leaves) -> bool:
 
 
 def _native_leaves(
-    update, cfg, columns, starts, k0, k1, t, extra=(), layouts=None, host_bits=False
+    update, cfg, columns, starts, k0, k1, t, extras=None, layouts=None, host_bits=False
 ):
-    """``update(cfg, *arrays, bits, *extra)`` (a tuple of arrays or ``None``) for every leaf:
-    ``columns`` holds per input a list of nonempty leaves (``None`` where absent), leaf ``k``
-    at global element ``starts[k]``; ``bits(stream)`` gives the random bits of its elements
-    (counter ``t * 2**36 + stream * 2**34 + starts[k] + j``). Each leaf is a loop of its own
+    """``update(cfg, *arrays, bits, *extras[k])`` (a tuple of arrays or ``None``) for every
+    leaf ``k``: ``columns`` holds per input a list of nonempty leaves (``None`` where absent),
+    leaf ``k`` at global element ``starts[k]``; ``bits(stream)`` gives the random bits of its
+    elements (counter ``t * 2**36 + stream * 2**34 + starts[k] + j``); ``extras[k]``: the
+    leaf's extra arguments (default none; e.g. coefficients with or without weight decay,
+    optax's ``mask``: leaves that share one object share a loop). Each leaf is a loop of its own
     over its buffers (nothing concatenated or sliced back), made in one of two ways (the same
     bits).
 
@@ -361,8 +364,9 @@ def _native_leaves(
     ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
     ``shard_map`` (``None``: the whole leaf). Returns the per-leaf tuples."""
     layouts = layouts or [None] * len(starts)
+    extras = extras or [()] * len(starts)
     if all(lay is None for lay in layouts) and _on_one_cpu(columns[0]):
-        return _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extra, host_bits)
+        return _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extras, host_bits)
     words = _opaque([w for s in starts for w in (s >> 2, s & 3)], (k0, k1, t))
     outs = []
     for k, layout in enumerate(layouts):
@@ -376,7 +380,7 @@ def _native_leaves(
                 words[2 * k],
                 words[2 * k + 1],
                 origin,
-                extra,
+                extras[k],
                 update=update,
                 cfg=cfg,
                 global_shape=global_shape,

@@ -694,8 +694,8 @@ def _sgd_update(cfg, p, g, b, a, bits, coefs, inv_scale):
 def _native_step(update, cfg, columns, layouts, t, k0, k1, extras, host_bits=False):
     """The native fused step: ``update`` leaf by leaf (``_native_leaves``). ``columns``: per
     input (params, grads, states..., aux) the list of leaves; ``extras[k]``: the extra
-    arguments of leaf k (coefficients, inv_scale) - leaves are updated in runs of equal extras
-    (e.g. inside and outside optax's ``mask``). XLA's CPU backend emits one loop per output;
+    arguments of leaf k (coefficients, inv_scale; one object for the leaves inside optax's
+    ``mask``, another for those outside). XLA's CPU backend emits one loop per output;
     float32 states end in an op of several arrays, which it writes once (into the state
     buffer) for the parameter's loop to read; on one CPU device, a leaf's 8/16-bit outputs
     (bf16 params and states) are computed in one loop (``_leaves._packed``). Returns per-leaf
@@ -705,25 +705,21 @@ def _native_step(update, cfg, columns, layouts, t, k0, k1, extras, host_bits=Fal
         [tuple(p.shape) if lay is None else lay[1] for p, lay in zip(p_leaves, layouts)]
     )
     outs = [tuple(c[k] for i, c in enumerate(columns) if i != 1) for k in range(len(p_leaves))]
-    runs = {}
-    for k, p in enumerate(p_leaves):
-        if p.size > 0:
-            runs.setdefault(id(extras[k]), (extras[k], []))[1].append(k)
-    for extra, live in runs.values():
-        new = _native_leaves(
-            update,
-            cfg,
-            [[leaves[k] for k in live] for leaves in columns],
-            [starts[k] for k in live],
-            k0,
-            k1,
-            t,
-            extra,
-            [layouts[k] for k in live],
-            host_bits=host_bits,
-        )
-        for k, o in zip(live, new):
-            outs[k] = o
+    live = [k for k, p in enumerate(p_leaves) if p.size > 0]
+    new = _native_leaves(
+        update,
+        cfg,
+        [[leaves[k] for k in live] for leaves in columns],
+        [starts[k] for k in live],
+        k0,
+        k1,
+        t,
+        [extras[k] for k in live],
+        [layouts[k] for k in live],
+        host_bits=host_bits,
+    )
+    for k, o in zip(live, new):
+        outs[k] = o
     return outs
 
 
