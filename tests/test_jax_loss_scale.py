@@ -160,6 +160,14 @@ def test_bad_settings_name_the_argument():
         DynamicLossScale(jnp.float32(1.0), growth_interval=0)
     with pytest.raises(ValueError, match="min_scale"):
         DynamicLossScale(jnp.float32(1.0), min_scale=4.0, max_scale=2.0)
+    # a scale that cannot start the updates, factors that do not grow / back off (before: taken)
+    for scale in (-1.0, 0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="^loss_scale: expected a positive finite scale"):
+            DynamicLossScale(scale)
+    with pytest.raises(ValueError, match="^growth_factor: "):
+        DynamicLossScale(2.0**15, growth_factor=0.5)
+    with pytest.raises(ValueError, match="^backoff_factor: "):
+        DynamicLossScale(2.0**15, backoff_factor=2.0)
 
 
 # -- jmp's own tests (google-deepmind/jmp jmp/_src/loss_scale_test.py), adapted -----------------

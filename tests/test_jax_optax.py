@@ -184,3 +184,53 @@ def test_bad_input_errors():
         sj.adamw(1e-3, mask={"a": True}).step([jnp.ones(4)], tx.init(p), p)
     with pytest.raises(ValueError, match="nesterov"):
         sj.sgd(1e-3, nesterov=True)
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"learning_rate": -1e-3}, "learning_rate"),
+        ({"learning_rate": float("nan")}, "learning_rate"),
+        ({"learning_rate": float("inf")}, "learning_rate"),
+        ({"b1": 1.5}, "b1"),
+        ({"b2": 1.0}, "b2"),
+        ({"eps": -1e-8}, "eps"),
+        ({"eps_root": -1.0}, "eps_root"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+    ],
+)
+def test_adamw_rejects_bad_hyperparameters(kw, name):
+    """A hyperparameter out of range is a ``ValueError`` naming it when the optimizer is made.
+    Before, the default step on a CPU failed at run time inside its host call (a
+    ``JaxRuntimeError`` carrying a traceback) and the native step computed with it (``b2=1``:
+    NaN weights)."""
+    kw = {"learning_rate": 1e-3, **kw}
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        sj.adamw(**kw)
+
+
+def test_bad_optimizer_input_names_the_argument():
+    """SGD's hyperparameters, gradients of another shape or dtype than their params, and a
+    schedule that gives an array are errors naming the argument, before anything runs (before:
+    a host-call failure at run time, JAX's broadcasting error, or an error without the
+    argument's name). A concrete 0-d array is a learning rate like a float."""
+    p = [jnp.ones((4,), jnp.bfloat16), jnp.ones((3,), jnp.float32)]
+    g = [jnp.ones((4,)), jnp.ones((3,))]
+    with pytest.raises(ValueError, match="^learning_rate: "):
+        sj.sgd(-1e-2)
+    with pytest.raises(ValueError, match="^momentum: "):
+        sj.sgd(1e-2, momentum=-0.5)
+    for impl in (None, "native"):
+        tx = sj.adamw(1e-3, impl=impl)
+        state = tx.init(p)
+        with pytest.raises(ValueError, match=r"^grads\[0\]: shape \(5,\) does not match"):
+            tx.step([jnp.ones((5,)), g[1]], state, p)
+        with pytest.raises(TypeError, match=r"^grads\[1\]: expected float32"):
+            tx.step([g[0], jnp.ones((3,), jnp.int32)], state, p)
+        bad = sj.sgd(lambda count: jnp.full(3, 1e-2), momentum=0.9, impl=impl)
+        with pytest.raises(ValueError, match="^learning_rate: the schedule gave an array"):
+            bad.step(g, bad.init(p), p)
+    one = sj.adamw(jnp.float32(1e-3), seed=1)
+    two = sj.adamw(1e-3, seed=1)
+    for a, b in zip(one.step(g, one.init(p), p)[0], two.step(g, two.init(p), p)[0]):
+        assert_same_bits(a, b)

@@ -171,6 +171,9 @@ class DynamicLossScale:
     def __post_init__(self):
         set_ = object.__setattr__
         set_(self, "loss_scale", _float_scale(self.loss_scale, "loss_scale"))
+        if isinstance(self.loss_scale, np.floating) and not 0 < self.loss_scale < np.inf:
+            # a Python number: the scale the updates start from must be positive and finite
+            raise ValueError(f"loss_scale: expected a positive finite scale, got {self.loss_scale}")
         set_(self, "growth_tracker", _int_scalar(self.growth_tracker, "growth_tracker"))
         set_(self, "overflow_tracker", _int_scalar(self.overflow_tracker, "overflow_tracker"))
         for name in ("growth_interval", "hysteresis"):
@@ -184,6 +187,14 @@ class DynamicLossScale:
             ):
                 raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}")
             set_(self, name, float(value))
+        if not (1.0 <= self.growth_factor < float("inf")):
+            raise ValueError(
+                f"growth_factor: expected a value in [1.0, inf), got {self.growth_factor}"
+            )
+        if not (0.0 < self.backoff_factor <= 1.0):
+            raise ValueError(
+                f"backoff_factor: expected a value in (0.0, 1.0], got {self.backoff_factor}"
+            )
         if not 0.0 <= self.min_scale <= self.max_scale:
             raise ValueError(
                 f"min_scale, max_scale: expected 0 <= min_scale <= max_scale, got"

@@ -115,6 +115,7 @@ __all__ = ["AdamWState", "SGDState", "adamw", "apply_updates", "sgd"]
 _U32 = jnp.uint32
 _NARROW = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
 _ROUNDINGS = tuple(_optim.MODES)
+_GRAD_DTYPES = (jnp.dtype(jnp.float32), *_NARROW)
 
 
 def _impl(impl, default="native") -> str:
@@ -813,6 +814,17 @@ def _mask_leaves(mask, params, treedef):
     return [bool(f) for f in flags]
 
 
+def _learning_rate(learning_rate):
+    """An optax schedule (callable) as it is, else the learning rate checked: a real number
+    (a concrete 0-d array too) >= 0 and finite - before the step, which would fail in the
+    host call or compute with it."""
+    if callable(learning_rate):
+        return learning_rate
+    if getattr(learning_rate, "shape", None) == () and not isinstance(learning_rate, np.generic):
+        learning_rate = float(learning_rate)
+    return _validate.real(learning_rate, "learning_rate", low=0.0)
+
+
 def _fused(
     kind,
     *,
@@ -861,7 +873,13 @@ def _fused(
 
     def lr_at(count):
         if callable(lr):
-            return jnp.asarray(lr(count), jnp.float32)
+            value = jnp.asarray(lr(count), jnp.float32)
+            if value.shape != ():
+                raise ValueError(
+                    f"learning_rate: the schedule gave an array of shape {value.shape}, expected"
+                    " a scalar"
+                )
+            return value
         return float(lr)
 
     def compute(grads, state, params, inv_scale):
@@ -870,6 +888,16 @@ def _fused(
             g_leaves = treedef.flatten_up_to(grads)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"grads: not the structure of params: {exc}") from None
+        for k, (p, g) in enumerate(zip(p_leaves, g_leaves)):
+            if jnp.shape(g) != jnp.shape(p):
+                raise ValueError(
+                    f"grads[{k}]: shape {jnp.shape(g)} does not match params[{k}]'s shape"
+                    f" {jnp.shape(p)}"
+                )
+            if jnp.dtype(g.dtype) not in _GRAD_DTYPES:
+                raise TypeError(
+                    f"grads[{k}]: expected float32, bfloat16 or float16, got {jnp.dtype(g.dtype)}"
+                )
         s_leaves = [treedef.flatten_up_to(state[1 + i]) for i in range(len(states))]
         a_leaves = treedef.flatten_up_to(state[-1])
         specs = _leaf_specs(shard_specs, params, treedef)
@@ -1042,6 +1070,12 @@ def adamw(
         stochastically rounded params) and the fused ``tx.step(grads, state, params) ->
         (params, state)``.
     """
+    learning_rate = _learning_rate(learning_rate)
+    b1 = _validate.real(b1, "b1", low=0.0, high=1.0, high_open=True)
+    b2 = _validate.real(b2, "b2", low=0.0, high=1.0, high_open=True)
+    eps = _validate.real(eps, "eps", low=0.0)
+    eps_root = _validate.real(eps_root, "eps_root", low=0.0)
+    weight_decay = _validate.real(weight_decay, "weight_decay", low=0.0)
     state_dtype = _state_dtype(state_dtype, "state_dtype", fp8=True)
     mu_dtype = state_dtype if mu_dtype is None else _state_dtype(mu_dtype, "mu_dtype")
     fp8 = state_dtype in _FP8_STATES
@@ -1170,6 +1204,9 @@ def sgd(
     buf_dtype = _state_dtype(
         jnp.float32 if accumulator_dtype is None else accumulator_dtype, "accumulator_dtype"
     )
+    learning_rate = _learning_rate(learning_rate)
+    if momentum is not None:
+        momentum = _validate.real(momentum, "momentum", low=0.0)
     if nesterov and not momentum:
         raise ValueError("nesterov: needs momentum > 0")
     mom = 0.0 if momentum is None else float(momentum)
