@@ -211,9 +211,10 @@ def test_adamw_rejects_bad_hyperparameters(kw, name):
 
 def test_bad_optimizer_input_names_the_argument():
     """SGD's hyperparameters, gradients of another shape or dtype than their params, and a
-    schedule that gives an array are errors naming the argument, before anything runs (before:
-    a host-call failure at run time, JAX's broadcasting error, or an error without the
-    argument's name). A concrete 0-d array is a learning rate like a float."""
+    schedule that gives an array, and an ``apply_updates`` step that is not an integer are
+    errors naming the argument, before anything runs (before: a host-call failure at run time,
+    JAX's broadcasting error, an error without the argument's name, or a float step taken). A
+    concrete 0-d array is a learning rate like a float."""
     p = [jnp.ones((4,), jnp.bfloat16), jnp.ones((3,), jnp.float32)]
     g = [jnp.ones((4,)), jnp.ones((3,))]
     with pytest.raises(ValueError, match="^learning_rate: "):
@@ -230,6 +231,9 @@ def test_bad_optimizer_input_names_the_argument():
         bad = sj.sgd(lambda count: jnp.full(3, 1e-2), momentum=0.9, impl=impl)
         with pytest.raises(ValueError, match="^learning_rate: the schedule gave an array"):
             bad.step(g, bad.init(p), p)
+    for step in (1.5, True, jnp.float32(2.0), jnp.array([1, 2])):  # before: 1.5 was taken
+        with pytest.raises(TypeError, match="^step: expected None, an int or an integer"):
+            sj.apply_updates(p, g, 0, step=step)
     one = sj.adamw(jnp.float32(1e-3), seed=1)
     two = sj.adamw(1e-3, seed=1)
     for a, b in zip(one.step(g, one.init(p), p)[0], two.step(g, two.init(p), p)[0]):

@@ -232,10 +232,20 @@ def _narrow_out(patterns, dtype):
 
 
 def _check_step(step):
-    if step is None or not isinstance(step, (int, np.integer)):
+    """``apply_updates``' ``step``: ``None``, an int in ``[0, MAX_STEPS)`` or an integer scalar
+    array (traced: its range is the caller's)."""
+    if step is None:
         return
-    if not 0 <= step < _optim.MAX_STEPS:
-        raise ValueError(f"step: expected an int in [0, {_optim.MAX_STEPS}), got {step}")
+    if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
+        if not 0 <= step < _optim.MAX_STEPS:
+            raise ValueError(f"step: expected an int in [0, {_optim.MAX_STEPS}), got {step}")
+        return
+    dtype, shape = getattr(step, "dtype", None), getattr(step, "shape", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or shape != ():
+        raise TypeError(
+            f"step: expected None, an int or an integer scalar array, got {type(step).__name__}"
+            + ("" if dtype is None else f" of dtype {dtype} and shape {shape}")
+        )
 
 
 def _apply_update(cfg, w, u, bits):
