@@ -12,9 +12,11 @@ work swapped for a cheaper stand-in (not srround's bits: a measurement only): no
 float32 conversions for the exact roundings (``_lax.narrow``), float32 arithmetic for the exact
 fma/division/square root, float64 widening without the CPU's subnormal handling, several at
 once; and the random bits with one Threefry block per four elements (a layout XLA may share
-between four elements). Each row says whether its parameters' bits equal the shipped step's
-(random inputs, subnormal weights and gradients among them). Writes each variant's optimized
-HLO to DIR, with its count of fusions."""
+between four elements). Then ``optax.adamw`` + srround ``apply_updates`` the same way (no
+random bits, per-four blocks, a plain float32 sum for the exact one). Each row says whether
+its parameters' bits equal the shipped version's (random inputs, subnormal weights and
+gradients among them). Writes each variant's optimized HLO to DIR, with its count of
+fusions."""
 
 from __future__ import annotations
 
@@ -60,8 +62,9 @@ def _random16_blocks(k0, k1, first_lo, first_hi, lane0, index):
     return ((word >> ((lane & 1) << 4)) & 0xFFFF).reshape(shape)
 
 
-def _probe(directory, tx, params, nbytes, floor, row, x, key, cast):
-    """The ``--probe`` rows (see the module docstring)."""
+def _probe(directory, tx, otx, params, row, x, key, cast, base):
+    """The ``--probe`` rows (see the module docstring); ``otx``: the ``optax.adamw`` of the
+    ``apply_updates`` rows, ``base``: its step with ``optax.apply_updates`` (seconds)."""
     import os
 
     import jax
@@ -78,7 +81,6 @@ def _probe(directory, tx, params, nbytes, floor, row, x, key, cast):
     grads = [1e-3 * jax.random.normal(k, p.shape) for k, p in zip(keys[len(params) :], params)]
     params[0] = params[0].at[0, :64].set(jnp.asarray(1e-39, params[0].dtype))  # subnormal
     grads[0] = grads[0].at[0, 64:128].set(jnp.float32(1e-40))
-    step_args = (grads, tx.init(params), params)
     saved = {
         (m, name): getattr(m, name)
         for m, name in [
@@ -90,6 +92,7 @@ def _probe(directory, tx, params, nbytes, floor, row, x, key, cast):
             (optim, "_fma"),
             (optim, "div"),
             (optim, "sqrt"),
+            (optim, "_add"),
         ]
     }
 
@@ -106,39 +109,67 @@ def _probe(directory, tx, params, nbytes, floor, row, x, key, cast):
     def fma32(a, b, c, exact=None):
         return jnp.asarray(a, jnp.float32) * b + c
 
+    def apply_step(p, s, g):  # optax.adamw + srround apply_updates
+        u, s = otx.update(g, s, p)
+        return sj.apply_updates(p, u, key, step=1), s
+
     f32_math = {"_fma": fma32, "div": jnp.divide, "sqrt": jnp.sqrt}
-    swaps = {
+    blocks = {"_random16": _random16_blocks}
+    fused = {
         "no random bits": {"_random16": no_bits},
-        "Threefry block per 4 elements": {"_random16": _random16_blocks},
+        "Threefry block per 4 elements": blocks,
         "plain float64 widening": {"_wide": widened},
         "narrow by conversion": {"narrow": converted},
         "float32 fma, div, sqrt": f32_math,
         "all but the bits": {"narrow": converted, **f32_math},
         "none of the three": {"_random16": no_bits, "narrow": converted, **f32_math},
     }
-    reference = None
-    for label, swap in [("as shipped", {})] + list(swaps.items()):
-        for (m, name), f in saved.items():
-            setattr(m, name, swap.get(name, f))
-        jax.clear_caches()
-        try:
-            fn = jax.jit(tx.step)
-            text = fn.lower(*step_args).compile().as_text()
-            slug = "".join(c if c.isalnum() else "_" for c in label)
-            with open(os.path.join(directory, f"fused_{slug}.hlo.txt"), "w") as f:
-                f.write(text)
-            bits = [np.asarray(p).view(np.uint16) for p in fn(*step_args)[0]]
-            reference = bits if reference is None else reference
-            same = all(np.array_equal(r, b) for r, b in zip(reference, bits))
-            note = f"{text.count(', kind=k')} fusions, bits as shipped: {same}"
-            row(f"fused step: {label} ({note})", _time(fn, *step_args, reps=10), nbytes, floor)
-            if "Threefry" in label:
-                sr = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k))
-                row("stochastic_round: Threefry block per 4", _time(sr, x, key), 6 * x.size, cast)
-        finally:
+    applied = {
+        "no random bits": {"_random16": no_bits},
+        "Threefry block per 4 elements": blocks,
+        "float32 sum (u + w)": {"_add": lambda u, w: u + w},
+    }
+    n = sum(p.size for p in params)
+    runs = [
+        ("fused step", tx.step, (grads, tx.init(params), params), fused, 22 * n, base * 22 / 14),
+        (
+            "optax + apply_updates",
+            apply_step,
+            (params, otx.init(params), grads),
+            applied,
+            14 * n,
+            base,
+        ),
+    ]
+    sr = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k))
+    for what, fn_of, step_args, variants, nbytes, floor in runs:
+        reference = None
+        for label, swap in [("as shipped", {})] + list(variants.items()):
             for (m, name), f in saved.items():
-                setattr(m, name, f)
+                setattr(m, name, swap.get(name, f))
             jax.clear_caches()
+            try:
+                fn = jax.jit(fn_of)
+                text = fn.lower(*step_args).compile().as_text()
+                slug = "".join(c if c.isalnum() else "_" for c in f"{what} {label}")
+                with open(os.path.join(directory, f"{slug}.hlo.txt"), "w") as f:
+                    f.write(text)
+                bits = [np.asarray(p).view(np.uint16) for p in fn(*step_args)[0]]
+                reference = bits if reference is None else reference
+                same = all(np.array_equal(r, b) for r, b in zip(reference, bits))
+                note = f"{text.count(', kind=k')} fusions, bits as shipped: {same}"
+                row(f"{what}: {label} ({note})", _time(fn, *step_args, reps=10), nbytes, floor)
+                if what == "fused step" and swap is blocks:
+                    row(
+                        "stochastic_round: Threefry block per 4",
+                        _time(sr, x, key),
+                        6 * x.size,
+                        cast,
+                    )
+            finally:
+                for (m, name), f in saved.items():
+                    setattr(m, name, f)
+                jax.clear_caches()
 
 
 def main(argv=None) -> int:
@@ -200,7 +231,7 @@ def main(argv=None) -> int:
             base * 22 / 14,
         )
         if args.probe:
-            _probe(args.probe, tx, params, 22 * n, base * 22 / 14, row, x, key, cast)
+            _probe(args.probe, tx, otx, params, row, x, key, cast, base)
     except ImportError as exc:
         print(f"optax rows skipped: {exc}")
     same = None
