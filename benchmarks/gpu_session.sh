@@ -13,9 +13,9 @@
 #   round, optim, jax  the kernel benchmarks for the GPU, each against its same-run baselines
 #          (copy bandwidth, torch's kernels): bench_round, bench_optim, and jax_gpu_check (the
 #          JAX native path vs copy bandwidth, bits vs the Numba CUDA kernels).
-#   probe  where the JAX native fused step's time goes (jax_gpu_check --probe: the step with
-#          parts of its work swapped for cheaper stand-ins, each variant's optimized HLO kept
-#          in the packed logs under probe/).
+#   probe  where the JAX native fused step's and apply_updates' time goes (jax_gpu_check
+#          --probe: parts of their work swapped for cheaper stand-ins, each variant's bits
+#          compared and its optimized HLO kept in the packed logs under probe/).
 #   lossscale, adapters, lowbit  bench_lossscale, bench_adapters, bench_lowbit on the GPU.
 #   compile  the torch.compile rows on the GPU (bench_optim --sections compile).
 #   profile  where the host time of a small CUDA call goes (gpu_call_profile: launch floor,
