@@ -163,6 +163,29 @@ def test_concurrent_audits_on_workqueue_take_turns():
     _ok(_python(code, env={"NUMBA_THREADING_LAYER": "workqueue"}, timeout=600))
 
 
+def test_process_exits_with_a_jax_host_step_still_running():
+    """A script that ends right after a jitted step whose host call (the fused step on the CPU)
+    has not run yet: the handler is Python, and a call that starts once the interpreter
+    finalizes never gets the GIL - the process hung in XLA's thread-pool shutdown (8 of 8
+    runs, before). srround waits at exit for the live arrays' programs
+    (``_ffi._finish_programs``). The outputs are kept, as a training loop keeps its params."""
+    pytest.importorskip("jax")
+    code = """
+        import jax, jax.numpy as jnp, numpy as np
+        import srround.adapters.jax as sj
+        rng = np.random.default_rng(0)
+        params = {"w": jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16),
+                  "b": jnp.asarray(rng.standard_normal(32), jnp.bfloat16)}
+        grads = {k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
+                 for k, v in params.items()}
+        tx = sj.adamw(1e-2, weight_decay=0.1, seed=3)
+        out = jax.jit(tx.update)(grads, tx.init(params), params)  # not waited for
+        print("ok")
+    """
+    for _ in range(2):
+        _ok(_python(code, timeout=60))
+
+
 # -- fork and DataLoader workers (finding 2) ------------------------------------------------------
 
 _FORK = """

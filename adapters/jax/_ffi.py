@@ -19,6 +19,7 @@ runs the work with IEEE subnormals (see there).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import threading
@@ -241,6 +242,23 @@ def _handler(frame_pointer):
 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_handler), platform="cpu")
 
 
+def _finish_programs() -> None:
+    """At exit, before the interpreter finalizes: wait until every live array is ready, so the
+    programs that compute them have run their host calls. The handler is Python (``ctypes``
+    takes the GIL for it); a call that starts once finalization has begun never gets the GIL,
+    and the process hung in XLA's thread-pool shutdown (a jitted ``tx.update`` left running at
+    the end of a script: 8 of 8 runs). Registered at the first ``call``: after JAX's own exit
+    handlers, so it runs before them."""
+    for array in jax.live_arrays():
+        try:
+            array.block_until_ready()
+        except Exception:  # noqa: BLE001 - a failed program has nothing left to run
+            pass
+
+
+_AT_EXIT: list[bool] = []
+
+
 def call(fn, result_shape, *args, key, aliases=None, into=False):
     """``fn(*host arrays)`` on the host as an FFI custom call (CPU only): ``result_shape`` a
     ``jax.ShapeDtypeStruct`` or a tuple of them; ``fn`` returns an array or a tuple of arrays of
@@ -257,6 +275,9 @@ def call(fn, result_shape, *args, key, aliases=None, into=False):
     XLA's result buffers (a tuple of writable arrays) and returns nothing: no copy."""
     aliases = tuple(sorted((aliases or {}).items()))
     with _LOCK:
+        if not _AT_EXIT:
+            atexit.register(_finish_programs)
+            _AT_EXIT.append(True)
         ident = _IDS_OF.get((key, aliases, into))
         if ident is None:
             ident = _IDS_OF[key, aliases, into] = next(_IDS)
