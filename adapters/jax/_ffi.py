@@ -256,7 +256,7 @@ def _finish_programs() -> None:
             pass
 
 
-_AT_EXIT: list[bool] = []
+_finish_at_exit = False  # _finish_programs registered
 
 
 def call(fn, result_shape, *args, key, aliases=None, into=False):
@@ -273,11 +273,12 @@ def call(fn, result_shape, *args, key, aliases=None, into=False):
     copies the operand first unless it was donated, so the caller's array never changes).
     The other operands are read-only. ``into``: ``fn(*args, outs=...)`` writes the results into
     XLA's result buffers (a tuple of writable arrays) and returns nothing: no copy."""
+    global _finish_at_exit
     aliases = tuple(sorted((aliases or {}).items()))
     with _LOCK:
-        if not _AT_EXIT:
+        if not _finish_at_exit:
             atexit.register(_finish_programs)
-            _AT_EXIT.append(True)
+            _finish_at_exit = True
         ident = _IDS_OF.get((key, aliases, into))
         if ident is None:
             ident = _IDS_OF[key, aliases, into] = next(_IDS)
