@@ -42,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from srround import _validate
+
 
 def _is_placeholder(x) -> bool:
     """JAX rebuilds pytrees with ``object()`` or ``None`` leaves to learn their structure: no
@@ -176,30 +178,17 @@ class DynamicLossScale:
             raise ValueError(f"loss_scale: expected a positive finite scale, got {self.loss_scale}")
         set_(self, "growth_tracker", _int_scalar(self.growth_tracker, "growth_tracker"))
         set_(self, "overflow_tracker", _int_scalar(self.overflow_tracker, "overflow_tracker"))
-        for name in ("growth_interval", "hysteresis"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-        for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(
-                value, bool
-            ):
-                raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}")
-            set_(self, name, float(value))
-        if not (1.0 <= self.growth_factor < float("inf")):
-            raise ValueError(
-                f"growth_factor: expected a value in [1.0, inf), got {self.growth_factor}"
-            )
-        if not (0.0 < self.backoff_factor <= 1.0):
-            raise ValueError(
-                f"backoff_factor: expected a value in (0.0, 1.0], got {self.backoff_factor}"
-            )
-        if not 0.0 <= self.min_scale <= self.max_scale:
-            raise ValueError(
-                f"min_scale, max_scale: expected 0 <= min_scale <= max_scale, got"
-                f" {self.min_scale} and {self.max_scale}"
-            )
+        names = (
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "hysteresis",
+            "min_scale",
+            "max_scale",
+        )  # checked as srround's own loss scaling checks them
+        checked = _validate.scale_update(*(getattr(self, name) for name in names))
+        for name, value in zip(names, checked):
+            set_(self, name, value)
 
     def tree_flatten(self):
         """Pytree protocol: (array leaves, static settings)."""

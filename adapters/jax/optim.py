@@ -237,8 +237,7 @@ def _check_step(step):
     if step is None:
         return
     if isinstance(step, (int, np.integer)) and not isinstance(step, bool):
-        if not 0 <= step < _optim.MAX_STEPS:
-            raise ValueError(f"step: expected an int in [0, {_optim.MAX_STEPS}), got {step}")
+        _validate.integer(step, "step", low=0, high=_optim.MAX_STEPS)
         return
     dtype, shape = getattr(step, "dtype", None), getattr(step, "shape", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or shape != ():
@@ -935,8 +934,9 @@ def _fused(
                     )
                 s_cols = [[x[part] for x in col] for part in (0, 1) for col in s_leaves]
             columns = (p_leaves, g_leaves, s_cols, a_leaves)
-            groups = [(host, None)] if host_groups is None else host_groups(params, treedef)
-            outs = None
+            every = range(len(p_leaves))
+            groups = [(host, every)] if host_groups is None else host_groups(params, treedef)
+            outs: list[Any] = [None] * len(p_leaves)
             for host_step, leaves in groups:
                 group_outs = _callback_step(
                     host_step,
@@ -951,11 +951,8 @@ def _fused(
                     bool(blocked),
                     leaves,
                 )
-                if outs is None:
-                    outs = group_outs
-                else:  # the groups are disjoint: each leaf from its own group's call
-                    for i in leaves:
-                        outs[i] = group_outs[i]
+                for i in leaves:  # the groups split the leaves: each from its group's call
+                    outs[i] = group_outs[i]
             if blocked:
                 outs = [(o[0], (o[1], o[3]), (o[2], o[4]), o[5]) for o in outs]
             return outs
@@ -1274,7 +1271,7 @@ def _scale_usable(inv_scale):
 
 
 def _callback_step(
-    host_step, columns, t, lr, k0, k1, inv_scale, layouts, global_shapes, whole, leaves=None
+    host_step, columns, t, lr, k0, k1, inv_scale, layouts, global_shapes, whole, leaves
 ):
     """The fused step as one host call (``_callback``) into srround's NumPy step (``host_step``),
     in place in the results' buffers (``aliases``; the gradients are only read). ``columns`` =
@@ -1282,11 +1279,10 @@ def _callback_step(
     ``jit`` each shard runs on its own (and inside ``shard_map``, each block: ``layouts``), its
     contiguous runs placed in the random stream at their global indices (``stream_starts``).
     ``whole``: whole leaves only (fp8 states: their blocks span a leaf). ``leaves``: the
-    indices of the leaves this call updates (default: all), at their places in the whole
-    tree's stream; the others come back as they are."""
+    indices of the leaves this call updates, at their places in the whole tree's stream; the
+    others come back as they are."""
     p_leaves, g_leaves, s_leaves, a_leaves = columns
-    chosen = range(len(p_leaves)) if leaves is None else leaves
-    live = [i for i in chosen if p_leaves[i].size > 0]
+    live = [i for i in leaves if p_leaves[i].size > 0]
     has_aux = [a_leaves[i] is not None for i in live]
     states = [col for col in s_leaves if any(col[i] is not None for i in live)]
     n, ns, na = len(live), len(states), sum(has_aux)
