@@ -25,9 +25,10 @@ def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg
     """``update(cfg, *arrays, bits, *extra)`` of one leaf (``arrays[0]`` gives its shape) at
     global element ``start = 4 start_lo + lane0`` (uint32 scalars), ``bits(stream)`` the random
     bits of its elements: jitted with the start traced, so leaves of the same shapes and dtypes
-    are traced and lowered once. A block of a sharded leaf inside ``shard_map`` has its
-    ``origin`` (traced) in the leaf's ``global_shape``: its elements use the counters of their
-    global indices."""
+    are traced and lowered once. ``origin`` (traced uint32 scalars, one per dimension): where
+    the leaf's elements are in its ``global_shape`` (a block of a sharded leaf inside
+    ``shard_map``; zeros for a whole leaf, or ``global_shape`` None): its elements use the
+    counters of their global indices."""
     shape = arrays[0].shape
     hi = _u(t) * _U32(4)
 
@@ -370,7 +371,14 @@ def _native_leaves(
     words = _opaque([w for s in starts for w in (s >> 2, s & 3)], (k0, k1, t))
     outs = []
     for k, layout in enumerate(layouts):
-        origin, global_shape = layout or (None, None)
+        shape = columns[0][k].shape
+        origin, global_shape = layout or ((0,) * len(shape), None)
+        # a zero of the leaf's own (its start word differs from leaf to leaf) in its origin.
+        # Leaves of one shape would otherwise share the row offsets of their element indices
+        # (a small array), and XLA's GPU backend merges loops that share an operand into one
+        # kernel (sibling multi-output fusion): 8 AdamW leaves of 8.4M elements became one
+        # kernel of 152 registers a thread; one per leaf takes 48 (sm_90).
+        zero = words[2 * k] & ~words[2 * k]
         outs.append(
             _leaf_call(
                 tuple(c[k] for c in columns),
@@ -379,7 +387,7 @@ def _native_leaves(
                 t,
                 words[2 * k],
                 words[2 * k + 1],
-                origin,
+                tuple(_u(o) + zero for o in origin),
                 extras[k],
                 update=update,
                 cfg=cfg,
