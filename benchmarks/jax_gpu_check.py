@@ -150,14 +150,19 @@ def _probe(directory, tx, otx, params, row, x, key, cast, base):
             jax.clear_caches()
             try:
                 fn = jax.jit(fn_of)
+                started = time.perf_counter()
                 text = fn.lower(*step_args).compile().as_text()
+                compile_s = time.perf_counter() - started
                 slug = "".join(c if c.isalnum() else "_" for c in f"{what} {label}")
                 with open(os.path.join(directory, f"{slug}.hlo.txt"), "w") as f:
                     f.write(text)
                 bits = [np.asarray(p).view(np.uint16) for p in fn(*step_args)[0]]
                 reference = bits if reference is None else reference
                 same = all(np.array_equal(r, b) for r, b in zip(reference, bits))
-                note = f"{text.count(', kind=k')} fusions, bits as shipped: {same}"
+                note = (
+                    f"{text.count(', kind=k')} fusions, compiled in {compile_s:.1f} s,"
+                    f" bits as shipped: {same}"
+                )
                 row(f"{what}: {label} ({note})", _time(fn, *step_args, reps=10), nbytes, floor)
                 if what == "fused step" and swap is blocks:
                     row(
