@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
+from jax import lax
 
 import srround
 from srround import _optim
@@ -480,6 +482,39 @@ def test_adamw_native_leaves(rounding, state_dtype, monkeypatch):
     _check_against_numpy(
         got, state, _numpy_run(params, 2, rounding=rounding, state_dtype=state_dtype)
     )
+
+
+@pytest.mark.parametrize("kw", [{}, {"nesterov": True}, {"eps_root": 1e-8}])
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_adamw_gpu_arithmetic_on_the_cpu(rounding, state_dtype, kw, monkeypatch):
+    """The native step as lowered for a GPU, run on the CPU: each leaf computes its own random
+    bits from its global indices (``_leaves._leaf_call``), and ``_lax``'s GPU branches divide
+    and take square roots in float64 and round float64 results to float32 in integer ops. The
+    bits of ``srround.adamw_step`` (nesterov and eps_root: of the CPU's native step), on inputs
+    whose float32 values stay normal, where the CPU's flushing of subnormals does not reach.
+    With nesterov the CPU's step was not the GPU's: XLA had rewritten its divisions by the
+    bias corrections (scalars) into products with their rounded reciprocals (``_lax.div``).
+    What XLA's GPU backend then does with these ops is checked on a GPU by the rest of the
+    suite."""
+    params = normal_params(SHAPES, DTYPES, seed=4)
+    if kw:  # outside the kernels' math: the CPU's own native step is the reference
+        cpu, _ = _jax_run(
+            params, 3, impl="native", rounding=rounding, state_dtype=state_dtype, **kw
+        )
+    gpu_lax = SimpleNamespace(**{n: getattr(lax, n) for n in dir(lax) if not n.startswith("_")})
+    gpu_lax.platform_dependent = lambda *args, default, **_: default(*args)
+    monkeypatch.setattr(_lax, "lax", gpu_lax)
+    monkeypatch.setattr(_leaves, "_on_one_cpu", lambda leaves: False)
+    got, state = _jax_run(
+        params, 3, impl="native", rounding=rounding, state_dtype=state_dtype, **kw
+    )
+    if kw:
+        for a, b in zip(got, cpu):
+            assert_same_bits(a, b)
+    else:
+        expected = _numpy_run(params, 3, rounding=rounding, state_dtype=state_dtype)
+        _check_against_numpy(got, state, expected)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -360,8 +360,18 @@ def div(a, b):
     the kernels divide. XLA's GPU backend divides float32 with ``div.full`` (up to 1 ulp off),
     so there the quotient is taken in float64 and rounded to float32 (double rounding is
     innocuous for a quotient or a square root: 53 >= 2 * 24 + 2 bits). CPU and TPU keep
-    their float32 division (XLA's CPU backend flushes subnormals)."""
+    their float32 division (XLA's CPU backend flushes subnormals).
+
+    XLA's algebraic simplifier rewrites quotients: ``x / c`` for a constant ``c`` into ``x``
+    times the rounded ``1 / c``, ``(x / y) / z`` into ``x / (y * z)``, and others; each
+    rounds differently. Where an operand is a scalar (a scalar divisor, a chain of scalar
+    quotients) the quotient is taken as ``|a| / (-b if a's sign bit is set else b)``, the
+    same value and sign, which no rewrite matches. Elementwise operands are left as they
+    are: an elementwise divisor the simplifier cannot see through keeps the division."""
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    if a.ndim == 0 or b.ndim == 0:
+        negative = (lax.bitcast_convert_type(a, _U32) >> 31) == 1
+        a, b = jnp.abs(a), jnp.where(negative, -b, b)
     return lax.platform_dependent(
         a, b, cpu=jnp.divide, tpu=jnp.divide, default=_wide_then_narrow(jnp.divide)
     )
