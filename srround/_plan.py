@@ -223,11 +223,12 @@ def plan_step(
     aux_addr = [0] * count
     if mode in _AUX:
         code_of, expected = _AUX[mode]
-        if aux is None:
+        if aux is None and any(c != BufferCode.FLOAT32 for c in p_codes):
             raise ValueError(
                 f"aux: rounding={mode.name.lower()!r} needs one buffer per parameter"
                 f" ({expected}; None for float32 parameters)"
             )
+        aux = [None] * count if aux is None else aux  # float32 parameters only: none needed
         aux = [a if c != BufferCode.FLOAT32 else None for a, c in zip(aux, p_codes)]
         aux_addr, a_codes = _columns(adapter, aux, "aux", sizes, place, tuple(BufferCode), expected)
         for i, (a, c) in enumerate(zip(aux, p_codes)):

@@ -517,6 +517,20 @@ def test_adamw_gpu_arithmetic_on_the_cpu(rounding, state_dtype, kw, monkeypatch)
         _check_against_numpy(got, state, expected)
 
 
+@pytest.mark.parametrize("rounding", ["kahan", "master", "remainder"])
+def test_adamw_float32_tree_in_every_mode(rounding):
+    """A tree of float32 parameters only (no aux buffers) in the aux modes: the default step
+    (the host call on the CPU) gives the native step's bits. The host call failed at run time
+    (``srround.adamw_step`` wanted an aux list for float32 parameters)."""
+    params = [p.astype(np.float32) for p in normal_params(SHAPES, DTYPES, seed=5)]
+    runs = [
+        _jax_run(params, 2, impl=impl, rounding=rounding, state_dtype=jnp.bfloat16)
+        for impl in (None, "native")
+    ]
+    for a, b in zip(*(jax.tree.leaves(r) for r in runs), strict=True):
+        assert_same_bits(a, b)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_adamw_schedule_key_seed_and_hyperparameters(impl):
     optax = pytest.importorskip("optax")

@@ -121,6 +121,24 @@ def _to_device(arrays):
     return None if arrays is None else [to_cuda(a) for a in arrays]
 
 
+@pytest.mark.parametrize("rounding", ["kahan", "master", "remainder"])
+def test_float32_params_need_no_aux(rounding):
+    """With float32 parameters only, the modes' aux buffers are all None, and ``aux=None``
+    says so: the step is the other modes' (a float32 parameter is written exactly). It was a
+    ValueError, which the JAX step's host call raised at run time for an all-float32 tree."""
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal(n).astype(np.float32) for n in SIZES]
+    grads = [rng.standard_normal(n).astype(np.float32) for n in SIZES]
+    runs = {}
+    for mode in (rounding, "stochastic"):
+        p = [x.copy() for x in params]
+        m, v = [np.zeros_like(x) for x in p], [np.zeros_like(x) for x in p]
+        srround.adamw_step(p, grads, m, v, rounding=mode, step=1, **HYPER)
+        runs[mode] = p + m + v
+    for a, b in zip(runs[rounding], runs["stochastic"]):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
 def test_bad_arguments_name_themselves():
     params, grads, m, v = _problem()
     good = dict(step=1, **HYPER)
