@@ -553,7 +553,8 @@ def adamw_step(
         rounding: how fp32 results reach bf16/fp16 params: ``"stochastic"`` (default),
             ``"nearest"``, ``"kahan"``, ``"master"`` or ``"remainder"`` (``docs/contracts.md``).
         aux: per-param buffers of the mode: kahan compensation (param dtype, start at 0),
-            master weights (float32), remainder (int16, start at 0); None for fp32 params.
+            master weights (float32), remainder (int16, start at 0); None for fp32 params
+            (``aux=None`` where every param is fp32).
         seed: the optimizer's seed (int in [0, 2**64)); the noise of step t is the stream at
             ``t * 2**36`` (weights), so every step gets fresh bits. ``None``: library generator.
         inv_scale: 1 / loss scale multiplied into the gradients: a positive finite float
