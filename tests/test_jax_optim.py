@@ -484,13 +484,29 @@ def test_adamw_native_leaves(rounding, state_dtype, monkeypatch):
     )
 
 
+def _as_on_a_gpu(monkeypatch):
+    """Trace the native path as for a GPU, to run it on the CPU: ``lax.platform_dependent``
+    takes the CUDA branch (else the default one) in ``_lax`` and ``optim``, and every leaf
+    computes its own random bits (``_leaves._on_one_cpu``)."""
+    from srround.adapters.jax import optim
+
+    def platform_dependent(*args, default, cuda=None, **_):
+        return (cuda or default)(*args)
+
+    gpu_lax = SimpleNamespace(**{n: getattr(lax, n) for n in dir(lax) if not n.startswith("_")})
+    gpu_lax.platform_dependent = platform_dependent
+    monkeypatch.setattr(_lax, "lax", gpu_lax)
+    monkeypatch.setattr(optim, "lax", gpu_lax)
+    monkeypatch.setattr(_leaves, "_on_one_cpu", lambda leaves: False)
+
+
 @pytest.mark.parametrize("kw", [{}, {"nesterov": True}, {"eps_root": 1e-8}])
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_adamw_gpu_arithmetic_on_the_cpu(rounding, state_dtype, kw, monkeypatch):
     """The native step as lowered for a GPU, run on the CPU: each leaf computes its own random
-    bits from its global indices (``_leaves._leaf_call``), and ``_lax``'s GPU branches divide
-    and take square roots in float64 and round float64 results to float32 in integer ops. The
+    bits from its global indices (``_leaves._leaf_call``), and the GPU branches divide and take
+    square roots in float64 and round float64 results to float32 in integer ops. The
     bits of ``srround.adamw_step`` (nesterov and eps_root: of the CPU's native step), on inputs
     whose float32 values stay normal, where the CPU's flushing of subnormals does not reach.
     With nesterov the CPU's step was not the GPU's: XLA had rewritten its divisions by the
@@ -502,10 +518,7 @@ def test_adamw_gpu_arithmetic_on_the_cpu(rounding, state_dtype, kw, monkeypatch)
         cpu, _ = _jax_run(
             params, 3, impl="native", rounding=rounding, state_dtype=state_dtype, **kw
         )
-    gpu_lax = SimpleNamespace(**{n: getattr(lax, n) for n in dir(lax) if not n.startswith("_")})
-    gpu_lax.platform_dependent = lambda *args, default, **_: default(*args)
-    monkeypatch.setattr(_lax, "lax", gpu_lax)
-    monkeypatch.setattr(_leaves, "_on_one_cpu", lambda leaves: False)
+    _as_on_a_gpu(monkeypatch)
     got, state = _jax_run(
         params, 3, impl="native", rounding=rounding, state_dtype=state_dtype, **kw
     )
@@ -515,6 +528,22 @@ def test_adamw_gpu_arithmetic_on_the_cpu(rounding, state_dtype, kw, monkeypatch)
     else:
         expected = _numpy_run(params, 3, rounding=rounding, state_dtype=state_dtype)
         _check_against_numpy(got, state, expected)
+
+
+@pytest.mark.parametrize("step", [None, 4])
+def test_apply_updates_gpu_arithmetic_on_the_cpu(step, monkeypatch):
+    """``apply_updates`` as lowered for a GPU (one float32 add for the sum, each leaf's own
+    random bits), run on the CPU: the bits of ``stochastic_add``, on normal values."""
+    params = normal_params(SHAPES, MIXED)
+    updates = [u * np.float32(1e-2) for u in _grads(0)]
+    expected = [jnp.asarray(p) for p in params]
+    expected = sj.apply_updates(expected, updates, 7, step=step, impl="callback")
+    _as_on_a_gpu(monkeypatch)
+    got = jax.jit(lambda p, u: sj.apply_updates(p, u, 7, step=step, impl="native"))(
+        [jnp.asarray(p) for p in params], updates
+    )
+    for a, b in zip(got, expected, strict=True):
+        assert_same_bits(a, b)
 
 
 @pytest.mark.parametrize("rounding", ["kahan", "master", "remainder"])

@@ -165,13 +165,25 @@ _SIGN = np.uint32(0x80000000)
 
 def _add(u, w):
     """``u + w`` of float32 arrays read from buffers, rounded once (to nearest even),
-    subnormals included (the bits of ``_fma(1, u, w)``), in float32 and integer ops. Where the
-    larger magnitude is at least 2**-60 the float32 sum is right even with subnormals flushed
-    (XLA's CPU backend): a subnormal operand is below half an ulp of the other, and the sum
-    is 0 or normal. Below, both operands are scaled by 2**64 in integer ops (a subnormal's
-    quanta through an exact int -> float conversion), added - normal operands, and a sum
-    rounded as the unscaled one (normal) or exact (a multiple of 2**-85 below 2**-62) - and
-    scaled back in integer ops. NaN/inf operands: the float32 sum, a NaN as +qNaN."""
+    subnormals included (the bits of ``_fma(1, u, w)``), a NaN as +qNaN. XLA's GPU backend
+    adds float32 as IEEE does (``add.rn.f32``: subnormals kept, as ``xla_gpu_ftz`` is off by
+    default), so on CUDA it is one add; elsewhere (XLA's CPU backend and TPUs flush
+    subnormals) ``_add_flushing``."""
+    return lax.platform_dependent(u, w, cuda=_add_ieee, default=_add_flushing)
+
+
+def _add_ieee(u, w):
+    return _f32(canonical_nan(_b32(u + w)))
+
+
+def _add_flushing(u, w):
+    """``_add`` in float32 and integer ops on a backend that flushes subnormals. Where the
+    larger magnitude is at least 2**-60 the float32 sum is right even with subnormals flushed:
+    a subnormal operand is below half an ulp of the other, and the sum is 0 or normal. Below,
+    both operands are scaled by 2**64 in integer ops (a subnormal's quanta through an exact
+    int -> float conversion), added - normal operands, and a sum rounded as the unscaled one
+    (normal) or exact (a multiple of 2**-85 below 2**-62) - and scaled back in integer ops.
+    NaN/inf operands: the float32 sum, a NaN as +qNaN."""
     ub, wb = _b32(u), _b32(w)
     big = jnp.maximum(ub & 0x7FFFFFFF, wb & 0x7FFFFFFF) >= 0x21800000  # 2**-60
 
