@@ -13,10 +13,10 @@ float32 conversions for the exact roundings (``_lax.narrow``), float32 arithmeti
 fma/division/square root, float64 widening without the CPU's subnormal handling, several at
 once; and the random bits with one Threefry block per four elements (a layout XLA may share
 between four elements). Then ``optax.adamw`` + srround ``apply_updates`` the same way (no
-random bits, per-four blocks, a plain float32 sum for the exact one). Each row says whether
-its parameters' bits equal the shipped version's (random inputs, subnormal weights and
-gradients among them). Writes each variant's optimized HLO to DIR, with its count of
-fusions."""
+random bits, per-four blocks, a plain float32 sum for the exact one: what ships on CUDA,
+where XLA adds as IEEE does). Each row says whether its parameters' bits equal the shipped
+version's (random inputs, subnormal weights and gradients among them), its count of fusions
+and its compile time. Writes each variant's optimized HLO to DIR."""
 
 from __future__ import annotations
 
