@@ -309,15 +309,25 @@ def canonical_nan(u):
 def narrow(x):
     """float32 nearest to float64 ``x`` (ties to even), subnormals included, a NaN as +qNaN.
 
-    On a GPU the rounding happens in integer ops (``_narrow_in_integers``), so that the final
-    conversion to float32 is exact: XLA's GPU backend may drop a float64 -> float32 -> float64
-    conversion pair (excess precision; on an H100 that gave 1-ulp differences from the
-    kernels), which is harmless then. XLA's CPU backend keeps such pairs and converts
-    (``_narrow_by_conversion``). The last op takes several arrays (XLA writes the result once
-    for all its readers)."""
+    XLA's GPU backend drops a float64 -> float32 -> float64 conversion pair (excess precision:
+    the float32 rounding would vanish) unless an op sits between the two. On CUDA the
+    conversion rounds as IEEE does, subnormals included, and the NaN select follows it
+    (``_narrow_on_cuda``): the pair is kept. XLA's CPU backend flushes subnormal conversions
+    (``_narrow_by_conversion``); elsewhere (ROCm, TPUs) the rounding is done in integer ops
+    and the last conversion is exact (``_narrow_in_integers``). The last op takes several
+    arrays (XLA writes the result once for all its readers)."""
     with jax.enable_x64(True):
         x = jnp.asarray(x, jnp.float64)
-        return lax.platform_dependent(x, cpu=_narrow_by_conversion, default=_narrow_in_integers)
+        return lax.platform_dependent(
+            x, cpu=_narrow_by_conversion, cuda=_narrow_on_cuda, default=_narrow_in_integers
+        )
+
+
+def _narrow_on_cuda(x):
+    """``narrow`` on CUDA: XLA's conversion (``cvt.rn.f32.f64``: IEEE, subnormals kept), a NaN
+    as +qNaN."""
+    n = x.astype(jnp.float32)
+    return jnp.where(n == n, n, _f32(np.uint32(0x7FC00000)))
 
 
 def _narrow_by_conversion(x):
