@@ -128,6 +128,17 @@ def _inverse(scale):
     return jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
 
 
+# DynamicLossScale's static settings: checked together, the pytree's auxiliary data
+_SETTINGS = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+)
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
@@ -178,48 +189,25 @@ class DynamicLossScale:
             raise ValueError(f"loss_scale: expected a positive finite scale, got {self.loss_scale}")
         set_(self, "growth_tracker", _int_scalar(self.growth_tracker, "growth_tracker"))
         set_(self, "overflow_tracker", _int_scalar(self.overflow_tracker, "overflow_tracker"))
-        names = (
-            "growth_factor",
-            "backoff_factor",
-            "growth_interval",
-            "hysteresis",
-            "min_scale",
-            "max_scale",
-        )  # checked as srround's own loss scaling checks them
-        checked = _validate.scale_update(*(getattr(self, name) for name in names))
-        for name, value in zip(names, checked):
+        # checked as srround's own loss scaling checks them
+        checked = _validate.scale_update(*(getattr(self, name) for name in _SETTINGS))
+        for name, value in zip(_SETTINGS, checked):
             set_(self, name, value)
 
     def tree_flatten(self):
         """Pytree protocol: (array leaves, static settings)."""
         children = (self.loss_scale, self.growth_tracker, self.overflow_tracker)
-        settings = (
-            self.growth_factor,
-            self.backoff_factor,
-            self.growth_interval,
-            self.hysteresis,
-            self.min_scale,
-            self.max_scale,
-        )
-        return children, settings
+        return children, tuple(getattr(self, name) for name in _SETTINGS)
 
     @classmethod
     def tree_unflatten(cls, settings, children):
         """Pytree protocol: rebuild from ``tree_flatten``'s output."""
-        names = (
-            "growth_factor",
-            "backoff_factor",
-            "growth_interval",
-            "hysteresis",
-            "min_scale",
-            "max_scale",
-        )
         scale, growth, overflows = children
         return cls(
             scale,
             growth_tracker=growth,
             overflow_tracker=overflows,
-            **dict(zip(names, settings)),
+            **dict(zip(_SETTINGS, settings)),
         )
 
     def scale(self, tree):
