@@ -94,12 +94,6 @@ def _uneven(shape, spec, mesh) -> bool:
     return False
 
 
-def _put(x, sharding):
-    """``x`` with ``sharding``: committed with ``device_put``, or for an uneven split (which
-    ``device_put`` refuses) a jit input whose sharding is constrained inside the program."""
-    return jax.device_put(x, sharding)
-
-
 def _data(shape, seed):
     rng = np.random.default_rng(seed)
     return (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 3, shape)).astype(np.float32)

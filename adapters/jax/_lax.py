@@ -268,7 +268,7 @@ def _fma_bits(A, B, C):
     exponent = lead + ez  # value in [2**exponent, 2**(exponent + 1))
     s = jnp.maximum(lead - 23, -149 - ez)  # bits below the fp32 quantum
     sr = jnp.clip(s, 0, 63)
-    qh, ql = _shr64(zh, zl, sr)
+    _, ql = _shr64(zh, zl, sr)
     rh, rl = _low_mask64(sr)
     rh, rl = zh & rh, zl & rl
     hh, hl = _shl64(jnp.zeros_like(zh), jnp.ones_like(zl), jnp.maximum(sr - 1, 0))

@@ -768,9 +768,6 @@ class FusedOptimizer(_Base):
         return self
 
 
-FusedAdamW = FusedOptimizer  # the name of earlier releases
-
-
 _FP8_STATES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 

@@ -44,11 +44,6 @@ def is_dtensor(t) -> bool:
     return kind is not None and isinstance(t, kind)
 
 
-def any_dtensor(tensors) -> bool:
-    kind = dtensor_type()
-    return kind is not None and any(isinstance(t, kind) for t in tensors)
-
-
 def local(t):
     """The local piece of a DTensor (``to_local()`` without the autograd node; under
     torch.compile ``to_local()``, which is what the traced code uses elsewhere: a piece
