@@ -454,6 +454,48 @@ def case_explicit():
     print("explicit ok")
 
 
+def case_readme():
+    """The README's sharded training step ("JAX at scale") runs as written on a 2 x 4 mesh:
+    its outputs keep the inputs' shardings, and its shard_map optimizer (``shard_specs``)
+    gives the bits of the jitted step."""
+    import srround
+
+    from .readme import run
+
+    params = {"w": jnp.asarray(_data((8, 12), 1)).astype(jnp.bfloat16)}
+    params["b"] = jnp.asarray(_data((12,), 2)).astype(jnp.bfloat16)
+    batch = jnp.asarray(_data((4, 8), 3))
+
+    def loss_fn(p, x):
+        y = x.astype(jnp.bfloat16) @ p["w"] + p["b"]
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    given = {"srround": srround, "jax": jax, "jnp": jnp, "params": params, "loss_fn": loss_fn}
+    ns = run("from jax.sharding import NamedSharding, PartitionSpec as P", given)
+    mesh, specs, tx, state = ns["mesh"], ns["specs"], ns["tx"], ns["state"]
+    ps, ls = ns["params"], ns["ls"]
+    new, new_state, new_ls = ns["train_step"](ps, state, ls, batch)
+    for k in ps:
+        _same_sharding(new[k], ps[k], f"readme params {k}")
+        _same_sharding(new_state.exp_avg[k], ps[k], f"readme exp_avg {k}")
+        assert not np.array_equal(_bits(new[k]), _bits(ps[k])), f"readme: {k} did not move"
+    assert float(new_ls.loss_scale) == 2.0**15 and int(new_state.count) == 1
+
+    grads = jax.grad(loss_fn)(ps, batch)
+    state_specs = type(state)(P(), specs, specs, specs)
+    local = jax.shard_map(
+        ns["tx_local"].step,
+        mesh=mesh,
+        in_specs=(specs, state_specs, specs),
+        out_specs=(specs, state_specs),
+    )
+    expected, _ = jax.jit(tx.step)(grads, state, ps)
+    got, _ = jax.jit(local)(grads, state, ps)
+    for k in ps:
+        _same(got[k], expected[k], f"readme shard_map {k}")
+    print("readme ok")
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     for name in sys.argv[1:]:

@@ -352,6 +352,67 @@ def _full_state_dict(rank, world, tmp):
     return {"exp_avg": _full(full_sd["state"]["0.weight"]["exp_avg"]) if rank == 0 else None}
 
 
+class _Blocks(torch.nn.Module):
+    """The README's model: ``blocks`` to shard one by one (uneven on 2 ranks: 5 and 3 rows)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(3, 5), torch.nn.Linear(5, 3)])
+        self.to(torch.bfloat16)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def _readme_data():
+    """The README examples' ``loader`` (the same batches on every rank) and ``loss_fn``."""
+    loader = [(_batch(step), _batch(step + 10)) for step in range(STEPS)]
+
+    def loss_fn(out, y):
+        return (out.float() - y.float()).square().mean()
+
+    return loader, loss_fn
+
+
+def _readme_reference(scaled: bool):
+    """The README's training loops in 1 process, no ``fully_shard``: with the GradScaler (the
+    FSDP2 example) or without (the ZeroRedundancyOptimizer one); the trained parameters."""
+    model = _Blocks()
+    opt = AdamW(model.parameters(), lr=1e-4, seed=0)
+    scaler = GradScaler(enabled=scaled)
+    loader, loss_fn = _readme_data()
+    for x, y in loader:
+        opt.zero_grad()
+        scaler.scale(loss_fn(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    return [_full(p) for p in model.parameters()]
+
+
+def _readme(rank, world, tmp):
+    """The README's distributed examples, as written: FSDP2 with srround's AdamW and
+    GradScaler on every block, and a ZeroRedundancyOptimizer over srround's AdamW."""
+    from .readme import run
+
+    if torch.cuda.is_available():  # FSDP2's default mesh would be on the GPU, under gloo
+        return {"skipped": "a CUDA machine: the example's default mesh is on the GPU"}
+    loader, loss_fn = _readme_data()
+    given = {"model": _Blocks(), "loader": loader, "loss_fn": loss_fn}
+    ns = run("from torch.distributed.fsdp import fully_shard", given)
+    out = {"fsdp": [_full(p) for p in ns["model"].parameters()]}
+    model = _Blocks()
+    ns = run("from torch.distributed.optim import ZeroRedundancyOptimizer", {"model": model})
+    for x, y in loader:
+        ns["opt"].zero_grad()
+        loss_fn(model(x), y).backward()
+        ns["opt"].step()
+    out["zero"] = [_full(p) for p in model.parameters()]
+    return out
+
+
 SCENARIOS = {
     "fsdp": _fsdp,
     "compiled_and_amsgrad": _compiled_and_amsgrad,
@@ -362,6 +423,7 @@ SCENARIOS = {
     "functional": _functional,
     "errors": _errors,
     "full_state_dict": _full_state_dict,
+    "readme": _readme,
 }
 
 
@@ -530,6 +592,20 @@ def test_zero_redundancy_optimizer_matches_plain_adamw(ranks, reference):
     for r in _results(ranks, "zero"):
         assert 0 < r["held"] < 6  # each rank's local optimizer holds a part of the model
         _same_bits(r["params"], reference[0])
+
+
+def test_readme_examples_on_two_ranks(ranks):
+    """The README's FSDP2 loop gives the bits of the same loop in 1 process (the same batches
+    on both ranks); its ZeroRedundancyOptimizer those of a plain AdamW."""
+    results = _results(ranks, "readme")
+    if "skipped" in results[0]:
+        pytest.skip(results[0]["skipped"])
+    scaled, plain = _readme_reference(True), _readme_reference(False)
+    initial = [_full(p) for p in _Blocks().parameters()]
+    assert not all(np.array_equal(a, b) for a, b in zip(scaled, initial))  # training moved
+    for r in results:
+        _same_bits(r["fsdp"], scaled)
+        _same_bits(r["zero"], plain)
 
 
 def test_grad_scaler_all_reduces_found_inf(ranks):

@@ -50,6 +50,23 @@ def test_same_trajectory_as_torch_gradscaler():
     assert float(ours.last_step_skipped.item()) == float(events[-1])
 
 
+def test_the_scale_lives_where_the_first_output_lives():
+    """A deliberate difference (README): ``device`` is a hint. The scale is created on the
+    device of the first output ``scale`` sees, so ``GradScaler()`` (``device="cuda"``, the
+    default) scales CPU tensors - torch's warns on a machine without CUDA and disables itself,
+    and a scaler of either kind made for ``"cpu"`` works on the CPU."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    scaler = GradScaler()
+    loss = scaler.scale(p.sum())
+    assert scaler.is_enabled() and loss.device.type == "cpu" and float(loss) == 3 * 2.0**16
+    loss.backward()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(p.detach(), torch.full((3,), 0.5))  # the unscaled gradient, 1
+    assert scaler.get_scale() == 2.0**16
+
+
 def test_state_dict_round_trip_and_torch_compatibility():
     ours = GradScaler("cpu", init_scale=512.0, growth_interval=5, hysteresis=2, min_scale=1.0)
     theirs = torch.amp.GradScaler("cpu", init_scale=64.0)
