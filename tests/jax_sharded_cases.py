@@ -390,6 +390,54 @@ def case_errors():
         assert "grads[1]: on mesh" in str(exc), exc
     else:
         raise AssertionError("no error for grads on different meshes")
+    # across the arguments of one call: before, jit's own error naming srround's internals
+    u = b.astype(jnp.float32)
+    calls = {
+        "u: on mesh": lambda: sj.stochastic_add(a, u, seed=KEY),
+        "updates[0]: on mesh": lambda: sj.apply_updates([a], [u], KEY),
+        "grads[0]: on mesh": lambda: tx.step([b], tx.init([a]), [a]),
+        "tree[1]: on mesh": lambda: sj.all_finite([a, b]),
+    }
+    for message, call in calls.items():
+        try:
+            call()
+        except ValueError as exc:
+            assert message in str(exc) and "devices [0, 1, 2, 3]" in str(exc), exc
+        else:
+            raise AssertionError(f"no error for {message!r}")
+    # the same devices in another order: jit refuses them too
+    flipped = jax.sharding.Mesh(np.array(jax.devices()[:4])[::-1], ("x",))
+    c = jax.device_put(jnp.ones(8, jnp.bfloat16), NamedSharding(flipped, P("x")))
+    try:
+        sj.apply_updates([a, c], [jnp.ones(8), jnp.ones(8)], 0)
+    except ValueError as exc:
+        assert "params[1]: on mesh {'x': 4} of devices [3, 2, 1, 0]" in str(exc), exc
+    else:
+        raise AssertionError("no error for the same devices in another order")
+    # the same devices under other axis names: the per-shard host calls take one mesh
+    named = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("y",))
+    d = jax.device_put(jnp.ones(8, jnp.bfloat16), NamedSharding(named, P("y")))
+    try:
+        sj.apply_updates([a, d], [jnp.ones(8), jnp.ones(8)], 0, impl="callback")
+    except ValueError as exc:
+        assert "params[1]: on mesh {'y': 4} of devices [0, 1, 2, 3]" in str(exc), exc
+    else:
+        raise AssertionError("no error for meshes of other axis names")
+    # an uncommitted array goes where the others are; a committed one on a device of a mesh
+    # is not on the mesh
+    s = sj.apply_updates([a], [jnp.full(8, 1e-3)], KEY, step=1)
+    _same(
+        s[0],
+        sj.apply_updates([jnp.ones(8, jnp.bfloat16)], [jnp.full(8, 1e-3)], KEY, step=1)[0],
+        "uncommitted",
+    )
+    one = jax.device_put(jnp.ones(8), jax.devices()[0])
+    try:
+        sj.stochastic_add(a, one, seed=KEY)
+    except ValueError as exc:
+        assert "u: on devices [0], but w is on mesh {'x': 4}" in str(exc), exc
+    else:
+        raise AssertionError("no error for a committed array on one device of the mesh")
     print("errors ok")
 
 

@@ -78,18 +78,63 @@ def _no_out(out) -> None:
         )
 
 
+def _deleted(name: str) -> ValueError:
+    return ValueError(
+        f"{name}: the array was deleted (its buffer was donated to an earlier jit call, e.g."
+        " donate_argnums): use the array that call returned"
+    )
+
+
 def _as_jax(x, name: str):
     if isinstance(x, jax.Array):  # includes tracers
         if not isinstance(x, jax.core.Tracer) and x.is_deleted():
-            raise ValueError(
-                f"{name}: the array was deleted (its buffer was donated to an earlier jit call,"
-                " e.g. donate_argnums): use the array that call returned"
-            )
+            raise _deleted(name)
         return x
     try:
         return jnp.asarray(x)
     except TypeError:
         raise TypeError(f"{name}: expected a JAX array, got {type(x).__name__}") from None
+
+
+def _placement(x):
+    """A committed array's mesh (``None`` for another sharding), ordered device ids and
+    description."""
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        ids = tuple(int(i) for i in sharding.mesh.device_ids.flat)
+        return sharding.mesh, ids, f"mesh {dict(sharding.mesh.shape)} of devices {list(ids)}"
+    ids = tuple(sorted(d.id for d in sharding.device_set))
+    return None, ids, f"devices {list(ids)}"
+
+
+def check_arrays(*named) -> None:
+    """Clear errors, before anything is computed, for the concrete arrays of one call:
+    ``named`` holds ``(name, array)`` or ``(name, [leaves])`` pairs. A deleted (donated) array is
+    a ``ValueError``; so are committed arrays on other devices (or the same devices in another
+    order), which ``jit`` would refuse naming srround's internal functions, and arrays on two
+    meshes, even of the same devices under other axis names (the per-shard host calls,
+    ``custom_partitioning``, take one mesh per program)."""
+    first = first_mesh = None  # (ids or mesh, description, name) of the first committed array
+    for name, leaves in named:  # and of the first on a mesh
+        single = not isinstance(leaves, (list, tuple))
+        for k, x in enumerate([leaves] if single else leaves):
+            if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+                continue
+            where = name if single else f"{name}[{k}]"
+            if x.is_deleted():
+                raise _deleted(where)
+            if not x.committed:  # jit moves it to the others' devices
+                continue
+            mesh, ids, described = _placement(x)
+            first = first or (ids, described, where)
+            if mesh is not None:
+                first_mesh = first_mesh or (mesh, described, where)
+            for placed, other in ((ids, first), (mesh, first_mesh)):
+                if placed is not None and placed != other[0]:
+                    raise ValueError(
+                        f"{where}: on {described}, but {other[2]} is on {other[1]}: put every"
+                        " array of the call on one mesh (jax.device_put with a NamedSharding)"
+                    )
 
 
 def _check_float32(x, name: str):
@@ -330,6 +375,7 @@ def stochastic_add(
     """
     w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
     u = _check_float32(u, "u")
+    check_arrays(("w", w), ("u", u))
     if tuple(u.shape) != tuple(w.shape):
         raise ValueError(f"u: shape {tuple(u.shape)} does not match w's shape {tuple(w.shape)}")
     saturate = saturate_flag(overflow)

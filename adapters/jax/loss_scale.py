@@ -44,6 +44,8 @@ from jax import lax
 
 from srround import _validate
 
+from ._api import check_arrays
+
 
 def _is_placeholder(x) -> bool:
     """JAX rebuilds pytrees with ``object()`` or ``None`` leaves to learn their structure: no
@@ -331,6 +333,7 @@ def all_finite(tree, *, axis_name=None) -> jax.Array:
     the local flags are combined with ``lax.pmin``, so every device returns the same value.
     """
     leaves = jax.tree_util.tree_leaves(tree)
+    check_arrays(("tree", leaves))
     if not leaves:
         finite = jnp.bool_(True)
     else:

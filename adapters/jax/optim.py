@@ -84,7 +84,7 @@ from jax.sharding import PartitionSpec
 from srround import _optim, _state8, _validate
 from srround._formats import FORMATS
 
-from ._api import _key_words
+from ._api import _key_words, check_arrays
 from ._callback import (
     _callback,
     _host,
@@ -315,31 +315,6 @@ def _layouts(leaves, specs, name="params"):
     return layouts, global_shapes
 
 
-def _check_arrays(leaves, name: str) -> None:
-    """Clear errors for donated (deleted) buffers and for concrete arrays on different meshes,
-    before anything is computed."""
-    mesh, first = None, None
-    for k, x in enumerate(leaves):
-        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-            continue
-        if x.is_deleted():
-            raise ValueError(
-                f"{name}[{k}]: the array was deleted (its buffer was donated to an earlier jit"
-                " call, e.g. donate_argnums): use the arrays that call returned"
-            )
-        sharding = x.sharding
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            if mesh is None:
-                mesh, first = sharding.mesh, k
-            elif sharding.mesh != mesh:
-                raise ValueError(
-                    f"{name}[{k}]: on mesh {dict(sharding.mesh.shape)} of devices"
-                    f" {sharding.mesh.device_ids.ravel().tolist()}, but {name}[{first}] is on"
-                    f" mesh {dict(mesh.shape)} of devices {mesh.device_ids.ravel().tolist()}:"
-                    " put every leaf on one mesh (jax.device_put with a NamedSharding)"
-                )
-
-
 def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=None):
     """``optax.apply_updates`` with stochastic rounding of the low-precision leaves.
 
@@ -384,8 +359,7 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         u_leaves = treedef.flatten_up_to(updates)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"updates: not the structure of params: {exc}") from None
-    _check_arrays(p_leaves, "params")
-    _check_arrays(u_leaves, "updates")
+    check_arrays(("params", p_leaves), ("updates", u_leaves))
     specs = _leaf_specs(shard_specs, params, treedef)
     layouts, global_shapes = _layouts(p_leaves, specs)
     present = [g for g in global_shapes if g is not None]
@@ -877,7 +851,7 @@ def _fused(
     def init(params):
         leaves, treedef = jax.tree_util.tree_flatten(params)
         _check_params(leaves)
-        _check_arrays(leaves, "params")
+        check_arrays(("params", leaves))
         buffers = []
         for _, dtype, _ in states:
             if dtype is None:
@@ -1007,9 +981,11 @@ def _fused(
     def checked_step(grads, state, params, *, found_inf=None, inv_scale=None):
         p_leaves = jax.tree_util.tree_leaves(params)
         _check_params(p_leaves)
-        _check_arrays(p_leaves, "params")
-        _check_arrays(jax.tree_util.tree_leaves(grads), "grads")
-        _check_arrays(jax.tree_util.tree_leaves(state), "state")
+        check_arrays(
+            ("params", p_leaves),
+            ("grads", jax.tree_util.tree_leaves(grads)),
+            ("state", jax.tree_util.tree_leaves(state)),
+        )
         if isinstance(inv_scale, (int, float, np.generic)):  # an array is checked in the step
             inv_scale = _validate.inv_scale(inv_scale)
         return jitted(grads, state, params, found_inf=found_inf, inv_scale=inv_scale)
