@@ -164,10 +164,25 @@ def test_bad_settings_name_the_argument():
     for scale in (-1.0, 0.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="^loss_scale: expected a positive finite scale"):
             DynamicLossScale(scale)
+        # a concrete array too (before: taken, as README's "not positive and finite" was not)
+        with pytest.raises(ValueError, match="^loss_scale: expected a positive finite scale"):
+            DynamicLossScale(jnp.float32(scale))
     with pytest.raises(ValueError, match="^growth_factor: "):
         DynamicLossScale(2.0**15, growth_factor=0.5)
     with pytest.raises(ValueError, match="^backoff_factor: "):
         DynamicLossScale(2.0**15, backoff_factor=2.0)
+
+
+def test_a_scale_the_updates_bring_to_zero_is_no_error():
+    """The check is for a scale as it is made: ``adjust`` and the pytree round trip (eager,
+    and out of ``jit``) take a scale that ``min_scale=0`` lets back off to 0, and read nothing
+    from the device."""
+    ls = DynamicLossScale(jnp.float32(2.0**-148), min_scale=0.0)
+    for _ in range(3):
+        ls = ls.adjust(jnp.bool_(False))
+    assert float(ls.loss_scale) == 0.0
+    ls = jax.jit(lambda s: s.adjust(jnp.bool_(False)))(ls)
+    assert float(ls.loss_scale) == 0.0 and ls.min_scale == 0.0
 
 
 # -- jmp's own tests (google-deepmind/jmp jmp/_src/loss_scale_test.py), adapted -----------------

@@ -209,6 +209,51 @@ def test_adamw_rejects_bad_hyperparameters(kw, name):
         sj.adamw(**kw)
 
 
+def test_a_state_init_did_not_make_is_a_clear_error():
+    """A state of another optimizer, of other settings or of other params (before: an SGD step
+    read AdamW's moments as its momentum and a Kahan state's aux was dropped, silently; fp8,
+    bf16 and shape mismatches failed deep inside with an AttributeError or JAX's branch-type
+    and broadcasting errors), and a found_inf or inv_scale of several elements (JAX's reshape
+    error), are errors naming the argument - eagerly and under jit."""
+    p = [jnp.ones((8,), jnp.bfloat16), jnp.ones((3,), jnp.float32)]
+    g = [jnp.ones((8,)), jnp.ones((3,))]
+    tx = sj.adamw(1e-3, seed=1)
+    other = {
+        r"^state: expected the AdamWState of this optimizer's init\(params\), got SGDState": (
+            sj.sgd(1e-2, momentum=0.9).init(p)
+        ),
+        r"^state\.aux: not the structure": sj.adamw(1e-3, rounding="kahan").init(p),
+        r"^state\.exp_avg\[0\]: expected float32\[8\] .* got bfloat16\[8\]": (
+            sj.adamw(1e-3, state_dtype=jnp.bfloat16).init(p)
+        ),
+        r"^state\.exp_avg: not the structure": (
+            sj.adamw(1e-3, state_dtype=jnp.float8_e4m3fn).init(p)
+        ),
+        r"^state\.exp_avg_sq\[1\]: expected float32\[3\] .* got float32\[4\]": (
+            tx.init(p)._replace(exp_avg_sq=[jnp.zeros(8), jnp.zeros(4)])
+        ),
+    }
+    for message, state in other.items():
+        exc = TypeError if "SGDState" in message else ValueError
+        with pytest.raises(exc, match=message):
+            tx.step(g, state, p)
+        with pytest.raises(exc, match=message):
+            jax.jit(tx.step)(g, state, p)
+        with pytest.raises(exc, match=message):
+            tx.update(g, state, p)
+    sgd = sj.sgd(1e-2, momentum=0.9)
+    with pytest.raises(TypeError, match="^state: expected the SGDState .* got AdamWState"):
+        sgd.step(g, tx.init(p), p)
+    with pytest.raises(ValueError, match=r"^state\.momentum_buffer: not the structure"):
+        sgd.step(g, sj.sgd(1e-2).init(p), p)  # no momentum: no buffers
+    state = tx.init(p)
+    with pytest.raises(ValueError, match=r"^found_inf: expected a scalar, got shape \(2,\)"):
+        tx.step(g, state, p, found_inf=jnp.array([False, True]))
+    with pytest.raises(ValueError, match=r"^inv_scale: expected a scalar, got shape \(2,\)"):
+        tx.step(g, state, p, inv_scale=jnp.ones(2))
+    tx.step(g, state, p, found_inf=jnp.zeros(1, bool), inv_scale=jnp.ones(1))  # one element
+
+
 def test_bad_optimizer_input_names_the_argument():
     """SGD's hyperparameters, gradients of another shape or dtype than their params, and a
     schedule that gives an array, and an ``apply_updates`` step that is not an integer are

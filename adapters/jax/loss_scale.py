@@ -185,10 +185,14 @@ class DynamicLossScale:
 
     def __post_init__(self):
         set_ = object.__setattr__
-        set_(self, "loss_scale", _float_scale(self.loss_scale, "loss_scale"))
-        if isinstance(self.loss_scale, np.floating) and not 0 < self.loss_scale < np.inf:
-            # a Python number: the scale the updates start from must be positive and finite
-            raise ValueError(f"loss_scale: expected a positive finite scale, got {self.loss_scale}")
+        scale = _float_scale(self.loss_scale, "loss_scale")
+        set_(self, "loss_scale", scale)
+        if not isinstance(scale, jax.core.Tracer) and not _is_placeholder(scale):
+            # a concrete scale (one read, when the scale is made; adjust skips this):
+            # the scale the updates start from must be positive and finite
+            value = float(scale)
+            if not 0 < value < np.inf:
+                raise ValueError(f"loss_scale: expected a positive finite scale, got {value}")
         set_(self, "growth_tracker", _int_scalar(self.growth_tracker, "growth_tracker"))
         set_(self, "overflow_tracker", _int_scalar(self.overflow_tracker, "overflow_tracker"))
         # checked as srround's own loss scaling checks them
@@ -203,14 +207,18 @@ class DynamicLossScale:
 
     @classmethod
     def tree_unflatten(cls, settings, children):
-        """Pytree protocol: rebuild from ``tree_flatten``'s output."""
-        scale, growth, overflows = children
-        return cls(
-            scale,
-            growth_tracker=growth,
-            overflow_tracker=overflows,
-            **dict(zip(_SETTINGS, settings)),
-        )
+        """Pytree protocol: rebuild from ``tree_flatten``'s output, unchecked - the settings
+        were checked when the scale was made, and the leaves may be JAX's placeholders or a
+        scale the updates brought to its floor (``min_scale=0``)."""
+        self = object.__new__(cls)
+        names = ("loss_scale", "growth_tracker", "overflow_tracker", *_SETTINGS)
+        for name, value in zip(names, (*children, *settings)):
+            object.__setattr__(self, name, value)
+        return self
+
+    def _with(self, *children) -> DynamicLossScale:
+        """This scale with new leaves (scale, growth tracker, overflow tracker), unchecked."""
+        return self.tree_unflatten(self.tree_flatten()[1], children)
 
     def scale(self, tree):
         """``tree`` times the float32 scale (leaves promoted as JAX promotes)."""
@@ -245,11 +253,10 @@ class DynamicLossScale:
             grow & jnp.isfinite(grown), jnp.minimum(grown, jnp.float32(self.max_scale)), scale
         )
         growth_good = jnp.where(grow, 0, successful)
-        return dataclasses.replace(
-            self,
-            loss_scale=jnp.where(grads_finite, scale_good, scale_bad),
-            growth_tracker=jnp.where(grads_finite, growth_good, 0).astype(jnp.int32),
-            overflow_tracker=jnp.where(grads_finite, 0, overflows_bad).astype(jnp.int32),
+        return self._with(
+            jnp.where(grads_finite, scale_good, scale_bad),
+            jnp.where(grads_finite, growth_good, 0).astype(jnp.int32),
+            jnp.where(grads_finite, 0, overflows_bad).astype(jnp.int32),
         )
 
 

@@ -978,6 +978,53 @@ def _fused(
 
     jitted = jax.jit(step)  # an eager call is one compiled program; inlined under an outer jit
 
+    @functools.lru_cache(maxsize=16)
+    def expected_state(treedef, avals):
+        """``init``'s state for params of these shapes and dtypes (ShapeDtypeStructs), and
+        the leaves of each of its fields."""
+        shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
+        state = jax.eval_shape(init, jax.tree_util.tree_unflatten(treedef, shapes))
+        return state, {f: jax.tree_util.tree_leaves(getattr(state, f)) for f in state._fields}
+
+    def check_state(state, params):
+        """A clear error for a state that ``init(params)`` did not make: another optimizer's,
+        one of other settings (``state_dtype``, ``mu_dtype``, ``rounding``, momentum) or of
+        other params, which the step would misread or fail on deep inside."""
+        if type(state) is not state_type:
+            raise TypeError(
+                f"state: expected the {state_type.__name__} of this optimizer's init(params),"
+                f" got {type(state).__name__}"
+            )
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        avals = tuple((tuple(np.shape(p)), jnp.dtype(p.dtype)) for p in leaves)
+        expected, want_leaves = expected_state(treedef, avals)
+        for field in state_type._fields:
+            got = getattr(state, field)
+            if jax.tree_util.tree_structure(got) != jax.tree_util.tree_structure(
+                getattr(expected, field)
+            ):
+                raise ValueError(
+                    f"state.{field}: not the structure this optimizer's init(params) gives (a"
+                    " state of another optimizer, of other settings - state_dtype, mu_dtype,"
+                    " rounding, momentum - or of other params)"
+                )
+            for i, (g, w) in enumerate(zip(jax.tree_util.tree_leaves(got), want_leaves[field])):
+                if np.shape(g) != w.shape or g.dtype != w.dtype:
+                    path = jax.tree_util.tree_flatten_with_path(got)[0][i][0]
+                    raise ValueError(
+                        f"state.{field}{jax.tree_util.keystr(path)}: expected {w.dtype}"
+                        f"{list(w.shape)} as this optimizer's init(params) makes, got"
+                        f" {jnp.dtype(g.dtype)}{list(np.shape(g))}"
+                    )
+
+    def scalar(x, name):
+        """``x`` (an array of one element: a scalar, or torch's ``[1]``) as a 0-d array."""
+        if x is None or isinstance(x, (bool, int, float, np.generic)):
+            return x
+        if np.size(x) != 1:
+            raise ValueError(f"{name}: expected a scalar, got shape {tuple(np.shape(x))}")
+        return jnp.reshape(x, ())
+
     def checked_step(grads, state, params, *, found_inf=None, inv_scale=None):
         p_leaves = jax.tree_util.tree_leaves(params)
         _check_params(p_leaves)
@@ -986,6 +1033,8 @@ def _fused(
             ("grads", jax.tree_util.tree_leaves(grads)),
             ("state", jax.tree_util.tree_leaves(state)),
         )
+        check_state(state, params)
+        found_inf, inv_scale = scalar(found_inf, "found_inf"), scalar(inv_scale, "inv_scale")
         if isinstance(inv_scale, (int, float, np.generic)):  # an array is checked in the step
             inv_scale = _validate.inv_scale(inv_scale)
         return jitted(grads, state, params, found_inf=found_inf, inv_scale=inv_scale)
