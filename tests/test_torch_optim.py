@@ -553,6 +553,32 @@ def test_unusable_torch_state_dict_fails_at_load_with_nothing_loaded():
         opt.load_state_dict(sd)
 
 
+def test_state_dict_of_another_optimizer_or_other_shapes_fails_at_load():
+    """Before: an SGD state dict (torch's or srround's) loaded into AdamW took betas and eps
+    from AdamW's defaults and the SGD step count as its own (the first Adam step then
+    bias-corrected as a late one), silently, and AdamW's into SGD likewise; moments of
+    another shape failed in the step with a broadcasting error. Now: errors naming what is
+    wrong, with nothing loaded."""
+    sgd_params = _params(torch.float32)
+    torch_sgd = torch.optim.SGD(sgd_params, lr=0.1, momentum=0.9)
+    ours_sgd = SGD(_params(torch.float32), lr=0.1, momentum=0.9, seed=1)
+    for source in (torch_sgd, ours_sgd):
+        _run(source, source.param_groups[0]["params"], 2)
+        opt = AdamW(_params(torch.float32), lr=1e-3, seed=1)
+        with pytest.raises(ValueError, match="param group 0 has no betas, eps: not a state dict"):
+            opt.load_state_dict(source.state_dict())
+        assert opt.param_groups[0]["lr"] == 1e-3 and len(opt.state) == 0
+    adamw = AdamW(_params(torch.float32), seed=1)
+    _run(adamw, adamw.param_groups[0]["params"], 2)
+    with pytest.raises(ValueError, match="has no momentum, dampening, nesterov"):
+        SGD(_params(torch.float32), lr=0.1, seed=1).load_state_dict(adamw.state_dict())
+    shapes = [(s[0] + 1,) + tuple(s[1:]) if i == 1 else s for i, s in enumerate(SHAPES)]
+    other = AdamW(_params(torch.float32, shapes=shapes), seed=1)
+    with pytest.raises(ValueError, match=r"state\[1\]\['exp_avg'\] has shape"):
+        other.load_state_dict(adamw.state_dict())
+    assert len(other.state) == 0
+
+
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_torch_optim_loads_srround_state_dict(kind):
     ours = _params(torch.float32)

@@ -819,6 +819,25 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     # -- state dict -------------------------------------------------------------------------
 
+    def _check_state_shapes(self, state_dict: dict) -> None:
+        """A saved state of one value per element (moments, momentum, the weight mode's
+        buffer) must have its parameter's shape (before: a broadcasting error in the step)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            return  # torch's load_state_dict names that mismatch
+        per_element = {*self._STATE_NAMES, "max_exp_avg_sq", *AUX_NAMES.values()}
+        for saved_group, group in zip(saved_groups, self.param_groups):
+            for index, p in zip(saved_group["params"], group["params"]):
+                for name, value in state_dict["state"].get(index, {}).items():
+                    if name in per_element and isinstance(value, torch.Tensor):
+                        if tuple(value.shape) != tuple(p.shape):
+                            raise ValueError(
+                                f"state_dict: state[{index}][{name!r}] has shape"
+                                f" {tuple(value.shape)}, its parameter {tuple(p.shape)}"
+                            )
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, also of a ``torch.optim`` optimizer's state dict: group
         keys it lacks (``rounding``, ``state_dtype``, ``seed``, ...) come from this optimizer's
@@ -826,6 +845,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         are kept (torch casts every floating state to the parameter's dtype, which would round
         fp32 moments and master weights of bf16 parameters, and turn int16 remainders into
         values); a float ``step`` (torch's) becomes srround's int32 counter."""
+        for i, saved in enumerate(state_dict["param_groups"]):
+            missing = [key for key in self._SAVED_KEYS if key not in saved]
+            if missing:  # before: filled from this optimizer's defaults, silently
+                raise ValueError(
+                    f"state_dict: param group {i} has no {', '.join(missing)}: not a state dict"
+                    f" of {type(self).__name__} (torch.optim's or srround's)"
+                )
+        self._check_state_shapes(state_dict)
         groups = [dict(self.defaults, **g) for g in state_dict["param_groups"]]
         for i, group in enumerate(groups):
             where = f" (saved param group {i})"
@@ -897,6 +924,7 @@ class AdamW(_FusedOptimizer):
 
     _KIND = _optim.ADAMW
     _STATE_NAMES = ("exp_avg", "exp_avg_sq")
+    _SAVED_KEYS = ("lr", "betas", "eps", "weight_decay")  # in every AdamW state dict's groups
     _ONE_PER_OPTIMIZER = (*_FusedOptimizer._ONE_PER_OPTIMIZER, "amsgrad")
 
     def __init__(
@@ -1089,6 +1117,7 @@ class SGD(_FusedOptimizer):
 
     _KIND = _optim.SGD
     _STATE_NAMES = ("momentum_buffer", "unused")
+    _SAVED_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
 
     def __init__(
         self,
