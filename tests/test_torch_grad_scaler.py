@@ -67,6 +67,21 @@ def test_the_scale_lives_where_the_first_output_lives():
     assert scaler.get_scale() == 2.0**16
 
 
+def test_a_scale_that_is_not_positive_and_finite_is_an_error():
+    """A deliberate difference (README): torch's scaler takes ``init_scale=0`` (every step
+    then skipped, the scale stuck at 0), a negative one or inf unchecked."""
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="^init_scale: expected a positive finite scale"):
+            GradScaler("cpu", init_scale=bad)
+        scaler = GradScaler("cpu")
+        with pytest.raises(ValueError, match="^new_scale: expected a positive finite scale"):
+            scaler.update(bad)
+        scaler.scale(torch.ones(1))  # the scale exists now: update(new_scale) fills it
+        with pytest.raises(ValueError, match="^new_scale: expected a positive finite scale"):
+            scaler.update(bad)
+        assert scaler.get_scale() == 2.0**16
+
+
 def test_state_dict_round_trip_and_torch_compatibility():
     ours = GradScaler("cpu", init_scale=512.0, growth_interval=5, hysteresis=2, min_scale=1.0)
     theirs = torch.amp.GradScaler("cpu", init_scale=64.0)

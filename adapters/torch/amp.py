@@ -65,6 +65,7 @@ them); they do when every rank checks the same all-reduced gradients, as under D
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import abc
 from collections.abc import Mapping
 from functools import partial
@@ -218,7 +219,7 @@ class GradScaler:
         self._device = torch.device(device)
         self._unscale_grads = bool(unscale_grads)
         self._enabled = enabled
-        self._init_scale = float(init_scale)
+        self._init_scale = _positive_scale(init_scale, "init_scale")
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
         self._growth_interval = int(growth_interval)
@@ -452,7 +453,7 @@ class GradScaler:
         if new_scale is None and not self._found:
             raise AssertionError("No inf checks were recorded prior to update.")
         if new_scale is not None and self._scale is None:  # before first use: the initial
-            self._init_scale = float(new_scale)
+            self._init_scale = _positive_scale(new_scale, "new_scale")
         elif new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
                 if new_scale.numel() != 1 or new_scale.dtype != torch.float32:
@@ -462,7 +463,7 @@ class GradScaler:
                     )
                 self._scale.copy_(new_scale.reshape(1))
             else:
-                self._scale.fill_(float(new_scale))
+                self._scale.fill_(_positive_scale(new_scale, "new_scale"))
         else:
             found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
             for flag in self._found.values():
@@ -782,6 +783,15 @@ def _share_slots(owners):
             parent[root(i)] = root(first.setdefault(id(p), i))
     slots = {}
     return [slots.setdefault(root(i), len(slots)) for i in range(len(owners))]
+
+
+def _positive_scale(value, name):
+    """A host scale: > 0 and finite (a zero, negative or inf scale would skip every step or
+    flip the gradients' sign; torch's scaler takes it unchecked)."""
+    value = float(value)
+    if not 0.0 < value < math.inf:
+        raise ValueError(f"{name}: expected a positive finite scale, got {value}")
+    return value
 
 
 def _check_growth_factor(value):
