@@ -844,7 +844,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         defaults, and every group is checked before anything is loaded. srround's state dtypes
         are kept (torch casts every floating state to the parameter's dtype, which would round
         fp32 moments and master weights of bf16 parameters, and turn int16 remainders into
-        values); a float ``step`` (torch's) becomes srround's int32 counter."""
+        values); a float ``step`` (torch's) becomes srround's int32 counter. A state dict of
+        another optimizer (its groups lack this one's hyperparameters: ``_SAVED_KEYS``) or with
+        states of another shape than their parameters is a ``ValueError``."""
         for i, saved in enumerate(state_dict["param_groups"]):
             missing = [key for key in self._SAVED_KEYS if key not in saved]
             if missing:  # before: filled from this optimizer's defaults, silently
