@@ -63,6 +63,22 @@ _SIGN_BIT = 0x80000000  # of a float32 pattern
 _ONE_BITS = 0x3F800000  # 1.0f: the value a flag is set to
 
 
+def _check_disjoint_noise(noise, sizes) -> None:
+    """The tensors of one step draw disjoint ranges of the random stream (``stream_starts``):
+    two that overlap would round with shared, correlated noise, which no caller intends."""
+    nonempty = np.flatnonzero(sizes > 0)
+    order = nonempty[np.argsort(noise[nonempty], kind="stable")]
+    ends = noise[order] + sizes[order]
+    clash = np.flatnonzero(noise[order][1:] < ends[:-1])
+    if clash.size:
+        i, j = order[clash[0]], order[clash[0] + 1]
+        raise ValueError(
+            f"stream_starts[{j}]: params[{j}]'s noise [{noise[j]}, {noise[j] + sizes[j]})"
+            f" overlaps params[{i}]'s [{noise[i]}, {noise[i] + sizes[i]}): give each tensor its"
+            " own range of the stream"
+        )
+
+
 class FusedStep:
     """A fused step over a fixed set of buffers: the pointer table is built and (on CUDA)
     copied to the device once; each ``run`` is one CPU call or two CUDA launches, whatever the
@@ -83,6 +99,7 @@ class FusedStep:
             raise ValueError(f"params: {self.total} elements, at most {MAX_ELEMENTS - 1} per step")
         if len(table) and int((table[:, NOISE] + np.diff(starts)).max()) > MAX_ELEMENTS:
             raise ValueError(f"params: noise starts past {MAX_ELEMENTS} elements")
+        _check_disjoint_noise(table[:, NOISE] if len(table) else table, np.diff(starts))
         self.device, self.stream, self.steps = device, stream, steps
         coefs = np.zeros((len(table), COEF_COLUMNS), np.float32)
         self._hyper_host = None

@@ -210,6 +210,7 @@ def test_cuda_check_grads_flags_any_non_finite(small_cuda_launch):
         table = np.zeros((3, _optim.TABLE_COLUMNS), np.int64)
         table[:, _optim.G_ADDR] = [address(d) for d in device]
         table[:, _optim.G_FMT] = codes
+        table[:, _optim.NOISE] = [0, 13, 19]  # each tensor's own range of the stream
         stream = cuda.default_stream()
         fused = _optim.FusedStep(
             _optim.ADAMW,
@@ -271,6 +272,16 @@ def test_stream_starts_errors():
     with pytest.raises(TypeError, match=r"stream_starts\[0\]"):
         srround.adamw_step([p], [g], [m], [v], stream_starts=[1.5], **kw)
     assert np.array_equal(p, np.ones(4, ml_dtypes.bfloat16))  # nothing written
+    # overlapping ranges would share (correlated) noise: before, taken silently
+    ps, gs = [p, p.copy()], [g, g.copy()]
+    ms, vs = [m, m.copy()], [v, v.copy()]
+    with pytest.raises(ValueError, match=r"^stream_starts\[1\]: params\[1\]'s noise \[2, 6\)"):
+        srround.adamw_step(ps, gs, ms, vs, stream_starts=[0, 2], **kw)
+    with pytest.raises(ValueError, match=r"^stream_starts\[0\]: .* overlaps params\[1\]'s"):
+        srround.sgd_step(ps, gs, ms, stream_starts=[5, 2], momentum=0.9, **kw)
+    assert all(np.array_equal(q, np.ones(4, ml_dtypes.bfloat16)) for q in ps)
+    empty = [np.ones(0, ml_dtypes.bfloat16), p]  # an empty tensor draws nothing
+    srround.sgd_step(empty, [np.ones(0, np.float32), g], stream_starts=[1, 0], **kw)
 
 
 def test_stream_starts_not_with_fp8_states():
@@ -298,7 +309,7 @@ def test_cuda_noise_blocks_shared_by_four_elements_match_cpu(small_cuda_launch):
     starts not aligned with the elements' places (``stream_starts``): the CPU's bits."""
     rng = np.random.default_rng(9)
     sizes = (7, 13, 5, 9)
-    starts = [5, 102, 3, 41]
+    starts = [5, 102, 19, 41]  # disjoint ranges, none aligned to a block of four
 
     def run(put, get):
         ps = [put(rng_p.copy()) for rng_p in params]
