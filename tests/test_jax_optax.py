@@ -149,6 +149,95 @@ def test_apply_updates_broadcasts_like_optax(impl):
         sj.apply_updates(params, {**updates, "w": jnp.ones(4)}, 0)
 
 
+def test_optax_wrappers_take_the_fused_optimizers():
+    """chain (a clip that does not bite), MultiSteps (two equal micro-batches), masked,
+    multi_transform and apply_if_finite around ``sj.adamw``: under jit, the bits of the plain
+    fused step on the tree it is handed."""
+    params = {
+        "w": (0.1 * jax.random.normal(jax.random.key(0), (4, 8))).astype(jnp.bfloat16),
+        "b": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32),
+    }
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, jnp.float32), params)
+    tx = sj.adamw(1e-2, seed=SEED)
+    expected, _ = jax.jit(tx.step)(grads, tx.init(params), params)
+
+    def run(wrapped, steps=1):
+        @jax.jit
+        def step(p, s):
+            updates, s = wrapped.update(grads, s, p)
+            return optax.apply_updates(p, updates), s
+
+        p, s = params, wrapped.init(params)
+        for _ in range(steps):
+            p, s = step(p, s)
+        return p
+
+    for got in (
+        run(optax.chain(optax.clip_by_global_norm(1e3), tx)),
+        run(optax.MultiSteps(tx, every_k_schedule=2), steps=2),
+        run(optax.apply_if_finite(tx, 3)),
+    ):
+        for k in params:
+            assert_same_bits(got[k], expected[k])
+    # masked and multi_transform hand the optimizer its part of the tree: the stream positions
+    # are counted in that part (README: one seed per srround optimizer of a multi_transform)
+    alone, _ = jax.jit(tx.step)({"w": grads["w"]}, tx.init({"w": params["w"]}), {"w": params["w"]})
+    labels = {"w": "fused", "b": "plain"}
+    mixed = run(optax.multi_transform({"fused": tx, "plain": optax.sgd(1e-2)}, labels))
+    masked = run(optax.masked(tx, {"w": True, "b": False}))
+    assert_same_bits(mixed["w"], alone["w"])
+    assert_same_bits(masked["w"], alone["w"])
+    np.testing.assert_array_equal(mixed["b"], params["b"] - jnp.float32(1e-2) * grads["b"])
+    np.testing.assert_array_equal(masked["b"], params["b"] + grads["b"])  # masked out: as is
+
+
+@pytest.mark.parametrize("impl", [None, "native"])
+def test_inject_hyperparams_with_static_args(impl):
+    """optax.inject_hyperparams (before: a TypeError for every use - it makes every number an
+    array, traced under jit, and calls dtypes as schedules): with ``static_args`` =
+    ``ADAMW_STATIC_ARGS`` / ``SGD_STATIC_ARGS`` the learning rate is injected and can change
+    between steps; the bits are those of the float32 schedule of the same value."""
+    params = {
+        "w": (0.1 * jax.random.normal(jax.random.key(0), (4, 8))).astype(jnp.bfloat16),
+        "b": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32),
+    }
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, jnp.float32), params)
+    for factory, static, kw in (
+        (sj.adamw, sj.ADAMW_STATIC_ARGS, {"state_dtype": jnp.bfloat16}),
+        (sj.sgd, sj.SGD_STATIC_ARGS, {"momentum": 0.9}),
+    ):
+        injected = optax.inject_hyperparams(factory, static_args=static)
+        tx = injected(learning_rate=1e-2, seed=SEED, impl=impl, **kw)
+        ref = factory(lambda count: jnp.float32(1e-2), seed=SEED, impl=impl, **kw)
+
+        @jax.jit
+        def step(p, s, g, tx=tx):
+            updates, s = tx.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        p, s, rp, rs = params, tx.init(params), params, ref.init(params)
+        for _ in range(3):
+            p, s = step(p, s, grads)
+            rp, rs = jax.jit(ref.step)(grads, rs, rp)
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(rp)):
+            assert_same_bits(a, b)
+        s.hyperparams["learning_rate"] = jnp.zeros_like(s.hyperparams["learning_rate"])
+        stopped, _ = step(p, s, grads)
+        for a, b in zip(jax.tree.leaves(stopped), jax.tree.leaves(p)):
+            assert_same_bits(a, b)  # lr 0: nothing moves
+    # without static_args: errors that say what to do
+    with pytest.raises(TypeError, match="^state_dtype: expected a dtype, got an array"):
+        optax.inject_hyperparams(sj.adamw)(learning_rate=1e-2).init(params)
+    tx = optax.inject_hyperparams(sj.adamw, static_args=("seed", "mask", "state_dtype", "mu_dtype"))
+    tx = tx(learning_rate=1e-2)
+    with pytest.raises(TypeError, match="^b1: a traced value.*ADAMW_STATIC_ARGS"):
+        jax.jit(tx.update)(grads, tx.init(params), params)
+    tx = optax.inject_hyperparams(sj.sgd, static_args=("momentum", "accumulator_dtype"))
+    tx = tx(learning_rate=1e-2, momentum=0.9)
+    with pytest.raises(TypeError, match="^seed: a traced int.*SGD_STATIC_ARGS"):
+        jax.jit(tx.update)(grads, tx.init(params), params)
+
+
 def test_bad_input_errors():
     p = [jnp.ones(4, jnp.bfloat16)]
     with pytest.raises(TypeError, match="seed: expected a single threefry PRNG key"):

@@ -203,3 +203,15 @@ def test_example_torch_compile():
     scaler.step(opt)
     scaler.update()
     assert int(opt.state_dict()["state"][0]["step"]) == len(batches) + 1
+
+
+def test_example_inject_hyperparams():
+    import functools
+
+    given = {"functools": functools, "jnp": jnp, "optax": optax, "sj": srround.adapters.jax}
+    ns = readme.run("inject = functools.partial(optax.inject_hyperparams", given)
+    params = [jnp.ones(8, jnp.bfloat16)]  # all bf16: hyperparam_dtype keeps float32 values
+    state = ns["tx"].init(params)
+    _, state = jax.jit(ns["tx"].update)([jnp.ones(8)], state, params)
+    assert state.hyperparams["learning_rate"].dtype == jnp.float32
+    assert float(state.hyperparams["learning_rate"]) == np.float32(1e-2)  # the sgd one

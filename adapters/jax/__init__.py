@@ -5,7 +5,8 @@
   (``srround.stochastic_round(jax_array)`` etc. delegate here).
 * ``apply_updates`` (``optax.apply_updates`` with stochastic rounding), ``adamw`` and ``sgd``
   (fused optimizers that are optax ``GradientTransformation`` s, states ``AdamWState`` and
-  ``SGDState``).
+  ``SGDState``; ``ADAMW_STATIC_ARGS``/``SGD_STATIC_ARGS``: their ``static_args`` under
+  ``optax.inject_hyperparams``).
 * ``DynamicLossScale``, ``StaticLossScale``, ``NoOpLossScale``, ``all_finite``,
   ``select_tree``: loss scaling with jmp's interface.
 """
@@ -25,9 +26,19 @@ from .loss_scale import (
     all_finite,
     select_tree,
 )
-from .optim import AdamWState, SGDState, adamw, apply_updates, sgd
+from .optim import (
+    ADAMW_STATIC_ARGS,
+    SGD_STATIC_ARGS,
+    AdamWState,
+    SGDState,
+    adamw,
+    apply_updates,
+    sgd,
+)
 
 __all__ = [
+    "ADAMW_STATIC_ARGS",
+    "SGD_STATIC_ARGS",
     "AdamWState",
     "DynamicLossScale",
     "NoOpLossScale",

@@ -110,7 +110,15 @@ from ._lax import (
 )
 from ._leaves import _native_leaves
 
-__all__ = ["AdamWState", "SGDState", "adamw", "apply_updates", "sgd"]
+__all__ = [
+    "ADAMW_STATIC_ARGS",
+    "SGD_STATIC_ARGS",
+    "AdamWState",
+    "SGDState",
+    "adamw",
+    "apply_updates",
+    "sgd",
+]
 
 _U32 = jnp.uint32
 _NARROW = {jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
@@ -746,6 +754,12 @@ _FP8_STATES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def _state_dtype(dtype, name: str, fp8: bool = False):
+    if isinstance(dtype, (jax.Array, np.ndarray)):  # jnp.dtype() would take the array's dtype
+        raise TypeError(
+            f"{name}: expected a dtype, got an array (with optax.inject_hyperparams, which calls"
+            " a dtype like jnp.bfloat16 as if it were a schedule, keep it in static_args:"
+            " srround.adapters.jax.ADAMW_STATIC_ARGS / SGD_STATIC_ARGS)"
+        )
     dtype = jnp.dtype(dtype)
     if dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) or (fp8 and dtype in _FP8_STATES):
         return dtype
@@ -806,12 +820,65 @@ def _mask_leaves(mask, params, treedef):
     return [bool(f) for f in flags]
 
 
+# what optax.inject_hyperparams must keep static (its static_args): it makes every number an
+# array and calls every callable (dtypes such as jnp.bfloat16, a mask function) as a schedule;
+# the fused steps take these as host values - only learning_rate may change between steps
+ADAMW_STATIC_ARGS = (
+    "b1",
+    "b2",
+    "eps",
+    "eps_root",
+    "weight_decay",
+    "mask",
+    "seed",
+    "mu_dtype",
+    "state_dtype",
+)
+SGD_STATIC_ARGS = ("momentum", "seed", "accumulator_dtype")
+
+
+def _static_real(value, name: str, static_args: str, **bounds) -> float:
+    """A hyperparameter the fused step takes as a host float: a real number or a concrete
+    0-d array, checked (``_validate.real``). A traced one - what ``optax.inject_hyperparams``
+    passes under ``jit`` unless told otherwise - is a ``TypeError`` that says so."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name}: a traced value, but the fused step takes it as a host float; with"
+            " optax.inject_hyperparams keep it static: static_args=srround.adapters.jax."
+            f"{static_args} (only learning_rate can be injected)"
+        )
+    if isinstance(value, (jax.Array, np.ndarray)) and np.shape(value) == ():
+        value = float(value)
+    return _validate.real(value, name, **bounds)
+
+
+def _static_seed(seed, static_args: str):
+    """``seed`` with an integer 0-d array (``optax.inject_hyperparams`` makes the int one) as an
+    int; a traced integer is a ``TypeError`` (a seed is fixed for the run; keys may be traced)."""
+    integer = isinstance(seed, (jax.Array, np.ndarray)) and jnp.issubdtype(seed.dtype, jnp.integer)
+    if not integer or np.shape(seed) != ():
+        return seed
+    if isinstance(seed, jax.core.Tracer):
+        raise TypeError(
+            "seed: a traced int; with optax.inject_hyperparams keep it static:"
+            f" static_args=srround.adapters.jax.{static_args}"
+        )
+    return int(seed)
+
+
 def _learning_rate(learning_rate):
-    """An optax schedule (callable) as it is, else the learning rate checked: a real number
+    """An optax schedule (callable) as it is; a traced scalar (``optax.inject_hyperparams``
+    under ``jit``) as a constant schedule of it; else the learning rate checked: a real number
     (a concrete 0-d array too) >= 0 and finite - before the step, which would fail in the
     host call or compute with it."""
     if callable(learning_rate):
         return learning_rate
+    if isinstance(learning_rate, jax.core.Tracer):
+        if np.shape(learning_rate) != ():
+            raise ValueError(
+                f"learning_rate: expected a scalar, got shape {np.shape(learning_rate)}"
+            )
+        return lambda count: learning_rate
     if getattr(learning_rate, "shape", None) == () and not isinstance(learning_rate, np.generic):
         learning_rate = float(learning_rate)
     return _validate.real(learning_rate, "learning_rate", low=0.0)
@@ -1112,11 +1179,13 @@ def adamw(
         (params, state)``.
     """
     learning_rate = _learning_rate(learning_rate)
-    b1 = _validate.real(b1, "b1", low=0.0, high=1.0, high_open=True)
-    b2 = _validate.real(b2, "b2", low=0.0, high=1.0, high_open=True)
-    eps = _validate.real(eps, "eps", low=0.0)
-    eps_root = _validate.real(eps_root, "eps_root", low=0.0)
-    weight_decay = _validate.real(weight_decay, "weight_decay", low=0.0)
+    static = "ADAMW_STATIC_ARGS"
+    b1 = _static_real(b1, "b1", static, low=0.0, high=1.0, high_open=True)
+    b2 = _static_real(b2, "b2", static, low=0.0, high=1.0, high_open=True)
+    eps = _static_real(eps, "eps", static, low=0.0)
+    eps_root = _static_real(eps_root, "eps_root", static, low=0.0)
+    weight_decay = _static_real(weight_decay, "weight_decay", static, low=0.0)
+    seed = _static_seed(seed, static)
     state_dtype = _state_dtype(state_dtype, "state_dtype", fp8=True)
     mu_dtype = state_dtype if mu_dtype is None else _state_dtype(mu_dtype, "mu_dtype")
     fp8 = state_dtype in _FP8_STATES
@@ -1247,7 +1316,8 @@ def sgd(
     )
     learning_rate = _learning_rate(learning_rate)
     if momentum is not None:
-        momentum = _validate.real(momentum, "momentum", low=0.0)
+        momentum = _static_real(momentum, "momentum", "SGD_STATIC_ARGS", low=0.0)
+    seed = _static_seed(seed, "SGD_STATIC_ARGS")
     if nesterov and not momentum:
         raise ValueError("nesterov: needs momentum > 0")
     mom = 0.0 if momentum is None else float(momentum)
