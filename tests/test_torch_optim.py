@@ -553,6 +553,26 @@ def test_unusable_torch_state_dict_fails_at_load_with_nothing_loaded():
         opt.load_state_dict(sd)
 
 
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_a_parameter_whose_data_changed_shape_is_a_clear_error(rounding):
+    """Before: ``p.data = <another shape>`` after a step failed in the next one with a
+    broadcasting error from a state copy. The parameters are not written."""
+    params = _params()
+    opt = AdamW(params, seed=1, rounding=rounding)
+    _run(opt, params, 1)
+    with torch.no_grad():
+        params[0].data = torch.zeros(6, 3, dtype=torch.bfloat16)
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(
+        ValueError, match=r"^state: exp_avg has shape \(5, 3\), its parameter \(6, 3\)"
+    ):
+        opt.step()
+    for p, b in zip(params, before):
+        _assert_bits_equal(p, b)
+
+
 def test_state_dict_of_another_optimizer_or_other_shapes_fails_at_load():
     """Before: an SGD state dict (torch's or srround's) loaded into AdamW took betas and eps
     from AdamW's defaults and the SGD step count as its own (the first Adam step then

@@ -502,6 +502,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         like = _like(p)
         fp8 = state_dtype in _FP8_STATE_DTYPES
+        for name in (*self._needed_states(group), AUX_NAMES.get(rounding)):
+            buf = state.get(name)
+            if isinstance(buf, torch.Tensor) and buf.shape != like.shape:
+                raise ValueError(  # before: a broadcasting error from the copy below
+                    f"state: {name} has shape {tuple(buf.shape)}, its parameter"
+                    f" {tuple(like.shape)} (was the parameter's .data replaced? a state follows"
+                    " the tensor it was made for: make a new optimizer, or load a state dict"
+                    " of these shapes)"
+                )
         for name in self._needed_states(group):
             buf = state.get(name)
             if buf is None:
