@@ -149,6 +149,24 @@ def test_apply_updates_broadcasts_like_optax(impl):
         sj.apply_updates(params, {**updates, "w": jnp.ones(4)}, 0)
 
 
+@pytest.mark.parametrize("impl", [None, "native", "callback"])
+def test_empty_trees_and_empty_leaves(impl):
+    """An empty params tree and zero-size leaves (before: an IndexError on the default and
+    native steps; optax takes both): the step counts, an empty leaf draws no noise, so the
+    other leaves get the bits of the tree without it."""
+    for tx in (sj.adamw(1e-2, seed=SEED, impl=impl), sj.sgd(1e-2, momentum=0.9, impl=impl)):
+        state = tx.init({})
+        _, state = jax.jit(tx.step)({}, state, {})
+        assert int(state.count) == 1
+        w = jnp.linspace(-1, 1, 12, dtype=jnp.float32).astype(jnp.bfloat16)
+        params = {"a": jnp.ones((0, 3), jnp.bfloat16), "b": w}
+        grads = {"a": jnp.ones((0, 3)), "b": jnp.full(12, 0.1)}
+        got, _ = jax.jit(tx.step)(grads, tx.init(params), params)
+        alone, _ = jax.jit(tx.step)({"b": grads["b"]}, tx.init({"b": w}), {"b": w})
+        assert got["a"].shape == (0, 3)
+        assert_same_bits(got["b"], alone["b"])
+
+
 def test_optax_wrappers_take_the_fused_optimizers():
     """chain (a clip that does not bite), MultiSteps (two equal micro-batches), masked,
     multi_transform and apply_if_finite around ``sj.adamw``: under jit, the bits of the plain

@@ -364,6 +364,8 @@ def _native_leaves(
     its own); on one CPU device no big leaf's loop carries Threefry rounds.
     ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
     ``shard_map`` (``None``: the whole leaf). Returns the per-leaf tuples."""
+    if not starts:  # no leaf, or only empty ones (before: an IndexError)
+        return []
     layouts = layouts or [None] * len(starts)
     extras = extras or [()] * len(starts)
     if all(lay is None for lay in layouts) and _on_one_cpu(columns[0]):
