@@ -59,7 +59,7 @@ def test_the_scale_lives_where_the_first_output_lives():
     opt = torch.optim.SGD([p], lr=0.5)
     scaler = GradScaler()
     loss = scaler.scale(p.sum())
-    assert scaler.is_enabled() and loss.device.type == "cpu" and float(loss) == 3 * 2.0**16
+    assert scaler.is_enabled() and loss.device.type == "cpu" and float(loss.detach()) == 3 * 2.0**16
     loss.backward()
     scaler.step(opt)
     scaler.update()
