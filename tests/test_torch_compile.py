@@ -75,6 +75,44 @@ def test_compiled_step_matches_eager_bits(make, backend):
     assert int(compiled.state[q]["step"]) == 3
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: st.AdamW(ps, lr=1e-2, seed=11),
+        lambda ps: st.SGD(ps, lr=0.1, momentum=0.9, seed=11),
+        lambda ps: st.AdamW(ps, lr=1e-2, amsgrad=True, seed=11),
+    ],
+    ids=["adamw", "sgd", "amsgrad"],
+)
+def test_compiled_step_follows_an_lr_scheduler(make):
+    """Before: Dynamo runs ``_init_group`` eagerly, and the hyperparameters it returned became
+    constants of the graph with no guard: after the first recompile a scheduler's new learning
+    rates were silently not used (compiled and eager bits parted from step 3 on). Now the step
+    reads them in traced code: each change recompiles (torch's float-lr behaviour) and the
+    bits stay eager's. The recompiles count against Dynamo's limit for the code of
+    ``opt.step``'s wrapper, shared by every optimizer of the process: reset afterwards."""
+    runs = []
+    for compile_it in (False, True):
+        model = _model(torch.bfloat16)
+        opt = make(model.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+        def step(opt=opt):
+            opt.step()
+
+        if compile_it:
+            step = torch.compile(step, backend="aot_eager")
+        for i in range(4):
+            _backward(model, i)
+            step()
+            model.zero_grad(set_to_none=False)
+            sched.step()
+        runs.append([_bits(p) for p in model.parameters()])
+    torch._dynamo.reset()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_compiled_stochastic_round_and_unscale_match_eager():
     """Finding: ``srround.unscale_and_check`` in a compiled function did not trace (fullgraph:
     Dynamo stopped in its argument checks). Dynamo now traces the custom op in its place:

@@ -450,6 +450,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _check_group(self, group, index) -> None:
         """Per-group checks of hyperparameters (subclasses)."""
 
+    def _hyper_rows(self) -> list[tuple]:
+        """Per param group its hyperparameters, host floats (subclasses)."""
+        raise NotImplementedError
+
+    def _hyper(self):
+        """``_hyper_rows`` as the float64 table the kernels read."""
+        return np.array(self._hyper_rows(), np.float64)
+
     def _config(self):
         """Per-optimizer settings, from param_groups (what load_state_dict restores)."""
         first = self.param_groups[0]
@@ -732,9 +740,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 " call opt.step() outside the compiled function"
             )
         lists = [[] for _ in range(7)]
-        meta = self._init_group(*lists)
+        meta = list(self._init_group(*lists))
         if not lists[0]:
             return
+        # the hyperparameters read here, in traced code: Dynamo runs _init_group eagerly, so
+        # what it returns is a constant of the graph with no guard - a learning rate changed
+        # by a scheduler after the first recompile was silently not used (before)
+        meta[6] = [float(v) for row in self._hyper_rows() for v in row]
         if meta[-1]:  # DTensors (FSDP2): the op works on the local pieces
             from torch.distributed.tensor import DTensor
 
@@ -991,14 +1003,11 @@ class AdamW(_FusedOptimizer):
             if not 0.0 <= _check_hyper(beta, f"betas[{i}]", where) < 1.0:
                 raise ValueError(f"betas[{i}]{where}: expected in [0, 1), got {beta}")
 
-    def _hyper(self):
-        return np.array(
-            [
-                (float(g["lr"]), g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"])
-                for g in self.param_groups
-            ],
-            np.float64,
-        )
+    def _hyper_rows(self):
+        return [
+            (float(g["lr"]), g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"])
+            for g in self.param_groups
+        ]
 
     def _amsgrad_step(self, inv_scale, found_inf, check_grads, grad_scale):
         """AMSGrad, the per-tensor path (``amsgrad_update``) over the states ``_init_group``
@@ -1175,7 +1184,7 @@ class SGD(_FusedOptimizer):
     def _layout_key(self):
         return tuple(g["momentum"] != 0 for g in self.param_groups)
 
-    def _hyper(self):
+    def _hyper_rows(self):
         rows = []
         for i, g in enumerate(self.param_groups):
             self._check_group(g, i)
@@ -1188,4 +1197,4 @@ class SGD(_FusedOptimizer):
                     float(g["nesterov"]),
                 )
             )
-        return np.array(rows, np.float64)
+        return rows
