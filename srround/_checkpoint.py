@@ -32,12 +32,15 @@ FORMATS = {
     ".npz": "npz",
     ".npy": "npy",
 }
-FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
+NARROW_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")  # ml_dtypes in NumPy
+FLOAT_DTYPES = ("float64", "float32", *NARROW_DTYPES)
 _SAFETENSORS_DTYPES = {
     "F64": "float64",
     "F32": "float32",
     "BF16": "bfloat16",
     "F16": "float16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
     "I64": "int64",
     "I32": "int32",
     "I16": "int16",
@@ -121,7 +124,7 @@ def classify(name: str, dtype: str) -> str | None:
 
 
 def _numpy_dtype(dtype: str):
-    return get_format(dtype).numpy_dtype if dtype in ("bfloat16", "float16") else np.dtype(dtype)
+    return get_format(dtype).numpy_dtype if dtype in NARROW_DTYPES else np.dtype(dtype)
 
 
 def _safetensors(path: str) -> list[Entry]:
@@ -191,8 +194,10 @@ def _torch_numpy(tensor):
     import torch
 
     tensor = tensor.detach().cpu().reshape(-1)
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(get_format("bfloat16").numpy_dtype)
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name in NARROW_DTYPES and name != "float16":  # NumPy has no such dtype: ml_dtypes'
+        bits = torch.int16 if tensor.element_size() == 2 else torch.uint8
+        return tensor.view(bits).numpy().view(get_format(name).numpy_dtype)
     return tensor.numpy()
 
 

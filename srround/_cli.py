@@ -416,8 +416,8 @@ def main(argv=None) -> int:
         "--dtype",
         default="auto",
         choices=["auto", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"],
-        help="training storage format (default auto: the stored 16-bit format, bfloat16 for"
-        " fp32); fp8: lost updates and the range (overflow, flush, rescale) in that format",
+        help="training storage format (default auto: the stored 16-bit or fp8 format, bfloat16"
+        " for fp32); fp8: lost updates and the range (overflow, flush, rescale) in that format",
     )
     audit.add_argument(
         "--format",

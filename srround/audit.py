@@ -34,6 +34,7 @@ from ._formats import Format, get_format
 FP16 = get_format("float16")
 _FP16_MIN_NORMAL = 2.0**-14
 _SIXTEEN_BIT = {"bfloat16", "float16"}
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
 _HALF_OFFSET = 200  # log2(half spacing) + _HALF_OFFSET indexes ``_Counts.half_hist``
 _DEFAULT_LR = 1e-5
 _PARALLEL_FROM = 1 << 20  # smaller tensors are counted on the calling thread
@@ -78,7 +79,11 @@ def _flat(x, argument: str):
         x = x.detach().cpu()
         if x.dtype == torch.bfloat16:
             return x.reshape(-1).view(torch.int16).numpy().view(np.uint16), "bfloat16"
-        x = x.numpy()
+        fp8 = str(x.dtype).removeprefix("torch.")
+        if fp8 in _FP8:  # NumPy has no fp8 dtype: ml_dtypes' over the same bytes
+            x = x.reshape(-1).view(torch.uint8).numpy().view(get_format(fp8).numpy_dtype)
+        else:
+            x = x.numpy()
     elif root == "numba":
         x = x.copy_to_host()
     elif root == "cupy":
@@ -87,10 +92,14 @@ def _flat(x, argument: str):
     for kind in _SIXTEEN_BIT:
         if a.dtype == get_format(kind).numpy_dtype:
             return a.reshape(-1).view(np.uint16), kind
+    for kind in _FP8:  # widened exactly (a float32 copy)
+        if a.dtype == get_format(kind).numpy_dtype:
+            return a.reshape(-1).astype(np.float32), kind
     if a.dtype in (np.float32, np.float64):
         return a.reshape(-1), a.dtype.name
     raise TypeError(
-        f"{argument}: expected a float32, float64, bfloat16 or float16 array, got {a.dtype}"
+        f"{argument}: expected a float32, float64, bfloat16, float16, float8_e4m3fn or"
+        f" float8_e5m2 array, got {a.dtype}"
     )
 
 
@@ -110,7 +119,7 @@ def range_format(fmt: Format) -> Format:
 def _target(dtype, stored: str) -> Format:
     """The audited format: ``dtype``, or the stored one (bfloat16 for fp32/fp64 storage)."""
     if dtype is None or dtype == "auto":
-        return get_format(stored if stored in _SIXTEEN_BIT else "bfloat16")
+        return get_format(stored if stored in _SIXTEEN_BIT or stored in _FP8 else "bfloat16")
     return get_format(dtype)
 
 
@@ -213,6 +222,9 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
     """One kernel pass over ``weights`` (and ``update``): the statistics, target, stored."""
     w, stored = _flat(weights, "weights")
     fmt = _target(dtype, stored)
+    # the range audited: an fp8 target's own when asked for (dtype=), else fp16's - for a
+    # tensor stored in fp8 too, whose own range it fits by construction
+    ranged = FP16 if dtype in (None, "auto") else range_format(fmt)
     u = u_table = None
     if update is not None:
         u, u_kind = _flat(update, "update")
@@ -223,7 +235,7 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
             )
         u_table = _table(u_kind) if u_kind in _SIXTEEN_BIT else None
     rows = _k.threads() if w.size >= _PARALLEL_FROM else 1
-    limits = _k.range_limits(range_format(fmt))
+    limits = _k.range_limits(ranged)
     kernel_lr = 1.0 if lr is None else lr
     with np.errstate(all="ignore"):
         if fmt.name in _SIXTEEN_BIT and stored in _SIXTEEN_BIT | {"float32"}:
@@ -249,7 +261,7 @@ def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, s
         ratio_first = int(occupied[0]) if occupied.size else 0
         ratio = ratio[ratio_first : occupied[-1] + 1 if occupied.size else 0].copy()
     lr_of = None if update is not None else lr
-    counts = _Counts(total, half_hist, ratio, lr_of, range_format(fmt).name, ratio_first)
+    counts = _Counts(total, half_hist, ratio, lr_of, ranged.name, ratio_first)
     return counts, fmt, stored
 
 
@@ -352,12 +364,12 @@ def stagnation(weights, update=None, *, lr=None, dtype=None) -> Stagnation:
     """How many updates to ``weights`` would be lost under round-to-nearest in ``dtype``.
 
     Args:
-        weights: array of weights (any supported type; fp32, fp64, bf16 or fp16).
+        weights: array of weights (any supported type; fp32, fp64, bf16, fp16 or fp8).
         update: per-weight signed updates of the same size (e.g. a real optimizer step).
         lr: update magnitude of unknown sign on every weight (Adam-like), tried in both
             directions; give either ``update`` or ``lr``.
         dtype: the format the weights are stored in during training, ``"bfloat16"`` or
-            ``"float16"``; default: the weights' own 16-bit format, else bfloat16.
+            ``"float16"``; default: the weights' own 16-bit or fp8 format, else bfloat16.
 
     Raises:
         ValueError: both or neither of ``update`` and ``lr``; ``lr`` not finite and > 0;
@@ -516,7 +528,8 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
             ``"unused_updates"``.
         dtype: the training storage format, ``"bfloat16"``, ``"float16"``,
             ``"float8_e4m3fn"`` or ``"float8_e5m2"`` (fp8: the range audit is of that format
-            instead of fp16); default: each tensor's own 16-bit format, bfloat16 for fp32/fp64.
+            instead of fp16); default: each tensor's own 16-bit or fp8 format, bfloat16 for
+            fp32/fp64 (the range audit then fp16's for every tensor).
 
     Returns:
         A JSON-ready dict: ``"tensors"`` (one row per weight, most lost first, with

@@ -324,6 +324,36 @@ def test_cli_fp16_checkpoint_is_audited_as_fp16(tmp_path):
     assert json.loads(forced)["tensors"][0]["dtype"] == "bfloat16"
 
 
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_stored_weights_are_audited_in_their_own_format(fmt, tmp_path):
+    """Before: fp8 tensors of a checkpoint were listed as "not floating point" and skipped
+    (safetensors F8_E4M3/F8_E5M2, torch float8), and audit_tensor refused ml_dtypes' fp8
+    arrays. Now an fp8-stored weight is audited as trained in its own format (the counts of its
+    exact float32 widening with ``dtype=`` that format), its range against fp16 as every
+    other tensor's in a default audit."""
+    torch = pytest.importorskip("torch")
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    rng = np.random.default_rng(3)
+    w8 = rng.standard_normal((32, 16)).astype(np.float32).astype(getattr(ml_dtypes, fmt))
+    wide = w8.astype(np.float32)
+    expected = audit.audit_tensor(wide, lr=1e-3, dtype=fmt)
+    got = audit.audit_tensor(w8, lr=1e-3)
+    assert got.stored == fmt and got.stagnation == expected.stagnation
+    assert got.fp16.dtype == "float16"
+    t8 = torch.from_numpy(w8.view(np.uint8)).view(getattr(torch, fmt))
+    assert audit.audit_tensor(t8, lr=1e-3).stagnation == expected.stagnation
+    files = {"safetensors": tmp_path / "w.safetensors", "pt": tmp_path / "w.pt"}
+    save_file({"w": t8, "b": torch.ones(4)}, str(files["safetensors"]))
+    torch.save({"w": t8, "b": torch.ones(4)}, files["pt"])
+    for path in files.values():
+        report = json.loads(_cli("audit", str(path), "--lr", "1e-3", "--json").stdout)
+        rows = {r["name"]: r for r in report["tensors"]}
+        assert report["not_audited"] == [] and rows["w"]["stored"] == fmt
+        assert rows["w"]["dtype"] == fmt
+        stag = rows["w"]["stagnation"]
+        assert stag["lost_fraction"] == expected.stagnation.lost_fraction
+
+
 def test_cli_torch_state_reports_buffers_and_optimizer_state_apart(tmp_path):
     torch = pytest.importorskip("torch")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
