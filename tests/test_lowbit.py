@@ -595,6 +595,25 @@ def test_jax_blocks_equal_numpy_blocks(name):
     )
 
 
+def test_jax_block_quantization_gradients():
+    """As the README says: integer codes carry no gradient (JAX's rule), and the
+    straight-through form it gives passes the gradient through unchanged (derivative 1)."""
+    jax = pytest.importorskip("jax")
+    lax = jax.lax
+    x = jax.numpy.asarray(np.random.default_rng(2).standard_normal((2, 32)), np.float32)
+    key = jax.random.key(1)
+
+    def round_trip(v):
+        return srround.dequantize_blocks(srround.quantize_blocks(v, "nvfp4", seed=key))
+
+    plain = jax.grad(lambda v: round_trip(v).sum())(x)
+    straight = jax.grad(lambda v: (v + lax.stop_gradient(round_trip(v) - v)).sum())(x)
+    np.testing.assert_array_equal(np.asarray(plain), 0.0)
+    np.testing.assert_array_equal(np.asarray(straight), 1.0)
+    forward = x + lax.stop_gradient(round_trip(x) - x)
+    np.testing.assert_allclose(np.asarray(forward), np.asarray(round_trip(x)), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
 def test_jax_native_blocks_equal_callback_blocks(name):
     """The ``jax.lax`` block path (the default) gives the kernels' bits on the edge inputs
