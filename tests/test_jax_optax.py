@@ -359,6 +359,8 @@ def test_a_state_init_did_not_make_is_a_clear_error():
     with pytest.raises(ValueError, match=r"^inv_scale: expected a scalar, got shape \(2,\)"):
         tx.step(g, state, p, inv_scale=jnp.ones(2))
     tx.step(g, state, p, found_inf=jnp.zeros(1, bool), inv_scale=jnp.ones(1))  # one element
+    _, counted = tx.step(g, state._replace(count=0), p)  # any integer count (a Python int too)
+    assert int(counted.count) == 1
 
 
 def test_bad_optimizer_input_names_the_argument():

@@ -1076,12 +1076,14 @@ def _fused(
                     " rounding, momentum - or of other params)"
                 )
             for i, (g, w) in enumerate(zip(jax.tree_util.tree_leaves(got), want_leaves[field])):
-                if np.shape(g) != w.shape or g.dtype != w.dtype:
+                dtype = jnp.result_type(g)  # a Python int count too
+                same = dtype == w.dtype or (field == "count" and jnp.issubdtype(dtype, jnp.integer))
+                if np.shape(g) != w.shape or not same:
                     path = jax.tree_util.tree_flatten_with_path(got)[0][i][0]
                     raise ValueError(
                         f"state.{field}{jax.tree_util.keystr(path)}: expected {w.dtype}"
                         f"{list(w.shape)} as this optimizer's init(params) makes, got"
-                        f" {jnp.dtype(g.dtype)}{list(np.shape(g))}"
+                        f" {dtype}{list(np.shape(g))}"
                     )
 
     def scalar(x, name):
