@@ -190,7 +190,8 @@ def _npy(path: str) -> list[Entry]:
     return [Entry(name, array.shape, array.dtype.name, lambda: array.reshape(-1))]
 
 
-def _torch_numpy(tensor):
+def torch_numpy(tensor):
+    """A torch tensor as a flat NumPy array on the host (bf16/fp8: ml_dtypes' dtypes)."""
     import torch
 
     tensor = tensor.detach().cpu().reshape(-1)
@@ -242,9 +243,7 @@ def _torch(path: str) -> list[Entry]:
             dtype = str(node.dtype).removeprefix("torch.")
             release = (lambda t=node: _drop_pages(t)) if mapped else None
             entries.append(
-                Entry(
-                    prefix[:-1], tuple(node.shape), dtype, lambda t=node: _torch_numpy(t), release
-                )
+                Entry(prefix[:-1], tuple(node.shape), dtype, lambda t=node: torch_numpy(t), release)
             )
 
     walk(tree, "")

@@ -71,19 +71,12 @@ def _table(kind: str) -> np.ndarray:
 
 def _flat(x, argument: str):
     """``(flat NumPy array, stored format name)``: 16-bit formats as their ``uint16`` patterns,
-    fp32/fp64 as they are; no copy for contiguous host arrays."""
+    fp8 widened to float32, fp32/fp64 as they are; no copy for contiguous host arrays."""
     root = type(x).__module__.split(".", 1)[0]
-    if root == "torch":
-        import torch
+    if root == "torch":  # bf16 and fp8 as ml_dtypes' arrays over the same bytes
+        from ._checkpoint import torch_numpy
 
-        x = x.detach().cpu()
-        if x.dtype == torch.bfloat16:
-            return x.reshape(-1).view(torch.int16).numpy().view(np.uint16), "bfloat16"
-        fp8 = str(x.dtype).removeprefix("torch.")
-        if fp8 in _FP8:  # NumPy has no fp8 dtype: ml_dtypes' over the same bytes
-            x = x.reshape(-1).view(torch.uint8).numpy().view(get_format(fp8).numpy_dtype)
-        else:
-            x = x.numpy()
+        x = torch_numpy(x)
     elif root == "numba":
         x = x.copy_to_host()
     elif root == "cupy":
