@@ -97,14 +97,16 @@ def _as_jax(x, name: str):
 
 
 def _placement(x):
-    """A committed array's mesh (``None`` for another sharding), ordered device ids and
-    description."""
+    """A committed array's mesh (``None`` for another sharding) and ordered device ids."""
     sharding = x.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
-        ids = tuple(int(i) for i in sharding.mesh.device_ids.flat)
-        return sharding.mesh, ids, f"mesh {dict(sharding.mesh.shape)} of devices {list(ids)}"
-    ids = tuple(sorted(d.id for d in sharding.device_set))
-    return None, ids, f"devices {list(ids)}"
+        return sharding.mesh, tuple(sharding.mesh.device_ids.flat)
+    return None, tuple(sorted(d.id for d in sharding.device_set))
+
+
+def _described(mesh, ids) -> str:
+    ids = [int(i) for i in ids]
+    return f"devices {ids}" if mesh is None else f"mesh {dict(mesh.shape)} of devices {ids}"
 
 
 def check_arrays(*named) -> None:
@@ -114,8 +116,8 @@ def check_arrays(*named) -> None:
     order), which ``jit`` would refuse naming srround's internal functions, and arrays on two
     meshes, even of the same devices under other axis names (the per-shard host calls,
     ``custom_partitioning``, take one mesh per program)."""
-    first = first_mesh = None  # (ids or mesh, description, name) of the first committed array
-    for name, leaves in named:  # and of the first on a mesh
+    first = first_mesh = None  # (mesh, ids, name) of the first committed array / on a mesh
+    for name, leaves in named:
         single = not isinstance(leaves, (list, tuple))
         for k, x in enumerate([leaves] if single else leaves):
             if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
@@ -125,16 +127,21 @@ def check_arrays(*named) -> None:
                 raise _deleted(where)
             if not x.committed:  # jit moves it to the others' devices
                 continue
-            mesh, ids, described = _placement(x)
-            first = first or (ids, described, where)
+            mesh, ids = _placement(x)
+            first = first or (mesh, ids, where)
             if mesh is not None:
-                first_mesh = first_mesh or (mesh, described, where)
-            for placed, other in ((ids, first), (mesh, first_mesh)):
-                if placed is not None and placed != other[0]:
-                    raise ValueError(
-                        f"{where}: on {described}, but {other[2]} is on {other[1]}: put every"
-                        " array of the call on one mesh (jax.device_put with a NamedSharding)"
-                    )
+                first_mesh = first_mesh or (mesh, ids, where)
+            other = None
+            if ids != first[1]:
+                other = first
+            elif mesh is not None and mesh != first_mesh[0]:
+                other = first_mesh
+            if other is not None:
+                raise ValueError(
+                    f"{where}: on {_described(mesh, ids)}, but {other[2]} is on"
+                    f" {_described(*other[:2])}: put every array of the call on one mesh"
+                    " (jax.device_put with a NamedSharding)"
+                )
 
 
 def _check_float32(x, name: str):
