@@ -847,7 +847,12 @@ def _static_real(value, name: str, static_args: str, **bounds) -> float:
             " optax.inject_hyperparams keep it static: static_args=srround.adapters.jax."
             f"{static_args} (only learning_rate can be injected)"
         )
-    if isinstance(value, (jax.Array, np.ndarray)) and np.shape(value) == ():
+    return _host_real(value, name, **bounds)
+
+
+def _host_real(value, name: str, **bounds) -> float:
+    """``value`` checked as a real number (``_validate.real``), a concrete 0-d array too."""
+    if getattr(value, "shape", None) == () and not isinstance(value, np.generic):
         value = float(value)
     return _validate.real(value, name, **bounds)
 
@@ -879,9 +884,7 @@ def _learning_rate(learning_rate):
                 f"learning_rate: expected a scalar, got shape {np.shape(learning_rate)}"
             )
         return lambda count: learning_rate
-    if getattr(learning_rate, "shape", None) == () and not isinstance(learning_rate, np.generic):
-        learning_rate = float(learning_rate)
-    return _validate.real(learning_rate, "learning_rate", low=0.0)
+    return _host_real(learning_rate, "learning_rate", low=0.0)
 
 
 def _fused(
