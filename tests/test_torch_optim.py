@@ -884,6 +884,52 @@ def test_suite_error_inputs(name, kwargs, error, message):
             theirs(params, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "name, key, value",
+    [
+        ("AdamW", "lr", float("inf")),
+        ("AdamW", "lr", 1e300),
+        ("AdamW", "weight_decay", float("inf")),
+        ("AdamW", "eps", float("inf")),
+        ("SGD", "lr", float("inf")),
+        ("SGD", "momentum", 1e39),
+        ("SGD", "dampening", -float("inf")),
+    ],
+)
+def test_hyperparameters_must_be_finite_float32(name, key, value):
+    """The README's scalar rule (finite, within float32) holds for the torch optimizers too:
+    before, ``lr=inf`` or ``1e300`` was taken and wrote inf/NaN into every weight."""
+    params = _params(torch.float32)
+    ours = {"AdamW": AdamW, "SGD": SGD}[name]
+    with pytest.raises(ValueError, match=rf"^{key}: expected a finite"):
+        ours(params, **{key: value})
+
+
+@pytest.mark.parametrize(
+    "make, key, value",
+    [
+        (lambda ps: AdamW(ps, seed=0), "lr", float("nan")),
+        (lambda ps: AdamW(ps, seed=0), "betas", (1.0, 1.0)),
+        (lambda ps: AdamW(ps, seed=0), "eps", -1.0),
+        (lambda ps: AdamW(ps, seed=0), "lr", torch.tensor(0.5)),
+        (lambda ps: SGD(ps, lr=0.1, seed=0), "lr", float("inf")),
+    ],
+)
+def test_hyperparameters_edited_after_a_step_are_checked_before_the_next(make, key, value):
+    """A param group edited between steps (by hand, a scheduler) is checked at the next step,
+    before anything is written: before, AdamW took a NaN ``lr`` or ``betas=(1, 1)`` and wrote
+    NaN into every weight (SGD already checked)."""
+    params = _params(torch.float32)
+    opt = make(params)
+    _set_grads(params, _grads(0))
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=rf"^{key}(\[\d\])? \(param group 0\)"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 def test_suite_generic_error_inputs():
     """The Optimizer base class's error inputs (inherited): a tensor instead of an iterable,
     an empty list, a parameter in two groups; and a parameter twice in one group, which

@@ -81,6 +81,7 @@ _SCALE_NAMES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 _ONE_BITS = np.array([1.0], np.float32).view(np.uint32)
 _ZERO_BITS = np.zeros(1, np.uint32)
 _GRAD = operator.attrgetter("grad")
+_F32_MAX = float(np.finfo(np.float32).max)
 # the flags of torch.optim's constructors that select an implementation: srround has one
 # (fused, no graph); a flag asking for what it lacks is refused
 _FLAG_KEYS = ("foreach", "fused", "differentiable", "capturable")
@@ -134,8 +135,9 @@ def _check_state_dtype(state_dtype) -> str:
 
 
 def _check_hyper(value, name: str, where: str, minimum: float = 0.0) -> float:
-    """A hyperparameter: a real number >= ``minimum`` (a tensor is refused: srround's
-    hyperparameters are host values, copied to the device only when they change)."""
+    """A hyperparameter: a real number >= ``minimum``, finite as a float32 (the kernels'
+    arithmetic); a tensor is refused: srround's hyperparameters are host values, copied to the
+    device only when they change."""
     if isinstance(value, torch.Tensor):
         raise ValueError(
             f"{name}{where}: a tensor is not supported (srround's hyperparameters are host"
@@ -145,6 +147,8 @@ def _check_hyper(value, name: str, where: str, minimum: float = 0.0) -> float:
         raise TypeError(f"{name}{where}: expected a float, got {type(value).__name__}")
     if not value >= minimum:  # NaN too
         raise ValueError(f"{name}{where}: expected a float >= {minimum}, got {value}")
+    if not abs(value) <= _F32_MAX:
+        raise ValueError(f"{name}{where}: expected a finite float32 value, got {value}")
     return float(value)
 
 
@@ -701,6 +705,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._traced_step(inv_scale, found_inf, check_grads, grad_scale)
             return loss
         config = self._config()
+        hyper = self._hyper()  # checked before anything is written
         key = (self._key(), config, self._layout_key())
         entry = self._entry
         if entry is None or entry.key != key:
@@ -711,7 +716,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 entry = self._build(params, group_index, key, config)
         if grad_scale is not None:
             inv_scale = self._unscale_grads(entry, grad_scale, found_inf)
-        entry.fused.set_hyper(self._hyper())
+        entry.fused.set_hyper(hyper)
         k0, k1 = split_seed(config[2])
         run_entry(entry, inv_scale, found_inf, check_grads, config[3], k0, k1)
         if entry.written:
@@ -1004,10 +1009,11 @@ class AdamW(_FusedOptimizer):
                 raise ValueError(f"betas[{i}]{where}: expected in [0, 1), got {beta}")
 
     def _hyper_rows(self):
-        return [
-            (float(g["lr"]), g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"])
-            for g in self.param_groups
-        ]
+        rows = []
+        for i, g in enumerate(self.param_groups):
+            self._check_group(g, i)  # edited since the last step: checked before any write
+            rows.append((float(g["lr"]), g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"]))
+        return rows
 
     def _amsgrad_step(self, inv_scale, found_inf, check_grads, grad_scale):
         """AMSGrad, the per-tensor path (``amsgrad_update``) over the states ``_init_group``
