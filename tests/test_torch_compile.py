@@ -143,6 +143,32 @@ def test_compiled_stochastic_round_and_unscale_match_eager():
         st.stochastic_round(x, seed=None)
 
 
+def test_stochastic_round_op_records_no_graph_and_checks_offset_like_the_eager_call():
+    """``st.stochastic_round`` of a tensor that requires grad: before, the result required
+    grad, its backward raised "no autograd formula", and a compiled function calling it
+    failed to compile (BackendCompilerFailed); now, as the eager call, no graph is recorded.
+    A bad ``offset`` is the eager call's error (before: the op's schema error, or True as 1)."""
+    x = torch.randn(16, requires_grad=True)
+    y = st.stochastic_round(x, seed=5, offset=3)
+    assert not y.requires_grad
+    assert torch.equal(_bits(y), _bits(srround.stochastic_round(x, seed=5, offset=3)))
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(x, offset):
+        return st.stochastic_round(x * 2, seed=5, offset=offset).float().sum() + x.sum()
+
+    for offset in (0, 4, 8):  # a changing offset: a dynamic size in the graph
+        x.grad = None
+        loss = f(x, offset)
+        loss.backward()
+        assert torch.equal(x.grad, torch.ones(16))
+        eager = srround.stochastic_round(x.detach() * 2, seed=5, offset=offset)
+        assert float(loss.detach()) == float(eager.float().sum() + x.detach().sum())
+    for bad, error in ((1.5, TypeError), (True, TypeError), (2**62, ValueError), (-1, ValueError)):
+        with pytest.raises(error, match="^offset"):
+            st.stochastic_round(x, seed=5, offset=bad)
+
+
 @contextlib.contextmanager
 def _no_host_reads():
     """Fail on any read of a tensor's value into Python (``.item()``, ``bool()``, ...): on

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 import srround
-from srround._rng import check_seed, split_seed
+from srround._rng import check_offset, check_seed, split_seed
 
 from . import _dist
 from .optim import amsgrad_update, build_entry, run_entry
@@ -70,7 +70,8 @@ def _(x, dtype, k0, k1, offset, saturate):
 def stochastic_round(x, *, dtype="bfloat16", seed, offset=0, overflow="inf"):
     """``srround.stochastic_round`` of a float32 tensor as a custom op (traceable by
     torch.compile, same bits as the eager call). ``seed`` is required (an int in [0, 2**64)):
-    a seed drawn inside a compiled function would be a constant of the graph."""
+    a seed drawn inside a compiled function would be a constant of the graph. As the eager
+    call, records no autograd graph: the result never requires grad."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if dtype not in _DTYPES:
@@ -78,7 +79,11 @@ def stochastic_round(x, *, dtype="bfloat16", seed, offset=0, overflow="inf"):
     if overflow not in ("inf", "saturate"):
         raise ValueError(f"overflow: expected 'inf' or 'saturate', got {overflow!r}")
     k0, k1 = split_seed(check_seed(seed, "seed"))
-    return torch.ops.srround.stochastic_round(x, dtype, k0, k1, offset, overflow == "saturate")
+    if not isinstance(offset, torch.SymInt):  # compiled, a dynamic offset: the op checks it
+        offset = check_offset(offset, "offset")
+    return torch.ops.srround.stochastic_round(
+        x.detach(), dtype, k0, k1, offset, overflow == "saturate"
+    )
 
 
 @torch.library.custom_op("srround::unscale_and_check_", mutates_args=("grads", "found_inf"))
