@@ -841,6 +841,56 @@ def test_suite_named_parameters_and_non_empty_state(make):
     assert again.param_groups[0]["param_names"] == ["weight", "bias"]
 
 
+@pytest.mark.parametrize("make", TORCH_SUITE[:1] + TORCH_SUITE[4:5])
+def test_suite_load_state_dict_hooks(make):
+    """test_load_state_dict_pre_hook_and_prepend / test_load_state_dict_post_hook: what a
+    pre-hook returns is what loads (before: srround checked and restored the dict it was
+    given, so a hook that renamed a key back failed and one that replaced a state was
+    ignored), and a post-hook sees the loaded states and has the last word (before: they were
+    replaced after it ran)."""
+    params = _params(torch.float32)
+    opt = make(params)
+    _set_grads(params, _grads(0))
+    opt.step()
+    name = next(iter(opt.state[params[0]].keys() - {"step"}))
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["old_lr"] = saved["param_groups"][0].pop("lr")
+    calls = []
+
+    def pre(o, sd):
+        calls.append("pre")
+        sd = copy.deepcopy(sd)
+        sd["param_groups"][0]["lr"] = sd["param_groups"][0].pop("old_lr") * 2
+        sd["state"][0][name] = torch.full_like(sd["state"][0][name], 5.0)
+        return sd
+
+    def post(o):
+        calls.append("post")
+        assert torch.all(o.state[params[0]][name] == 5.0)
+        o.state[params[1]][name] = torch.full_like(o.state[params[1]][name], 7.0)
+
+    again = make(params)
+    again.register_load_state_dict_pre_hook(pre)
+    again.register_load_state_dict_post_hook(post)
+    again.load_state_dict(saved)
+    assert calls == ["pre", "post"]
+    assert again.param_groups[0]["lr"] == 2 * opt.param_groups[0]["lr"]
+    assert torch.all(again.state[params[0]][name] == 5.0)
+    assert torch.all(again.state[params[1]][name] == 7.0)
+    expected = copy.deepcopy(saved)  # the same dict, edited by hand, loaded without hooks
+    expected["param_groups"][0]["lr"] = expected["param_groups"][0].pop("old_lr") * 2
+    expected["state"][0][name].fill_(5.0)
+    expected["state"][1][name].fill_(7.0)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    third = make(twins)
+    third.load_state_dict(expected)
+    for o, ps in ((again, params), (third, twins)):
+        _set_grads(ps, _grads(1))
+        o.step()
+    for p, q in zip(params, twins):
+        _assert_bits_equal(p, q)
+
+
 # torch/testing/_internal/common_optimizers.py optim_error_inputs_func_adamw / _sgd (and the
 # generic ones of every optimizer): (optimizer, kwargs, error type, srround's message)
 ERROR_INPUTS = [

@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+from collections import OrderedDict
 from itertools import chain
 
 import numpy as np
@@ -872,7 +873,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
         fp32 moments and master weights of bf16 parameters, and turn int16 remainders into
         values); a float ``step`` (torch's) becomes srround's int32 counter. A state dict of
         another optimizer (its groups lack this one's hyperparameters: ``_SAVED_KEYS``) or with
-        states of another shape than their parameters is a ``ValueError``."""
+        states of another shape than their parameters is a ``ValueError``. torch's hooks run as
+        torch runs them: the pre-hooks first (what they return is what is checked and loaded),
+        the post-hooks last."""
+        pre_hooks = self._optimizer_load_state_dict_pre_hooks
+        post_hooks = self._optimizer_load_state_dict_post_hooks
+        state_dict = state_dict.copy()
+        for hook in pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         for i, saved in enumerate(state_dict["param_groups"]):
             missing = [key for key in self._SAVED_KEYS if key not in saved]
             if missing:  # before: filled from this optimizer's defaults, silently
@@ -898,7 +908,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         f" {first[name]!r} (one value per optimizer)"
                     )
         state_dict = dict(state_dict, param_groups=groups)
-        super().load_state_dict(state_dict)
+        # torch's load, without the hooks: they run here, around srround's restore
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         saved = state_dict["state"]
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for index, p in zip(saved_group["params"], group["params"]):
@@ -919,6 +936,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     restored["step"] = torch.ones((), dtype=torch.int32, device=p.device)
                 self.state[p] = restored
         self._entry = None  # new state tensors: rebuild the table at the next step
+        for hook in post_hooks.values():
+            hook(self)
 
 
 class AdamW(_FusedOptimizer):
