@@ -588,6 +588,19 @@ def test_state_dict_of_another_optimizer_or_other_shapes_fails_at_load():
         with pytest.raises(ValueError, match="param group 0 has no betas, eps: not a state dict"):
             opt.load_state_dict(source.state_dict())
         assert opt.param_groups[0]["lr"] == 1e-3 and len(opt.state) == 0
+    # torch.optim.Adam's groups have AdamW's keys; with weight decay its L2 decay (before:
+    # loaded silently, and continued as decoupled decay); without, Adam is AdamW
+    for weight_decay, loads in ((0.01, False), (0.0, True)):
+        adam = torch.optim.Adam(_params(torch.float32), lr=1e-3, weight_decay=weight_decay)
+        _run(adam, adam.param_groups[0]["params"], 1)
+        opt = AdamW(_params(torch.float32), lr=1e-2, seed=1)
+        if loads:
+            opt.load_state_dict(adam.state_dict())
+            assert opt.param_groups[0]["lr"] == 1e-3 and len(opt.state) == len(SHAPES)
+            continue
+        with pytest.raises(ValueError, match=r"^decoupled_weight_decay \(param group 0\)"):
+            opt.load_state_dict(adam.state_dict())
+        assert opt.param_groups[0]["lr"] == 1e-2 and len(opt.state) == 0
     adamw = AdamW(_params(torch.float32), seed=1)
     _run(adamw, adamw.param_groups[0]["params"], 2)
     with pytest.raises(ValueError, match="has no momentum, dampening, nesterov"):

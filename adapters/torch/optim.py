@@ -872,8 +872,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         are kept (torch casts every floating state to the parameter's dtype, which would round
         fp32 moments and master weights of bf16 parameters, and turn int16 remainders into
         values); a float ``step`` (torch's) becomes srround's int32 counter. A state dict of
-        another optimizer (its groups lack this one's hyperparameters: ``_SAVED_KEYS``) or with
-        states of another shape than their parameters is a ``ValueError``. torch's hooks run as
+        another optimizer (its groups lack this one's hyperparameters: ``_SAVED_KEYS``; or
+        ``torch.optim.Adam``'s with weight decay, which is not decoupled) or with states of
+        another shape than their parameters is a ``ValueError``. torch's hooks run as
         torch runs them: the pre-hooks first (what they return is what is checked and loaded),
         the post-hooks last."""
         pre_hooks = self._optimizer_load_state_dict_pre_hooks
@@ -1020,6 +1021,12 @@ class AdamW(_FusedOptimizer):
             )
         for name in ("lr", "eps", "weight_decay"):
             _check_hyper(group[name], name, where)
+        if group.get("decoupled_weight_decay") is False and group["weight_decay"] != 0:
+            raise ValueError(  # torch.optim.Adam's group: L2 decay through the gradient
+                f"decoupled_weight_decay{where}: False with weight_decay"
+                f" {group['weight_decay']} is torch.optim.Adam's L2 weight decay; srround's"
+                " AdamW decouples it (AdamW's rule)"
+            )
         betas = group["betas"]
         if len(betas) != 2:
             raise ValueError(f"betas{where}: expected 2 values, got {len(betas)}")
