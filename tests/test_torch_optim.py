@@ -914,6 +914,8 @@ ERROR_INPUTS = [
     ("AdamW", {"betas": (-1.0, 0.999)}, ValueError, r"^betas\[0\]: .* got -1.0"),
     ("AdamW", {"betas": (0.9, 1.0)}, ValueError, r"^betas\[1\]: expected in \[0, 1\)"),
     ("AdamW", {"betas": (torch.tensor(0.9), 0.99)}, ValueError, r"^betas\[0\]: a tensor"),
+    ("AdamW", {"betas": 0.9}, TypeError, r"^betas: expected a pair"),  # before: not iterable
+    ("AdamW", {"betas": None}, TypeError, r"^betas: expected a pair"),
     ("AdamW", {"lr": torch.tensor(1e-3), "foreach": True}, ValueError, r"^lr: a tensor"),
     ("AdamW", {"lr": "0.1"}, TypeError, r"^lr: expected a float, got str"),
     ("SGD", {"lr": 1e-2, "momentum": -0.5}, ValueError, r"^momentum: .* got -0.5"),
@@ -939,9 +941,8 @@ def test_suite_error_inputs(name, kwargs, error, message):
     theirs = getattr(torch.optim, name)
     with pytest.raises(error, match=message):
         ours(params, **kwargs)
-    tensor_hyper = any(
-        isinstance(v, torch.Tensor) for v in [*kwargs.values(), *kwargs.get("betas", ())]
-    )
+    betas = kwargs.get("betas") if isinstance(kwargs.get("betas"), tuple) else ()
+    tensor_hyper = any(isinstance(v, torch.Tensor) for v in [*kwargs.values(), *betas])
     if not tensor_hyper and not isinstance(kwargs.get("lr"), str):
         with pytest.raises(error):
             theirs(params, **kwargs)

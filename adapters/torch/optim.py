@@ -995,7 +995,7 @@ class AdamW(_FusedOptimizer):
     ):
         defaults = {
             "lr": lr,
-            "betas": tuple(betas),
+            "betas": betas,
             "eps": eps,
             "weight_decay": weight_decay,
             "amsgrad": amsgrad,
@@ -1006,6 +1006,7 @@ class AdamW(_FusedOptimizer):
             "fused": fused,
         }
         self._check_group(defaults, None)
+        defaults["betas"] = tuple(betas)
         super().__init__(params, defaults, rounding, state_dtype, seed)
 
     def _check_group(self, group, index):
@@ -1028,6 +1029,8 @@ class AdamW(_FusedOptimizer):
                 " AdamW decouples it (AdamW's rule)"
             )
         betas = group["betas"]
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__"):
+            raise TypeError(f"betas{where}: expected a pair (beta1, beta2), got {betas!r}")
         if len(betas) != 2:
             raise ValueError(f"betas{where}: expected 2 values, got {len(betas)}")
         for i, beta in enumerate(betas):
