@@ -92,6 +92,48 @@ def test_state_dict_round_trip_and_torch_compatibility():
     assert again.state_dict() == ours.state_dict()
 
 
+@pytest.mark.parametrize(
+    "key, value, error",
+    [
+        ("hysteresis", 2.5, TypeError),  # before: truncated to 2
+        ("hysteresis", 0, ValueError),  # before: raised by the first update(), after a step
+        ("min_scale", -1.0, ValueError),
+        ("max_scale", float("nan"), ValueError),
+    ],
+)
+def test_settings_are_checked_at_construction(key, value, error):
+    """The README's rules (ints not truncated, bounds checked) hold at construction."""
+    with pytest.raises(error, match=f"^{key}: "):
+        GradScaler("cpu", **{key: value})
+
+
+@pytest.mark.parametrize(
+    "key, value, error",
+    [
+        ("scale", 0.0, ValueError),
+        ("scale", float("nan"), ValueError),
+        ("growth_factor", 0.5, ValueError),
+        ("backoff_factor", 2.0, ValueError),
+        ("growth_interval", 0, ValueError),
+        ("growth_interval", "x", ValueError),
+        ("_growth_tracker", -1, ValueError),
+        ("hysteresis", 0, ValueError),
+        ("min_scale", 1e9, ValueError),  # above max_scale
+    ],
+)
+def test_load_state_dict_checks_every_value_before_loading_any(key, value, error):
+    """Before: a state dict's values loaded unchecked (a zero or NaN scale, which
+    ``init_scale`` refuses, then skipped every step; a growth factor of 0.5 shrank the scale),
+    and a bad one raised midway, after the values before it had loaded."""
+    scaler = GradScaler("cpu", init_scale=4.0, max_scale=1e6)
+    before = scaler.state_dict()
+    saved = dict(before, scale=8.0, growth_factor=3.0, growth_interval=7)
+    saved[key] = value
+    with pytest.raises(error, match=f"^{key}: "):
+        scaler.load_state_dict(saved)
+    assert scaler.state_dict() == before
+
+
 def test_skipped_step_leaves_parameters_bit_identical():
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)

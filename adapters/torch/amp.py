@@ -73,6 +73,7 @@ from functools import partial
 import torch
 
 import srround
+from srround import _validate
 
 from . import _dist
 from .optim import _NAN_BITS, _canonical_nan_, _is_dense
@@ -213,9 +214,9 @@ class GradScaler:
         per_tensor=False,
         unscale_grads=True,
     ):
-        _check_growth_factor(growth_factor)
-        _check_backoff_factor(backoff_factor)
-        _check_growth_interval(growth_interval)
+        _check_settings(
+            growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+        )
         self._device = torch.device(device)
         self._unscale_grads = bool(unscale_grads)
         self._enabled = enabled
@@ -644,18 +645,31 @@ class GradScaler:
             )
         if self._attached is not None:
             self._check_module_count(modules[0], self._attached.count)
-        self._init_scale = float(state_dict["scale"])
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._hysteresis = int(state_dict.get("hysteresis", 1))
-        self._min_scale = state_dict.get("min_scale")
-        self._max_scale = state_dict.get("max_scale")
-        self._init_counters = (
-            int(state_dict.get("_overflow_tracker", 0)),
-            int(state_dict.get("skipped_steps", 0)),
+        # every value checked before any is loaded
+        scale = _positive_scale(state_dict["scale"], "scale")
+        for i, value in enumerate(modules[0] or ()):
+            _positive_scale(value, f"module_scales[{i}]")
+        settings = (
+            state_dict["growth_factor"],
+            state_dict["backoff_factor"],
+            state_dict["growth_interval"],
+            state_dict.get("hysteresis", 1),
+            state_dict.get("min_scale"),
+            state_dict.get("max_scale"),
         )
+        _check_settings(*settings)
+        growth, overflows, skipped = (
+            _validate.integer(state_dict.get(key, 0), key, low=0)
+            for key in ("_growth_tracker", "_overflow_tracker", "skipped_steps")
+        )
+        self._init_scale = scale
+        self._growth_factor = float(settings[0])
+        self._backoff_factor = float(settings[1])
+        self._growth_interval = settings[2]
+        self._init_growth_tracker = growth
+        self._hysteresis = int(settings[3])
+        self._min_scale, self._max_scale = settings[4], settings[5]
+        self._init_counters = (overflows, skipped)
         self._init_modules = None if modules[0] is None else tuple(list(m) for m in modules)
         if self._scales is not None:
             for tensor, values in zip(
@@ -792,6 +806,19 @@ def _positive_scale(value, name):
     if not 0.0 < value < math.inf:
         raise ValueError(f"{name}: expected a positive finite scale, got {value}")
     return value
+
+
+def _check_settings(
+    growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+):
+    """torch's ranges for the factors and the interval, ``update_scale``'s rules for
+    ``hysteresis`` and the bounds: the error of the first bad one, naming it."""
+    _check_growth_factor(growth_factor)
+    _check_backoff_factor(backoff_factor)
+    _check_growth_interval(growth_interval)
+    _validate.scale_update(
+        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+    )
 
 
 def _check_growth_factor(value):
