@@ -8,6 +8,7 @@ test at most (the others use ``aot_eager``, which still functionalizes the custo
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import pytest
 
@@ -73,6 +74,28 @@ def test_compiled_step_matches_eager_bits(make, backend):
         for name, value in eager.state[p].items():
             assert torch.equal(_bits(value), _bits(compiled.state[q][name])), name
     assert int(compiled.state[q]["step"]) == 3
+
+
+def test_compiled_step_keeps_no_gradient_alive():
+    """Before: the op's cache of tables (the latest four) held the gradients each was built
+    with, so with ``zero_grad()`` (``set_to_none=True``) a compiled step kept the gradients
+    of the last four steps allocated. Now it keeps none; the bits are eager's."""
+    eager_model, compiled_model = _model(torch.bfloat16), _model(torch.bfloat16)
+    eager = st.AdamW(eager_model.parameters(), lr=1e-2, seed=11)
+    compiled = st.AdamW(compiled_model.parameters(), lr=1e-2, seed=11)
+    step = torch.compile(compiled.step, fullgraph=True, backend="aot_eager")
+    freed = []
+    for i in range(3):
+        _backward(eager_model, i)
+        eager.step()
+        eager.zero_grad(set_to_none=False)
+        _backward(compiled_model, i)
+        freed.append(weakref.ref(compiled_model[2].weight.grad))
+        step()
+        compiled.zero_grad()
+        assert all(r() is None for r in freed)
+    for p, q in zip(eager_model.parameters(), compiled_model.parameters()):
+        assert torch.equal(_bits(p), _bits(q))
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -151,6 +152,32 @@ def test_table_cached_and_rebuilt_when_grads_move():
     for p, r in zip(ps, ref):
         _assert_bits_equal(p, r)
     assert [int(opt.state[p]["step"]) for p in ps] == [4, 3, 4]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_step_keeps_no_gradient_alive(set_to_none):
+    """Before: the cached table held the gradients it was built with, so after
+    ``zero_grad()`` (``set_to_none=True``, torch's default) the last step's gradients stayed
+    allocated through the next backward - a second set of gradients in memory. The bits are
+    those of gradients kept in place."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt = AdamW(model.parameters(), lr=1e-2, seed=0)
+    ref_opt = AdamW(ref.parameters(), lr=1e-2, seed=0)
+    freed = []
+    for step in range(3):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(step)).bfloat16()
+        for m in (model, ref):
+            m(x).float().square().mean().backward()
+        freed.append(weakref.ref(model.weight.grad))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=False)
+        assert all(r() is None for r in freed) == set_to_none
+    for p, r in zip(model.parameters(), ref.parameters()):
+        _assert_bits_equal(p, r)
 
 
 def test_table_rebuilt_when_a_param_changes_group_or_storage():

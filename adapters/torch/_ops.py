@@ -208,8 +208,11 @@ def _fused_step(
         tuple(aux_index),
         tuple(noise),
         mesh_groups,
+        # the tables keep no gradient alive: a new one at a freed one's address, of its dtype
+        # and layout, reuses the table
         tuple(t.data_ptr() for t in tensors),
         tuple(t.dtype for t in tensors),
+        tuple(t.shape for t in tensors),
         tuple(t.stride() for t in tensors),
     )
     entry = _CACHE.get(key)

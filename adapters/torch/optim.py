@@ -13,14 +13,14 @@ cached. Each step then only walks the parameters to check that the same paramete
 gradients at the same addresses (``data_ptr()``), builds the float64[G, 5] hyperparameter array
 from ``param_groups`` (so lr schedulers and edits of ``group["lr"]`` etc. take effect; the array
 is uploaded only when it changed) and bumps the parameters' version counters. The table is
-rebuilt when the set of parameters with gradients changes, a parameter changes group, or a
-gradient / parameter moved (``p.data = ...``).
+rebuilt when the set of parameters with gradients changes, a parameter changes group, a
+gradient / parameter moved (``p.data = ...``) or a gradient it read was freed.
 
 ``zero_grad``: both settings are correct. ``zero_grad(set_to_none=True)`` (torch's default)
-frees the gradients; the next backward allocates new ones, and if any lands at another address
-the table is rebuilt (a host loop over the tensors, no device work beyond a small step-counter
-copy). ``zero_grad(set_to_none=False)`` keeps the gradients in place and never rebuilds: prefer
-it when the step's host cost matters.
+frees the gradients (the table keeps none alive, only weak references to them); the next step
+then rebuilds the table (a host loop over the tensors, no device work beyond a small
+step-counter copy). ``zero_grad(set_to_none=False)`` keeps the gradients in place and never
+rebuilds: prefer it when the step's host cost matters.
 
 Memory layouts: a parameter in any dense, non-overlapping layout (contiguous, channels_last,
 a permuted tensor) is updated in place without copies; its states get its layout and a
@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+import weakref
 from collections import OrderedDict
 from itertools import chain
 
@@ -236,12 +237,21 @@ class _Entry:
         "copy_out",
         "defaults",
         "device",
+        "freed",
         "fused",
         "key",
         "params",
+        "watch",
         "written",
         "groups",
     )
+
+
+def _watch(tensors):
+    """``(freed, refs)``: ``freed``, a list, is non-empty once any of ``tensors`` was freed;
+    ``refs``, weak references the caller keeps (they keep no tensor alive)."""
+    freed: list = []
+    return freed, [weakref.ref(t, freed.append) for t in tensors]
 
 
 def build_entry(
@@ -321,8 +331,10 @@ def build_entry(
     entry.copy_in, entry.copy_out = copy_in, copy_out
     entry.written = [p for p in params if not p.is_inference()]
     entry.groups = []
-    # the kernel writes through raw addresses: keep every buffer of the table alive
-    entry.buffers = [steps, *works, *grad_bufs, *(s for row in states for s in row)]
+    # the kernel writes through raw addresses: keep every buffer it writes alive; the
+    # gradients it reads in place only watched (zero_grad() frees them: the table is stale)
+    entry.freed, entry.watch = _watch(grad_bufs)
+    entry.buffers = [steps, *works, *(s for row in states for s in row)]
     entry.buffers += [s for row in scales or () for s in row]
     entry.defaults = {}
     return entry
@@ -709,7 +721,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         hyper = self._hyper()  # checked before anything is written
         key = (self._key(), config, self._layout_key())
         entry = self._entry
-        if entry is None or entry.key != key:
+        if entry is None or entry.freed or entry.key != key:
             params, group_index = self._collect()
             if not params:  # no gradients
                 return loss
