@@ -349,6 +349,28 @@ def test_tensor_list_errors_name_the_tensor():
         )
 
 
+def test_tensor_subclasses_without_storage_fail_clearly():
+    """A wrapper tensor subclass (torchao's wrappers, torch's TwoTensor) has no storage of
+    its own: ``data_ptr()`` is 0. Before: ``unscale_and_check`` with one after a plain
+    gradient (also ``GradScaler.unscale_`` of a torch optimizer's gradients) wrote to address
+    0 - a segmentation fault - and the single-tensor calls raised torch's ".numpy() is not
+    supported". Now a TypeError naming the tensor, before anything is written."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    wrapped = two_tensor.TwoTensor(torch.ones(4), torch.ones(4))
+    ok = torch.ones(4)
+    with pytest.raises(TypeError, match=r"^grads\[1\]: a TwoTensor \(a tensor subclass"):
+        srround.unscale_and_check([ok, wrapped], 0.5)
+    assert torch.equal(ok, torch.ones(4))
+    with pytest.raises(TypeError, match=r"^x: a TwoTensor"):
+        srround.stochastic_round(wrapped, seed=0)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(4)) for _ in range(2)], lr=0.1)
+    opt.param_groups[0]["params"][0].grad = ok
+    opt.param_groups[0]["params"][1].grad = wrapped
+    scaler = srround.adapters.torch.GradScaler("cpu")
+    with pytest.raises(TypeError, match=r"^grads\[1\]: a TwoTensor"):
+        scaler.unscale_(opt)
+
+
 def test_import_srround_does_not_import_torch_adapter_by_itself():
     code = "import srround, sys; assert 'torch' not in sys.modules, 'torch imported'"
     run_python(["-c", code], env=None, cwd=None)

@@ -726,6 +726,29 @@ def test_unsupported_parameters_and_gradients_fail_clearly():
     assert len(opt.state) == 0  # nothing created before the error
 
 
+@pytest.mark.parametrize("which", ["grad", "param"])
+def test_tensor_subclasses_without_storage_fail_clearly(which):
+    """A wrapper tensor subclass (torchao's weight and state wrappers, torch's TwoTensor) has
+    no storage of its own: its ``data_ptr()`` is 0. Before: such a gradient crashed the
+    process (the fused kernel read address 0: a segmentation fault; on CUDA an illegal
+    address), and such a parameter was "sharing memory" with its gradient. Now a TypeError
+    naming it, before any state exists."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+
+    def wrapped(t):
+        return two_tensor.TwoTensor(t, t.clone())
+
+    plain = torch.nn.Parameter(torch.zeros(3))
+    p = torch.nn.Parameter(wrapped(torch.zeros(2))) if which == "param" else plain
+    opt = AdamW([plain, p] if which == "param" else [p], seed=0)
+    plain.grad = torch.ones(3)
+    p.grad = wrapped(torch.ones(2)) if which == "param" else wrapped(torch.ones(3))
+    index = 1 if which == "param" else 0
+    with pytest.raises(TypeError, match=rf"^{which}s\[{index}\]: a TwoTensor .*no storage"):
+        opt.step()
+    assert len(opt.state) == 0
+
+
 # -- torch's optimizer tests (pytorch test/test_optim.py, OptimizerInfo for AdamW / SGD),
 #    adapted: the generic behaviour every torch.optim optimizer has ------------------------
 

@@ -88,7 +88,20 @@ def _as_tensor(x, name: str):
         raise TypeError(
             f"{name}: {x.layout} tensors are not supported; pass a dense tensor (.to_dense())"
         )
+    _check_storage(x, name)
     return x
+
+
+def _check_storage(t, name: str) -> None:
+    """``t`` (a DTensor: its local piece) has storage of its own: a wrapper tensor subclass
+    (torchao's weight and state wrappers, torch's TwoTensor) reports ``data_ptr()`` 0, and
+    the kernels read and write raw addresses (meta tensors: the device's own error)."""
+    piece = _dist.local(t)
+    if piece.data_ptr() == 0 and piece.numel() != 0 and not piece.is_meta:
+        raise TypeError(
+            f"{name}: a {type(piece).__name__} (a tensor subclass with no storage of its"
+            " own) is not supported; srround's kernels need plain tensors"
+        )
 
 
 def _check_contiguous(t, name: str) -> None:
@@ -256,6 +269,9 @@ def buffer_table(tensors, name: str, writes: bool = True):
     except Exception:  # not a tensor, another dtype, a layout without storage
         _buffer_error(tensors, name)
         raise
+    if 0 in addresses:  # an empty tensor, or a subclass without storage (a wrapper)
+        for i, t in enumerate(tensors):
+            _check_storage(t, f"{name}[{i}]")
     if len(devices) > 1:
         raise ValueError(
             f"{name}: tensors on several devices ({sorted(map(str, devices))});"

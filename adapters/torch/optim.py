@@ -69,7 +69,7 @@ from srround import _optim, _plan, _state8, _validate
 from srround._rng import check_seed, next_seed, split_seed
 
 from . import _dist, _views
-from ._views import _BUFFER_CODES, _DATA_PTR, _external_stream, _view
+from ._views import _BUFFER_CODES, _DATA_PTR, _check_storage, _external_stream, _view
 
 __all__ = ["SGD", "AdamW"]
 
@@ -207,6 +207,7 @@ def check_pairs(params, grads, rounding) -> None:
             raise TypeError(
                 f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got {p.dtype}"
             )
+        _check_storage(p, f"params[{i}]")
     _plan.check_param_codes(
         [_BUFFER_CODES[p.dtype] for p in params], _plan.check_rounding(rounding)
     )
@@ -216,6 +217,7 @@ def check_pairs(params, grads, rounding) -> None:
                 f"grads[{i}]: {g.layout} gradients are not supported; srround needs dense"
                 " ones (for a sparse embedding use sparse=False)"
             )
+        _check_storage(g, f"grads[{i}]")
         if g.shape != p.shape or g.dtype not in _PARAM_DTYPES:
             raise ValueError(
                 f"grads[{i}]: shape {tuple(g.shape)} / dtype {g.dtype} does not fit its"
