@@ -59,7 +59,6 @@ import contextlib
 import math
 import operator
 import weakref
-from collections import OrderedDict
 from itertools import chain
 
 import numpy as np
@@ -249,7 +248,7 @@ class _Entry:
     )
 
 
-def _watch(tensors):
+def _watch(tensors) -> tuple[list, list]:
     """``(freed, refs)``: ``freed``, a list, is non-empty once any of ``tensors`` was freed;
     ``refs``, weak references the caller keeps (they keep no tensor alive)."""
     freed: list = []
@@ -891,10 +890,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
         another shape than their parameters is a ``ValueError``. torch's hooks run as
         torch runs them: the pre-hooks first (what they return is what is checked and loaded),
         the post-hooks last."""
-        pre_hooks = self._optimizer_load_state_dict_pre_hooks
-        post_hooks = self._optimizer_load_state_dict_post_hooks
+        hooks = (
+            self._optimizer_load_state_dict_pre_hooks,
+            self._optimizer_load_state_dict_post_hooks,
+        )
+        pre_hooks, post_hooks = (list(h.values()) for h in hooks)
         state_dict = state_dict.copy()
-        for hook in pre_hooks.values():
+        for hook in pre_hooks:
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
@@ -923,14 +925,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         f" {first[name]!r} (one value per optimizer)"
                     )
         state_dict = dict(state_dict, param_groups=groups)
-        # torch's load, without the hooks: they run here, around srround's restore
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        # torch's load, without the hooks (their dicts emptied, then refilled in order: the
+        # handles stay valid): they run here, around srround's restore
+        registered = [dict(h) for h in hooks]
+        for h in hooks:
+            h.clear()
         try:
             super().load_state_dict(state_dict)
         finally:
-            self._optimizer_load_state_dict_pre_hooks = pre_hooks
-            self._optimizer_load_state_dict_post_hooks = post_hooks
+            for h, saved in zip(hooks, registered):
+                h.update(saved)
         saved = state_dict["state"]
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for index, p in zip(saved_group["params"], group["params"]):
@@ -951,7 +955,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     restored["step"] = torch.ones((), dtype=torch.int32, device=p.device)
                 self.state[p] = restored
         self._entry = None  # new state tensors: rebuild the table at the next step
-        for hook in post_hooks.values():
+        for hook in post_hooks:
             hook(self)
 
 
