@@ -6,6 +6,7 @@ once for every front end in tests/test_optim_contract.py."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import time
@@ -178,6 +179,43 @@ def test_the_step_keeps_no_gradient_alive(set_to_none):
         assert all(r() is None for r in freed) == set_to_none
     for p, r in zip(model.parameters(), ref.parameters()):
         _assert_bits_equal(p, r)
+
+
+def _reset_state(opt, p, how):
+    if how == "new state":
+        opt.state = collections.defaultdict(dict)
+    elif how == "clear":
+        opt.state.clear()
+    elif how == "del":
+        del opt.state[p]
+    elif how == "exp_avg":
+        opt.state[p]["exp_avg"] = torch.zeros_like(p)
+    else:
+        opt.state[p]["step"] = torch.tensor(0.0)
+
+
+@pytest.mark.parametrize("how", ["new state", "clear", "del", "exp_avg", "step"])
+def test_a_state_reset_or_replaced_between_steps_is_used(how):
+    """Before: with gradients kept in place (the cached table), a reset of the optimizer's
+    state (``opt.state = defaultdict(dict)``, ``.clear()``, ``del opt.state[p]``) or a state
+    tensor replaced (``state[p]["exp_avg"] = ...``, ``["step"]``) was ignored: the step went on
+    with the old buffers, silently. Now the step uses what ``opt.state`` holds, as torch's."""
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    opt = AdamW(ours, lr=1e-2, seed=0)
+    ref = torch.optim.AdamW(theirs, lr=1e-2)
+    for step in range(3):
+        if step == 2:
+            for o, ps in ((opt, ours), (ref, theirs)):
+                _reset_state(o, ps[1], how)
+        for o, ps in ((opt, ours), (ref, theirs)):
+            if ps[0].grad is None:
+                _set_grads(ps, _grads(step))
+            for p, g in zip(ps, _grads(step)):
+                p.grad.copy_(g)  # in place: the table stays cached
+            o.step()
+    for p, r in zip(ours, theirs):
+        _ulp_close(p, r, 4, how)
+        assert int(opt.state[p]["step"]) == int(ref.state[r]["step"])
 
 
 def test_table_rebuilt_when_a_param_changes_group_or_storage():

@@ -10,11 +10,13 @@ fused-optimizer protocol, ``_step_supports_amp_scaling``), no host synchronisati
 
 Host cost: the pointer table (``_optim.FusedStep``) is built once, at the first step, and
 cached. Each step then only walks the parameters to check that the same parameters have
-gradients at the same addresses (``data_ptr()``), builds the float64[G, 5] hyperparameter array
-from ``param_groups`` (so lr schedulers and edits of ``group["lr"]`` etc. take effect; the array
-is uploaded only when it changed) and bumps the parameters' version counters. The table is
-rebuilt when the set of parameters with gradients changes, a parameter changes group, a
-gradient / parameter moved (``p.data = ...``) or a gradient it read was freed.
+gradients at the same addresses (``data_ptr()``) and that ``optimizer.state`` holds the same
+objects, builds the float64[G, 5] hyperparameter array from ``param_groups`` (so lr
+schedulers and edits of ``group["lr"]`` etc. take effect; the array is uploaded only when it
+changed) and bumps the parameters' version counters. The table is rebuilt when the set of
+parameters with gradients changes, a parameter changes group, a gradient / parameter moved
+(``p.data = ...``), a gradient it read was freed, or ``optimizer.state`` was reset or a state
+tensor replaced (then used, as by torch's optimizers).
 
 ``zero_grad``: both settings are correct. ``zero_grad(set_to_none=True)`` (torch's default)
 frees the gradients (the table keeps none alive, only weak references to them); the next step
@@ -242,9 +244,31 @@ class _Entry:
         "fused",
         "key",
         "params",
+        "state_refs",
         "watch",
         "written",
         "groups",
+    )
+
+
+def _state_refs(state) -> tuple:
+    """What ``_state_unchanged`` compares: ``state`` (``optimizer.state``), its per-parameter
+    dicts and the values in them, in order."""
+    dicts = list(state.values())
+    return state, dicts, list(chain.from_iterable(map(dict.values, dicts)))
+
+
+def _state_unchanged(state, refs) -> bool:
+    """Whether ``state`` holds the objects it held when ``refs`` were taken: not replaced or
+    cleared, no parameter's state removed or replaced, no state tensor replaced (C-level
+    passes, about 0.2 us per parameter). In-place changes of state tensors need no check."""
+    saved, dicts, values = refs
+    return (
+        state is saved
+        and len(state) == len(dicts)
+        and all(map(operator.is_, state.values(), dicts))
+        and sum(map(len, dicts)) == len(values)
+        and all(map(operator.is_, chain.from_iterable(map(dict.values, dicts)), values))
     )
 
 
@@ -645,6 +669,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             entry.params = params  # (their .grad: torch's scaler protocol unscales them)
             entry.groups = _dist.mesh_groups(params)
         entry.key = key
+        entry.state_refs = _state_refs(self.state)
         self._entry = entry
         return entry
 
@@ -722,7 +747,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         hyper = self._hyper()  # checked before anything is written
         key = (self._key(), config, self._layout_key())
         entry = self._entry
-        if entry is None or entry.freed or entry.key != key:
+        if (
+            entry is None
+            or entry.freed
+            or entry.key != key
+            or not _state_unchanged(self.state, entry.state_refs)  # a state reset or replaced
+        ):
             params, group_index = self._collect()
             if not params:  # no gradients
                 return loss
