@@ -621,8 +621,9 @@ class GradScaler:
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict of this class or of ``torch.amp.GradScaler``. Per-tensor mode: one
-        without module scales starts every module at its ``scale``."""
+        """Load a state dict of this class or of ``torch.amp.GradScaler``, every value checked
+        as the constructor checks it before any is loaded. Per-tensor mode: one without module
+        scales starts every module at its ``scale``."""
         if not self._enabled:
             return
         if not state_dict:
