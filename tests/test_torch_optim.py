@@ -1116,6 +1116,18 @@ def test_suite_documented_differences():
         AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))])
 
 
+def test_sgd_momentum_buffer_made_late_starts_at_zero():
+    """The documented difference: the first momentum step is the parameter's first step, so a
+    buffer made later starts at zero ((1 - dampening)·g; torch's is g)."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = SGD([p], lr=1.0, momentum=0.0, dampening=0.5, seed=0)
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.param_groups[0]["momentum"] = 0.9
+    opt.step()
+    assert torch.equal(opt.state[p]["momentum_buffer"], torch.full((4,), 0.5))
+
+
 # -- AMSGrad: the per-tensor path -------------------------------------------------------------
 
 
