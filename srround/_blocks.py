@@ -22,9 +22,11 @@ so no element clips.
 
 NVFP4, blocks of 16, an fp32 scale per tensor and a ``float8_e4m3fn`` scale per block; torchao's
 ``nvfp4_quantize(x, 16, per_tensor_scale=per_tensor_amax_to_scale(amax))`` step for step, in
-float32 (each operation rounded once)::
+float32 (each operation rounded once), except that the tensor scale is floored at 2**-121, so
+that the multiplier ``(1 / tensor_scale) / s_b`` stays finite (torchao's overflows to inf
+there, and a zero element becomes NaN)::
 
-    tensor_scale = amax(|x|) / (448 * 6)                          # 1.0 for an all-zero tensor
+    tensor_scale = max(amax(|x|) / (448 * 6), 2**-121)            # 1.0 for an all-zero tensor
     s_b   = e4m3(clamp((amax_b / 6) / tensor_scale, 2**-6, 448))  # nearest ("floor") or up ("ceil")
     q_i   = round(clamp(x_i * ((1 / tensor_scale) / s_b), -6, 6))
 

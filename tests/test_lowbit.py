@@ -728,3 +728,36 @@ def test_cupy_fp8_and_blocks(cupy_module):
     want = srround.quantize_blocks(x, "mxfp4", seed=2)
     np.testing.assert_array_equal(cupy.asnumpy(q.data).view(np.uint8), _u8(want.data))
     np.testing.assert_array_equal(cupy.asnumpy(q.scales).view(np.uint8), _u8(want.scales))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_nvfp4_tiny_tensor(rounding):
+    """A tensor whose amax / 2688 is below 2**-121 (amax below about 1e-33): torchao's formula
+    overflows ``(1 / tensor_scale) / block_scale`` to inf there (a zero element became the NaN
+    code, 0 * inf) or divides by a tensor scale that underflowed to 0 (a ZeroDivisionError in
+    the CPU kernel). The tensor scale is floored at 2**-121: every value stays finite, zeros
+    stay zero, and the elements round on the grid of their block; the jax.lax path agrees."""
+    try:
+        import jax
+
+        from srround.adapters import jax as sj
+    except ImportError:
+        jax = None
+    for v in (1e-33, 1e-36, 2.0**-126, 1e-44):
+        x = np.zeros((2, 16), np.float32)
+        x[0, :3] = np.float32([v, -v / 2, v / 3])
+        x[1, 0] = v / 1000  # a block far below the tensor's largest
+        q = srround.quantize_blocks(x, "nvfp4", rounding=rounding, seed=1)
+        assert q.tensor_scale[0] == max(np.float32(v) / np.float32(2688), np.float32(2.0**-121))
+        back = srround.dequantize_blocks(q)
+        assert np.all(np.isfinite(back))
+        np.testing.assert_array_equal(back[x == 0], 0.0)
+        step = srround.dequantize_blocks(q._replace(data=np.full_like(_u8(q.data), 0x11)))
+        assert np.all(np.abs(back - x) <= step[:, :1] * 4)  # within a grid step (<= 2 * scale)
+        if jax is not None:  # the jax.lax path: the same bits
+            qj = sj.quantize_blocks(jax.numpy.asarray(x), "nvfp4", rounding=rounding, seed=1)
+            assert np.asarray(qj.tensor_scale).tobytes() == q.tensor_scale.tobytes()
+            np.testing.assert_array_equal(np.asarray(qj.data), _u8(q.data))
+            np.testing.assert_array_equal(_u8(np.asarray(qj.scales)), _u8(q.scales))
+            np.testing.assert_array_equal(np.asarray(sj.dequantize_blocks(qj)), back)
+

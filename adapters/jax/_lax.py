@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from srround._block_kernels import NVFP4_MIN_TENSOR_SCALE
 from srround._formats import FORMATS, Format
 
 _JNP_DTYPES = {
@@ -628,8 +629,10 @@ def _mx_scale(amax, bf, ceil: bool):
 
 
 def _nv_tensor_scale(amax):
-    """fp32 bits of NVFP4's tensor scale ``amax / 2688`` (1.0 when amax is 0)."""
+    """fp32 bits of NVFP4's tensor scale ``max(amax / 2688, 2**-121)`` (1.0 when amax is 0;
+    ``_block_kernels.nv_tensor_scale``)."""
     scale = lax.bitcast_convert_type(div(_f32(amax), jnp.float32(448.0 * 6.0)), _U32)
+    scale = jnp.maximum(scale, _U32(NVFP4_MIN_TENSOR_SCALE))
     return jnp.where(amax == 0, _U32(0x3F800000), scale)
 
 
