@@ -230,15 +230,13 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
     )
     tensor = adapter.target(None, "tensor_scale", dataclasses.replace(src, shape=(1,)), None)
     params = (*_element_params(bf), stochastic, scale == "ceil")
-    if not src.bits.size and src.device == "cpu":
-        tensor.bits[0] = 0x3F800000  # an empty tensor's tensor scale: 1.0 (as an all-zero one)
-    if src.bits.size:
-        if src.device == "cpu":
-            size = src.bits.size
-            ts = 0
-            if bf.two_level:
-                ts = nv_tensor_scale(int(_cpu.run(amax_bits_cpu, size, src.bits)))
-            tensor.bits[0] = ts
+    size = src.bits.size
+    if src.device == "cpu":
+        ts = 0
+        if bf.two_level:  # an empty tensor's amax is 0: tensor scale 1.0, as an all-zero one's
+            ts = nv_tensor_scale(int(_cpu.run(amax_bits_cpu, size, src.bits)) if size else 0)
+        tensor.bits[0] = ts
+        if size:
             _cpu.run(  # as every CPU launch: counted, locked where the threading layer needs it
                 quantize_blocks_cpu,
                 size,
@@ -255,23 +253,23 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
                 offset,
                 params,
             )
-        else:
-            from . import _blocks_cuda
+    else:
+        from . import _blocks_cuda
 
-            _blocks_cuda.quantize(
-                src.bits,
-                data.bits,
-                scales.bits,
-                tensor.bits,
-                n,
-                inner,
-                bf.block,
-                k0,
-                k1,
-                offset,
-                params,
-                stream=src.stream,
-            )
+        _blocks_cuda.quantize(
+            src.bits,
+            data.bits,
+            scales.bits,
+            tensor.bits,
+            n,
+            inner,
+            bf.block,
+            k0,
+            k1,
+            offset,
+            params,
+            stream=src.stream,
+        )
     return QuantizedBlocks(
         data.result, scales.result, tensor.result if bf.two_level else None, bf.name, axis
     )

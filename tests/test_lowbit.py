@@ -761,3 +761,31 @@ def test_nvfp4_tiny_tensor(rounding):
             np.testing.assert_array_equal(_u8(np.asarray(qj.scales)), _u8(q.scales))
             np.testing.assert_array_equal(np.asarray(sj.dequantize_blocks(qj)), back)
 
+
+def test_blocks_cuda_empty_and_tiny_nvfp4(small_cuda_launch, monkeypatch):
+    """CUDA (simulator in CI): an empty NVFP4 tensor gets tensor scale 1, as on the CPU (it
+    was left unwritten: whatever the allocation held), and a tiny tensor the CPU's bits."""
+    from numba import cuda
+
+    if not cuda.is_available():
+        pytest.skip("no CUDA device and not simulated")
+    allocate = cuda.device_array
+
+    def garbage(shape, dtype):  # new device arrays hold all-ones bytes: unwritten ones show
+        out = allocate(shape, dtype=dtype)
+        if out.size:
+            out.copy_to_device(np.full(out.nbytes, 0xFF, np.uint8).view(dtype).reshape(shape))
+        return out
+
+    monkeypatch.setattr(cuda, "device_array", garbage)
+    for shape in ((0, 16), (2, 0)):
+        q = srround.quantize_blocks(cuda.to_device(np.full(shape, 1.0, np.float32)), "nvfp4")
+        np.testing.assert_array_equal(q.tensor_scale.copy_to_host(), np.ones(1, np.float32))
+        assert srround.dequantize_blocks(q).copy_to_host().shape == shape
+    x = np.zeros((2, 16), np.float32)
+    x[0, :2] = np.float32([1e-44, 1e-40])
+    cpu = srround.quantize_blocks(x, "nvfp4", seed=2)
+    dev = srround.quantize_blocks(cuda.to_device(x), "nvfp4", seed=2)
+    np.testing.assert_array_equal(dev.tensor_scale.copy_to_host(), cpu.tensor_scale)
+    np.testing.assert_array_equal(_u8(dev.data.copy_to_host()), _u8(cpu.data))
+    np.testing.assert_array_equal(_u8(dev.scales.copy_to_host()), _u8(cpu.scales))
