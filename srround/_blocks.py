@@ -133,14 +133,30 @@ class QuantizedBlocks(NamedTuple):
     axis: int
 
 
+def check_axis(axis, ndim, name="axis") -> int:
+    """``axis`` of an ``ndim``-dimensional array as a non-negative int, else a ValueError
+    naming ``name``."""
+    if (
+        isinstance(axis, bool)
+        or not isinstance(axis, (int, np.integer))
+        or not -ndim <= axis < ndim
+    ):
+        raise ValueError(f"{name}: expected an int in [{-ndim}, {ndim}), got {axis!r}")
+    return int(axis) % ndim
+
+
+def check_tensor_scale(size) -> None:
+    """An NVFP4 tensor scale is one value (any shape: torchao's is 0-d, srround's ``(1,)``)."""
+    if size != 1:
+        raise ValueError(f"q.tensor_scale: expected one float32 value, got {size}")
+
+
 def _layout(shape, axis, block, name="x"):
     """``(axis, outer, n, inner)`` of blocks along ``axis`` of a C-contiguous ``shape``."""
     ndim = len(shape)
     if ndim == 0:
         raise ValueError(f"{name}: expected an array with at least one dimension, got a scalar")
-    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
-        raise ValueError(f"axis: expected an int in [{-ndim}, {ndim}), got {axis!r}")
-    axis = int(axis) % ndim
+    axis = check_axis(axis, ndim)
     n = shape[axis]
     if n % block:
         raise ValueError(
@@ -298,9 +314,10 @@ def dequantize_blocks(q, *, dtype="float32"):
         q.scales, "q.scales", FORMATS["float8_e4m3fn"] if bf.two_level else E8M0, narrow=True
     )
     shape = tuple(data.shape)
+    axis = check_axis(q.axis, len(shape), "q.axis")
     if bf.packed:
-        shape = _shape_with(shape, q.axis, shape[q.axis] * 2)
-    axis, outer, n, inner = _layout(shape, q.axis, bf.block, "q.data")
+        shape = _shape_with(shape, axis, shape[axis] * 2)
+    axis, outer, n, inner = _layout(shape, axis, bf.block, "q.data")
     want = _shape_with(shape, axis, n // bf.block)
     if tuple(scales.shape) != want:
         raise ValueError(f"q.scales: shape {tuple(scales.shape)}, expected {want} for q.data")
@@ -309,6 +326,7 @@ def dequantize_blocks(q, *, dtype="float32"):
         if q.tensor_scale is None:
             raise ValueError("q.tensor_scale: NVFP4 needs its float32 tensor scale")
         tensor, _ = adapter.source(q.tensor_scale, "q.tensor_scale")
+        check_tensor_scale(tensor.bits.size)
     out = adapter.target(None, "out", dataclasses.replace(data, shape=shape), None)
     check_same_place(**{"q.data": data, "q.scales": scales, "out": out, "q.tensor_scale": tensor})
     el = bf.element

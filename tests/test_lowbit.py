@@ -789,3 +789,29 @@ def test_blocks_cuda_empty_and_tiny_nvfp4(small_cuda_launch, monkeypatch):
     np.testing.assert_array_equal(dev.tensor_scale.copy_to_host(), cpu.tensor_scale)
     np.testing.assert_array_equal(_u8(dev.data.copy_to_host()), _u8(cpu.data))
     np.testing.assert_array_equal(_u8(dev.scales.copy_to_host()), _u8(cpu.scales))
+
+
+def test_dequantize_blocks_errors_name_the_argument():
+    """A QuantizedBlocks with an axis out of range or a tensor scale that is not one value is
+    a ValueError naming the field (an IndexError before, or the first of several values read
+    silently), on the NumPy and the JAX paths."""
+    x = np.ones((2, 32), np.float32)
+    mx, nv = (srround.quantize_blocks(x, name) for name in ("mxfp4", "nvfp4"))
+    cases = [
+        (mx._replace(axis=2), "q.axis: expected an int in"),
+        (mx._replace(axis=-3), "q.axis: expected an int in"),
+        (mx._replace(axis=1.0), "q.axis: expected an int in"),
+        (nv._replace(tensor_scale=np.ones(0, np.float32)), "q.tensor_scale: expected one"),
+        (nv._replace(tensor_scale=np.ones(3, np.float32)), "q.tensor_scale: expected one"),
+    ]
+    jax = pytest.importorskip("jax")
+    for q, match in cases:
+        with pytest.raises(ValueError, match=match):
+            srround.dequantize_blocks(q)
+        arrays = (None if a is None else jax.numpy.asarray(a) for a in q[:3])
+        qj = q._replace(**dict(zip(("data", "scales", "tensor_scale"), arrays)))
+        for impl in ("native", "callback"):
+            with pytest.raises(ValueError, match=match):
+                srround.adapters.jax.dequantize_blocks(qj, impl=impl)
+    back = srround.dequantize_blocks(nv._replace(tensor_scale=np.ones((), np.float32)))
+    assert back.shape == x.shape  # one value in any shape (torchao's is 0-d)
