@@ -40,7 +40,7 @@ def mx_scale(amax, emax, max_mantissa, ceil):
     if ceil and (amax >> 23) != 0 and (amax & 0x7FFFFF) > max_mantissa:
         k += 1
     k = min(max(k, -127), 128)
-    return k + 127, pow2_bits(-max(k, -126))
+    return k + 127, pow2_bits(-k)
 
 
 @njit(forceinline=True, cache=True)

@@ -11,14 +11,15 @@ power-of-two exponent, 0xFF = NaN)::
     k      = clamp(e - emax_elem, -127, 128)        # emax_elem: 8 e4m3, 15 e5m2, 2 e2m1
     k     += 1 if scale == "ceil" and amax's significand > max_elem's   (the scale never clips)
     scale  = k + 127 (uint8); 0xFF when amax is NaN
-    q_i    = round(clamp(x_i / max(2**k, 2**-126), -max_elem, max_elem))    # saturating
+    q_i    = round(clamp(x_i / 2**k, -max_elem, max_elem))    # saturating
 
 ``scale="floor"`` with ``rounding="nearest"`` is torchao's ``to_mx`` (ScaleCalculationMode.FLOOR)
-bit for bit. Under FLOOR the block maximum divided by the scale lies in ``[2**emax, 2**(emax+1))``
-while the largest element is ``1.75 * 2**emax`` (e4m3, e5m2) or ``1.5 * 2**emax`` (e2m1): a block
-maximum above that is clipped to the largest element. ``"ceil"`` differs from ``"floor"`` exactly
-on those blocks, where it takes the next power of two (one bit less resolution for that block),
-so no element clips.
+bit for bit, except on blocks of scale 2**-127, which torchao divides by 2**-126 (so that its
+dequantized values are half the inputs there). Under FLOOR the block maximum divided by the
+scale lies in ``[2**emax, 2**(emax+1))`` while the largest element is ``1.75 * 2**emax`` (e4m3,
+e5m2) or ``1.5 * 2**emax`` (e2m1): a block maximum above that is clipped to the largest
+element. ``"ceil"`` differs from ``"floor"`` exactly on those blocks, where it takes the next
+power of two (one bit less resolution for that block), so no element clips.
 
 NVFP4, blocks of 16, an fp32 scale per tensor and a ``float8_e4m3fn`` scale per block; torchao's
 ``nvfp4_quantize(x, 16, per_tensor_scale=per_tensor_amax_to_scale(amax))`` step for step, in

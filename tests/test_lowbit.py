@@ -379,7 +379,8 @@ def _torchao_reference(torch, x, name):
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
 def test_nearest_blocks_are_torchao_bits(name):
     """rounding="nearest" (FLOOR scales for MX) gives torchao's data and scale bits, special
-    values and clipped block maxima included."""
+    values and clipped block maxima included; except the elements of MX blocks of scale
+    2**-127, which torchao divides by 2**-126 (``test_mx_smallest_scale_round_trips``)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     x = _block_inputs()
@@ -392,12 +393,14 @@ def test_nearest_blocks_are_torchao_bits(name):
     data, scales, ts = _torchao_reference(torch, t, name)
     q = srround.quantize_blocks(t, name, rounding="nearest")
     np.testing.assert_array_equal(q.scales.view(torch.uint8).numpy(), scales.numpy())
-    np.testing.assert_array_equal(q.data.view(torch.uint8).numpy(), data.numpy())
+    # MX blocks of scale 2**-127 (code 0; NVFP4's e4m3 scales are never 0): torchao's x / 2**-126
+    same = np.repeat(scales.numpy() != 0, data.shape[1] // scales.shape[1], axis=1)
+    np.testing.assert_array_equal(q.data.view(torch.uint8).numpy()[same], data.numpy()[same])
     if ts is not None:
         assert q.tensor_scale.item() == ts.item()
     # NumPy gives the same bits
     qn = srround.quantize_blocks(x, name, rounding="nearest")
-    np.testing.assert_array_equal(_u8(qn.data), data.numpy())
+    np.testing.assert_array_equal(_u8(qn.data), q.data.view(torch.uint8).numpy())
     np.testing.assert_array_equal(_u8(qn.scales), scales.numpy())
 
 
@@ -815,3 +818,24 @@ def test_dequantize_blocks_errors_name_the_argument():
                 srround.adapters.jax.dequantize_blocks(qj, impl=impl)
     back = srround.dequantize_blocks(nv._replace(tensor_scale=np.ones((), np.float32)))
     assert back.shape == x.shape  # one value in any shape (torchao's is 0-d)
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
+def test_mx_smallest_scale_round_trips(name):
+    """Blocks whose scale is e8m0's smallest, 2**-127 (code 0: block maximum below
+    2**(emax - 126)): their elements are x / 2**-127, as OCP MX defines them, so values on the
+    grid come back exactly. torchao divides by 2**-126 there (a Triton workaround) while its
+    dequantization multiplies by 2**-127: every value came back halved."""
+    jax = pytest.importorskip("jax")
+    bf = srround._blocks.BLOCK_FORMATS[name]
+    grid = _grid(bf.element.name)
+    rows = -(-grid.size // (bf.block - 1))
+    x = np.resize(grid, (rows, bf.block))
+    x[:, 0] = bf.element.max_finite
+    x = (x * np.float32(2.0**-127)).astype(np.float32)  # exact: fp32 subnormals go to 2**-149
+    for rounding in ("nearest", "stochastic"):
+        q = srround.quantize_blocks(x, name, rounding=rounding, seed=0)
+        assert not _u8(q.scales).any()
+        np.testing.assert_array_equal(srround.dequantize_blocks(q), x)
+        qj = srround.quantize_blocks(jax.numpy.asarray(x), name, rounding=rounding, seed=0)
+        np.testing.assert_array_equal(_u8(np.asarray(qj.data)), _u8(q.data))  # jax.lax path

@@ -625,7 +625,7 @@ def _mx_scale(amax, bf, ceil: bool):
     k = jnp.clip(k, -127, 128)
     nan = amax > _INF32
     code = jnp.where(nan, _U32(255), _u(k + 127))
-    return code, jnp.where(nan, _U32(0), _pow2_bits(-jnp.maximum(k, -126)))
+    return code, jnp.where(nan, _U32(0), _pow2_bits(-k))
 
 
 def _nv_tensor_scale(amax):
