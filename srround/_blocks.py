@@ -170,6 +170,20 @@ def _layout(shape, axis, block, name="x"):
     return axis, outer, n, inner
 
 
+def dequantized_layout(bf: BlockFormat, axis, data_shape, scales_shape):
+    """``(axis, shape, n, inner)`` of the float32 values of a ``QuantizedBlocks`` (``shape``:
+    ``x``'s) with data and scales of these shapes; a ValueError naming the field that does not
+    fit."""
+    data_shape = tuple(data_shape)
+    axis = check_axis(axis, len(data_shape), "q.axis")
+    shape = _shape_with(data_shape, axis, data_shape[axis] * 2) if bf.packed else data_shape
+    axis, _, n, inner = _layout(shape, axis, bf.block, "q.data")
+    want = _shape_with(shape, axis, n // bf.block)
+    if tuple(scales_shape) != want:
+        raise ValueError(f"q.scales: shape {tuple(scales_shape)}, expected {want} for q.data")
+    return axis, shape, n, inner
+
+
 def _shape_with(shape, axis, length):
     return tuple(shape[:axis]) + (length,) + tuple(shape[axis + 1 :])
 
@@ -314,14 +328,7 @@ def dequantize_blocks(q, *, dtype="float32"):
     scales, _ = adapter.source(
         q.scales, "q.scales", FORMATS["float8_e4m3fn"] if bf.two_level else E8M0, narrow=True
     )
-    shape = tuple(data.shape)
-    axis = check_axis(q.axis, len(shape), "q.axis")
-    if bf.packed:
-        shape = _shape_with(shape, axis, shape[axis] * 2)
-    axis, outer, n, inner = _layout(shape, axis, bf.block, "q.data")
-    want = _shape_with(shape, axis, n // bf.block)
-    if tuple(scales.shape) != want:
-        raise ValueError(f"q.scales: shape {tuple(scales.shape)}, expected {want} for q.data")
+    axis, shape, n, inner = dequantized_layout(bf, q.axis, data.shape, scales.shape)
     tensor = None
     if bf.two_level:
         if q.tensor_scale is None:

@@ -839,3 +839,35 @@ def test_mx_smallest_scale_round_trips(name):
         np.testing.assert_array_equal(srround.dequantize_blocks(q), x)
         qj = srround.quantize_blocks(jax.numpy.asarray(x), name, rounding=rounding, seed=0)
         np.testing.assert_array_equal(_u8(np.asarray(qj.data)), _u8(q.data))  # jax.lax path
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+def test_jax_dequantize_blocks_checks_the_fields(impl):
+    """JAX: a QuantizedBlocks whose data, scales or tensor scale do not fit its format is an
+    error naming the field at trace time, as on NumPy (before: JAX's reshape errors, a host
+    call failing at run time, or NVFP4 data read under e8m0 scales silently)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from srround.adapters import jax as sj
+
+    mx = sj.quantize_blocks(jnp.ones((2, 64)), "mxfp4", impl=impl)
+    nv = sj.quantize_blocks(jnp.ones((2, 64)), "nvfp4", impl=impl)
+    cases = [
+        (mx._replace(scales=mx.scales[:, :1]), ValueError, r"q.scales: shape \(2, 1\)"),
+        (mx._replace(data=mx.data[:, :8]), ValueError, "q.data: the length 16 of axis 1"),
+        (mx._replace(data=mx.data.astype(jnp.float32)), TypeError, "q.data: expected"),
+        (mx._replace(scales=mx.scales.astype(jnp.float32)), TypeError, "q.scales: expected"),
+        (
+            nv._replace(scales=nv.scales.view(jnp.uint8).view(jnp.float8_e8m0fnu)),
+            TypeError,
+            "q.scales",
+        ),
+        (
+            nv._replace(tensor_scale=nv.tensor_scale.astype(jnp.bfloat16)),
+            TypeError,
+            "q.tensor_scale",
+        ),
+    ]
+    for q, error, match in cases:
+        with pytest.raises(error, match=match):
+            jax.jit(lambda q: sj.dequantize_blocks(q, impl=impl))(q)

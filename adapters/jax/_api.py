@@ -464,11 +464,19 @@ def dequantize_blocks(q, *, dtype="float32", impl=None):
     if dtype not in ("float32", np.float32):
         raise ValueError(f"dtype: only 'float32' is supported, got {dtype!r}")
     bf = _blocks.get_block_format(q.format)
-    q = q._replace(axis=_blocks.check_axis(q.axis, q.data.ndim, "q.axis"))
+    for name, array, fmt in (
+        ("q.data", q.data, _blocks.PACKED_FP4 if bf.packed else bf.element),
+        ("q.scales", q.scales, _blocks.FORMATS["float8_e4m3fn"] if bf.two_level else _blocks.E8M0),
+    ):
+        dtype = _as_jax(array, name).dtype
+        if dtype not in (fmt.numpy_dtype, jnp.uint8):
+            raise TypeError(f"{name}: expected {fmt.numpy_dtype} (or uint8 patterns), got {dtype}")
+    axis = _blocks.dequantized_layout(bf, q.axis, q.data.shape, q.scales.shape)[0]
+    q = q._replace(axis=axis)
     if bf.two_level:
         if q.tensor_scale is None:
             raise ValueError("q.tensor_scale: NVFP4 needs its float32 tensor scale")
-        _blocks.check_tensor_scale(q.tensor_scale.size)
+        _blocks.check_tensor_scale(_check_float32(q.tensor_scale, "q.tensor_scale").size)
     if _impl(impl, q.data) == "native" and q.data.size:
         tensor = q.tensor_scale if bf.two_level else jnp.ones(1, jnp.float32)
         return _lax.native_dequantize_blocks(
