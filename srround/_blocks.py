@@ -170,6 +170,18 @@ def _layout(shape, axis, block, name="x"):
     return axis, outer, n, inner
 
 
+def check_whole(name, view) -> None:
+    """Block formats run on whole arrays: the piece of a sharded one (a torch DTensor) is a
+    TypeError naming ``name`` (its blocks, NVFP4's tensor scale and its noise would be the
+    piece's, its results DTensors of the input's shape)."""
+    if view is not None and view.sharded:
+        raise TypeError(
+            f"{name}: a DTensor; block formats run on whole tensors: pass its full_tensor() (or,"
+            " for MX with blocks inside each local piece, its to_local() with offset= the"
+            " piece's first element's index in the full tensor)"
+        )
+
+
 def dequantized_layout(bf: BlockFormat, axis, data_shape, scales_shape):
     """``(axis, shape, n, inner)`` of the float32 values of a ``QuantizedBlocks`` (``shape``:
     ``x``'s) with data and scales of these shapes; a ValueError naming the field that does not
@@ -245,6 +257,7 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
         k0, k1 = split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
     offset = check_offset(offset)
     src, _ = adapter.source(x, "x")
+    check_whole("x", src)
     axis, outer, n, inner = _layout(src.shape, axis, bf.block)
     data_shape = _shape_with(src.shape, axis, n // 2) if bf.packed else src.shape
     data = adapter.target(
@@ -328,12 +341,15 @@ def dequantize_blocks(q, *, dtype="float32"):
     scales, _ = adapter.source(
         q.scales, "q.scales", FORMATS["float8_e4m3fn"] if bf.two_level else E8M0, narrow=True
     )
+    check_whole("q.data", data)
+    check_whole("q.scales", scales)
     axis, shape, n, inner = dequantized_layout(bf, q.axis, data.shape, scales.shape)
     tensor = None
     if bf.two_level:
         if q.tensor_scale is None:
             raise ValueError("q.tensor_scale: NVFP4 needs its float32 tensor scale")
         tensor, _ = adapter.source(q.tensor_scale, "q.tensor_scale")
+        check_whole("q.tensor_scale", tensor)
         check_tensor_scale(tensor.bits.size)
     out = adapter.target(None, "out", dataclasses.replace(data, shape=shape), None)
     check_same_place(**{"q.data": data, "q.scales": scales, "out": out, "q.tensor_scale": tensor})
