@@ -871,3 +871,14 @@ def test_jax_dequantize_blocks_checks_the_fields(impl):
     for q, error, match in cases:
         with pytest.raises(error, match=match):
             jax.jit(lambda q: sj.dequantize_blocks(q, impl=impl))(q)
+
+
+def test_audit_refuses_fp4():
+    """The audit's range statistics exist for 16-bit and fp8 targets only: ``dtype=fp4`` is a
+    ValueError naming it (it audited fp16's range under an fp4 name silently)."""
+    from srround import audit
+
+    w = np.float32([1.0, 3.0, 100.0])
+    for call in (audit.audit_tensor, audit.stagnation):
+        with pytest.raises(ValueError, match="dtype: .*float4_e2m1fn"):
+            call(w, lr=1e-3, dtype="float4_e2m1fn")
