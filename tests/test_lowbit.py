@@ -882,3 +882,22 @@ def test_audit_refuses_fp4():
     for call in (audit.audit_tensor, audit.stagnation):
         with pytest.raises(ValueError, match="dtype: .*float4_e2m1fn"):
             call(w, lr=1e-3, dtype="float4_e2m1fn")
+
+
+def test_jax_native_nvfp4_subnormal_block_scales():
+    """The jax.lax path on XLA's CPU backend, which flushes float32 subnormals: a block whose
+    ``amax / 6`` is subnormal, under a tensor scale small enough that ``(amax / 6) /
+    tensor_scale`` is still above the least e4m3 block scale, got a block scale of 2**-6
+    (its quotient flushed to 0) where the kernels give the quotient's e4m3 value."""
+    jax = pytest.importorskip("jax")
+    from srround.adapters import jax as sj
+
+    for v in (2.0**-126, 5 * 2.0**-126, 2.0**-124, 3 * 2.0**-150, 2.0**-149):
+        x = np.zeros((2, 16), np.float32)
+        x[0, :2] = np.float32([v, v / 3])
+        x[1, 0] = 1e-36  # the tensor's largest: tensor scale 2**-121
+        for rounding in ("nearest", "stochastic"):
+            want = srround.quantize_blocks(x, "nvfp4", rounding=rounding, seed=4)
+            got = sj.quantize_blocks(jax.numpy.asarray(x), "nvfp4", rounding=rounding, seed=4)
+            np.testing.assert_array_equal(_u8(np.asarray(got.scales)), _u8(want.scales))
+            np.testing.assert_array_equal(np.asarray(got.data), _u8(want.data))
