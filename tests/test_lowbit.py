@@ -404,6 +404,27 @@ def test_nearest_blocks_are_torchao_bits(name):
     np.testing.assert_array_equal(_u8(qn.scales), scales.numpy())
 
 
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
+def test_ceil_blocks_are_torchao_rceil_bits(name):
+    """scale="ceil" with rounding="nearest" is torchao's ScaleCalculationMode.RCEIL (the least
+    power of two that clips nothing) on finite blocks of normal scale; torchao's CEIL is
+    another rule (up on every block whose maximum is not a power of two)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    x = np.nan_to_num(_block_inputs(), posinf=0.0, neginf=0.0)
+    x[2] = 0.0  # (scale 2**-127: torchao divides by 2**-126, test_mx_smallest_scale_round_trips)
+    dtype = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2}
+    scales, data = to_mx(
+        torch.from_numpy(x), dtype.get(name, torch.float4_e2m1fn_x2), 32, ScaleCalculationMode.RCEIL
+    )
+    q = srround.quantize_blocks(x, name, rounding="nearest", scale="ceil")
+    np.testing.assert_array_equal(_u8(q.scales), scales.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(_u8(q.data), data.view(torch.uint8).numpy())
+
+
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
 def test_blocks_cuda_bits_equal_cpu_bits(name, small_cuda_launch):
     """The CUDA kernels (simulator in CI) give the CPU bits, both roundings, axis 0 included."""
