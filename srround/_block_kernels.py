@@ -14,6 +14,9 @@ from ._tensor_list import load_bits, store_bits
 _F32_ABS = 0x7FFFFFFF
 _F32_INF = 0x7F800000
 NVFP4_TENSOR_DIVISOR = 448.0 * 6.0  # float8_e4m3fn max * float4_e2m1fn max
+#: fp32 bits of 2**-121, the least NVFP4 tensor scale: (1 / ts) / 2**-6 (the least block scale)
+#: is then at most 2**127, finite
+NVFP4_MIN_TENSOR_SCALE = 6 << 23
 
 
 # -- scalar bodies (njit: compiled for the CPU loops and the CUDA kernels alike) -------------
@@ -37,15 +40,16 @@ def mx_scale(amax, emax, max_mantissa, ceil):
     if ceil and (amax >> 23) != 0 and (amax & 0x7FFFFF) > max_mantissa:
         k += 1
     k = min(max(k, -127), 128)
-    return k + 127, pow2_bits(-max(k, -126))
+    return k + 127, pow2_bits(-k)
 
 
 @njit(forceinline=True, cache=True)
 def nv_tensor_scale(amax):
-    """fp32 bits of NVFP4's tensor scale ``amax / 2688`` (1.0 when amax is 0)."""
+    """fp32 bits of NVFP4's tensor scale ``max(amax / 2688, 2**-121)`` (1.0 when amax is 0)."""
     if amax == 0:
         return 0x3F800000
-    return f32_to_bits(bits_to_f32(amax) / np.float32(NVFP4_TENSOR_DIVISOR))
+    scale = f32_to_bits(bits_to_f32(amax) / np.float32(NVFP4_TENSOR_DIVISOR))
+    return max(scale, NVFP4_MIN_TENSOR_SCALE)  # non-negative: bits order as values (NaN last)
 
 
 @njit(forceinline=True, cache=True)

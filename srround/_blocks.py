@@ -11,20 +11,23 @@ power-of-two exponent, 0xFF = NaN)::
     k      = clamp(e - emax_elem, -127, 128)        # emax_elem: 8 e4m3, 15 e5m2, 2 e2m1
     k     += 1 if scale == "ceil" and amax's significand > max_elem's   (the scale never clips)
     scale  = k + 127 (uint8); 0xFF when amax is NaN
-    q_i    = round(clamp(x_i / max(2**k, 2**-126), -max_elem, max_elem))    # saturating
+    q_i    = round(clamp(x_i / 2**k, -max_elem, max_elem))    # saturating
 
 ``scale="floor"`` with ``rounding="nearest"`` is torchao's ``to_mx`` (ScaleCalculationMode.FLOOR)
-bit for bit. Under FLOOR the block maximum divided by the scale lies in ``[2**emax, 2**(emax+1))``
-while the largest element is ``1.75 * 2**emax`` (e4m3, e5m2) or ``1.5 * 2**emax`` (e2m1): a block
-maximum above that is clipped to the largest element. ``"ceil"`` differs from ``"floor"`` exactly
-on those blocks, where it takes the next power of two (one bit less resolution for that block),
-so no element clips.
+bit for bit, except on blocks of scale 2**-127, which torchao divides by 2**-126 (so that its
+dequantized values are half the inputs there). Under FLOOR the block maximum divided by the
+scale lies in ``[2**emax, 2**(emax+1))`` while the largest element is ``1.75 * 2**emax`` (e4m3,
+e5m2) or ``1.5 * 2**emax`` (e2m1): a block maximum above that is clipped to the largest
+element. ``"ceil"`` differs from ``"floor"`` exactly on those blocks, where it takes the next
+power of two (one bit less resolution for that block), so no element clips.
 
 NVFP4, blocks of 16, an fp32 scale per tensor and a ``float8_e4m3fn`` scale per block; torchao's
 ``nvfp4_quantize(x, 16, per_tensor_scale=per_tensor_amax_to_scale(amax))`` step for step, in
-float32 (each operation rounded once)::
+float32 (each operation rounded once), except that the tensor scale is floored at 2**-121, so
+that the multiplier ``(1 / tensor_scale) / s_b`` stays finite (torchao's overflows to inf
+there, and a zero element becomes NaN)::
 
-    tensor_scale = amax(|x|) / (448 * 6)                          # 1.0 for an all-zero tensor
+    tensor_scale = max(amax(|x|) / (448 * 6), 2**-121)            # 1.0 for an all-zero tensor
     s_b   = e4m3(clamp((amax_b / 6) / tensor_scale, 2**-6, 448))  # nearest ("floor") or up ("ceil")
     q_i   = round(clamp(x_i * ((1 / tensor_scale) / s_b), -6, 6))
 
@@ -131,14 +134,30 @@ class QuantizedBlocks(NamedTuple):
     axis: int
 
 
+def check_axis(axis, ndim, name="axis") -> int:
+    """``axis`` of an ``ndim``-dimensional array as a non-negative int, else a ValueError
+    naming ``name``."""
+    if (
+        isinstance(axis, bool)
+        or not isinstance(axis, (int, np.integer))
+        or not -ndim <= axis < ndim
+    ):
+        raise ValueError(f"{name}: expected an int in [{-ndim}, {ndim}), got {axis!r}")
+    return int(axis) % ndim
+
+
+def check_tensor_scale(size) -> None:
+    """An NVFP4 tensor scale is one value (any shape: torchao's is 0-d, srround's ``(1,)``)."""
+    if size != 1:
+        raise ValueError(f"q.tensor_scale: expected one float32 value, got {size}")
+
+
 def _layout(shape, axis, block, name="x"):
     """``(axis, outer, n, inner)`` of blocks along ``axis`` of a C-contiguous ``shape``."""
     ndim = len(shape)
     if ndim == 0:
         raise ValueError(f"{name}: expected an array with at least one dimension, got a scalar")
-    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
-        raise ValueError(f"axis: expected an int in [{-ndim}, {ndim}), got {axis!r}")
-    axis = int(axis) % ndim
+    axis = check_axis(axis, ndim)
     n = shape[axis]
     if n % block:
         raise ValueError(
@@ -149,6 +168,32 @@ def _layout(shape, axis, block, name="x"):
     outer = int(np.prod(shape[:axis], dtype=np.int64))
     inner = int(np.prod(shape[axis + 1 :], dtype=np.int64))
     return axis, outer, n, inner
+
+
+def check_whole(name, view) -> None:
+    """Block formats run on whole arrays: the piece of a sharded one (a torch DTensor) is a
+    TypeError naming ``name`` (its blocks, NVFP4's tensor scale and its noise would be the
+    piece's, its results DTensors of the input's shape)."""
+    if view is not None and view.sharded:
+        raise TypeError(
+            f"{name}: a DTensor; block formats run on whole tensors: pass its full_tensor() (or,"
+            " for MX with blocks inside each local piece, its to_local() with offset= the"
+            " piece's first element's index in the full tensor)"
+        )
+
+
+def dequantized_layout(bf: BlockFormat, axis, data_shape, scales_shape):
+    """``(axis, shape, n, inner)`` of the float32 values of a ``QuantizedBlocks`` (``shape``:
+    ``x``'s) with data and scales of these shapes; a ValueError naming the field that does not
+    fit."""
+    data_shape = tuple(data_shape)
+    axis = check_axis(axis, len(data_shape), "q.axis")
+    shape = _shape_with(data_shape, axis, data_shape[axis] * 2) if bf.packed else data_shape
+    axis, _, n, inner = _layout(shape, axis, bf.block, "q.data")
+    want = _shape_with(shape, axis, n // bf.block)
+    if tuple(scales_shape) != want:
+        raise ValueError(f"q.scales: shape {tuple(scales_shape)}, expected {want} for q.data")
+    return axis, shape, n, inner
 
 
 def _shape_with(shape, axis, length):
@@ -212,6 +257,7 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
         k0, k1 = split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
     offset = check_offset(offset)
     src, _ = adapter.source(x, "x")
+    check_whole("x", src)
     axis, outer, n, inner = _layout(src.shape, axis, bf.block)
     data_shape = _shape_with(src.shape, axis, n // 2) if bf.packed else src.shape
     data = adapter.target(
@@ -228,15 +274,13 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
     )
     tensor = adapter.target(None, "tensor_scale", dataclasses.replace(src, shape=(1,)), None)
     params = (*_element_params(bf), stochastic, scale == "ceil")
-    if not src.bits.size and src.device == "cpu":
-        tensor.bits[0] = 0x3F800000  # an empty tensor's tensor scale: 1.0 (as an all-zero one)
-    if src.bits.size:
-        if src.device == "cpu":
-            size = src.bits.size
-            ts = 0
-            if bf.two_level:
-                ts = nv_tensor_scale(int(_cpu.run(amax_bits_cpu, size, src.bits)))
-            tensor.bits[0] = ts
+    size = src.bits.size
+    if src.device == "cpu":
+        ts = 0
+        if bf.two_level:  # an empty tensor's amax is 0: tensor scale 1.0, as an all-zero one's
+            ts = nv_tensor_scale(int(_cpu.run(amax_bits_cpu, size, src.bits)) if size else 0)
+        tensor.bits[0] = ts
+        if size:
             _cpu.run(  # as every CPU launch: counted, locked where the threading layer needs it
                 quantize_blocks_cpu,
                 size,
@@ -253,23 +297,23 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
                 offset,
                 params,
             )
-        else:
-            from . import _blocks_cuda
+    else:
+        from . import _blocks_cuda
 
-            _blocks_cuda.quantize(
-                src.bits,
-                data.bits,
-                scales.bits,
-                tensor.bits,
-                n,
-                inner,
-                bf.block,
-                k0,
-                k1,
-                offset,
-                params,
-                stream=src.stream,
-            )
+        _blocks_cuda.quantize(
+            src.bits,
+            data.bits,
+            scales.bits,
+            tensor.bits,
+            n,
+            inner,
+            bf.block,
+            k0,
+            k1,
+            offset,
+            params,
+            stream=src.stream,
+        )
     return QuantizedBlocks(
         data.result, scales.result, tensor.result if bf.two_level else None, bf.name, axis
     )
@@ -297,18 +341,16 @@ def dequantize_blocks(q, *, dtype="float32"):
     scales, _ = adapter.source(
         q.scales, "q.scales", FORMATS["float8_e4m3fn"] if bf.two_level else E8M0, narrow=True
     )
-    shape = tuple(data.shape)
-    if bf.packed:
-        shape = _shape_with(shape, q.axis, shape[q.axis] * 2)
-    axis, outer, n, inner = _layout(shape, q.axis, bf.block, "q.data")
-    want = _shape_with(shape, axis, n // bf.block)
-    if tuple(scales.shape) != want:
-        raise ValueError(f"q.scales: shape {tuple(scales.shape)}, expected {want} for q.data")
+    check_whole("q.data", data)
+    check_whole("q.scales", scales)
+    axis, shape, n, inner = dequantized_layout(bf, q.axis, data.shape, scales.shape)
     tensor = None
     if bf.two_level:
         if q.tensor_scale is None:
             raise ValueError("q.tensor_scale: NVFP4 needs its float32 tensor scale")
         tensor, _ = adapter.source(q.tensor_scale, "q.tensor_scale")
+        check_whole("q.tensor_scale", tensor)
+        check_tensor_scale(tensor.bits.size)
     out = adapter.target(None, "out", dataclasses.replace(data, shape=shape), None)
     check_same_place(**{"q.data": data, "q.scales": scales, "out": out, "q.tensor_scale": tensor})
     el = bf.element

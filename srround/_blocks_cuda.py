@@ -54,12 +54,16 @@ def _grid(work: int) -> tuple[int, int]:
 
 def quantize(x, data, scales, tensor, n, inner, block, k0, k1, offset, params, *, stream):
     """Launch the block quantization; NVFP4 (``params[3]``) first reduces the tensor amax into
-    ``tensor[0]`` and turns it into the tensor scale there, all on ``stream`` (no host sync)."""
+    ``tensor[0]`` and turns it into the tensor scale there (1.0 for an empty ``x``), all on
+    ``stream`` (no host sync)."""
     if params[3]:
         tensor[:1].copy_to_device(_zero_word(tensor), stream=stream)
-        grid = _grid(x.size)
-        _amax[grid[0], grid[1], stream](x, tensor)
+        if x.size:
+            grid = _grid(x.size)
+            _amax[grid[0], grid[1], stream](x, tensor)
         _tensor_scale[1, 1, stream](tensor)
+    if not scales.size:
+        return
     grid = _grid(scales.size)
     _quantize[grid[0], grid[1], stream](
         address(x),

@@ -57,6 +57,7 @@ class View:
             (so noise follows the global element); an exception when the piece has no such
             single position (raised by ``stream_offset`` only where noise is drawn); ``None``
             in a view describing another buffer (shape, device) rather than this array.
+        sharded: the local piece of a sharded array (a torch DTensor), ``result`` the whole.
     """
 
     bits: Any
@@ -66,6 +67,7 @@ class View:
     stream: Any = None
     device_id: int | None = None
     offset: Any = 0
+    sharded: bool = False
 
     def stream_offset(self) -> int:
         """``offset`` (raising the exception it holds, if any)."""

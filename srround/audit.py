@@ -110,10 +110,17 @@ def range_format(fmt: Format) -> Format:
 
 
 def _target(dtype, stored: str) -> Format:
-    """The audited format: ``dtype``, or the stored one (bfloat16 for fp32/fp64 storage)."""
+    """The audited format: ``dtype`` (16-bit or fp8), or the stored one (bfloat16 for
+    fp32/fp64 storage)."""
     if dtype is None or dtype == "auto":
         return get_format(stored if stored in _SIXTEEN_BIT or stored in _FP8 else "bfloat16")
-    return get_format(dtype)
+    fmt = get_format(dtype)
+    if fmt.name not in _SIXTEEN_BIT and fmt.name not in _FP8:
+        raise ValueError(
+            f"dtype: the audit takes bfloat16, float16, float8_e4m3fn or float8_e5m2, got"
+            f" {fmt.name!r}"
+        )
+    return fmt
 
 
 @dataclasses.dataclass

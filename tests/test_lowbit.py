@@ -379,7 +379,8 @@ def _torchao_reference(torch, x, name):
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
 def test_nearest_blocks_are_torchao_bits(name):
     """rounding="nearest" (FLOOR scales for MX) gives torchao's data and scale bits, special
-    values and clipped block maxima included."""
+    values and clipped block maxima included; except the elements of MX blocks of scale
+    2**-127, which torchao divides by 2**-126 (``test_mx_smallest_scale_round_trips``)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     x = _block_inputs()
@@ -392,13 +393,36 @@ def test_nearest_blocks_are_torchao_bits(name):
     data, scales, ts = _torchao_reference(torch, t, name)
     q = srround.quantize_blocks(t, name, rounding="nearest")
     np.testing.assert_array_equal(q.scales.view(torch.uint8).numpy(), scales.numpy())
-    np.testing.assert_array_equal(q.data.view(torch.uint8).numpy(), data.numpy())
+    # MX blocks of scale 2**-127 (code 0; NVFP4's e4m3 scales are never 0): torchao's x / 2**-126
+    same = np.repeat(scales.numpy() != 0, data.shape[1] // scales.shape[1], axis=1)
+    np.testing.assert_array_equal(q.data.view(torch.uint8).numpy()[same], data.numpy()[same])
     if ts is not None:
         assert q.tensor_scale.item() == ts.item()
     # NumPy gives the same bits
     qn = srround.quantize_blocks(x, name, rounding="nearest")
-    np.testing.assert_array_equal(_u8(qn.data), data.numpy())
+    np.testing.assert_array_equal(_u8(qn.data), q.data.view(torch.uint8).numpy())
     np.testing.assert_array_equal(_u8(qn.scales), scales.numpy())
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
+def test_ceil_blocks_are_torchao_rceil_bits(name):
+    """scale="ceil" with rounding="nearest" is torchao's ScaleCalculationMode.RCEIL (the least
+    power of two that clips nothing) on finite blocks of normal scale; torchao's CEIL is
+    another rule (up on every block whose maximum is not a power of two)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    x = np.nan_to_num(_block_inputs(), posinf=0.0, neginf=0.0)
+    x[2] = 0.0  # (scale 2**-127: torchao divides by 2**-126, test_mx_smallest_scale_round_trips)
+    dtype = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2}
+    scales, data = to_mx(
+        torch.from_numpy(x), dtype.get(name, torch.float4_e2m1fn_x2), 32, ScaleCalculationMode.RCEIL
+    )
+    q = srround.quantize_blocks(x, name, rounding="nearest", scale="ceil")
+    np.testing.assert_array_equal(_u8(q.scales), scales.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(_u8(q.data), data.view(torch.uint8).numpy())
 
 
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
@@ -728,3 +752,173 @@ def test_cupy_fp8_and_blocks(cupy_module):
     want = srround.quantize_blocks(x, "mxfp4", seed=2)
     np.testing.assert_array_equal(cupy.asnumpy(q.data).view(np.uint8), _u8(want.data))
     np.testing.assert_array_equal(cupy.asnumpy(q.scales).view(np.uint8), _u8(want.scales))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_nvfp4_tiny_tensor(rounding):
+    """A tensor whose amax / 2688 is below 2**-121 (amax below about 1e-33): torchao's formula
+    overflows ``(1 / tensor_scale) / block_scale`` to inf there (a zero element became the NaN
+    code, 0 * inf) or divides by a tensor scale that underflowed to 0 (a ZeroDivisionError in
+    the CPU kernel). The tensor scale is floored at 2**-121: every value stays finite, zeros
+    stay zero, and the elements round on the grid of their block; the jax.lax path agrees."""
+    try:
+        import jax
+
+        from srround.adapters import jax as sj
+    except ImportError:
+        jax = None
+    for v in (1e-33, 1e-36, 2.0**-126, 1e-44):
+        x = np.zeros((2, 16), np.float32)
+        x[0, :3] = np.float32([v, -v / 2, v / 3])
+        x[1, 0] = v / 1000  # a block far below the tensor's largest
+        q = srround.quantize_blocks(x, "nvfp4", rounding=rounding, seed=1)
+        assert q.tensor_scale[0] == max(np.float32(v) / np.float32(2688), np.float32(2.0**-121))
+        back = srround.dequantize_blocks(q)
+        assert np.all(np.isfinite(back))
+        np.testing.assert_array_equal(back[x == 0], 0.0)
+        step = srround.dequantize_blocks(q._replace(data=np.full_like(_u8(q.data), 0x11)))
+        assert np.all(np.abs(back - x) <= step[:, :1] * 4)  # within a grid step (<= 2 * scale)
+        if jax is not None:  # the jax.lax path: the same bits
+            qj = sj.quantize_blocks(jax.numpy.asarray(x), "nvfp4", rounding=rounding, seed=1)
+            assert np.asarray(qj.tensor_scale).tobytes() == q.tensor_scale.tobytes()
+            np.testing.assert_array_equal(np.asarray(qj.data), _u8(q.data))
+            np.testing.assert_array_equal(_u8(np.asarray(qj.scales)), _u8(q.scales))
+            np.testing.assert_array_equal(np.asarray(sj.dequantize_blocks(qj)), back)
+
+
+def test_blocks_cuda_empty_and_tiny_nvfp4(small_cuda_launch, monkeypatch):
+    """CUDA (simulator in CI): an empty NVFP4 tensor gets tensor scale 1, as on the CPU (it
+    was left unwritten: whatever the allocation held), and a tiny tensor the CPU's bits."""
+    from numba import cuda
+
+    if not cuda.is_available():
+        pytest.skip("no CUDA device and not simulated")
+    allocate = cuda.device_array
+
+    def garbage(shape, dtype):  # new device arrays hold all-ones bytes: unwritten ones show
+        out = allocate(shape, dtype=dtype)
+        if out.size:
+            out.copy_to_device(np.full(out.nbytes, 0xFF, np.uint8).view(dtype).reshape(shape))
+        return out
+
+    monkeypatch.setattr(cuda, "device_array", garbage)
+    for shape in ((0, 16), (2, 0)):
+        q = srround.quantize_blocks(cuda.to_device(np.full(shape, 1.0, np.float32)), "nvfp4")
+        np.testing.assert_array_equal(q.tensor_scale.copy_to_host(), np.ones(1, np.float32))
+        assert srround.dequantize_blocks(q).copy_to_host().shape == shape
+    x = np.zeros((2, 16), np.float32)
+    x[0, :2] = np.float32([1e-44, 1e-40])
+    cpu = srround.quantize_blocks(x, "nvfp4", seed=2)
+    dev = srround.quantize_blocks(cuda.to_device(x), "nvfp4", seed=2)
+    np.testing.assert_array_equal(dev.tensor_scale.copy_to_host(), cpu.tensor_scale)
+    np.testing.assert_array_equal(_u8(dev.data.copy_to_host()), _u8(cpu.data))
+    np.testing.assert_array_equal(_u8(dev.scales.copy_to_host()), _u8(cpu.scales))
+
+
+def test_dequantize_blocks_errors_name_the_argument():
+    """A QuantizedBlocks with an axis out of range or a tensor scale that is not one value is
+    a ValueError naming the field (an IndexError before, or the first of several values read
+    silently), on the NumPy and the JAX paths."""
+    x = np.ones((2, 32), np.float32)
+    mx, nv = (srround.quantize_blocks(x, name) for name in ("mxfp4", "nvfp4"))
+    cases = [
+        (mx._replace(axis=2), "q.axis: expected an int in"),
+        (mx._replace(axis=-3), "q.axis: expected an int in"),
+        (mx._replace(axis=1.0), "q.axis: expected an int in"),
+        (nv._replace(tensor_scale=np.ones(0, np.float32)), "q.tensor_scale: expected one"),
+        (nv._replace(tensor_scale=np.ones(3, np.float32)), "q.tensor_scale: expected one"),
+    ]
+    jax = pytest.importorskip("jax")
+    for q, match in cases:
+        with pytest.raises(ValueError, match=match):
+            srround.dequantize_blocks(q)
+        arrays = (None if a is None else jax.numpy.asarray(a) for a in q[:3])
+        qj = q._replace(**dict(zip(("data", "scales", "tensor_scale"), arrays)))
+        for impl in ("native", "callback"):
+            with pytest.raises(ValueError, match=match):
+                srround.adapters.jax.dequantize_blocks(qj, impl=impl)
+    back = srround.dequantize_blocks(nv._replace(tensor_scale=np.ones((), np.float32)))
+    assert back.shape == x.shape  # one value in any shape (torchao's is 0-d)
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
+def test_mx_smallest_scale_round_trips(name):
+    """Blocks whose scale is e8m0's smallest, 2**-127 (code 0: block maximum below
+    2**(emax - 126)): their elements are x / 2**-127, as OCP MX defines them, so values on the
+    grid come back exactly. torchao divides by 2**-126 there (a Triton workaround) while its
+    dequantization multiplies by 2**-127: every value came back halved."""
+    jax = pytest.importorskip("jax")
+    bf = srround._blocks.BLOCK_FORMATS[name]
+    grid = _grid(bf.element.name)
+    rows = -(-grid.size // (bf.block - 1))
+    x = np.resize(grid, (rows, bf.block))
+    x[:, 0] = bf.element.max_finite
+    x = (x * np.float32(2.0**-127)).astype(np.float32)  # exact: fp32 subnormals go to 2**-149
+    for rounding in ("nearest", "stochastic"):
+        q = srround.quantize_blocks(x, name, rounding=rounding, seed=0)
+        assert not _u8(q.scales).any()
+        np.testing.assert_array_equal(srround.dequantize_blocks(q), x)
+        qj = srround.quantize_blocks(jax.numpy.asarray(x), name, rounding=rounding, seed=0)
+        np.testing.assert_array_equal(_u8(np.asarray(qj.data)), _u8(q.data))  # jax.lax path
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+def test_jax_dequantize_blocks_checks_the_fields(impl):
+    """JAX: a QuantizedBlocks whose data, scales or tensor scale do not fit its format is an
+    error naming the field at trace time, as on NumPy (before: JAX's reshape errors, a host
+    call failing at run time, or NVFP4 data read under e8m0 scales silently)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from srround.adapters import jax as sj
+
+    mx = sj.quantize_blocks(jnp.ones((2, 64)), "mxfp4", impl=impl)
+    nv = sj.quantize_blocks(jnp.ones((2, 64)), "nvfp4", impl=impl)
+    cases = [
+        (mx._replace(scales=mx.scales[:, :1]), ValueError, r"q.scales: shape \(2, 1\)"),
+        (mx._replace(data=mx.data[:, :8]), ValueError, "q.data: the length 16 of axis 1"),
+        (mx._replace(data=mx.data.astype(jnp.float32)), TypeError, "q.data: expected"),
+        (mx._replace(scales=mx.scales.astype(jnp.float32)), TypeError, "q.scales: expected"),
+        (
+            nv._replace(scales=nv.scales.view(jnp.uint8).view(jnp.float8_e8m0fnu)),
+            TypeError,
+            "q.scales",
+        ),
+        (
+            nv._replace(tensor_scale=nv.tensor_scale.astype(jnp.bfloat16)),
+            TypeError,
+            "q.tensor_scale",
+        ),
+    ]
+    for q, error, match in cases:
+        with pytest.raises(error, match=match):
+            jax.jit(lambda q: sj.dequantize_blocks(q, impl=impl))(q)
+
+
+def test_audit_refuses_fp4():
+    """The audit's range statistics exist for 16-bit and fp8 targets only: ``dtype=fp4`` is a
+    ValueError naming it (it audited fp16's range under an fp4 name silently)."""
+    from srround import audit
+
+    w = np.float32([1.0, 3.0, 100.0])
+    for call in (audit.audit_tensor, audit.stagnation):
+        with pytest.raises(ValueError, match="dtype: .*float4_e2m1fn"):
+            call(w, lr=1e-3, dtype="float4_e2m1fn")
+
+
+def test_jax_native_nvfp4_subnormal_block_scales():
+    """The jax.lax path on XLA's CPU backend, which flushes float32 subnormals: a block whose
+    ``amax / 6`` is subnormal, under a tensor scale small enough that ``(amax / 6) /
+    tensor_scale`` is still above the least e4m3 block scale, got a block scale of 2**-6
+    (its quotient flushed to 0) where the kernels give the quotient's e4m3 value."""
+    jax = pytest.importorskip("jax")
+    from srround.adapters import jax as sj
+
+    for v in (2.0**-126, 5 * 2.0**-126, 2.0**-124, 3 * 2.0**-150, 2.0**-149):
+        x = np.zeros((2, 16), np.float32)
+        x[0, :2] = np.float32([v, v / 3])
+        x[1, 0] = 1e-36  # the tensor's largest: tensor scale 2**-121
+        for rounding in ("nearest", "stochastic"):
+            want = srround.quantize_blocks(x, "nvfp4", rounding=rounding, seed=4)
+            got = sj.quantize_blocks(jax.numpy.asarray(x), "nvfp4", rounding=rounding, seed=4)
+            np.testing.assert_array_equal(_u8(np.asarray(got.scales)), _u8(want.scales))
+            np.testing.assert_array_equal(np.asarray(got.data), _u8(want.data))

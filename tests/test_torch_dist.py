@@ -335,6 +335,12 @@ def _errors(rank, world, tmp):
     out["plain_out"] = error(
         lambda: srround.stochastic_round(x, out=torch.empty(2, 2, dtype=torch.bfloat16))
     )
+    # block formats: blocks, NVFP4's tensor scale and the noise would be per piece
+    y = distribute_tensor(torch.ones(4, 32), mesh, [Shard(0)])
+    out["blocks"] = error(lambda: srround.quantize_blocks(y, "nvfp4"))
+    q = srround.quantize_blocks(torch.ones(4, 32), "mxfp4")
+    qd = q._replace(data=distribute_tensor(q.data, mesh, [Shard(0)]))
+    out["dequantize_blocks"] = error(lambda: srround.dequantize_blocks(qd))
     return out
 
 
@@ -649,6 +655,8 @@ def test_bad_distributed_input(ranks):
         assert "grads[1]: a plain tensor in a list of DTensors" in r["mixed_grads"]
         assert r["mixed_grads_nothing_written"]
         assert "out: is a plain tensor but the input is a DTensor" in r["plain_out"]
+        assert "x: a DTensor" in r["blocks"]
+        assert "q.data: a DTensor" in r["dequantize_blocks"]
 
 
 @pytest.mark.cuda

@@ -433,11 +433,9 @@ def quantize_blocks(
         scale = "ceil" if rounding == "stochastic" else "floor"
     if scale not in _blocks.SCALE_MODES:
         raise ValueError(f"scale: expected one of {list(_blocks.SCALE_MODES)}, got {scale!r}")
-    if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"axis: expected an int in [{-x.ndim}, {x.ndim}), got {axis!r}")
+    axis = _blocks.check_axis(axis, x.ndim)
     k0, k1 = _key_words(seed) if rounding == "stochastic" else (0, 0)
     if impl == "native" and x.size:
-        axis = int(axis) % x.ndim
         _blocks._layout(tuple(x.shape), axis, bf.block)  # errors naming x and axis
         _lax._check_count(x.size)
         data, scales, tensor = _lax.native_quantize_blocks(
@@ -466,11 +464,22 @@ def dequantize_blocks(q, *, dtype="float32", impl=None):
     if dtype not in ("float32", np.float32):
         raise ValueError(f"dtype: only 'float32' is supported, got {dtype!r}")
     bf = _blocks.get_block_format(q.format)
+    for name, array, fmt in (
+        ("q.data", q.data, _blocks.PACKED_FP4 if bf.packed else bf.element),
+        ("q.scales", q.scales, _blocks.FORMATS["float8_e4m3fn"] if bf.two_level else _blocks.E8M0),
+    ):
+        dtype = _as_jax(array, name).dtype
+        if dtype not in (fmt.numpy_dtype, jnp.uint8):
+            raise TypeError(f"{name}: expected {fmt.numpy_dtype} (or uint8 patterns), got {dtype}")
+    axis = _blocks.dequantized_layout(bf, q.axis, q.data.shape, q.scales.shape)[0]
+    q = q._replace(axis=axis)
+    if bf.two_level:
+        if q.tensor_scale is None:
+            raise ValueError("q.tensor_scale: NVFP4 needs its float32 tensor scale")
+        _blocks.check_tensor_scale(_check_float32(q.tensor_scale, "q.tensor_scale").size)
     if _impl(impl, q.data) == "native" and q.data.size:
         tensor = q.tensor_scale if bf.two_level else jnp.ones(1, jnp.float32)
-        if tensor is None:
-            raise ValueError("q.tensor_scale: NVFP4 needs its float32 tensor scale")
         return _lax.native_dequantize_blocks(
-            q.data, q.scales, tensor, fmt_name=bf.name, axis=q.axis % q.data.ndim
+            q.data, q.scales, tensor, fmt_name=bf.name, axis=q.axis
         )
     return _callback.dequantize_blocks(q)

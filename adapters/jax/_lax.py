@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from srround._block_kernels import NVFP4_MIN_TENSOR_SCALE
 from srround._formats import FORMATS, Format
 
 _JNP_DTYPES = {
@@ -594,8 +595,9 @@ def _native_stochastic_add(
 # -- block-scaled formats (``srround/_block_kernels.py``, the same steps on arrays) -----------
 #
 # Element products go through ``_fma_bits(a, b, -0)`` (a * b rounded once, in integers): XLA's
-# CPU backend flushes float32 subnormals. The per-block scale arithmetic of NVFP4 (divisions,
-# ``div``) can differ from the kernels only where those values are subnormal, on the CPU.
+# CPU backend flushes float32 subnormals. The scale arithmetic of NVFP4 (divisions, ``div``)
+# meets none: the tensor scale is at least 2**-121 and a subnormal ``amax / 6`` is rounded in
+# integers (``_sixth_over``).
 
 _ABS32, _INF32, _NEG_ZERO = 0x7FFFFFFF, 0x7F800000, 0x80000000
 _E4M3 = FORMATS["float8_e4m3fn"]
@@ -624,18 +626,37 @@ def _mx_scale(amax, bf, ceil: bool):
     k = jnp.clip(k, -127, 128)
     nan = amax > _INF32
     code = jnp.where(nan, _U32(255), _u(k + 127))
-    return code, jnp.where(nan, _U32(0), _pow2_bits(-jnp.maximum(k, -126)))
+    return code, jnp.where(nan, _U32(0), _pow2_bits(-k))
 
 
 def _nv_tensor_scale(amax):
-    """fp32 bits of NVFP4's tensor scale ``amax / 2688`` (1.0 when amax is 0)."""
+    """fp32 bits of NVFP4's tensor scale ``max(amax / 2688, 2**-121)`` (1.0 when amax is 0;
+    ``_block_kernels.nv_tensor_scale``)."""
     scale = lax.bitcast_convert_type(div(_f32(amax), jnp.float32(448.0 * 6.0)), _U32)
+    scale = jnp.maximum(scale, _U32(NVFP4_MIN_TENSOR_SCALE))
     return jnp.where(amax == 0, _U32(0x3F800000), scale)
+
+
+_SIX_MIN_NORMAL = int(np.float32(6 * 2.0**-126).view(np.uint32))
+
+
+def _sixth_over(amax, ts):
+    """``(amax / 6) / ts`` (fp32 bits in, float32 out), each quotient rounded once, as the
+    kernels compute it. XLA's CPU backend flushes float32 subnormals: where ``amax / 6`` is
+    one, it is rounded in integers (units of 2**-149, ties to even) and divided by ``ts``
+    with both terms times 2**24 (exact, normal)."""
+    expo = amax >> 23
+    n = jnp.where(expo == 0, amax, ((amax & 0x7FFFFF) | 0x800000) << (jnp.clip(expo, 1, 3) - 1))
+    q, r = n // 6, n % 6  # n = amax * 2**149 below 6 * 2**-126: under 2**26
+    q = q + ((r > 3) | ((r == 3) & ((q & 1) == 1))).astype(_U32)
+    low = div(q.astype(jnp.float32) * jnp.float32(2.0**-125), _f32(ts) * jnp.float32(2.0**24))
+    high = div(div(_f32(amax), jnp.float32(6.0)), _f32(ts))
+    return jnp.where(amax < _SIX_MIN_NORMAL, low, high)
 
 
 def _nv_block_scale(amax, ts, ceil: bool):
     """``(e4m3 code, multiplier bits)`` per NVFP4 block (``_block_kernels.nv_block_scale``)."""
-    scaled = div(div(_f32(amax), jnp.float32(6.0)), _f32(ts))
+    scaled = _sixth_over(amax, ts)
     scaled = jnp.where(scaled == scaled, jnp.clip(scaled, 0.015625, 448.0), scaled)
     u = lax.bitcast_convert_type(scaled.astype(jnp.float32), _U32)
     code = _encode(u, _E4M3, True)

@@ -153,6 +153,7 @@ def _view(t, narrow: bool, name: str) -> View:
         except ValueError as error:  # only an error where noise is drawn
             view.offset = error
         view.result = t
+        view.sharded = True
         return view
     width = t.element_size()
     if t.is_cpu:
