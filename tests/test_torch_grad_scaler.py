@@ -67,6 +67,15 @@ def test_the_scale_lives_where_the_first_output_lives():
     assert scaler.get_scale() == 2.0**16
 
 
+def test_a_scale_that_is_not_a_number_is_a_type_error():
+    """``float()`` took a string (``init_scale="8"`` became 8.0) and a bool (True: 1.0)."""
+    for bad in ("8", True, None, [2.0]):
+        with pytest.raises(TypeError, match="^init_scale: expected a real number"):
+            GradScaler("cpu", init_scale=bad)
+        with pytest.raises(TypeError, match="^new_scale: expected a real number"):
+            GradScaler("cpu").update(bad if bad is not None else "1")
+
+
 def test_a_scale_that_is_not_positive_and_finite_is_an_error():
     """A deliberate difference (README): torch's scaler takes ``init_scale=0`` (every step
     then skipped, the scale stuck at 0), a negative one or inf unchecked."""
