@@ -207,6 +207,20 @@ class _FunctionalAdamW:
         )
 
 
+class _NewGrads:
+    """``opt.step()`` with every gradient another tensor than at the last step (two sets,
+    swapped): what backward hands the step after ``zero_grad()`` (torch's default)."""
+
+    def __init__(self, opt, params):
+        self.opt, self.params = opt, params
+        self.other = [p.grad.clone() for p in params]
+
+    def step(self):
+        for i, p in enumerate(self.params):
+            p.grad, self.other[i] = self.other[i], p.grad
+        self.opt.step()
+
+
 def srround_adamw(torch):
     """(factory, label note): the adapter's AdamW, or the functional stand-in."""
     try:
@@ -280,6 +294,28 @@ def torch_rows(torch, device: str, quick: bool):
                     None,
                 )
             )
+
+    rows.append(
+        (
+            "srround AdamW stochastic fp32 states, new grads",
+            22,
+            torch.bfloat16,
+            lambda params: _NewGrads(
+                factory(params, rounding="stochastic", state_dtype=torch.float32, seed=SEED),
+                params,
+            ),
+            None,
+        )
+    )
+    rows.append(
+        (
+            "torch AdamW fused   bf16 params, new grads",
+            14,
+            torch.bfloat16,
+            lambda params: _NewGrads(torch.optim.AdamW(params, lr=LR, fused=True), params),
+            None,
+        )
+    )
 
     def torchao(params):
         mod = _quiet_import("torchao.optim")

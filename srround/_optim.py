@@ -138,6 +138,16 @@ class FusedStep:
 
             self._hyper = import_numba_cuda().to_device(self._hyper_host, stream=self.stream)
 
+    def set_grad_addresses(self, addresses) -> None:
+        """Point the table at new gradient buffers: ``addresses`` (int64[N], one per row) of
+        buffers with the dtypes and sizes of those the table was built with, which the caller
+        checked (no shared memory with a written buffer). For gradients that were freed and
+        reallocated between steps; on CUDA one small stream-ordered copy of the table."""
+        self._host_table[:, G_ADDR] = addresses
+        if self.device == "cuda":
+            self.table.copy_to_device(self._host_table, stream=self.stream)
+        self._grad_table = None  # check_grads' columns: rebuilt at its next call
+
     def check_grads(self, found) -> None:
         """Set ``found`` (uint32[1], float32 bits, on the table's device) to 1.0 if any gradient
         of the table is inf/NaN: the loss-scale overflow check, one pass that reads the

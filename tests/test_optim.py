@@ -228,6 +228,37 @@ def test_cuda_check_grads_flags_any_non_finite(small_cuda_launch):
         assert _same_bits([d.copy_to_host() for d in device], grads)
 
 
+@pytest.mark.cuda
+def test_cuda_set_grad_addresses_moves_the_table_to_new_gradients(small_cuda_launch):
+    """``FusedStep.set_grad_addresses`` (the torch optimizers' table reading new gradients
+    after ``zero_grad(set_to_none=True)``) on CUDA: the device table and the overflow check's
+    columns follow the new buffers (the CPU path is covered through srround.adapters.torch)."""
+    from numba import cuda
+
+    from srround import _optim
+    from srround._tensor_list import address
+
+    if not cuda.is_available():
+        pytest.skip("no CUDA device and not simulated")
+    finite = [np.ones(5, np.float32), np.ones(3, np.float32)]
+    overflowed = [np.ones(5, np.float32), np.array([1.0, np.inf, 1.0], np.float32)]
+    old, new = _to_device(finite), _to_device(overflowed)
+    table = np.zeros((2, _optim.TABLE_COLUMNS), np.int64)
+    table[:, _optim.G_ADDR] = [address(d) for d in old]
+    table[:, _optim.NOISE] = [0, 5]
+    stream = cuda.default_stream()
+    steps = cuda.to_device(np.zeros(2, np.uint32))
+    mode = _optim.MODES["stochastic"]
+    fused = _optim.FusedStep(_optim.ADAMW, mode, 0, table, [5, 3], steps, "cuda", stream)
+    for grads, flag in ((old, 0.0), (new, 1.0)):
+        fused.set_grad_addresses(np.array([address(d) for d in grads], np.int64))
+        found = cuda.to_device(np.zeros(1, np.float32).view(np.uint32))
+        fused.check_grads(found)
+        assert found.copy_to_host().view(np.float32)[0] == flag
+        on_device = fused.table.copy_to_host()[:, _optim.G_ADDR]
+        assert list(on_device) == [address(d) for d in grads]
+
+
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_stream_starts_pieces_equal_the_whole(opt):
     """A tensor updated in pieces (a shard's contiguous runs), each piece's ``stream_starts``

@@ -98,6 +98,34 @@ def test_compiled_step_keeps_no_gradient_alive():
         assert torch.equal(_bits(p), _bits(q))
 
 
+def test_compiled_step_reads_new_gradients_without_a_new_table(monkeypatch):
+    """Before: the op's table cache was keyed by every buffer's address, so gradients at new
+    addresses each step (``zero_grad()``, torch's default) built a new table every step. Now
+    the table reads them in place of the old ones; the bits are eager's."""
+    from srround.adapters.torch import _ops
+
+    builds = []
+    build = _ops.build_entry
+    monkeypatch.setattr(_ops, "build_entry", lambda *a: builds.append(1) or build(*a))
+    eager_model, compiled_model = _model(torch.bfloat16), _model(torch.bfloat16)
+    eager = st.AdamW(eager_model.parameters(), lr=1e-2, seed=11)
+    compiled = st.AdamW(compiled_model.parameters(), lr=1e-2, seed=11)
+    # inductor re-inplaces the op (aot_eager hands it fresh copies of the written buffers)
+    step = torch.compile(compiled.step, fullgraph=True)
+    old = []  # kept alive: each step's gradients are at new addresses
+    for i in range(4):
+        _backward(eager_model, i)
+        eager.step()
+        eager.zero_grad(set_to_none=False)
+        _backward(compiled_model, i)
+        old.append([p.grad for p in compiled_model.parameters()])
+        step()
+        compiled.zero_grad()
+    assert len(builds) == 1
+    for p, q in zip(eager_model.parameters(), compiled_model.parameters()):
+        assert torch.equal(_bits(p), _bits(q))
+
+
 @pytest.mark.parametrize(
     "make",
     [

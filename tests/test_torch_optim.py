@@ -181,6 +181,67 @@ def test_the_step_keeps_no_gradient_alive(set_to_none):
         _assert_bits_equal(p, r)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_new_gradients_each_step_reuse_the_table(kind, device, monkeypatch):
+    """torch's default ``zero_grad(set_to_none=True)``: backward allocates new gradients every
+    step. Before, each step rebuilt the whole table (a host loop over every tensor, many
+    times the step's own host cost); now the table reads the new gradients in place of the
+    old ones, with the bits of gradients kept in place."""
+    make = {
+        "adamw": lambda ps: AdamW(ps, lr=1e-2, seed=0),
+        "sgd": lambda ps: SGD(ps, lr=1e-2, momentum=0.9, seed=0),
+    }[kind]
+    ours, ref = _params(device=device), _params(device=device)
+    opt, ref_opt = make(ours), make(ref)
+    builds = []
+    build = type(opt)._build
+    monkeypatch.setattr(
+        type(opt), "_build", lambda self, *a: builds.append(self) or build(self, *a)
+    )
+    for step in range(4):
+        _set_grads(ours, _grads(step))  # new tensors, the old ones freed
+        if ref[0].grad is None:
+            _set_grads(ref, _grads(step))
+        for p, g in zip(ref, _grads(step)):
+            p.grad.copy_(g)  # in place: the table stays cached
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+    assert builds.count(opt) == 1 and builds.count(ref_opt) == 1
+    for p, r in zip(ours, ref):
+        _assert_bits_equal(p, r)
+
+
+def test_new_gradients_that_differ_rebuild_the_table():
+    """A new gradient of another dtype or layout, a parameter newly without one, or one that
+    shares memory with a parameter: the table is rebuilt (or the step refuses, as at the first
+    step), never read with the old gradients' formats or addresses."""
+    ours, ref = _params(torch.float32), _params(torch.float32)
+    opt = SGD(ours, lr=0.1, seed=0)
+    ref_opt = torch.optim.SGD(ref, lr=0.1)
+    changes = [
+        lambda g: g,
+        lambda g: [g[0].bfloat16(), *g[1:]],  # another dtype
+        lambda g: [g[0].t().contiguous().t(), *g[1:]],  # another layout (copied in)
+        lambda g: [None, *g[1:]],  # no gradient
+    ]
+    ours[0].grad_dtype = None  # a bf16 gradient for a float32 parameter: srround takes it
+    for step, change in enumerate(changes):
+        grads = change(_grads(step))
+        for params in (ours, ref):
+            for p, g in zip(params, grads):
+                p.grad = None if g is None else g.to(p.grad_dtype or g.dtype, copy=True)
+        opt.step()
+        ref_opt.step()
+        for p, r in zip(ours, ref):
+            _ulp_close(p, r, 0, f"step {step}")
+    ours[1].grad = ours[2].detach().view(-1)[:7]  # the same dtype and layout as before
+    ours[2].grad = torch.zeros_like(ours[2])
+    with pytest.raises(ValueError, match="shares memory"):
+        opt.step()
+
+
 def _reset_state(opt, p, how):
     if how == "new state":
         opt.state = collections.defaultdict(dict)

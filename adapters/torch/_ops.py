@@ -36,7 +36,7 @@ import srround
 from srround._rng import check_offset, check_seed, split_seed
 
 from . import _dist
-from .optim import amsgrad_update, build_entry, run_entry
+from .optim import amsgrad_update, build_entry, rebind_grads, run_entry
 
 # Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
 # fullgraph=False): skipping numba's files makes an srround call that is not one of these ops
@@ -199,6 +199,7 @@ def _fused_step(
         rows[i][2] = s
     (flat,) = steps  # the counters as one int32 tensor (``_init_group``)
     tensors = [*params, *grads, *states1, *states2, *auxes]
+    written = [*params, *states1, *states2, *auxes]
     key = (
         opt_kind,
         weight_mode,
@@ -208,14 +209,17 @@ def _fused_step(
         tuple(aux_index),
         tuple(noise),
         mesh_groups,
-        # the tables keep no gradient alive: a new one at a freed one's address, of its dtype
-        # and layout, reuses the table
-        tuple(t.data_ptr() for t in tensors),
+        # the tables keep no gradient alive: new gradients of the same dtypes and layouts
+        # (zero_grad(set_to_none=True)) reuse the table, which then reads them
+        tuple(t.data_ptr() for t in written),
         tuple(t.dtype for t in tensors),
         tuple(t.shape for t in tensors),
         tuple(t.stride() for t in tensors),
     )
     entry = _CACHE.get(key)
+    if entry is not None and entry.grad_addresses != [g.data_ptr() for g in grads]:
+        if not rebind_grads(entry, grads):
+            entry = None  # a gradient read through a copy: a table for these
     if entry is None:
         rounding = {code: name for name, code in _optim.MODES.items()}[weight_mode]
         device = params[0].device
@@ -228,7 +232,7 @@ def _fused_step(
             opt_kind, rounding, state_fmt, params, grads, rows, flat, group_index, stream, noise
         )
         entry.groups = _dist.resolve_groups(mesh_groups)
-        if len(_CACHE) >= _CACHE_SIZE:
+        if key not in _CACHE and len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = entry
     else:

@@ -13,16 +13,17 @@ cached. Each step then only walks the parameters to check that the same paramete
 gradients at the same addresses (``data_ptr()``) and that ``optimizer.state`` holds the same
 objects, builds the float64[G, 5] hyperparameter array from ``param_groups`` (so lr
 schedulers and edits of ``group["lr"]`` etc. take effect; the array is uploaded only when it
-changed) and bumps the parameters' version counters. The table is rebuilt when the set of
-parameters with gradients changes, a parameter changes group, a gradient / parameter moved
-(``p.data = ...``), a gradient it read was freed, or ``optimizer.state`` was reset or a state
-tensor replaced (then used, as by torch's optimizers).
+changed) and bumps the parameters' version counters. Gradients at new addresses (the same
+parameters with gradients, each of the dtype and layout the table was built with) are read in
+place of the old ones: the table's gradient column is rewritten (``rebind_grads``). The table
+is rebuilt when the set of parameters with gradients changes, a parameter changes group, a
+parameter moved (``p.data = ...``), a gradient changed dtype or layout, or
+``optimizer.state`` was reset or a state tensor replaced (then used, as by torch's optimizers).
 
-``zero_grad``: both settings are correct. ``zero_grad(set_to_none=True)`` (torch's default)
-frees the gradients (the table keeps none alive, only weak references to them); the next step
-then rebuilds the table (a host loop over the tensors, no device work beyond a small
-step-counter copy). ``zero_grad(set_to_none=False)`` keeps the gradients in place and never
-rebuilds: prefer it when the step's host cost matters.
+``zero_grad``: both settings are correct and cheap. ``zero_grad(set_to_none=True)`` (torch's
+default) frees the gradients (the table keeps none alive, only weak references to them), and
+the next step points the table at the new ones; ``zero_grad(set_to_none=False)`` keeps them in
+place.
 
 Memory layouts: a parameter in any dense, non-overlapping layout (contiguous, channels_last,
 a permuted tensor) is updated in place without copies; its states get its layout and a
@@ -242,11 +243,15 @@ class _Entry:
         "device",
         "freed",
         "fused",
+        "grad_addresses",
+        "grad_bytes",
+        "grad_layouts",
         "key",
         "params",
         "state_refs",
         "watch",
         "written",
+        "written_spans",
         "groups",
     )
 
@@ -300,6 +305,7 @@ def build_entry(
     into one of the parameter's: ``copy_in`` / ``copy_out`` pairs run around each step."""
     device = params[0].device
     works, grad_bufs, copy_in, copy_out = [], [], [], []
+    grad_layouts = [_grad_layout(g) for g in grads]
     for i, (p, g) in enumerate(zip(params, grads)):
         work = p.detach()
         if not _is_dense(p):
@@ -310,6 +316,7 @@ def build_entry(
             buf = torch.empty_like(work, dtype=g.dtype)
             copy_in.append((g, buf))
             g = buf
+            grad_layouts = None  # read through a copy: a new gradient means a new table
         for name, s in zip(("state", "state", "aux"), states[i]):
             if s is not None and not _same_layout(s, work):
                 raise ValueError(
@@ -359,10 +366,45 @@ def build_entry(
     # the kernel writes through raw addresses: keep every buffer it writes alive; the
     # gradients it reads in place only watched (zero_grad() frees them: the table is stale)
     entry.freed, entry.watch = _watch(grad_bufs)
+    entry.grad_layouts = grad_layouts
+    entry.grad_addresses = [g.data_ptr() for g in grads]
+    entry.grad_bytes = [g.numel() * g.element_size() for g in grad_bufs]
+    entry.written_spans = [span for span in plan.spans if span[3]]
     entry.buffers = [steps, *works, *(s for row in states for s in row)]
     entry.buffers += [s for row in scales or () for s in row]
     entry.defaults = {}
     return entry
+
+
+def _grad_layout(g) -> tuple:
+    """What a gradient must keep for a table to read a new one in its place."""
+    return g.dtype, g.device, g.shape, g.stride()
+
+
+def rebind_grads(entry, grads) -> bool:
+    """Point ``entry``'s table at ``grads`` (plain tensors, one per row) in place of the
+    gradients it was built with, when each has their dtype, device, shape and strides (read
+    in place: none was copied) and none shares memory with a buffer the step writes (else the
+    rebuild's error). What torch's default ``zero_grad(set_to_none=True)`` needs every step:
+    backward allocates new gradients. Returns whether it did (else: rebuild the table)."""
+    if entry.grad_layouts is None or len(grads) != len(entry.grad_layouts):
+        return False
+    try:
+        if list(map(_grad_layout, grads)) != entry.grad_layouts:
+            return False
+        addresses = list(map(_DATA_PTR, grads))
+    except (AttributeError, RuntimeError):  # None, or a tensor without strides or storage
+        return False
+    if 0 in addresses:  # a tensor subclass without storage: the rebuild names it
+        return False
+    spans = [
+        (("grads", i), a, n, False) for i, (a, n) in enumerate(zip(addresses, entry.grad_bytes))
+    ]
+    _validate.no_overlap(entry.written_spans + spans)
+    entry.fused.set_grad_addresses(np.array(addresses, np.int64))
+    entry.grad_addresses = addresses
+    entry.freed, entry.watch = _watch(grads)
+    return True
 
 
 def scalar_bits(value, name, entry, default_bits, negate=False):
@@ -673,6 +715,28 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._entry = entry
         return entry
 
+    def _regrad(self, entry, key) -> bool:
+        """``rebind_grads`` when only gradients moved since ``entry`` was built: the same
+        parameters in the same groups, each with a gradient, no other with one, the same
+        settings and ``optimizer.state`` objects. Returns whether the table now reads the new
+        gradients (else it is rebuilt)."""
+        old = entry.key
+        if old[1:] != key[1:] or old[0][:2] != key[0][:2]:
+            return False
+        if not _state_unchanged(self.state, entry.state_refs):
+            return False
+        params = entry.params
+        every = chain.from_iterable(g["params"] for g in self.param_groups)
+        if sum(g is not None for g in map(_GRAD, every)) != len(params):
+            return False
+        if self._dtensors:
+            if any(p.grad is None for p in params):
+                return False
+            grads = [_dist.check_grad(p, i) for i, p in enumerate(params)]
+        else:
+            grads = list(map(_GRAD, params))
+        return rebind_grads(entry, grads)
+
     def _noise(self, params) -> list[int]:
         """The stream start of each of ``params`` (those with gradients): keyed to the
         parameter's identity (``_dist.stream_bases``) and the piece's place in the full
@@ -747,6 +811,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         hyper = self._hyper()  # checked before anything is written
         key = (self._key(), config, self._layout_key())
         entry = self._entry
+        if entry is not None and (entry.freed or entry.key != key) and self._regrad(entry, key):
+            entry.key = key
         if (
             entry is None
             or entry.freed
