@@ -11,6 +11,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
 
 import srround  # noqa: E402
 from srround.adapters import jax as sj  # noqa: E402
@@ -561,3 +562,25 @@ def test_errors():
         srround.stochastic_add(jnp.zeros(4, jnp.bfloat16), np.zeros(4, np.float32), seed=0)
     with pytest.raises(TypeError, match=r"JAX arrays are immutable"):
         srround.unscale_and_check([x], 0.5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grad_with_a_traced_key_inside_scan_and_checkpoint(impl):
+    """The straight-through gradient where the key (or the block origin) is a tracer of an
+    inner trace: a ``lax.scan`` over keys, ``jax.checkpoint``. The custom_jvp closed over the
+    key words, and ``jax.grad`` leaked them (``UnexpectedTracerError``)."""
+    x = jnp.array([1.0, 2.5, -3.1], jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 2)
+
+    def body(c, k):
+        w = sj.stochastic_add(c.astype(jnp.bfloat16), c, alpha=0.5, seed=k, impl=impl)
+        return c + sj.stochastic_round(c, seed=k, impl=impl).astype(jnp.float32) + w, None
+
+    def loss(x):
+        return lax.scan(jax.checkpoint(body), x, keys)[0].sum()
+
+    grad = jax.grad(loss)(x)
+    np.testing.assert_array_equal(np.asarray(grad), np.full(3, 3.5**2, np.float32))
+    checkpointed = jax.checkpoint(lambda x, k: sj.stochastic_round(x, seed=k, impl=impl))
+    _, vjp = jax.vjp(checkpointed, x, keys[0])
+    np.testing.assert_array_equal(np.asarray(vjp(jnp.ones(3, jnp.bfloat16))[0]), np.ones(3))

@@ -205,28 +205,32 @@ def _key_words(seed):
 # -- gradients ------------------------------------------------------------------------------
 
 
-def _straight_through(fn, *args):
-    """``fn(*args)`` with the straight-through gradient: the derivative of a rounding is taken
-    as 1 (``E[SR(x)] = x``, so for stochastic rounding it is exactly the derivative of the
-    expected value), the tangent cast to the result's dtype. ``fn``'s bit operations would
-    otherwise give a gradient of 0, silently. For ``stochastic_add``, ``fn(w, u, alpha)``
-    gets the tangent ``dw + alpha * du + u * dalpha`` of ``w + alpha * u``."""
+def _straight_through(fn, diff, rest=()):
+    """``fn(*diff, *rest)`` with the straight-through gradient: the derivative of a rounding
+    is taken as 1 (``E[SR(x)] = x``, so for stochastic rounding it is exactly the derivative
+    of the expected value), the tangent cast to the result's dtype. ``fn``'s bit operations
+    would otherwise give a gradient of 0, silently. For ``stochastic_add``, ``diff = (w, u,
+    alpha)`` gets the tangent ``dw + alpha * du + u * dalpha`` of ``w + alpha * u``. ``rest``
+    (a pytree: key words, block origin) is not differentiated; it is passed, never closed
+    over, as it may hold tracers of an inner trace (``lax.scan``, ``jax.checkpoint``), which a
+    closure would leak."""
 
     @jax.custom_jvp
-    def rounded(*primals):
-        return fn(*primals)
+    def rounded(diff, rest):
+        return fn(*diff, *rest)
 
     @rounded.defjvp
     def rounded_jvp(primals, tangents):
         y = rounded(*primals)
-        if len(primals) == 1:
-            return y, tangents[0].astype(y.dtype)
-        w, u, alpha = primals
-        dw, du, dalpha = tangents
+        diff, d = primals[0], tangents[0]
+        if len(diff) == 1:
+            return y, d[0].astype(y.dtype)
+        _, u, alpha = diff
+        dw, du, dalpha = d
         t = dw.astype(jnp.float32) + alpha * du + u * dalpha
         return y, t.astype(y.dtype)
 
-    return rounded(*args)
+    return rounded(tuple(diff), tuple(rest))
 
 
 # -- the functional API ----------------------------------------------------------------------
@@ -303,7 +307,7 @@ def stochastic_round(
     k0, k1 = _key_words(seed)
     origin, global_shape = _layout(x, shard_spec, "x")
 
-    def rounded(x):
+    def rounded(x, k0, k1, origin):
         if impl == "native":
             if x.size == 0:
                 return jnp.zeros(x.shape, _lax.result_dtype(fmt))
@@ -312,9 +316,10 @@ def stochastic_round(
 
         return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow, origin, global_shape)
 
+    rest = (_u(k0), _u(k1), origin)
     if not jnp.issubdtype(_lax.result_dtype(fmt), jnp.floating):  # packed fp4: no gradient
-        return rounded(x)
-    return _straight_through(rounded, x)
+        return rounded(x, *rest)
+    return _straight_through(rounded, (x,), rest)
 
 
 def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
@@ -335,7 +340,7 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
 
     if not jnp.issubdtype(_lax.result_dtype(fmt), jnp.floating):  # packed fp4: no gradient
         return rounded(x)
-    return _straight_through(rounded, x)
+    return _straight_through(rounded, (x,))
 
 
 def to_float32(y, *, dtype=None, impl=None, out=None):
@@ -353,7 +358,7 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
 
     if not jnp.issubdtype(y.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
         return widened(y)
-    return _straight_through(widened, y)  # exact: the derivative is 1
+    return _straight_through(widened, (y,))  # exact: the derivative is 1
 
 
 def stochastic_add(
@@ -398,7 +403,7 @@ def stochastic_add(
             raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
         alpha = alpha.astype(jnp.float32)
 
-    def added(w, u, alpha):
+    def added(w, u, alpha, k0, k1, origin):
         if impl == "native":
             if w.size == 0:
                 return w
@@ -408,9 +413,10 @@ def stochastic_add(
             w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
         )
 
+    rest = (_u(k0), _u(k1), origin)
     if not jnp.issubdtype(w.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
-        return added(w, u, alpha)
-    return _straight_through(added, w, u, jnp.asarray(alpha, jnp.float32))
+        return added(w, u, alpha, *rest)
+    return _straight_through(added, (w, u, jnp.asarray(alpha, jnp.float32)), rest)
 
 
 def quantize_blocks(
