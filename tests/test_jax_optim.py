@@ -1013,3 +1013,23 @@ def test_fused_step_in_a_scanned_training_loop():
 
     for got, want in zip(run(sj.adamw(1e-2, seed=1)), run(sj.adamw(1e-2, seed=1, impl="native"))):
         assert_same_bits(np.atleast_1d(np.asarray(got)), np.atleast_1d(np.asarray(want)))
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_schedule_giving_an_unusable_lr_skips_the_step(opt):
+    """A learning rate known only at run time (a schedule's, an injected one) that is negative,
+    NaN or inf skips the step, on every impl, as an unusable ``inv_scale`` does. Before, the
+    host step (the CPU default) failed inside its host call and the native step wrote NaN
+    weights or stepped uphill."""
+    p = {"w": jnp.linspace(-1, 1, 8).astype(jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
+    g = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, x.dtype), p)
+    for impl in [None, *IMPLS]:
+        for bad in (np.nan, -1e-3, np.inf):
+            schedule = lambda count, bad=bad: jnp.where(count == 0, 0.1, bad)  # noqa: E731
+            tx = getattr(sj, opt)(schedule, seed=1, impl=impl)
+            state = tx.init(p)
+            p1, state = tx.step(g, state, p)
+            assert int(state.count) == 1
+            p2, state2 = tx.step(g, state, p1)
+            for a, b in zip(jax.tree.leaves((p2, state2)), jax.tree.leaves((p1, state))):
+                assert_same_bits(a, b)

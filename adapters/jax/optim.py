@@ -67,7 +67,8 @@ Implementations (``impl``):
 ``found_inf`` (a scalar; nonzero/True/NaN means skip): the step returns params and state
 unchanged (``lax.cond``), the step count included, with no host synchronisation. An array
 ``inv_scale`` that is not a positive finite float32 skips the step the same way, on both
-implementations (a Python float must be one: ``ValueError``).
+implementations (a Python float must be one: ``ValueError``), and so does a learning rate
+given at run time (a schedule's, an injected one) that is negative, NaN or inf.
 """
 
 from __future__ import annotations
@@ -1037,6 +1038,10 @@ def _fused(
             skip = jnp.reshape(skip.astype(bool) if skip.dtype == jnp.bool_ else skip != 0, ())
         if inv_scale is not None:  # both impls: an unusable scale skips, as found_inf does
             unusable = ~_scale_usable(inv_scale)
+            skip = unusable if skip is None else skip | unusable
+        if callable(lr):  # a schedule's or an injected lr, known at run time: likewise
+            lr_t = lr_at(state.count)
+            unusable = ~(jnp.isfinite(lr_t) & (lr_t >= 0))
             skip = unusable if skip is None else skip | unusable
         if skip is None:
             return compute(grads, state, params, inv_scale)
