@@ -584,3 +584,30 @@ def test_grad_with_a_traced_key_inside_scan_and_checkpoint(impl):
     checkpointed = jax.checkpoint(lambda x, k: sj.stochastic_round(x, seed=k, impl=impl))
     _, vjp = jax.vjp(checkpointed, x, keys[0])
     np.testing.assert_array_equal(np.asarray(vjp(jnp.ones(3, jnp.bfloat16))[0]), np.ones(3))
+
+
+def test_stochastic_add_alpha_checks_and_non_finite_traced_alpha():
+    """``alpha``: a concrete array is checked as a number is (finite), a bool or complex one is
+    a ``TypeError`` (a complex alpha lost its imaginary part silently). A traced inf or NaN
+    alpha (unknown until run time) gives the native path's IEEE sums (+-inf, +qNaN) on the
+    callback path too, which failed inside its host call."""
+    w = jnp.array([1.0, -2.0, 0.0, jnp.inf], jnp.bfloat16)
+    u = jnp.array([1.0, 1.0, 0.0, -1.0], jnp.float32)
+    for alpha in (jnp.float32(np.nan), np.float64(np.inf)):
+        with pytest.raises(ValueError, match="alpha: expected a finite number"):
+            sj.stochastic_add(w, u, alpha=alpha, seed=0)
+    for alpha in (1j, jnp.complex64(1), jnp.bool_(True)):
+        with pytest.raises(TypeError, match="alpha: expected a real"):
+            sj.stochastic_add(w, u, alpha=alpha, seed=0)
+    for alpha, overflow in ((np.inf, "inf"), (-np.inf, "saturate"), (np.nan, "inf")):
+        got = [
+            jax.jit(
+                lambda a, i=impl: sj.stochastic_add(
+                    w, u, alpha=a, seed=3, overflow=overflow, impl=i
+                )
+            )(jnp.float32(alpha))
+            for impl in IMPLS
+        ]
+        assert _bits(got[0]).tolist() == _bits(got[1]).tolist()
+        if alpha == np.inf:  # inf, inf, 0 * inf and inf - inf: +qNaN
+            assert _bits(got[0]).tolist() == [0x7F80, 0x7F80, 0x7FC0, 0x7FC0]

@@ -381,7 +381,9 @@ def stochastic_add(
     Args:
         w: bf16/fp16 array (or uint16 patterns with ``dtype=``).
         u: float32 array of ``w``'s shape.
-        alpha: float32 scale of ``u`` (a Python number or a scalar array, may be traced).
+        alpha: float32 scale of ``u``: a real number or scalar array, finite, or a traced
+            scalar (an inf or NaN one, known at run time only, gives the IEEE sums: +-inf,
+            +qNaN, on both impls).
         seed, offset, overflow, impl, shard_spec: as ``stochastic_round``.
         dtype: the format of ``w`` when its dtype does not say it.
     """
@@ -401,7 +403,12 @@ def stochastic_add(
         alpha = _as_jax(alpha, "alpha")
         if alpha.shape != ():
             raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
-        alpha = alpha.astype(jnp.float32)
+        if not any(jnp.issubdtype(alpha.dtype, kind) for kind in (jnp.integer, jnp.floating)):
+            raise TypeError(f"alpha: expected a real scalar, got dtype {alpha.dtype}")
+        if isinstance(alpha, jax.core.Tracer):  # its value is known at run time only
+            alpha = alpha.astype(jnp.float32)
+        else:  # a concrete array: checked as a number is
+            alpha = np.float32(_validate.real(float(alpha), "alpha"))
 
     def added(w, u, alpha, k0, k1, origin):
         if impl == "native":
