@@ -294,3 +294,20 @@ def test_jmp_select_tree():
     assert select_tree(jnp.bool_(False), None, None) is None
     assert select_tree(jnp.bool_(True), a, b) == a
     assert select_tree(jnp.bool_(False), a, b) == b
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_scale_keeps_its_type_in_loops(dtype):
+    """jmp's README makes its scale in half precision (``jmp.half_dtype()(2 ** 15)``). The
+    scale is float32 (what ``scale``/``unscale`` multiply by), the trackers int32, whatever
+    arrays they were made with: before, ``adjust`` turned an fp16/bf16 scale (or an int16
+    tracker) into float32 (int32), and a ``lax.scan``/``lax.cond`` carrying the loss scale
+    failed on the changed type."""
+    ls = DynamicLossScale(
+        jnp.asarray(2.0**15, dtype), growth_tracker=jnp.int16(0), growth_interval=1
+    )
+    assert ls.loss_scale.dtype == jnp.float32 and ls.growth_tracker.dtype == jnp.int32
+    out, _ = jax.lax.scan(lambda s, _: (s.adjust(jnp.bool_(True)), None), ls, None, length=2)
+    assert float(out.loss_scale) == 2.0**17
+    skipped = jax.lax.cond(True, lambda s: s.adjust(jnp.bool_(False)), lambda s: s, ls)
+    assert float(skipped.loss_scale) == 2.0**14

@@ -12,7 +12,7 @@ field survives ``tree_flatten``/``tree_unflatten``: the arrays are children, the
 Arguments after the scale are keyword-only: jmp's positional order ``(loss_scale, counter,
 period, factor)`` is a ``TypeError``, never a silent third order. ``grads_finite`` and
 ``select_tree``'s ``pred`` must be bool scalars (``ValueError``/``TypeError`` otherwise; jmp
-asserts). The scale itself must be a float scalar (a Python number becomes float32).
+asserts). The scale itself must be a float scalar (kept as float32, the trackers as int32).
 
 ``DynamicLossScale.adjust`` is ``srround.update_scale``'s rule, so its trajectory equals
 ``torch.amp.GradScaler``'s for ``hysteresis=1`` and ``min_scale=0`` - and jmp's for
@@ -54,7 +54,8 @@ def _is_placeholder(x) -> bool:
 
 
 def _float_scale(x, name: str):
-    """A float scalar scale: Python/NumPy numbers become float32, arrays are checked."""
+    """A float scalar scale as float32 (numbers and arrays of any float dtype: ``adjust``
+    computes in float32, and the scale keeps its type through loops and conditionals)."""
     if _is_placeholder(x):
         return x
     if isinstance(x, (bool, np.bool_)):
@@ -71,7 +72,7 @@ def _float_scale(x, name: str):
         )
     if np.ndim(x) != 0:
         raise ValueError(f"{name}: expected a scalar, got shape {tuple(np.shape(x))}")
-    return x
+    return x if dtype == jnp.float32 else x.astype(jnp.float32)
 
 
 def _bool_scalar(x, name: str):
@@ -100,7 +101,7 @@ def _int_scalar(x, name: str):
     dtype = getattr(x, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or np.ndim(x) != 0:
         raise TypeError(f"{name}: expected an int scalar, got {type(x).__name__} {dtype}")
-    return x
+    return x if dtype == jnp.int32 else x.astype(jnp.int32)  # as adjust computes it
 
 
 def _scale_tree(tree, factor):
@@ -155,8 +156,8 @@ class DynamicLossScale:
         ls = ls.adjust(finite)
 
     Attributes:
-        loss_scale: float32 scalar (a Python number is converted; anything after it is
-            keyword-only).
+        loss_scale: float scalar, kept as float32 (a number or an array of any float dtype;
+            anything after it is keyword-only).
         growth_tracker: int32 scalar, clean steps since the last change (jmp's ``counter``).
         overflow_tracker: int32 scalar, consecutive overflows (for ``hysteresis``).
         growth_factor: float, the growth per ``growth_interval`` clean steps (jmp's ``factor``).
