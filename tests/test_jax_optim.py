@@ -100,6 +100,21 @@ def test_apply_updates_matches_optax_structure_and_none_leaves():
     assert_same_bits(out["b"], np.ones(3, np.float32))
 
 
+def test_apply_updates_python_scalar_updates_under_x64():
+    """A Python number as a bf16 leaf's update (optax broadcasts it) is a float32 update,
+    with or without ``jax_enable_x64``: under x64 it was refused as float64, and an int as a
+    non-float update."""
+    params = {"w": jnp.full(4, 0.5, jnp.bfloat16)}
+    want = sj.apply_updates(params, {"w": jnp.float32(1e-3)}, 3, step=1)
+    for update in (1e-3, 0):
+        with jax.enable_x64(True):
+            got = sj.apply_updates(params, {"w": update}, 3, step=1)
+        expected = want if update else params
+        assert_same_bits(got["w"], expected["w"])
+    with jax.enable_x64(True), pytest.raises(TypeError, match=r"updates\[0\]: .* got float64"):
+        sj.apply_updates(params, {"w": jnp.float64(1e-3)}, 3, step=1)
+
+
 @pytest.mark.parametrize("impl", APPLY_IMPLS)
 def test_apply_updates_0d_leaves(impl):
     """A scalar (0-d) leaf keeps its shape and gets the bits of the 1-element array."""

@@ -330,7 +330,8 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
     Args:
         params: a pytree of arrays (``None`` leaves are kept, as optax does).
         updates: a pytree of the same structure; each leaf broadcasts to its param's shape as
-            in optax (a scalar update too); float32/bf16/fp16 (exactly widened to float32).
+            in optax (a scalar update too); float32/bf16/fp16 (exactly widened to float32) or
+            a Python number (float32, also under ``jax_enable_x64``).
         seed: a JAX PRNG key or an int in [0, 2**64). With ``step=None`` pass a fresh key
             every step (``jax.random.fold_in(key, step)``): the same key gives the same noise.
         step: ``None``, or the 1-based step (int or traced int scalar, < 2**26): leaf ``k``
@@ -389,6 +390,8 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         if name is None:
             out[k] = jnp.asarray(p + u).astype(p.dtype)
             continue
+        if isinstance(u, (int, float)) and not isinstance(u, bool):  # float32, also under x64
+            u = np.float32(u)
         u = jnp.asarray(u)
         if not jnp.issubdtype(u.dtype, jnp.floating) or jnp.dtype(u.dtype).itemsize > 4:
             raise TypeError(
