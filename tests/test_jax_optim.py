@@ -5,6 +5,7 @@ every mode and state dtype, with found_inf and inv_scale, are in tests/test_opti
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from types import SimpleNamespace
@@ -113,6 +114,28 @@ def test_apply_updates_python_scalar_updates_under_x64():
         assert_same_bits(got["w"], expected["w"])
     with jax.enable_x64(True), pytest.raises(TypeError, match=r"updates\[0\]: .* got float64"):
         sj.apply_updates(params, {"w": jnp.float64(1e-3)}, 3, step=1)
+
+
+@pytest.mark.parametrize("impl", APPLY_IMPLS)
+def test_apply_updates_gradient_is_straight_through(impl):
+    """``jax.grad`` through ``apply_updates`` is ``stochastic_add``'s straight-through
+    derivative on bf16/fp16 leaves (1 for the param and the update), so a loss of the new
+    params has optax's gradient there. Before, the bit operations gave 0 silently (native) and
+    the callback path raised (no differentiation rule for custom_partitioning)."""
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.linspace(-1, 1, 8).astype(jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
+    grads = {"w": jnp.full(8, 0.5, jnp.float32), "b": jnp.full(3, 0.25, jnp.float32)}
+
+    def loss(apply, lr, p):
+        new = apply(p, jax.tree.map(lambda g: -lr * g, grads))
+        return sum(jnp.sum(v.astype(jnp.float32) * 3) for v in jax.tree.leaves(new))
+
+    ours = functools.partial(sj.apply_updates, seed=1, step=1, impl=impl)
+    got = jax.jit(jax.grad(functools.partial(loss, ours), argnums=(0, 1)))(1e-3, params)
+    want = jax.grad(functools.partial(loss, optax.apply_updates), argnums=(0, 1))(1e-3, params)
+    assert float(got[0]) == float(want[0]) == -14.25
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert_same_bits(a, b)
 
 
 @pytest.mark.parametrize("impl", APPLY_IMPLS)

@@ -205,15 +205,14 @@ def _key_words(seed):
 # -- gradients ------------------------------------------------------------------------------
 
 
-def _straight_through(fn, diff, rest=()):
+def _straight_through(fn, diff, rest=(), tangent=lambda diff, d: d[0]):
     """``fn(*diff, *rest)`` with the straight-through gradient: the derivative of a rounding
     is taken as 1 (``E[SR(x)] = x``, so for stochastic rounding it is exactly the derivative
-    of the expected value), the tangent cast to the result's dtype. ``fn``'s bit operations
-    would otherwise give a gradient of 0, silently. For ``stochastic_add``, ``diff = (w, u,
-    alpha)`` gets the tangent ``dw + alpha * du + u * dalpha`` of ``w + alpha * u``. ``rest``
-    (a pytree: key words, block origin) is not differentiated; it is passed, never closed
-    over, as it may hold tracers of an inner trace (``lax.scan``, ``jax.checkpoint``), which a
-    closure would leak."""
+    of the expected value), the tangent ``tangent(diff, d)`` of the unrounded value (default:
+    that of ``diff[0]``) cast to the result's dtype. ``fn``'s bit operations would otherwise
+    give a gradient of 0, silently. ``rest`` (a pytree: key words, block origin, step) is not
+    differentiated; it is passed, never closed over, as it may hold tracers of an inner trace
+    (``lax.scan``, ``jax.checkpoint``), which a closure would leak."""
 
     @jax.custom_jvp
     def rounded(diff, rest):
@@ -222,15 +221,18 @@ def _straight_through(fn, diff, rest=()):
     @rounded.defjvp
     def rounded_jvp(primals, tangents):
         y = rounded(*primals)
-        diff, d = primals[0], tangents[0]
-        if len(diff) == 1:
-            return y, d[0].astype(y.dtype)
-        _, u, alpha = diff
-        dw, du, dalpha = d
-        t = dw.astype(jnp.float32) + alpha * du + u * dalpha
-        return y, t.astype(y.dtype)
+        t = tangent(primals[0], tangents[0])
+        return y, jax.tree_util.tree_map(lambda t, y: t.astype(y.dtype), t, y)
 
     return rounded(tuple(diff), tuple(rest))
+
+
+def _sum_tangent(diff, d):
+    """The tangent of ``w + alpha * u`` (``diff = (w, u, alpha)``): ``dw + alpha du + u
+    dalpha``."""
+    _, u, alpha = diff
+    dw, du, dalpha = d
+    return dw.astype(jnp.float32) + alpha * du + u * dalpha
 
 
 # -- the functional API ----------------------------------------------------------------------
@@ -423,7 +425,7 @@ def stochastic_add(
     rest = (_u(k0), _u(k1), origin)
     if not jnp.issubdtype(w.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
         return added(w, u, alpha, *rest)
-    return _straight_through(added, (w, u, jnp.asarray(alpha, jnp.float32)), rest)
+    return _straight_through(added, (w, u, jnp.asarray(alpha, jnp.float32)), rest, _sum_tangent)
 
 
 def quantize_blocks(

@@ -85,7 +85,7 @@ from jax.sharding import PartitionSpec
 from srround import _optim, _state8, _validate
 from srround._formats import FORMATS
 
-from ._api import _key_words, check_arrays
+from ._api import _key_words, _straight_through, check_arrays
 from ._callback import (
     _callback,
     _host,
@@ -350,7 +350,8 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         the new params (same shapes, dtypes and shardings): bf16/fp16 leaves ``SR(p + u)``
         (``stochastic_add(p, u, offset=...)`` with ``offset = starts[k]`` or
         ``step * 2**36 + starts[k]``, ``starts[k]`` the global element where leaf k starts),
-        other leaves ``(p + u).astype(p.dtype)`` as optax.
+        other leaves ``(p + u).astype(p.dtype)`` as optax. Under ``jax.grad`` the derivative
+        is optax's (``dp + du``; straight-through for the rounding, as ``stochastic_add``).
 
     Raises:
         ValueError: an update that does not broadcast to its param's shape, a deleted
@@ -414,33 +415,39 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
             out[k] = p
             continue
         narrow.append((k, p, u, name))
-    if impl == "native" and narrow:
-        results = _native_apply(
-            [p for _, p, _, _ in narrow],
-            [u for _, _, u, _ in narrow],
-            _u(k0),
-            _u(k1),
-            jnp.asarray(t, jnp.int32),
-            [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
-            starts=tuple(starts[k] for k, *_ in narrow),
-            global_shapes=tuple(None if layouts[k] is None else layouts[k][1] for k, *_ in narrow),
-            host_bits=host_bits,
+    global_narrow = [None if layouts[k] is None else layouts[k][1] for k, *_ in narrow]
+
+    def added(ps, us, k0, k1, t, origins):
+        if impl == "native":
+            return _native_apply(
+                ps,
+                us,
+                k0,
+                k1,
+                t,
+                origins,
+                starts=tuple(starts[k] for k, *_ in narrow),
+                global_shapes=tuple(global_narrow),
+                host_bits=host_bits,
+            )
+        # callback: one host call for the tree, per shard under jit
+        fmts = [FORMATS[name] for *_, name in narrow]
+        offsets = [starts[k] for k, *_ in narrow]
+        return stochastic_add_leaves(
+            ps, us, 1.0, fmts, k0, k1, offsets, "inf", origins, global_narrow, step=t
         )
-        for (k, *_), r in zip(narrow, results):
-            out[k] = r
-    elif narrow:  # callback: one host call for the tree, per shard under jit
-        results = stochastic_add_leaves(
-            [p for _, p, _, _ in narrow],
-            [u for _, _, u, _ in narrow],
-            1.0,
-            [FORMATS[name] for *_, name in narrow],
-            k0,
-            k1,
-            [starts[k] for k, *_ in narrow],
-            "inf",
-            [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
-            [None if layouts[k] is None else layouts[k][1] for k, *_ in narrow],
-            step=t,
+
+    if narrow:  # SR(p + u): stochastic_add's straight-through gradient, dp + du
+        results = _straight_through(
+            added,
+            ([p for _, p, _, _ in narrow], [u for _, _, u, _ in narrow]),
+            (
+                _u(k0),
+                _u(k1),
+                jnp.asarray(t, jnp.int32),
+                [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
+            ),
+            lambda diff, d: [dp.astype(jnp.float32) + du for dp, du in zip(*d)],
         )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
