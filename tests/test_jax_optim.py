@@ -1071,3 +1071,23 @@ def test_schedule_giving_an_unusable_lr_skips_the_step(opt):
             p2, state2 = tx.step(g, state, p1)
             for a, b in zip(jax.tree.leaves((p2, state2)), jax.tree.leaves((p1, state))):
                 assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_fused_step_under_grad_is_a_clear_error(opt):
+    """The fused step writes rounded bits and has no derivative: ``jax.grad`` through
+    ``tx.step`` / ``tx.update`` is a ``TypeError`` that says what to use instead, on every
+    impl. Before, the native step gave a gradient of 0 silently and the host step raised
+    JAX's NotImplementedError for custom_partitioning."""
+    p = {"w": jnp.linspace(-1, 1, 8).astype(jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
+    g = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, jnp.float32), p)
+    for impl in [None, *IMPLS]:
+        tx = getattr(sj, opt)(1e-2, seed=1, impl=impl)
+
+        def loss(p, tx=tx):
+            return jnp.sum(tx.step(g, tx.init(p), p)[0]["b"])
+
+        with pytest.raises(TypeError, match="not differentiable.*apply_updates"):
+            jax.grad(loss)(p)
+        with pytest.raises(TypeError, match="not differentiable"):
+            jax.grad(lambda g, tx=tx: jnp.sum(tx.update(g, tx.init(p), p)[0]["b"]))(g)

@@ -1061,7 +1061,21 @@ def _fused(
             lambda: compute(grads, state, params, inv_scale),
         )
 
-    jitted = jax.jit(step)  # an eager call is one compiled program; inlined under an outer jit
+    @jax.custom_jvp
+    def fused_step(grads, state, params, found_inf, inv_scale):
+        """``step``, refused under differentiation (its bit operations would give 0)."""
+        return step(grads, state, params, found_inf=found_inf, inv_scale=inv_scale)
+
+    @fused_step.defjvp
+    def fused_step_jvp(primals, tangents):
+        raise TypeError(
+            f"{kind} (srround): tx.step and tx.update are not differentiable (the fused step"
+            f" writes rounded bits); to differentiate through an update, use optax.{kind} and"
+            " srround.adapters.jax.apply_updates (straight-through)"
+        )
+
+    # an eager call is one compiled program; inlined under an outer jit
+    jitted = jax.jit(fused_step)
 
     @functools.lru_cache(maxsize=16)
     def expected_state(treedef, avals):
@@ -1124,7 +1138,7 @@ def _fused(
         found_inf, inv_scale = scalar(found_inf, "found_inf"), scalar(inv_scale, "inv_scale")
         if isinstance(inv_scale, (int, float, np.generic)):  # an array is checked in the step
             inv_scale = _validate.inv_scale(inv_scale)
-        return jitted(grads, state, params, found_inf=found_inf, inv_scale=inv_scale)
+        return jitted(grads, state, params, found_inf, inv_scale)
 
     def update(updates, state, params=None, **extra_args):
         if params is None:
