@@ -611,3 +611,26 @@ def test_stochastic_add_alpha_checks_and_non_finite_traced_alpha():
         assert _bits(got[0]).tolist() == _bits(got[1]).tolist()
         if alpha == np.inf:  # inf, inf, 0 * inf and inf - inf: +qNaN
             assert _bits(got[0]).tolist() == [0x7F80, 0x7F80, 0x7FC0, 0x7FC0]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grad_inside_shard_map(impl):
+    """``jax.grad`` through the functional calls and ``apply_updates`` inside ``shard_map``
+    (one device here): the callback path's results were not typed as varying over the mesh axes like their inputs,
+    and the straight-through rule's tangent (varying) did not match them (TypeError)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("d",))
+    x = jax.device_put(jnp.linspace(-1, 1, 8, dtype=jnp.float32), NamedSharding(mesh, P("d")))
+
+    def local(x):
+        y = sj.stochastic_round(x, seed=1, impl=impl, shard_spec=P("d"))
+        w = sj.stochastic_add(y, x, seed=2, impl=impl, shard_spec=P("d"))
+        z = sj.round_nearest(x, impl=impl).astype(jnp.float32)
+        a = sj.apply_updates([y], [x], 3, step=1, impl=impl, shard_specs=P("d"))[0]
+        return sj.to_float32(w, impl=impl) + z + a.astype(jnp.float32)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    grad = jax.jit(jax.grad(lambda x: f(x).sum()))(x)
+    np.testing.assert_array_equal(np.asarray(grad), np.full(8, 5.0, np.float32))

@@ -221,8 +221,12 @@ def _straight_through(fn, diff, rest=(), tangent=lambda diff, d: d[0]):
     @rounded.defjvp
     def rounded_jvp(primals, tangents):
         y = rounded(*primals)
-        t = tangent(primals[0], tangents[0])
-        return y, jax.tree_util.tree_map(lambda t, y: t.astype(y.dtype), t, y)
+        t = jax.tree_util.tree_map(
+            lambda t, y: t.astype(y.dtype), tangent(primals[0], tangents[0]), y
+        )
+        # inside shard_map: both typed as varying over the same mesh axes (a host call's
+        # result is not typed as varying like its operands)
+        return _callback.varying_as(y, t), _callback.varying_as(t, y)
 
     return rounded(tuple(diff), tuple(rest))
 
