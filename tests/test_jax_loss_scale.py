@@ -311,3 +311,18 @@ def test_half_precision_scale_keeps_its_type_in_loops(dtype):
     assert float(out.loss_scale) == 2.0**17
     skipped = jax.lax.cond(True, lambda s: s.adjust(jnp.bool_(False)), lambda s: s, ls)
     assert float(skipped.loss_scale) == 2.0**14
+
+
+def test_float0_gradients_pass_through():
+    """``jax.grad(..., allow_int=True)`` gives ``float0`` gradients for integer leaves, which
+    support no arithmetic: ``scale``/``unscale`` return them as they are (before: JAX's
+    "Called multiply with a float0 array"; jmp fails the same way), ``all_finite`` counts
+    them as finite."""
+    params = {"w": jnp.ones(3, jnp.float32), "step": jnp.arange(2)}
+    grads = jax.grad(lambda p: p["w"].sum() * 4.0, allow_int=True)(params)
+    assert grads["step"].dtype == jax.dtypes.float0
+    for ls in (DynamicLossScale(jnp.float32(2.0)), StaticLossScale(2.0)):
+        out = ls.unscale(ls.scale(grads))
+        assert out["step"] is grads["step"]
+        np.testing.assert_array_equal(np.asarray(out["w"]), np.full(3, 4.0, np.float32))
+    assert bool(all_finite(grads))

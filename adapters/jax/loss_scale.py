@@ -5,7 +5,8 @@ and ``shard_map``.
 gradients by its float32 inverse, ``adjust(grads_finite)`` returns the next loss scale. As in jmp,
 every leaf is multiplied by a float32 scalar and promoted as JAX promotes: bf16/fp16/int leaves
 become float32 (scaling an fp16 loss by 2**16 cannot overflow, unscaled fp16 gradients keep values
-below fp16's range), float32 stays float32 and float64 (under ``jax_enable_x64``) float64. Every
+below fp16's range), float32 stays float32 and float64 (under ``jax_enable_x64``) float64;
+``float0`` leaves (``jax.grad(..., allow_int=True)`` of integer inputs) pass through. Every
 field survives ``tree_flatten``/``tree_unflatten``: the arrays are children, the settings are the
 (static) auxiliary data - so a ``min_scale`` is never lost (jmp's flatten drops it).
 
@@ -104,9 +105,15 @@ def _int_scalar(x, name: str):
     return x if dtype == jnp.int32 else x.astype(jnp.int32)  # as adjust computes it
 
 
+def _is_float0(x) -> bool:
+    """A ``float0`` leaf (the gradient of an integer input): no arithmetic, kept as it is."""
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
 def _scale_tree(tree, factor):
-    """Every leaf times the float32 scalar ``factor``, promoted as JAX promotes (jmp's rule)."""
-    return jax.tree_util.tree_map(lambda x: x * factor, tree)
+    """Every leaf times the float32 scalar ``factor``, promoted as JAX promotes (jmp's rule);
+    ``float0`` leaves as they are."""
+    return jax.tree_util.tree_map(lambda x: x if _is_float0(x) else x * factor, tree)
 
 
 def _canonical_nan(x):
@@ -124,7 +131,9 @@ def _canonical_nan(x):
 
 def _unscale_tree(tree, factor):
     """``_scale_tree`` with NaN products as +qNaN (``_canonical_nan``)."""
-    return jax.tree_util.tree_map(lambda x: _canonical_nan(jnp.asarray(x * factor)), tree)
+    return jax.tree_util.tree_map(
+        lambda x: x if _is_float0(x) else _canonical_nan(jnp.asarray(x * factor)), tree
+    )
 
 
 def _inverse(scale):
