@@ -326,3 +326,17 @@ def test_float0_gradients_pass_through():
         assert out["step"] is grads["step"]
         np.testing.assert_array_equal(np.asarray(out["w"]), np.full(3, 4.0, np.float32))
     assert bool(all_finite(grads))
+
+
+def test_scaling_under_strict_dtype_promotion():
+    """The documented promotion (a bf16/fp16/int leaf times the float32 scale is float32)
+    holds under ``jax.numpy_dtype_promotion("strict")`` too, where JAX refuses the implicit
+    bf16 x float32 promotion: it raised a TypePromotionError from srround's multiply."""
+    tree = {"h": jnp.float16(2.0), "b": jnp.ones(2, jnp.bfloat16), "i": jnp.int32(3)}
+    for ls in (DynamicLossScale(jnp.float32(2.0**16)), StaticLossScale(2.0**16)):
+        want = ls.scale(tree), ls.unscale(tree)
+        with jax.numpy_dtype_promotion("strict"):
+            got = ls.scale(tree), ls.unscale(tree)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert a.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

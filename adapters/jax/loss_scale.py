@@ -110,10 +110,19 @@ def _is_float0(x) -> bool:
     return getattr(x, "dtype", None) == jax.dtypes.float0
 
 
-def _scale_tree(tree, factor):
-    """Every leaf times the float32 scalar ``factor``, promoted as JAX promotes (jmp's rule);
-    ``float0`` leaves as they are."""
-    return jax.tree_util.tree_map(lambda x: x if _is_float0(x) else x * factor, tree)
+def _scale_tree(tree, factor, canonical=False):
+    """Every leaf times the float32 scalar ``factor``, promoted as JAX's standard promotion
+    does (jmp's rule), also where the user set ``jax_numpy_dtype_promotion="strict"``;
+    ``float0`` leaves as they are. ``canonical``: NaN products as +qNaN (``_canonical_nan``)."""
+
+    def scaled(x):
+        if _is_float0(x):
+            return x
+        with jax.numpy_dtype_promotion("standard"):
+            y = jnp.asarray(x * factor)
+        return _canonical_nan(y) if canonical else y
+
+    return jax.tree_util.tree_map(scaled, tree)
 
 
 def _canonical_nan(x):
@@ -127,13 +136,6 @@ def _canonical_nan(x):
     bits = lax.bitcast_convert_type(x, uint)
     magnitude = bits & uint.type((1 << (8 * dtype.itemsize - 1)) - 1)
     return lax.bitcast_convert_type(jnp.where(magnitude > inf, qnan, bits), dtype)
-
-
-def _unscale_tree(tree, factor):
-    """``_scale_tree`` with NaN products as +qNaN (``_canonical_nan``)."""
-    return jax.tree_util.tree_map(
-        lambda x: x if _is_float0(x) else _canonical_nan(jnp.asarray(x * factor)), tree
-    )
 
 
 def _inverse(scale):
@@ -237,7 +239,7 @@ class DynamicLossScale:
     def unscale(self, tree):
         """``tree`` times the float32 ``1 / scale`` (leaves promoted as JAX promotes); a NaN
         product is +qNaN on every device."""
-        return _unscale_tree(tree, _inverse(self.loss_scale))
+        return _scale_tree(tree, _inverse(self.loss_scale), canonical=True)
 
     def adjust(self, grads_finite) -> DynamicLossScale:
         """The next loss scale after a step whose gradients were (not) all finite
@@ -302,7 +304,7 @@ class StaticLossScale:
     def unscale(self, tree):
         """``tree`` times the float32 ``1 / scale`` (leaves promoted as JAX promotes); a NaN
         product is +qNaN on every device."""
-        return _unscale_tree(tree, _inverse(self.loss_scale))
+        return _scale_tree(tree, _inverse(self.loss_scale), canonical=True)
 
     def adjust(self, grads_finite) -> StaticLossScale:
         """``self``: a static scale does not change (``grads_finite``: a bool scalar)."""
