@@ -216,7 +216,12 @@ def _straight_through(fn, diff, rest=(), tangent=lambda diff, d: d[0]):
 
     @jax.custom_jvp
     def rounded(diff, rest):
-        return fn(*diff, *rest)
+        y = fn(*diff, *rest)
+        if not jax.sharding.get_abstract_mesh().manual_axes:
+            return y
+        # inside shard_map: typed as varying over the mesh axes of the unrounded value, as
+        # its tangent is (a host call's result is not typed so)
+        return _callback.varying_as(y, tangent(diff, diff))
 
     @rounded.defjvp
     def rounded_jvp(primals, tangents):
@@ -224,9 +229,7 @@ def _straight_through(fn, diff, rest=(), tangent=lambda diff, d: d[0]):
         t = jax.tree_util.tree_map(
             lambda t, y: t.astype(y.dtype), tangent(primals[0], tangents[0]), y
         )
-        # inside shard_map: both typed as varying over the same mesh axes (a host call's
-        # result is not typed as varying like its operands)
-        return _callback.varying_as(y, t), _callback.varying_as(t, y)
+        return y, _callback.varying_as(t, y)
 
     return rounded(tuple(diff), tuple(rest))
 

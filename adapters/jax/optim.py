@@ -277,16 +277,42 @@ def _apply_update(cfg, w, u, bits):
     return (_narrow_out(_encode(sums, fmt, False, bits(0)), w.dtype),)
 
 
-@functools.partial(jax.jit, static_argnames=("starts", "global_shapes", "host_bits"))
-def _native_apply(ws, us, k0, k1, t, origins, *, starts, global_shapes, host_bits):
-    """``SR(w + u)`` of the nonempty narrow leaves ``ws`` (leaf k at global element
-    ``starts[k]``): ``_apply_update`` leaf by leaf (``_native_leaves``). Jitted: an eager
-    call is one compiled program, under an outer ``jit`` it is inlined."""
-    layouts = [None if o is None else (o, g) for o, g in zip(origins, global_shapes)]
-    outs = _native_leaves(
-        _apply_update, None, (ws, us), starts, k0, k1, t, layouts=layouts, host_bits=host_bits
+@functools.partial(
+    jax.jit, static_argnames=("impl", "names", "starts", "global_shapes", "host_bits")
+)
+def _apply_narrow(ws, us, k0, k1, t, origins, *, impl, names, starts, global_shapes, host_bits):
+    """``SR(w + u)`` of the nonempty narrow leaves ``ws`` (formats ``names``, leaf k at global
+    element ``starts[k]``): native, ``_apply_update`` leaf by leaf (``_native_leaves``), or one
+    host call for them all (per shard under ``jit``); with ``stochastic_add``'s
+    straight-through gradient ``dp + du``. Jitted: an eager call is one compiled program,
+    under an outer ``jit`` it is inlined."""
+
+    def added(ws, us, k0, k1, t, origins):
+        if impl == "native":
+            layouts = [None if o is None else (o, g) for o, g in zip(origins, global_shapes)]
+            outs = _native_leaves(
+                _apply_update,
+                None,
+                (ws, us),
+                starts,
+                k0,
+                k1,
+                t,
+                layouts=layouts,
+                host_bits=host_bits,
+            )
+            return [o[0] for o in outs]
+        fmts = [FORMATS[name] for name in names]
+        return stochastic_add_leaves(
+            ws, us, 1.0, fmts, k0, k1, list(starts), "inf", origins, list(global_shapes), step=t
+        )
+
+    return _straight_through(
+        added,
+        (ws, us),
+        (k0, k1, t, origins),
+        lambda diff, d: [dw.astype(jnp.float32) + du for dw, du in zip(*d)],
     )
-    return [o[0] for o in outs]
 
 
 def _is_spec(x) -> bool:
@@ -415,39 +441,19 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
             out[k] = p
             continue
         narrow.append((k, p, u, name))
-    global_narrow = [None if layouts[k] is None else layouts[k][1] for k, *_ in narrow]
-
-    def added(ps, us, k0, k1, t, origins):
-        if impl == "native":
-            return _native_apply(
-                ps,
-                us,
-                k0,
-                k1,
-                t,
-                origins,
-                starts=tuple(starts[k] for k, *_ in narrow),
-                global_shapes=tuple(global_narrow),
-                host_bits=host_bits,
-            )
-        # callback: one host call for the tree, per shard under jit
-        fmts = [FORMATS[name] for *_, name in narrow]
-        offsets = [starts[k] for k, *_ in narrow]
-        return stochastic_add_leaves(
-            ps, us, 1.0, fmts, k0, k1, offsets, "inf", origins, global_narrow, step=t
-        )
-
-    if narrow:  # SR(p + u): stochastic_add's straight-through gradient, dp + du
-        results = _straight_through(
-            added,
-            ([p for _, p, _, _ in narrow], [u for _, _, u, _ in narrow]),
-            (
-                _u(k0),
-                _u(k1),
-                jnp.asarray(t, jnp.int32),
-                [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
-            ),
-            lambda diff, d: [dp.astype(jnp.float32) + du for dp, du in zip(*d)],
+    if narrow:
+        results = _apply_narrow(
+            [p for _, p, _, _ in narrow],
+            [u for _, _, u, _ in narrow],
+            _u(k0),
+            _u(k1),
+            jnp.asarray(t, jnp.int32),
+            [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
+            impl=impl,
+            names=tuple(name for *_, name in narrow),
+            starts=tuple(starts[k] for k, *_ in narrow),
+            global_shapes=tuple(None if layouts[k] is None else layouts[k][1] for k, *_ in narrow),
+            host_bits=host_bits,
         )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
