@@ -634,3 +634,20 @@ def test_grad_inside_shard_map(impl):
     f = jax.shard_map(local, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
     grad = jax.jit(jax.grad(lambda x: f(x).sum()))(x)
     np.testing.assert_array_equal(np.asarray(grad), np.full(8, 5.0, np.float32))
+
+
+def test_eager_calls_skip_the_straight_through_custom_jvp(monkeypatch):
+    """An eager call on concrete arrays is not differentiated, so it skips the ``custom_jvp``
+    of the straight-through gradient, whose eager dispatch made a native ``stochastic_round``
+    of 1024 elements 5x slower (51 -> 278 us on the 2-core VM)."""
+    x = jnp.linspace(-1, 1, 8, dtype=jnp.float32)
+    want = [sj.stochastic_round(x, seed=1), sj.stochastic_add(x.astype(jnp.bfloat16), x, seed=2)]
+
+    def no_custom_jvp(fun, *args, **kwargs):
+        raise AssertionError("an eager call made a custom_jvp")
+
+    monkeypatch.setattr(jax, "custom_jvp", no_custom_jvp)
+    got = [sj.stochastic_round(x, seed=1), sj.stochastic_add(x.astype(jnp.bfloat16), x, seed=2)]
+    sj.to_float32(sj.round_nearest(x))
+    for a, b in zip(got, want):
+        assert _bits(a).tolist() == _bits(b).tolist()

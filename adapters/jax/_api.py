@@ -212,7 +212,10 @@ def _straight_through(fn, diff, rest=(), tangent=lambda diff, d: d[0]):
     that of ``diff[0]``) cast to the result's dtype. ``fn``'s bit operations would otherwise
     give a gradient of 0, silently. ``rest`` (a pytree: key words, block origin, step) is not
     differentiated; it is passed, never closed over, as it may hold tracers of an inner trace
-    (``lax.scan``, ``jax.checkpoint``), which a closure would leak."""
+    (``lax.scan``, ``jax.checkpoint``), which a closure would leak. Concrete inputs (an eager
+    call, not differentiated) skip the ``custom_jvp``, whose eager dispatch cost ~0.2 ms."""
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(diff)):
+        return fn(*diff, *rest)
 
     @jax.custom_jvp
     def rounded(diff, rest):
