@@ -315,6 +315,7 @@ def stochastic_round(
     saturate = saturate_flag(overflow)
     offset = check_offset(offset)
     x = _check_float32(x, "x")
+    check_arrays(("x", x), ("seed", seed))
     impl = _impl(impl, x)
     k0, k1 = _key_words(seed)
     origin, global_shape = _layout(x, shard_spec, "x")
@@ -401,7 +402,7 @@ def stochastic_add(
     """
     w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
     u = _check_float32(u, "u")
-    check_arrays(("w", w), ("u", u))
+    check_arrays(("w", w), ("u", u), ("seed", seed))
     if tuple(u.shape) != tuple(w.shape):
         raise ValueError(f"u: shape {tuple(u.shape)} does not match w's shape {tuple(w.shape)}")
     saturate = saturate_flag(overflow)
@@ -450,6 +451,7 @@ def quantize_blocks(
 
     bf = _blocks.get_block_format(format)
     x = _check_float32(x, "x")
+    check_arrays(("x", x), ("seed", seed))
     impl = _impl(impl, x)
     offset = check_offset(offset)
     if rounding not in ("stochastic", "nearest"):

@@ -396,7 +396,7 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         u_leaves = treedef.flatten_up_to(updates)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"updates: not the structure of params: {exc}") from None
-    check_arrays(("params", p_leaves), ("updates", u_leaves))
+    check_arrays(("params", p_leaves), ("updates", u_leaves), ("seed", seed))
     specs = _leaf_specs(shard_specs, params, treedef)
     layouts, global_shapes = _layouts(p_leaves, specs)
     present = [g for g in global_shapes if g is not None]
@@ -1139,6 +1139,8 @@ def _fused(
             ("params", p_leaves),
             ("grads", jax.tree_util.tree_leaves(grads)),
             ("state", jax.tree_util.tree_leaves(state)),
+            ("found_inf", found_inf),
+            ("inv_scale", inv_scale),
         )
         check_state(state, params)
         found_inf, inv_scale = scalar(found_inf, "found_inf"), scalar(inv_scale, "inv_scale")
