@@ -398,7 +398,18 @@ def case_errors():
         "grads[0]: on mesh": lambda: tx.step([b], tx.init([a]), [a]),
         "tree[1]: on mesh": lambda: sj.all_finite([a, b]),
     }
-    for message, call in calls.items():
+    # a key, found_inf or inv_scale committed elsewhere: before, jit's error naming srround's
+    # internals (_native_stochastic_round, _apply_narrow, fused_step)
+    key_b, flag_b = (jax.device_put(v, b.sharding.mesh.devices.flat[0]) for v in (KEY, 0.0))
+    f32 = a.astype(jnp.float32)
+    calls = list(calls.items()) + [
+        ("seed: on devices [4]", lambda: sj.stochastic_round(f32, seed=key_b)),
+        ("seed: on devices [4]", lambda: sj.stochastic_add(a, f32, seed=key_b)),
+        ("seed: on devices [4]", lambda: sj.apply_updates([a], [f32], key_b)),
+        ("found_inf: on devices [4]", lambda: tx.step([a], tx.init([a]), [a], found_inf=flag_b)),
+        ("inv_scale: on devices [4]", lambda: tx.step([a], tx.init([a]), [a], inv_scale=flag_b)),
+    ]
+    for message, call in calls:
         try:
             call()
         except ValueError as exc:

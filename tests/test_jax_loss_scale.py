@@ -294,3 +294,49 @@ def test_jmp_select_tree():
     assert select_tree(jnp.bool_(False), None, None) is None
     assert select_tree(jnp.bool_(True), a, b) == a
     assert select_tree(jnp.bool_(False), a, b) == b
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_scale_keeps_its_type_in_loops(dtype):
+    """jmp's README makes its scale in half precision (``jmp.half_dtype()(2 ** 15)``). The
+    scale is float32 (what ``scale``/``unscale`` multiply by), the trackers int32, whatever
+    arrays they were made with: before, ``adjust`` turned an fp16/bf16 scale (or an int16
+    tracker) into float32 (int32), and a ``lax.scan``/``lax.cond`` carrying the loss scale
+    failed on the changed type."""
+    ls = DynamicLossScale(
+        jnp.asarray(2.0**15, dtype), growth_tracker=jnp.int16(0), growth_interval=1
+    )
+    assert ls.loss_scale.dtype == jnp.float32 and ls.growth_tracker.dtype == jnp.int32
+    out, _ = jax.lax.scan(lambda s, _: (s.adjust(jnp.bool_(True)), None), ls, None, length=2)
+    assert float(out.loss_scale) == 2.0**17
+    skipped = jax.lax.cond(True, lambda s: s.adjust(jnp.bool_(False)), lambda s: s, ls)
+    assert float(skipped.loss_scale) == 2.0**14
+
+
+def test_float0_gradients_pass_through():
+    """``jax.grad(..., allow_int=True)`` gives ``float0`` gradients for integer leaves, which
+    support no arithmetic: ``scale``/``unscale`` return them as they are (before: JAX's
+    "Called multiply with a float0 array"; jmp fails the same way), ``all_finite`` counts
+    them as finite."""
+    params = {"w": jnp.ones(3, jnp.float32), "step": jnp.arange(2)}
+    grads = jax.grad(lambda p: p["w"].sum() * 4.0, allow_int=True)(params)
+    assert grads["step"].dtype == jax.dtypes.float0
+    for ls in (DynamicLossScale(jnp.float32(2.0)), StaticLossScale(2.0)):
+        out = ls.unscale(ls.scale(grads))
+        assert out["step"] is grads["step"]
+        np.testing.assert_array_equal(np.asarray(out["w"]), np.full(3, 4.0, np.float32))
+    assert bool(all_finite(grads))
+
+
+def test_scaling_under_strict_dtype_promotion():
+    """The documented promotion (a bf16/fp16/int leaf times the float32 scale is float32)
+    holds under ``jax.numpy_dtype_promotion("strict")`` too, where JAX refuses the implicit
+    bf16 x float32 promotion: it raised a TypePromotionError from srround's multiply."""
+    tree = {"h": jnp.float16(2.0), "b": jnp.ones(2, jnp.bfloat16), "i": jnp.int32(3)}
+    for ls in (DynamicLossScale(jnp.float32(2.0**16)), StaticLossScale(2.0**16)):
+        want = ls.scale(tree), ls.unscale(tree)
+        with jax.numpy_dtype_promotion("strict"):
+            got = ls.scale(tree), ls.unscale(tree)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert a.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -5,6 +5,7 @@ every mode and state dtype, with found_inf and inv_scale, are in tests/test_opti
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from types import SimpleNamespace
@@ -98,6 +99,43 @@ def test_apply_updates_matches_optax_structure_and_none_leaves():
     assert out["none"] is None and out["w"].dtype == jnp.bfloat16
     assert_same_bits(out["w"], np.full(5, 1.5, ml_dtypes.bfloat16))  # exact sums are not rounded
     assert_same_bits(out["b"], np.ones(3, np.float32))
+
+
+def test_apply_updates_python_scalar_updates_under_x64():
+    """A Python number as a bf16 leaf's update (optax broadcasts it) is a float32 update,
+    with or without ``jax_enable_x64``: under x64 it was refused as float64, and an int as a
+    non-float update."""
+    params = {"w": jnp.full(4, 0.5, jnp.bfloat16)}
+    want = sj.apply_updates(params, {"w": jnp.float32(1e-3)}, 3, step=1)
+    for update in (1e-3, 0):
+        with jax.enable_x64(True):
+            got = sj.apply_updates(params, {"w": update}, 3, step=1)
+        expected = want if update else params
+        assert_same_bits(got["w"], expected["w"])
+    with jax.enable_x64(True), pytest.raises(TypeError, match=r"updates\[0\]: .* got float64"):
+        sj.apply_updates(params, {"w": jnp.float64(1e-3)}, 3, step=1)
+
+
+@pytest.mark.parametrize("impl", APPLY_IMPLS)
+def test_apply_updates_gradient_is_straight_through(impl):
+    """``jax.grad`` through ``apply_updates`` is ``stochastic_add``'s straight-through
+    derivative on bf16/fp16 leaves (1 for the param and the update), so a loss of the new
+    params has optax's gradient there. Before, the bit operations gave 0 silently (native) and
+    the callback path raised (no differentiation rule for custom_partitioning)."""
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.linspace(-1, 1, 8).astype(jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
+    grads = {"w": jnp.full(8, 0.5, jnp.float32), "b": jnp.full(3, 0.25, jnp.float32)}
+
+    def loss(apply, lr, p):
+        new = apply(p, jax.tree.map(lambda g: -lr * g, grads))
+        return sum(jnp.sum(v.astype(jnp.float32) * 3) for v in jax.tree.leaves(new))
+
+    ours = functools.partial(sj.apply_updates, seed=1, step=1, impl=impl)
+    got = jax.jit(jax.grad(functools.partial(loss, ours), argnums=(0, 1)))(1e-3, params)
+    want = jax.grad(functools.partial(loss, optax.apply_updates), argnums=(0, 1))(1e-3, params)
+    assert float(got[0]) == float(want[0]) == -14.25
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert_same_bits(a, b)
 
 
 @pytest.mark.parametrize("impl", APPLY_IMPLS)
@@ -1013,3 +1051,43 @@ def test_fused_step_in_a_scanned_training_loop():
 
     for got, want in zip(run(sj.adamw(1e-2, seed=1)), run(sj.adamw(1e-2, seed=1, impl="native"))):
         assert_same_bits(np.atleast_1d(np.asarray(got)), np.atleast_1d(np.asarray(want)))
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_schedule_giving_an_unusable_lr_skips_the_step(opt):
+    """A learning rate known only at run time (a schedule's, an injected one) that is negative,
+    NaN or inf skips the step, on every impl, as an unusable ``inv_scale`` does. Before, the
+    host step (the CPU default) failed inside its host call and the native step wrote NaN
+    weights or stepped uphill."""
+    p = {"w": jnp.linspace(-1, 1, 8).astype(jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
+    g = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, x.dtype), p)
+    for impl in [None, *IMPLS]:
+        for bad in (np.nan, -1e-3, np.inf):
+            schedule = lambda count, bad=bad: jnp.where(count == 0, 0.1, bad)  # noqa: E731
+            tx = getattr(sj, opt)(schedule, seed=1, impl=impl)
+            state = tx.init(p)
+            p1, state = tx.step(g, state, p)
+            assert int(state.count) == 1
+            p2, state2 = tx.step(g, state, p1)
+            for a, b in zip(jax.tree.leaves((p2, state2)), jax.tree.leaves((p1, state))):
+                assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_fused_step_under_grad_is_a_clear_error(opt):
+    """The fused step writes rounded bits and has no derivative: ``jax.grad`` through
+    ``tx.step`` / ``tx.update`` is a ``TypeError`` that says what to use instead, on every
+    impl. Before, the native step gave a gradient of 0 silently and the host step raised
+    JAX's NotImplementedError for custom_partitioning."""
+    p = {"w": jnp.linspace(-1, 1, 8).astype(jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
+    g = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, jnp.float32), p)
+    for impl in [None, *IMPLS]:
+        tx = getattr(sj, opt)(1e-2, seed=1, impl=impl)
+
+        def loss(p, tx=tx):
+            return jnp.sum(tx.step(g, tx.init(p), p)[0]["b"])
+
+        with pytest.raises(TypeError, match="not differentiable.*apply_updates"):
+            jax.grad(loss)(p)
+        with pytest.raises(TypeError, match="not differentiable"):
+            jax.grad(lambda g, tx=tx: jnp.sum(tx.update(g, tx.init(p), p)[0]["b"]))(g)

@@ -205,28 +205,44 @@ def _key_words(seed):
 # -- gradients ------------------------------------------------------------------------------
 
 
-def _straight_through(fn, *args):
-    """``fn(*args)`` with the straight-through gradient: the derivative of a rounding is taken
-    as 1 (``E[SR(x)] = x``, so for stochastic rounding it is exactly the derivative of the
-    expected value), the tangent cast to the result's dtype. ``fn``'s bit operations would
-    otherwise give a gradient of 0, silently. For ``stochastic_add``, ``fn(w, u, alpha)``
-    gets the tangent ``dw + alpha * du + u * dalpha`` of ``w + alpha * u``."""
+def _straight_through(fn, diff, rest=(), tangent=lambda diff, d: d[0]):
+    """``fn(*diff, *rest)`` with the straight-through gradient: the derivative of a rounding
+    is taken as 1 (``E[SR(x)] = x``, so for stochastic rounding it is exactly the derivative
+    of the expected value), the tangent ``tangent(diff, d)`` of the unrounded value (default:
+    that of ``diff[0]``) cast to the result's dtype. ``fn``'s bit operations would otherwise
+    give a gradient of 0, silently. ``rest`` (a pytree: key words, block origin, step) is not
+    differentiated; it is passed, never closed over, as it may hold tracers of an inner trace
+    (``lax.scan``, ``jax.checkpoint``), which a closure would leak. Concrete inputs (an eager
+    call, not differentiated) skip the ``custom_jvp``, whose eager dispatch cost ~0.2 ms."""
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(diff)):
+        return fn(*diff, *rest)
 
     @jax.custom_jvp
-    def rounded(*primals):
-        return fn(*primals)
+    def rounded(diff, rest):
+        y = fn(*diff, *rest)
+        if not jax.sharding.get_abstract_mesh().manual_axes:
+            return y
+        # inside shard_map: typed as varying over the mesh axes of the unrounded value, as
+        # its tangent is (a host call's result is not typed so)
+        return _callback.varying_as(y, tangent(diff, diff))
 
     @rounded.defjvp
     def rounded_jvp(primals, tangents):
         y = rounded(*primals)
-        if len(primals) == 1:
-            return y, tangents[0].astype(y.dtype)
-        w, u, alpha = primals
-        dw, du, dalpha = tangents
-        t = dw.astype(jnp.float32) + alpha * du + u * dalpha
-        return y, t.astype(y.dtype)
+        t = jax.tree_util.tree_map(
+            lambda t, y: t.astype(y.dtype), tangent(primals[0], tangents[0]), y
+        )
+        return y, _callback.varying_as(t, y)
 
-    return rounded(*args)
+    return rounded(tuple(diff), tuple(rest))
+
+
+def _sum_tangent(diff, d):
+    """The tangent of ``w + alpha * u`` (``diff = (w, u, alpha)``): ``dw + alpha du + u
+    dalpha``."""
+    _, u, alpha = diff
+    dw, du, dalpha = d
+    return dw.astype(jnp.float32) + alpha * du + u * dalpha
 
 
 # -- the functional API ----------------------------------------------------------------------
@@ -299,11 +315,12 @@ def stochastic_round(
     saturate = saturate_flag(overflow)
     offset = check_offset(offset)
     x = _check_float32(x, "x")
+    check_arrays(("x", x), ("seed", seed))
     impl = _impl(impl, x)
     k0, k1 = _key_words(seed)
     origin, global_shape = _layout(x, shard_spec, "x")
 
-    def rounded(x):
+    def rounded(x, k0, k1, origin):
         if impl == "native":
             if x.size == 0:
                 return jnp.zeros(x.shape, _lax.result_dtype(fmt))
@@ -312,9 +329,10 @@ def stochastic_round(
 
         return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow, origin, global_shape)
 
+    rest = (_u(k0), _u(k1), origin)
     if not jnp.issubdtype(_lax.result_dtype(fmt), jnp.floating):  # packed fp4: no gradient
-        return rounded(x)
-    return _straight_through(rounded, x)
+        return rounded(x, *rest)
+    return _straight_through(rounded, (x,), rest)
 
 
 def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
@@ -335,7 +353,7 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
 
     if not jnp.issubdtype(_lax.result_dtype(fmt), jnp.floating):  # packed fp4: no gradient
         return rounded(x)
-    return _straight_through(rounded, x)
+    return _straight_through(rounded, (x,))
 
 
 def to_float32(y, *, dtype=None, impl=None, out=None):
@@ -353,7 +371,7 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
 
     if not jnp.issubdtype(y.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
         return widened(y)
-    return _straight_through(widened, y)  # exact: the derivative is 1
+    return _straight_through(widened, (y,))  # exact: the derivative is 1
 
 
 def stochastic_add(
@@ -376,13 +394,15 @@ def stochastic_add(
     Args:
         w: bf16/fp16 array (or uint16 patterns with ``dtype=``).
         u: float32 array of ``w``'s shape.
-        alpha: float32 scale of ``u`` (a Python number or a scalar array, may be traced).
+        alpha: float32 scale of ``u``: a real number or scalar array, finite, or a traced
+            scalar (an inf or NaN one, known at run time only, gives the IEEE sums: +-inf,
+            +qNaN, on both impls).
         seed, offset, overflow, impl, shard_spec: as ``stochastic_round``.
         dtype: the format of ``w`` when its dtype does not say it.
     """
     w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
     u = _check_float32(u, "u")
-    check_arrays(("w", w), ("u", u))
+    check_arrays(("w", w), ("u", u), ("seed", seed))
     if tuple(u.shape) != tuple(w.shape):
         raise ValueError(f"u: shape {tuple(u.shape)} does not match w's shape {tuple(w.shape)}")
     saturate = saturate_flag(overflow)
@@ -396,9 +416,14 @@ def stochastic_add(
         alpha = _as_jax(alpha, "alpha")
         if alpha.shape != ():
             raise ValueError(f"alpha: expected a scalar, got shape {alpha.shape}")
-        alpha = alpha.astype(jnp.float32)
+        if not any(jnp.issubdtype(alpha.dtype, kind) for kind in (jnp.integer, jnp.floating)):
+            raise TypeError(f"alpha: expected a real scalar, got dtype {alpha.dtype}")
+        if isinstance(alpha, jax.core.Tracer):  # its value is known at run time only
+            alpha = alpha.astype(jnp.float32)
+        else:  # a concrete array: checked as a number is
+            alpha = np.float32(_validate.real(float(alpha), "alpha"))
 
-    def added(w, u, alpha):
+    def added(w, u, alpha, k0, k1, origin):
         if impl == "native":
             if w.size == 0:
                 return w
@@ -408,9 +433,10 @@ def stochastic_add(
             w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
         )
 
+    rest = (_u(k0), _u(k1), origin)
     if not jnp.issubdtype(w.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
-        return added(w, u, alpha)
-    return _straight_through(added, w, u, jnp.asarray(alpha, jnp.float32))
+        return added(w, u, alpha, *rest)
+    return _straight_through(added, (w, u, jnp.asarray(alpha, jnp.float32)), rest, _sum_tangent)
 
 
 def quantize_blocks(
@@ -425,6 +451,7 @@ def quantize_blocks(
 
     bf = _blocks.get_block_format(format)
     x = _check_float32(x, "x")
+    check_arrays(("x", x), ("seed", seed))
     impl = _impl(impl, x)
     offset = check_offset(offset)
     if rounding not in ("stochastic", "nearest"):

@@ -365,10 +365,11 @@ def stochastic_add_leaves(
     def host(ah, h0, h1, th, *arrays):
         seed, base = _seed_of(h0, h1), int(th) << STEP_SHIFT
         targets, updates, where = arrays[:n], arrays[n : 2 * n], arrays[2 * n :]
+        add = _host("stochastic_add") if np.isfinite(ah) else _add_non_finite
         for w, uh, o, shape, name, offset in zip(targets, updates, where, shapes, names, offsets):
             flat_w, flat_u = w.reshape(-1), uh.reshape(-1)  # views: w is updated in place
             for lo, size, start in _runs(w.shape, o, shape):
-                _host("stochastic_add")(
+                add(
                     flat_w[lo : lo + size],
                     flat_u[lo : lo + size],
                     alpha=np.float32(ah),
@@ -402,6 +403,18 @@ def stochastic_add_leaves(
         leaf_of = (None,) * 4 + (*range(n), *range(n))
         out = _per_shard(body, leaf_of, *scalars, *ws, *us, result_leaves=tuple(range(n)))
     return [out] if n == 1 else list(out)
+
+
+def _add_non_finite(w, u, *, alpha, seed, offset, dtype, overflow):
+    """``srround.stochastic_add`` for a traced ``alpha`` that is inf or NaN (which it refuses),
+    as the native path computes it: every sum ``alpha * u + w`` is exact (+-inf, or a NaN as
+    +qNaN), then stochastically rounded in place."""
+    with np.errstate(invalid="ignore"):
+        total = alpha * u + _host("to_float32")(w, dtype=dtype)
+    total[np.isnan(total)] = np.float32(np.nan)
+    _host("stochastic_round")(
+        total, dtype=dtype, seed=seed, offset=offset, overflow=overflow, out=w
+    )
 
 
 _LANE_PIECE = 1 << 16  # positions per parallel piece of ``random_lanes``

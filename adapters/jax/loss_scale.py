@@ -5,14 +5,15 @@ and ``shard_map``.
 gradients by its float32 inverse, ``adjust(grads_finite)`` returns the next loss scale. As in jmp,
 every leaf is multiplied by a float32 scalar and promoted as JAX promotes: bf16/fp16/int leaves
 become float32 (scaling an fp16 loss by 2**16 cannot overflow, unscaled fp16 gradients keep values
-below fp16's range), float32 stays float32 and float64 (under ``jax_enable_x64``) float64. Every
+below fp16's range), float32 stays float32 and float64 (under ``jax_enable_x64``) float64;
+``float0`` leaves (``jax.grad(..., allow_int=True)`` of integer inputs) pass through. Every
 field survives ``tree_flatten``/``tree_unflatten``: the arrays are children, the settings are the
 (static) auxiliary data - so a ``min_scale`` is never lost (jmp's flatten drops it).
 
 Arguments after the scale are keyword-only: jmp's positional order ``(loss_scale, counter,
 period, factor)`` is a ``TypeError``, never a silent third order. ``grads_finite`` and
 ``select_tree``'s ``pred`` must be bool scalars (``ValueError``/``TypeError`` otherwise; jmp
-asserts). The scale itself must be a float scalar (a Python number becomes float32).
+asserts). The scale itself must be a float scalar (kept as float32, the trackers as int32).
 
 ``DynamicLossScale.adjust`` is ``srround.update_scale``'s rule, so its trajectory equals
 ``torch.amp.GradScaler``'s for ``hysteresis=1`` and ``min_scale=0`` - and jmp's for
@@ -54,7 +55,8 @@ def _is_placeholder(x) -> bool:
 
 
 def _float_scale(x, name: str):
-    """A float scalar scale: Python/NumPy numbers become float32, arrays are checked."""
+    """A float scalar scale as float32 (numbers and arrays of any float dtype: ``adjust``
+    computes in float32, and the scale keeps its type through loops and conditionals)."""
     if _is_placeholder(x):
         return x
     if isinstance(x, (bool, np.bool_)):
@@ -71,7 +73,7 @@ def _float_scale(x, name: str):
         )
     if np.ndim(x) != 0:
         raise ValueError(f"{name}: expected a scalar, got shape {tuple(np.shape(x))}")
-    return x
+    return x if dtype == jnp.float32 else x.astype(jnp.float32)
 
 
 def _bool_scalar(x, name: str):
@@ -100,12 +102,27 @@ def _int_scalar(x, name: str):
     dtype = getattr(x, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or np.ndim(x) != 0:
         raise TypeError(f"{name}: expected an int scalar, got {type(x).__name__} {dtype}")
-    return x
+    return x if dtype == jnp.int32 else x.astype(jnp.int32)  # as adjust computes it
 
 
-def _scale_tree(tree, factor):
-    """Every leaf times the float32 scalar ``factor``, promoted as JAX promotes (jmp's rule)."""
-    return jax.tree_util.tree_map(lambda x: x * factor, tree)
+def _is_float0(x) -> bool:
+    """A ``float0`` leaf (the gradient of an integer input): no arithmetic, kept as it is."""
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def _scale_tree(tree, factor, canonical=False):
+    """Every leaf times the float32 scalar ``factor``, promoted as JAX's standard promotion
+    does (jmp's rule), also where the user set ``jax_numpy_dtype_promotion="strict"``;
+    ``float0`` leaves as they are. ``canonical``: NaN products as +qNaN (``_canonical_nan``)."""
+
+    def scaled(x):
+        if _is_float0(x):
+            return x
+        with jax.numpy_dtype_promotion("standard"):
+            y = jnp.asarray(x * factor)
+        return _canonical_nan(y) if canonical else y
+
+    return jax.tree_util.tree_map(scaled, tree)
 
 
 def _canonical_nan(x):
@@ -119,11 +136,6 @@ def _canonical_nan(x):
     bits = lax.bitcast_convert_type(x, uint)
     magnitude = bits & uint.type((1 << (8 * dtype.itemsize - 1)) - 1)
     return lax.bitcast_convert_type(jnp.where(magnitude > inf, qnan, bits), dtype)
-
-
-def _unscale_tree(tree, factor):
-    """``_scale_tree`` with NaN products as +qNaN (``_canonical_nan``)."""
-    return jax.tree_util.tree_map(lambda x: _canonical_nan(jnp.asarray(x * factor)), tree)
 
 
 def _inverse(scale):
@@ -155,8 +167,8 @@ class DynamicLossScale:
         ls = ls.adjust(finite)
 
     Attributes:
-        loss_scale: float32 scalar (a Python number is converted; anything after it is
-            keyword-only).
+        loss_scale: float scalar, kept as float32 (a number or an array of any float dtype;
+            anything after it is keyword-only).
         growth_tracker: int32 scalar, clean steps since the last change (jmp's ``counter``).
         overflow_tracker: int32 scalar, consecutive overflows (for ``hysteresis``).
         growth_factor: float, the growth per ``growth_interval`` clean steps (jmp's ``factor``).
@@ -227,7 +239,7 @@ class DynamicLossScale:
     def unscale(self, tree):
         """``tree`` times the float32 ``1 / scale`` (leaves promoted as JAX promotes); a NaN
         product is +qNaN on every device."""
-        return _unscale_tree(tree, _inverse(self.loss_scale))
+        return _scale_tree(tree, _inverse(self.loss_scale), canonical=True)
 
     def adjust(self, grads_finite) -> DynamicLossScale:
         """The next loss scale after a step whose gradients were (not) all finite
@@ -292,7 +304,7 @@ class StaticLossScale:
     def unscale(self, tree):
         """``tree`` times the float32 ``1 / scale`` (leaves promoted as JAX promotes); a NaN
         product is +qNaN on every device."""
-        return _unscale_tree(tree, _inverse(self.loss_scale))
+        return _scale_tree(tree, _inverse(self.loss_scale), canonical=True)
 
     def adjust(self, grads_finite) -> StaticLossScale:
         """``self``: a static scale does not change (``grads_finite``: a bool scalar)."""

@@ -67,7 +67,8 @@ Implementations (``impl``):
 ``found_inf`` (a scalar; nonzero/True/NaN means skip): the step returns params and state
 unchanged (``lax.cond``), the step count included, with no host synchronisation. An array
 ``inv_scale`` that is not a positive finite float32 skips the step the same way, on both
-implementations (a Python float must be one: ``ValueError``).
+implementations (a Python float must be one: ``ValueError``), and so does a learning rate
+given at run time (a schedule's, an injected one) that is negative, NaN or inf.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ from jax.sharding import PartitionSpec
 from srround import _optim, _state8, _validate
 from srround._formats import FORMATS
 
-from ._api import _key_words, check_arrays
+from ._api import _key_words, _straight_through, check_arrays
 from ._callback import (
     _callback,
     _host,
@@ -276,16 +277,42 @@ def _apply_update(cfg, w, u, bits):
     return (_narrow_out(_encode(sums, fmt, False, bits(0)), w.dtype),)
 
 
-@functools.partial(jax.jit, static_argnames=("starts", "global_shapes", "host_bits"))
-def _native_apply(ws, us, k0, k1, t, origins, *, starts, global_shapes, host_bits):
-    """``SR(w + u)`` of the nonempty narrow leaves ``ws`` (leaf k at global element
-    ``starts[k]``): ``_apply_update`` leaf by leaf (``_native_leaves``). Jitted: an eager
-    call is one compiled program, under an outer ``jit`` it is inlined."""
-    layouts = [None if o is None else (o, g) for o, g in zip(origins, global_shapes)]
-    outs = _native_leaves(
-        _apply_update, None, (ws, us), starts, k0, k1, t, layouts=layouts, host_bits=host_bits
+@functools.partial(
+    jax.jit, static_argnames=("impl", "names", "starts", "global_shapes", "host_bits")
+)
+def _apply_narrow(ws, us, k0, k1, t, origins, *, impl, names, starts, global_shapes, host_bits):
+    """``SR(w + u)`` of the nonempty narrow leaves ``ws`` (formats ``names``, leaf k at global
+    element ``starts[k]``): native, ``_apply_update`` leaf by leaf (``_native_leaves``), or one
+    host call for them all (per shard under ``jit``); with ``stochastic_add``'s
+    straight-through gradient ``dp + du``. Jitted: an eager call is one compiled program,
+    under an outer ``jit`` it is inlined."""
+
+    def added(ws, us, k0, k1, t, origins):
+        if impl == "native":
+            layouts = [None if o is None else (o, g) for o, g in zip(origins, global_shapes)]
+            outs = _native_leaves(
+                _apply_update,
+                None,
+                (ws, us),
+                starts,
+                k0,
+                k1,
+                t,
+                layouts=layouts,
+                host_bits=host_bits,
+            )
+            return [o[0] for o in outs]
+        fmts = [FORMATS[name] for name in names]
+        return stochastic_add_leaves(
+            ws, us, 1.0, fmts, k0, k1, list(starts), "inf", origins, list(global_shapes), step=t
+        )
+
+    return _straight_through(
+        added,
+        (ws, us),
+        (k0, k1, t, origins),
+        lambda diff, d: [dw.astype(jnp.float32) + du for dw, du in zip(*d)],
     )
-    return [o[0] for o in outs]
 
 
 def _is_spec(x) -> bool:
@@ -329,7 +356,8 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
     Args:
         params: a pytree of arrays (``None`` leaves are kept, as optax does).
         updates: a pytree of the same structure; each leaf broadcasts to its param's shape as
-            in optax (a scalar update too); float32/bf16/fp16 (exactly widened to float32).
+            in optax (a scalar update too); float32/bf16/fp16 (exactly widened to float32) or
+            a Python number (float32, also under ``jax_enable_x64``).
         seed: a JAX PRNG key or an int in [0, 2**64). With ``step=None`` pass a fresh key
             every step (``jax.random.fold_in(key, step)``): the same key gives the same noise.
         step: ``None``, or the 1-based step (int or traced int scalar, < 2**26): leaf ``k``
@@ -348,7 +376,8 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         the new params (same shapes, dtypes and shardings): bf16/fp16 leaves ``SR(p + u)``
         (``stochastic_add(p, u, offset=...)`` with ``offset = starts[k]`` or
         ``step * 2**36 + starts[k]``, ``starts[k]`` the global element where leaf k starts),
-        other leaves ``(p + u).astype(p.dtype)`` as optax.
+        other leaves ``(p + u).astype(p.dtype)`` as optax. Under ``jax.grad`` the derivative
+        is optax's (``dp + du``; straight-through for the rounding, as ``stochastic_add``).
 
     Raises:
         ValueError: an update that does not broadcast to its param's shape, a deleted
@@ -367,7 +396,7 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         u_leaves = treedef.flatten_up_to(updates)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"updates: not the structure of params: {exc}") from None
-    check_arrays(("params", p_leaves), ("updates", u_leaves))
+    check_arrays(("params", p_leaves), ("updates", u_leaves), ("seed", seed))
     specs = _leaf_specs(shard_specs, params, treedef)
     layouts, global_shapes = _layouts(p_leaves, specs)
     present = [g for g in global_shapes if g is not None]
@@ -388,6 +417,8 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         if name is None:
             out[k] = jnp.asarray(p + u).astype(p.dtype)
             continue
+        if isinstance(u, (int, float)) and not isinstance(u, bool):  # float32, also under x64
+            u = np.float32(u)
         u = jnp.asarray(u)
         if not jnp.issubdtype(u.dtype, jnp.floating) or jnp.dtype(u.dtype).itemsize > 4:
             raise TypeError(
@@ -410,33 +441,19 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
             out[k] = p
             continue
         narrow.append((k, p, u, name))
-    if impl == "native" and narrow:
-        results = _native_apply(
+    if narrow:
+        results = _apply_narrow(
             [p for _, p, _, _ in narrow],
             [u for _, _, u, _ in narrow],
             _u(k0),
             _u(k1),
             jnp.asarray(t, jnp.int32),
             [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
+            impl=impl,
+            names=tuple(name for *_, name in narrow),
             starts=tuple(starts[k] for k, *_ in narrow),
             global_shapes=tuple(None if layouts[k] is None else layouts[k][1] for k, *_ in narrow),
             host_bits=host_bits,
-        )
-        for (k, *_), r in zip(narrow, results):
-            out[k] = r
-    elif narrow:  # callback: one host call for the tree, per shard under jit
-        results = stochastic_add_leaves(
-            [p for _, p, _, _ in narrow],
-            [u for _, _, u, _ in narrow],
-            1.0,
-            [FORMATS[name] for *_, name in narrow],
-            k0,
-            k1,
-            [starts[k] for k, *_ in narrow],
-            "inf",
-            [None if layouts[k] is None else layouts[k][0] for k, *_ in narrow],
-            [None if layouts[k] is None else layouts[k][1] for k, *_ in narrow],
-            step=t,
         )
         for (k, *_), r in zip(narrow, results):
             out[k] = r
@@ -1038,6 +1055,10 @@ def _fused(
         if inv_scale is not None:  # both impls: an unusable scale skips, as found_inf does
             unusable = ~_scale_usable(inv_scale)
             skip = unusable if skip is None else skip | unusable
+        if callable(lr):  # a schedule's or an injected lr, known at run time: likewise
+            lr_t = lr_at(state.count)
+            unusable = ~(jnp.isfinite(lr_t) & (lr_t >= 0))
+            skip = unusable if skip is None else skip | unusable
         if skip is None:
             return compute(grads, state, params, inv_scale)
         return lax.cond(
@@ -1046,7 +1067,21 @@ def _fused(
             lambda: compute(grads, state, params, inv_scale),
         )
 
-    jitted = jax.jit(step)  # an eager call is one compiled program; inlined under an outer jit
+    @jax.custom_jvp
+    def fused_step(grads, state, params, found_inf, inv_scale):
+        """``step``, refused under differentiation (its bit operations would give 0)."""
+        return step(grads, state, params, found_inf=found_inf, inv_scale=inv_scale)
+
+    @fused_step.defjvp
+    def fused_step_jvp(primals, tangents):
+        raise TypeError(
+            f"{kind} (srround): tx.step and tx.update are not differentiable (the fused step"
+            f" writes rounded bits); to differentiate through an update, use optax.{kind} and"
+            " srround.adapters.jax.apply_updates (straight-through)"
+        )
+
+    # an eager call is one compiled program; inlined under an outer jit
+    jitted = jax.jit(fused_step)
 
     @functools.lru_cache(maxsize=16)
     def expected_state(treedef, avals):
@@ -1104,12 +1139,14 @@ def _fused(
             ("params", p_leaves),
             ("grads", jax.tree_util.tree_leaves(grads)),
             ("state", jax.tree_util.tree_leaves(state)),
+            ("found_inf", found_inf),
+            ("inv_scale", inv_scale),
         )
         check_state(state, params)
         found_inf, inv_scale = scalar(found_inf, "found_inf"), scalar(inv_scale, "inv_scale")
         if isinstance(inv_scale, (int, float, np.generic)):  # an array is checked in the step
             inv_scale = _validate.inv_scale(inv_scale)
-        return jitted(grads, state, params, found_inf=found_inf, inv_scale=inv_scale)
+        return jitted(grads, state, params, found_inf, inv_scale)
 
     def update(updates, state, params=None, **extra_args):
         if params is None:
