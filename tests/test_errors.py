@@ -120,3 +120,22 @@ def test_fused_step_reads_read_only_grads_and_rejects_read_only_params(optimizer
     locked.flags.writeable = False
     with pytest.raises(ValueError, match=r"params\[0\]: is read-only"):
         step([grad], [locked])
+
+
+def test_numpy_scalars_are_refused_where_written_or_listed():
+    """A NumPy scalar is immutable: as ``out``, an in-place target or an element of a tensor
+    list it was converted to a temporary array - the result went to that copy (the caller's
+    scalar unchanged) or, in a list, the kernel got the address of a freed temporary."""
+    bf16, one = ml_dtypes.bfloat16, np.ones((), np.float32)
+    cases = [
+        ("out", lambda: srround.to_float32(np.float16(1.5), out=np.float32(0))),
+        ("w", lambda: srround.stochastic_add(bf16(1), np.float32(1), seed=0)),
+        (r"grads\[0\]", lambda: srround.unscale_and_check([np.float32(4)], 0.5)),
+        ("scale", lambda: srround.update_scale(np.float32(2), np.zeros((), np.int32), one)),
+        (r"params\[0\]", lambda: srround.sgd_step(np.float32(1), one, lr=0.1, step=1)),
+        (r"grads\[0\]", lambda: srround.sgd_step(one.copy(), np.float32(1), lr=0.1, step=1)),
+    ]
+    for name, call in cases:
+        with pytest.raises(TypeError, match=rf"^{name}: a NumPy scalar"):
+            call()
+    assert srround.round_nearest(np.float32(1.5)).shape == ()  # read-only inputs are fine
