@@ -414,10 +414,15 @@ def _check_one_type(arrays, name, reference, reference_name):
             adapter_for(**{reference_name: reference, f"{name}[{i}]": a})
 
 
-def _as_list(arrays, name, count=None):
+def _as_list(arrays, name, count=None, *, whole=False):
+    """``arrays`` as a list of ``count`` entries; ``whole``: every entry an array (a ``None``
+    would reach the kernel as address 0)."""
     arrays = list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
     if count is not None and len(arrays) != count:
         raise ValueError(f"{name}: expected {count} arrays (one per parameter), got {len(arrays)}")
+    missing = next((i for i, a in enumerate(arrays) if a is None), None) if whole else None
+    if missing is not None:
+        raise ValueError(f"{name}[{missing}]: missing (None); expected one array per parameter")
     return arrays
 
 
@@ -448,7 +453,7 @@ def _fused_step(
     if not params:
         raise ValueError("params: expected at least one array")
     count = len(params)
-    grads = _as_list(grads, "grads", count)
+    grads = _as_list(grads, "grads", count, whole=True)
     extra = {
         n: v
         for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf), ("step", step))
@@ -462,11 +467,16 @@ def _fused_step(
         )
     _check_one_type(params, "params", params[0], "params[0]")
     _check_one_type(grads, "grads", params[0], "params[0]")
-    states = [(label, None if a is None else _as_list(a, label, count)) for label, a in states]
+    states = [
+        (label, None if a is None else _as_list(a, label, count, whole=True)) for label, a in states
+    ]
     if aux is not None and _plan.needs_aux(mode):
         aux = _as_list(aux, "aux", count)
     if scales is not None:
-        scales = [(label, None if a is None else _as_list(a, label, count)) for label, a in scales]
+        scales = [
+            (label, None if a is None else _as_list(a, label, count, whole=True))
+            for label, a in scales
+        ]
     noise = None
     if stream_starts is not None:
         if scales is not None and any(a is not None for _, a in scales):
@@ -570,6 +580,9 @@ def adamw_step(
             start plus the piece's first flat index. Not with fp8 states (their blocks).
     """
     lr, beta1, beta2, eps, weight_decay = _validate.adamw(lr, betas, eps, weight_decay)
+    for label, states in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        if states is None:
+            raise ValueError(f"{label}: needed (one state array per parameter)")
     _fused_step(
         _optim.ADAMW,
         (lr, beta1, beta2, eps, weight_decay),

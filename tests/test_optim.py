@@ -184,6 +184,30 @@ def test_bad_arguments_name_themselves():
         srround.sgd_step(params, grads, lr=0.1, momentum=0.9, step=1)
 
 
+def test_missing_buffers_are_refused_before_the_step():
+    """A None gradient or state used to reach the kernel as address 0: a segmentation fault,
+    or AdamW without its first moment / SGD without momentum, silently."""
+    params, grads, m, v = _problem()
+    before = [b.copy() for b in _bits(params)]
+    cases = [
+        (r"grads\[1\]", lambda: srround.sgd_step(params, [grads[0], None, grads[2]], m, **sgd)),
+        ("exp_avgs", lambda: srround.adamw_step(params, grads, None, v, **good)),
+        ("exp_avg_sqs", lambda: srround.adamw_step(params, grads, m, None, **good)),
+        (r"exp_avgs\[2\]", lambda: srround.adamw_step(params, grads, [*m[:2], None], v, **good)),
+        (r"momentum_buffers\[0\]", lambda: srround.sgd_step(params, grads, [None] * 3, **sgd)),
+        (r"exp_avg_scales\[0\]", lambda: srround.adamw_step(params, grads, m8, v8, **fp8)),
+    ]
+    m8 = [np.zeros(n, ml_dtypes.float8_e4m3fn) for n in SIZES]
+    v8 = [a.copy() for a in m8]
+    scales = [np.zeros(1, np.float32) for _ in SIZES]
+    fp8 = dict(exp_avg_scales=[None, *scales[1:]], exp_avg_sq_scales=scales, step=1, **HYPER)
+    good, sgd = dict(step=1, seed=0, **HYPER), dict(lr=0.1, momentum=0.9, step=1, seed=0)
+    for name, call in cases:
+        with pytest.raises((TypeError, ValueError), match=f"^{name}: "):
+            call()
+    assert all(np.array_equal(a, b) for a, b in zip(_bits(params), before))
+
+
 @pytest.mark.cuda
 def test_cuda_check_grads_flags_any_non_finite(small_cuda_launch):
     """``FusedStep.check_grads`` on CUDA (the torch GradScaler's check through the cached table;
