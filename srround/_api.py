@@ -380,6 +380,14 @@ def update_scale(
         growth_tracker=trackers[0],
         overflow_tracker=trackers[1],
     )
+    _validate.no_overlap(
+        [
+            _span("scale", scale_view, True),
+            _span("found_inf", found_view, False),
+            _span("growth_tracker", trackers[0], True),
+            _span("overflow_tracker", trackers[1], True),
+        ]
+    )
     factors = (
         np.float32(growth_factor),
         np.float32(backoff_factor),

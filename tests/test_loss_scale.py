@@ -183,6 +183,18 @@ def test_errors():
         srround.unscale_and_check([ro], 0.5)
 
 
+def test_update_scale_refuses_shared_memory():
+    """One array as both trackers, or a scale sharing memory with its flags: the update reads
+    and writes them element by element, so the counts and the scale went wrong silently."""
+    scale, found = np.float32([8.0]), np.float32([0.0])
+    tracker = np.zeros(1, np.int32)
+    with pytest.raises(ValueError, match=r"^overflow_tracker: shares memory with growth_tracker"):
+        srround.update_scale(scale, tracker, found, overflow_tracker=tracker, hysteresis=2)
+    with pytest.raises(ValueError, match=r"^found_inf: shares memory with scale"):
+        srround.update_scale(scale, tracker, scale, growth_interval=1)
+    assert scale[0] == 8.0 and tracker[0] == 0
+
+
 def test_cuda_reuses_the_device_table_of_a_gradient_list(small_cuda_launch):
     """On CUDA the tensor list's table is copied to the device once per list (``_cuda``'s
     cache, the last few lists): the same list again reuses the copy, another list gets its own,
