@@ -183,6 +183,20 @@ def test_errors():
         srround.unscale_and_check([ro], 0.5)
 
 
+def test_max_scale_and_backoff_must_hold_in_float32():
+    """The bound and factors are applied in float32: 1e-50 became 0 there (the next growth or
+    backoff set the scale to 0), a max_scale of 1e39 a cast-overflow warning."""
+    args = np.float32([8.0]), np.zeros(1, np.int32), np.float32([0.0])
+    with pytest.raises(ValueError, match=r"^max_scale: 1e-50 rounds to 0 in float32"):
+        srround.update_scale(*args, growth_interval=1, max_scale=1e-50)
+    with pytest.raises(ValueError, match=r"^max_scale: 1e\+39 overflows float32.*inf"):
+        srround.update_scale(*args, growth_interval=1, max_scale=1e39)
+    with pytest.raises(ValueError, match=r"^backoff_factor: 1e-50 rounds to 0 in float32"):
+        srround.update_scale(*args, backoff_factor=1e-50)
+    srround.update_scale(*args, growth_interval=1, max_scale=np.inf)
+    assert args[0][0] == 16.0
+
+
 def test_update_scale_refuses_shared_memory():
     """One array as both trackers, or a scale sharing memory with its flags: the update reads
     and writes them element by element, so the counts and the scale went wrong silently."""
