@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 import zipfile
@@ -149,6 +150,14 @@ def _safetensors(path: str) -> list[Entry]:
         start, end = (int(o) for o in info["data_offsets"])
         if not 0 <= start <= end <= size - base:
             raise ValueError(f"{name}: data offsets {start}..{end} outside the file")
+        if dtype in _SAFETENSORS_DTYPES.values() and (
+            min(shape, default=0) < 0
+            or math.prod(shape) * _numpy_dtype(dtype).itemsize != end - start
+        ):
+            raise ValueError(
+                f"{name}: shape {list(shape)} of {dtype} does not fit its data offsets"
+                f" {start}..{end} ({end - start} bytes)"
+            )
 
         def read(start=start, end=end, dtype=dtype, name=name):
             np_dtype = _numpy_dtype(dtype)

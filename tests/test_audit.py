@@ -506,3 +506,17 @@ def test_cli_torch_update_lacking_tensors(checkpoints, tmp_path):
     report = json.loads(result.stdout)
     assert report["missing_updates"] == ["model.layer.bias"]
     assert report["overall"]["stagnation"]["updates"] == 4
+
+
+def test_cli_safetensors_shape_must_match_its_data(tmp_path):
+    """A header whose shape disagrees with its byte range (a negative dimension, or more
+    elements than bytes) was audited as -4 or 10,000 weights from the 4 stored values."""
+    import struct
+
+    for shape in ([-4], [100, 100], [3]):
+        header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 16]}})
+        path = tmp_path / "lie.safetensors"
+        path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(16))
+        result = _cli("audit", str(path), "--json")
+        assert result.returncode == 2 and not result.stdout, shape
+        assert f"w: shape {shape} of float32" in result.stderr
