@@ -7,6 +7,7 @@ or reads one tensor at a time, so memory stays near the largest tensor whatever 
   ``np.memmap`` of its byte range (no copy; unmapped when dropped);
 * ``.npy``: one tensor, ``np.load(mmap_mode="r")``;
 * ``.npz``: member headers first, then one member at a time (decompressed if compressed);
+  big-endian ``.npy``/``.npz`` tensors are converted to the machine's byte order;
 * torch ``.pt``/``.pth``/``.bin``: ``torch.load(weights_only=True, mmap=True)`` (a legacy,
   non-zip file is loaded whole); nested dicts and lists are flattened to dotted names.
 """
@@ -170,6 +171,11 @@ def _safetensors(path: str) -> list[Entry]:
     return entries
 
 
+def _native(array: np.ndarray) -> np.ndarray:
+    """``array`` in the machine's byte order (a big-endian file's tensor: a converted copy)."""
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+
+
 def _npz(path: str) -> list[Entry]:
     entries = []
     with zipfile.ZipFile(path) as archive:
@@ -187,7 +193,7 @@ def _npz(path: str) -> list[Entry]:
 
             def read(member=info.filename):
                 with zipfile.ZipFile(path) as z, z.open(member) as f:
-                    return np.lib.format.read_array(f, allow_pickle=False).reshape(-1)
+                    return _native(np.lib.format.read_array(f, allow_pickle=False).reshape(-1))
 
             entries.append(Entry(info.filename[:-4], tuple(shape), dtype.name, read))
     return entries
@@ -196,7 +202,7 @@ def _npz(path: str) -> list[Entry]:
 def _npy(path: str) -> list[Entry]:
     array = np.load(path, mmap_mode="r", allow_pickle=False)
     name = os.path.splitext(os.path.basename(path))[0]
-    return [Entry(name, array.shape, array.dtype.name, lambda: array.reshape(-1))]
+    return [Entry(name, array.shape, array.dtype.name, lambda: _native(array.reshape(-1)))]
 
 
 def torch_numpy(tensor):

@@ -520,3 +520,20 @@ def test_cli_safetensors_shape_must_match_its_data(tmp_path):
         result = _cli("audit", str(path), "--json")
         assert result.returncode == 2 and not result.stdout, shape
         assert f"w: shape {shape} of float32" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["npy", "npz"])
+def test_cli_big_endian_arrays_are_audited(tmp_path, kind):
+    """NumPy files written big-endian hold valid weights: they are audited as the native ones
+    (they were refused as 'weights: expected a float32 ... array, got >f4')."""
+    w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    reports = []
+    for order in ("<", ">"):
+        path = tmp_path / f"w{order == '>'}.{kind}"
+        data = w.astype(order + "f4")
+        np.save(path, data) if kind == "npy" else np.savez(path, w=data)
+        result = _cli("audit", str(path), "--json")
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        reports.append([(r["shape"], r["stored"], r["stagnation"]) for r in report["tensors"]])
+    assert reports[0] == reports[1]
