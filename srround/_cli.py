@@ -67,6 +67,12 @@ def _check_demo_args(args) -> str | None:
                 jax.devices("gpu")
             except RuntimeError:
                 return "--device: cuda requested, but jax sees no GPU here"
+    try:  # before training: a plot that cannot be written would end the run with a traceback
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as error:
+        return f"--out: {args.out!r} cannot be a folder ({error.strerror})"
+    if not os.access(args.out, os.W_OK | os.X_OK):
+        return f"--out: {args.out!r} is not a writable folder"
     args.framework = framework
     return None
 
@@ -127,7 +133,6 @@ def _demo(args) -> int:
     else:
         print(demo.format_table(result))
     notes = sys.stderr if args.json else sys.stdout
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, png)
     if demo.plot(result, path):
         print(f"loss curves: {path}", file=notes)
