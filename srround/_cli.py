@@ -340,7 +340,16 @@ def _bench(args) -> int:
         return 2
     scripts = sorted(folder.glob("bench_*.py"))
     if args.only:
-        scripts = [p for p in scripts if any(name in p.stem for name in args.only)]
+        chosen = [p for p in scripts if any(name in p.stem for name in args.only)]
+        if not chosen:
+            print(
+                f"srround bench: error: --only: no benchmark matches"
+                f" {', '.join(map(repr, args.only))}; the benchmarks are"
+                f" {', '.join(p.stem for p in scripts)}",
+                file=sys.stderr,
+            )
+            return 2
+        scripts = chosen
     status = 0
     for script in scripts:
         print(f"== {script.name} ==", flush=True)
