@@ -102,6 +102,19 @@ def test_per_tensor_flags_and_scales():
     assert list(again) == [1.0]
 
 
+def test_per_tensor_with_one_array_scale_shares_it(writable_backend):
+    """``per_tensor=True`` takes an array of 1 value (one scale, a flag per tensor): the kernels
+    read the scale of tensor k at index k, past the end of that array (garbage scales)."""
+    host = [np.full(3, 8.0, np.float32), np.array([8.0, np.inf], np.float16), np.full(2, 8.0)]
+    host[2] = host[2].astype(ml_dtypes.bfloat16)
+    grads = [writable_backend.put(g) for g in host]
+    found = srround.unscale_and_check(
+        grads, writable_backend.put(np.float32([0.5])), per_tensor=True
+    )
+    assert list(writable_backend.get(found)) == [0.0, 1.0, 0.0]
+    assert [float(writable_backend.get(g)[0]) for g in grads] == [4.0, 4.0, 4.0]
+
+
 def test_scale_trajectory_matches_torch_gradscaler():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
