@@ -177,25 +177,27 @@ def _native(array: np.ndarray) -> np.ndarray:
 
 
 def _npz(path: str) -> list[Entry]:
+    """The members of one archive, opened once (its central directory is parsed on opening:
+    once per member would be quadratic in the members); closed when the entries are dropped."""
     entries = []
-    with zipfile.ZipFile(path) as archive:
-        for info in archive.infolist():
-            if not info.filename.endswith(".npy"):
-                continue
-            with archive.open(info) as f:
-                version = np.lib.format.read_magic(f)
-                read_header = (
-                    np.lib.format.read_array_header_1_0
-                    if version == (1, 0)
-                    else np.lib.format.read_array_header_2_0
-                )
-                shape, _, dtype = read_header(f)
+    archive = zipfile.ZipFile(path)
+    for info in archive.infolist():
+        if not info.filename.endswith(".npy"):
+            continue
+        with archive.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read_header(f)
 
-            def read(member=info.filename):
-                with zipfile.ZipFile(path) as z, z.open(member) as f:
-                    return _native(np.lib.format.read_array(f, allow_pickle=False).reshape(-1))
+        def read(member=info):
+            with archive.open(member) as f:
+                return _native(np.lib.format.read_array(f, allow_pickle=False).reshape(-1))
 
-            entries.append(Entry(info.filename[:-4], tuple(shape), dtype.name, read))
+        entries.append(Entry(info.filename[:-4], tuple(shape), dtype.name, read))
     return entries
 
 

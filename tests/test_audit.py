@@ -537,3 +537,21 @@ def test_cli_big_endian_arrays_are_audited(tmp_path, kind):
         report = json.loads(result.stdout)
         reports.append([(r["shape"], r["stored"], r["stagnation"]) for r in report["tensors"]])
     assert reports[0] == reports[1]
+
+
+def test_npz_archive_is_opened_once(tmp_path, monkeypatch):
+    """Each member was read through a new ZipFile, which parses the whole central directory:
+    quadratic in the members (a 3000-member .npz took 40 s, its safetensors twin 1 s)."""
+    import zipfile
+
+    np.savez(tmp_path / "many.npz", **{f"l{i}.weight": np.ones(4, np.float32) for i in range(50)})
+    opened = []
+
+    class Counting(zipfile.ZipFile):
+        def __init__(self, *args, **kwargs):
+            opened.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(zipfile, "ZipFile", Counting)
+    report = audit.audit_checkpoint(str(tmp_path / "many.npz"))
+    assert len(report["tensors"]) == 50 and len(opened) == 1
