@@ -451,7 +451,12 @@ def main(argv=None) -> int:
     bench.add_argument("--only", nargs="*", help="run only scripts whose name contains these")
     bench.set_defaults(run=_bench)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # the reader went away (``srround audit ... | head``)
+        # the interpreter flushes stdout at exit: into /dev/null, not the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

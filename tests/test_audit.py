@@ -555,3 +555,19 @@ def test_npz_archive_is_opened_once(tmp_path, monkeypatch):
     monkeypatch.setattr(zipfile, "ZipFile", Counting)
     report = audit.audit_checkpoint(str(tmp_path / "many.npz"))
     assert len(report["tensors"]) == 50 and len(opened) == 1
+
+
+def test_cli_output_into_a_closed_pipe_is_no_traceback(tmp_path):
+    """`srround audit ... | head -1`: the reader goes away, and the next write of the report
+    ended in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    np.savez(tmp_path / "many.npz", **{f"l{i}.weight": np.ones(4, np.float32) for i in range(3000)})
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    command = [sys.executable, "-m", "srround", "audit", str(tmp_path / "many.npz"), "--all"]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        assert p.stdout.readline().startswith(str(tmp_path / "many.npz").encode())
+        p.stdout.close()  # the report is far larger than the pipe's buffer
+        err = p.stderr.read().decode()
+    assert p.returncode == 1 and "Traceback" not in err, err
