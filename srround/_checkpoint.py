@@ -271,11 +271,19 @@ def open_checkpoint(path: str) -> list[Entry]:
     """The tensors of the checkpoint at ``path`` (every dtype), in file order, unread.
 
     Raises:
-        CheckpointError: no such file, an unknown extension, a missing reader library or a
-            file its library cannot read.
+        CheckpointError: no such file, a folder, an unknown extension, a missing reader
+            library or a file its library cannot read.
     """
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
+    if os.path.isdir(path):
+        try:
+            names = os.listdir(path)
+        except OSError:  # an unreadable folder: named without its files
+            names = []
+        inside = sorted(n for n in names if os.path.splitext(n)[1].lower() in FORMATS)
+        found = f" (here: {', '.join(inside)})" if inside else ""
+        raise CheckpointError(f"{path}: is a folder; pass one checkpoint file{found}")
     kind = FORMATS.get(os.path.splitext(path)[1].lower())
     if kind is None:
         raise CheckpointError(

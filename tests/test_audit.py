@@ -472,6 +472,21 @@ def test_bench_audit_smoke(tmp_path, minilm_like):
     assert all(r["copy_GBps"] > 0 for r in rows[3:])
 
 
+def test_cli_directory_is_named_as_one(tmp_path):
+    """A model folder was 'an unknown checkpoint format' (a `.safetensors` one 'not a readable
+    safetensors file ([Errno 21] ...)'); the error says it is a folder and names its files."""
+    model = tmp_path / "model.safetensors"  # a folder named like a file, as some tools write
+    model.mkdir()
+    np.save(model / "b.npy", np.ones(2, np.float32))
+    np.save(model / "a.npy", np.ones(2, np.float32))
+    (model / "notes.txt").write_text("")
+    for path in (model, tmp_path):
+        result = _cli("audit", str(path))
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert f"error: {path}: is a folder; pass one checkpoint file" in result.stderr
+    assert "a.npy, b.npy" in _cli("audit", str(model)).stderr
+
+
 def test_cli_npy_and_corrupt_safetensors(tmp_path):
     np.save(tmp_path / "emb.npy", np.full((3, 5), 0.5, np.float16))
     report = json.loads(_cli("audit", str(tmp_path / "emb.npy"), "--json").stdout)
