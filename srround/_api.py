@@ -489,6 +489,8 @@ def _fused_step(
     if stream_starts is not None:
         if scales is not None and any(a is not None for _, a in scales):
             raise ValueError("stream_starts: not with fp8 states (their blocks span the params)")
+        if isinstance(stream_starts, np.ndarray):  # NumPy ints (np.cumsum's): their list
+            stream_starts = stream_starts.tolist()
         noise = _as_list(stream_starts, "stream_starts", count)
         noise = [
             _validate.integer(s, f"stream_starts[{i}]", low=0, high=1 << _optim.STREAM_SHIFT)
@@ -583,9 +585,10 @@ def adamw_step(
             ``ceil(size / srround.STATE_BLOCK)`` block scales per param (zeros before the first
             step), updated in place.
         stream_starts: per param, the position of its element 0 in the step's random stream
-            (ints in [0, 2**34)); default: the prefix sums of the sizes. A tensor updated in
-            pieces (shards) gets the bits of the whole when each piece starts at the tensor's
-            start plus the piece's first flat index. Not with fp8 states (their blocks).
+            (ints in [0, 2**34), a list or a NumPy array); default: the prefix sums of the
+            sizes. A tensor updated in pieces (shards) gets the bits of the whole when each
+            piece starts at the tensor's start plus the piece's first flat index. Not with fp8
+            states (their blocks).
     """
     lr, beta1, beta2, eps, weight_decay = _validate.adamw(lr, betas, eps, weight_decay)
     for label, states in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):

@@ -308,6 +308,21 @@ def test_stream_starts_errors():
     srround.sgd_step(empty, [np.ones(0, np.float32), g], stream_starts=[1, 0], **kw)
 
 
+def test_stream_starts_as_a_numpy_array():
+    """The starts as NumPy ints (np.cumsum's result) are the list of them; before, the array
+    was taken as one entry: 'stream_starts: expected 2 arrays (one per parameter), got 1'."""
+    sizes = [3, 5]
+    steps = []
+    for starts in ([7, 10], np.cumsum([7, 3])):
+        params = [np.full(n, 0.3, ml_dtypes.bfloat16) for n in sizes]
+        grads = [np.full(n, 1e-3, np.float32) for n in sizes]
+        srround.sgd_step(params, grads, lr=0.1, step=1, seed=4, stream_starts=starts)
+        steps.append([p.view(np.uint16).tolist() for p in params])
+    assert steps[0] == steps[1]
+    with pytest.raises(TypeError, match=r"^stream_starts\[0\]: expected an int, got 7.0"):
+        srround.sgd_step(params, grads, lr=0.1, step=1, stream_starts=np.float32([7, 10]))
+
+
 def test_stream_starts_not_with_fp8_states():
     p, g = np.ones(4, ml_dtypes.bfloat16), np.ones(4, np.float32)
     m, v = np.zeros(4, ml_dtypes.float8_e4m3fn), np.zeros(4, ml_dtypes.float8_e4m3fn)
