@@ -99,7 +99,6 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
         return own(x, dtype=dtype, seed=seed, offset=offset, out=out, overflow=overflow)
     fmt = get_format(dtype)
     saturate = saturate_flag(overflow)
-    k0, k1 = _key(seed)
     offset = check_offset(offset)
     src, _ = adapter.source(x, "x")
     dst = adapter.target(out, "out", src, fmt)
@@ -107,6 +106,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     if out is not None:
         _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
     offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
+    k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(
         "stochastic_round", src, src.bits, dst.bits, 1.0, (k0, k1), offset, fmt, saturate
     )
@@ -190,7 +190,6 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     alpha = _validate.real(alpha, "alpha")
     fmt = None if dtype is None else get_format(dtype)
     saturate = saturate_flag(overflow)
-    k0, k1 = _key(seed)
     offset = check_offset(offset)
     dst, fmt = adapter.inplace(w, "w", fmt)
     src, _ = adapter.source(u, "u")
@@ -198,6 +197,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     check_same_place(w=dst, u=src)
     _validate.no_overlap([_span("w", dst, True), _span("u", src, False)])
     offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
+    k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(
         "stochastic_add", dst, src.bits, dst.bits, alpha, (k0, k1), offset, fmt, saturate
     )
@@ -506,7 +506,6 @@ def _fused_step(
     check_same_place(**{"params[0]": first, "inv_scale": scales, "found_inf": flags, "step": steps})
     extra = [_span("inv_scale", scales, False), _span("found_inf", flags, True)]
     _validate.no_overlap([*plan.spans, *extra, _span("step", steps, True)])
-    k0, k1 = _key(seed)
     fused = _optim.FusedStep(
         kind,
         mode,
@@ -517,6 +516,7 @@ def _fused_step(
         first.device,
         first.stream,
     )
+    k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     fused.set_hyper(np.asarray([hyper], np.float64))
     fused.run(scales.bits, flags.bits, k0, k1)
 
