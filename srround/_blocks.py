@@ -195,11 +195,11 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
     from ._dispatch import adapter_for
 
     bf = get_block_format(format)
-    if rounding not in ("stochastic", "nearest"):
+    if not isinstance(rounding, str) or rounding not in ("stochastic", "nearest"):
         raise ValueError(f"rounding: expected 'stochastic' or 'nearest', got {rounding!r}")
     if scale is None:
         scale = "ceil" if rounding == "stochastic" else "floor"
-    if scale not in SCALE_MODES:
+    if not isinstance(scale, str) or scale not in SCALE_MODES:
         raise ValueError(f"scale: expected one of {list(SCALE_MODES)}, got {scale!r}")
     adapter = adapter_for(x=x)
     if not adapter.MUTABLE:  # JAX: its adapter's own implementation

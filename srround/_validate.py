@@ -98,7 +98,8 @@ def adamw(lr, betas, eps, weight_decay) -> tuple[float, float, float, float, flo
     """``(lr, beta1, beta2, eps, weight_decay)`` checked as ``torch.optim.AdamW`` does, and
     finite: lr >= 0, 0 <= beta < 1, eps >= 0, weight_decay >= 0."""
     lr = real(lr, "lr", low=0.0)
-    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+    pair = hasattr(betas, "__len__") and getattr(betas, "ndim", 1) == 1  # (0-d arrays: no len)
+    if isinstance(betas, (str, bytes)) or not pair or len(betas) != 2:
         raise TypeError(f"betas: expected a pair (beta1, beta2), got {_describe(betas)}")
     beta1 = real(betas[0], "betas[0]", low=0.0, high=1.0, high_open=True)
     beta2 = real(betas[1], "betas[1]", low=0.0, high=1.0, high_open=True)

@@ -139,3 +139,20 @@ def test_numpy_scalars_are_refused_where_written_or_listed():
         with pytest.raises(TypeError, match=rf"^{name}: a NumPy scalar"):
             call()
     assert srround.round_nearest(np.float32(1.5)).shape == ()  # read-only inputs are fine
+
+
+def test_none_and_arrays_where_a_value_is_expected_name_the_argument():
+    """None for the array, a 0-d array for ``betas``, an array for ``quantize_blocks``'
+    ``rounding``/``scale``: 'no array given', 'len() of unsized object' and NumPy's 'truth value
+    of an array is ambiguous' named no argument."""
+    with pytest.raises(TypeError, match=r"^x: expected an array, got None"):
+        srround.stochastic_round(None, seed=0)
+    with pytest.raises(TypeError, match=r"^grads: expected an array, got None"):
+        srround.unscale_and_check(None, 0.5)
+    p, g, m, v = (np.ones(4, np.float32) for _ in range(4))
+    with pytest.raises(TypeError, match=r"^betas: expected a pair"):
+        srround.adamw_step(p, g, m, v, lr=1e-3, betas=np.array(0.9), step=1)
+    blocks = np.ones((2, 32), np.float32)
+    for name in ("rounding", "scale"):
+        with pytest.raises(ValueError, match=rf"^{name}: expected"):
+            srround.quantize_blocks(blocks, "mxfp8_e4m3", **{name: np.ones(3)})
