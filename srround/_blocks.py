@@ -207,9 +207,6 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
             x, format, rounding=rounding, seed=seed, offset=offset, axis=axis, scale=scale
         )
     stochastic = rounding == "stochastic"
-    k0, k1 = (0, 0)
-    if stochastic:
-        k0, k1 = split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
     offset = check_offset(offset)
     src, _ = adapter.source(x, "x")
     axis, outer, n, inner = _layout(src.shape, axis, bf.block)
@@ -227,6 +224,9 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
         FORMATS["float8_e4m3fn"] if bf.two_level else E8M0,
     )
     tensor = adapter.target(None, "tensor_scale", dataclasses.replace(src, shape=(1,)), None)
+    k0, k1 = (0, 0)
+    if stochastic:  # after the checks: a refused call draws no seed
+        k0, k1 = split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
     params = (*_element_params(bf), stochastic, scale == "ceil")
     if not src.bits.size and src.device == "cpu":
         tensor.bits[0] = 0x3F800000  # an empty tensor's tensor scale: 1.0 (as an all-zero one)

@@ -89,6 +89,8 @@ def test_a_refused_call_draws_no_seed():
     two = [np.zeros(4, ml_dtypes.bfloat16) for _ in range(2)]
     with pytest.raises(ValueError, match=r"^stream_starts\[1\]: .* overlaps"):
         srround.sgd_step(two, [np.ones(4, np.float32)] * 2, lr=1, step=1, stream_starts=[0, 2])
+    with pytest.raises(ValueError, match="multiple of"):  # 33 is no multiple of 32
+        srround.quantize_blocks(np.ones(33, np.float32), "mxfp8_e4m3")
     assert np.array_equal(bits(srround.stochastic_round(x)), expected)
 
 
