@@ -566,15 +566,15 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
             other = updates.get(e.name)
             if other is None:
                 missing.append(e.name)
-            elif other.shape != e.shape or other.dtype not in (
-                "float64",
-                "float32",
-                "bfloat16",
-                "float16",
-            ):
+            elif other.shape != e.shape:
                 raise ValueError(
                     f"update: {e.name} has shape {list(other.shape)} ({other.dtype}) in"
                     f" {update}, the weight has {list(e.shape)}"
+                )
+            elif other.dtype not in ("float64", "float32", "bfloat16", "float16"):
+                raise ValueError(
+                    f"update: {e.name} is {other.dtype} in {update}; updates are float64,"
+                    " float32, bfloat16 or float16"
                 )
     rows, nonfinite, targets = [], [], set()
     stag_total = all_total = None

@@ -204,6 +204,16 @@ def test_update_size_mismatch_names_both_shapes():
         audit.stagnation(np.ones(4), np.ones(3))
 
 
+def test_cli_update_of_another_dtype_says_so(tmp_path):
+    """An integer update of the weight's own shape was reported as a shape mismatch
+    ('has shape [4] (int32) ..., the weight has [4]')."""
+    np.savez(tmp_path / "w.npz", w=np.ones(4, np.float32))
+    np.savez(tmp_path / "u.npz", w=np.ones(4, np.int32))
+    result = _cli("audit", str(tmp_path / "w.npz"), "--update", str(tmp_path / "u.npz"))
+    assert result.returncode == 2
+    assert "error: update: w is int32 in " in result.stderr and "shape" not in result.stderr
+
+
 def test_stored_16bit_format_is_the_default():
     w = np.float16([1.0, 0.5, 0.25])
     s = audit.stagnation(w, lr=2e-4)  # fp16 at 1.0: half spacing 2**-11 ~ 4.9e-4
