@@ -457,6 +457,9 @@ def main(argv=None) -> int:
         # the interpreter flushes stdout at exit: into /dev/null, not the closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, no traceback
+        print("\nsrround: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

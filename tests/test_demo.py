@@ -126,6 +126,24 @@ def test_demo_out_that_cannot_be_a_folder_is_refused_before_training(
         assert line.startswith(f"srround demo: error: --out: {str(out)!r} "), line
 
 
+def test_ctrl_c_ends_the_demo_without_a_traceback(capsys, tmp_path, monkeypatch):
+    """Ctrl-C in a minutes-long run printed a traceback through torch and srround internals."""
+    from srround import _demo
+    from srround._cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_demo, "run_demo", interrupted)
+    try:
+        code = main(["demo", "--model", "linear", "--out", str(tmp_path)])
+    except KeyboardInterrupt:  # (escaping, it would end the test session)
+        code = "KeyboardInterrupt escaped"
+    assert code == 130
+    err = capsys.readouterr().err
+    assert "\nsrround: interrupted\n" in err and "Traceback" not in err
+
+
 # -- the language-model demo ---------------------------------------------------------------------
 
 
