@@ -499,6 +499,12 @@ def _fused_step(
     plan = _plan.plan_step(
         adapter, rounding, params, grads, states, aux, noise=noise, scales=scales
     )
+    for i, (start, size) in enumerate(zip(noise or (), plan.sizes)):
+        if start + size > _optim.MAX_ELEMENTS:
+            raise ValueError(
+                f"stream_starts[{i}]: {start} + {size} elements of params[{i}] pass"
+                f" {_optim.MAX_ELEMENTS}, the end of a step's stream"
+            )
     first, _ = _writable_view(adapter, params[0], "params[0]")
     steps = _step_counter(adapter, step, first, count)
     scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)

@@ -295,6 +295,8 @@ def test_stream_starts_errors():
         srround.adamw_step([p], [g], [m], [v], stream_starts=[-1], **kw)
     with pytest.raises(TypeError, match=r"stream_starts\[0\]"):
         srround.adamw_step([p], [g], [m], [v], stream_starts=[1.5], **kw)
+    with pytest.raises(ValueError, match=r"^stream_starts\[0\]: 17179869182 \+ 4 elements"):
+        srround.adamw_step([p], [g], [m], [v], stream_starts=[2**34 - 2], **kw)  # was 'params:'
     assert np.array_equal(p, np.ones(4, ml_dtypes.bfloat16))  # nothing written
     # overlapping ranges would share (correlated) noise: before, taken silently
     ps, gs = [p, p.copy()], [g, g.copy()]
