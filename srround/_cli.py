@@ -39,7 +39,8 @@ def _seed(text: str) -> int:
 
 
 def _check_demo_args(args) -> str | None:
-    """What is wrong with the demo's arguments beyond their syntax (one line), or None."""
+    """What is wrong with the demo's arguments beyond their syntax (one line), or None; makes
+    the ``--out`` folder."""
     framework = args.framework or ("torch" if args.model == "lm" else "numpy")
     if args.model == "lm" and framework != "torch":
         return f"--framework: the lm demo runs on torch, got {framework!r}"
