@@ -236,16 +236,40 @@ def _drop_pages(tensor) -> None:
         libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
+def _weights_only_refusal(error: Exception) -> str:
+    """One line for ``torch.load(weights_only=True)`` refusing a file: torch's reason (its own
+    message advises ``torch.load`` options over many lines), and what to do instead."""
+    reason = str(error).split("WeightsUnpickler error:", 1)[-1].strip().split("\n", 1)[0]
+    reason = reason.split(" Please use", 1)[0].strip().rstrip(".")
+    return (
+        f"torch.load(weights_only=True) refuses it: {reason or 'not only tensors'}; srround"
+        " never runs a checkpoint's code, so audit a file of the weights alone, written with"
+        " torch.save(model.state_dict(), path)"
+    )
+
+
+def _load(path: str, **mmap):
+    """``torch.load`` of tensors and containers only (``weights_only=True``), on the CPU."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **mmap)
+    except pickle.UnpicklingError as error:
+        raise ValueError(_weights_only_refusal(error)) from error
+
+
 def _torch(path: str) -> list[Entry]:
     import torch
 
     mapped = True
     try:
-        tree = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        tree = _load(path, mmap=True)
     except RuntimeError as error:  # a legacy (non-zip) file cannot be mapped
         if "mmap" not in str(error):
             raise
-        tree = torch.load(path, map_location="cpu", weights_only=True)
+        tree = _load(path)
         mapped = False
     entries = []
 

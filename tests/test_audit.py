@@ -497,6 +497,21 @@ def test_cli_directory_is_named_as_one(tmp_path):
     assert "a.npy, b.npy" in _cli("audit", str(model)).stderr
 
 
+def test_cli_torch_file_with_python_objects_says_what_to_do(tmp_path):
+    """A training checkpoint with an argparse.Namespace beside the weights: the error was
+    torch's many-line advice on ``torch.load`` options (with terminal escape codes) that
+    `srround audit` does not take."""
+    import argparse
+
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "train.pt"
+    torch.save({"args": argparse.Namespace(lr=1e-3), "model": {"w": torch.ones(4)}}, path)
+    result = _cli("audit", str(path))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "GLOBAL argparse.Namespace" in result.stderr and "\x1b" not in result.stderr
+    assert "torch.save(model.state_dict(), path)" in result.stderr
+
+
 def test_cli_npy_and_corrupt_safetensors(tmp_path):
     np.save(tmp_path / "emb.npy", np.full((3, 5), 0.5, np.float16))
     report = json.loads(_cli("audit", str(tmp_path / "emb.npy"), "--json").stdout)
