@@ -295,8 +295,8 @@ def open_checkpoint(path: str) -> list[Entry]:
     """The tensors of the checkpoint at ``path`` (every dtype), in file order, unread.
 
     Raises:
-        CheckpointError: no such file, a folder, an unknown extension, a missing reader
-            library or a file its library cannot read.
+        CheckpointError: no such file, a folder, an unknown extension, an empty file, a
+            missing reader library or a file its library cannot read.
     """
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
@@ -309,6 +309,8 @@ def open_checkpoint(path: str) -> list[Entry]:
         found = f" (here: {', '.join(inside)})" if inside else ""
         raise CheckpointError(f"{path}: is a folder; pass one checkpoint file{found}")
     kind = FORMATS.get(os.path.splitext(path)[1].lower())
+    if kind is not None and os.path.getsize(path) == 0:
+        raise CheckpointError(f"{path}: empty file")
     if kind is None:
         raise CheckpointError(
             f"{path}: unknown checkpoint format; expected one of {', '.join(FORMATS)}"

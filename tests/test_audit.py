@@ -512,6 +512,15 @@ def test_cli_torch_file_with_python_objects_says_what_to_do(tmp_path):
     assert "torch.save(model.state_dict(), path)" in result.stderr
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt", ".npz", ".npy"])
+def test_cli_empty_file_is_named_as_such(tmp_path, suffix):
+    """An empty .pt was 'not a readable torch file ()' (EOFError has no message)."""
+    path = tmp_path / f"empty{suffix}"
+    path.write_bytes(b"")
+    result = _cli("audit", str(path))
+    assert result.returncode == 2 and f"error: {path}: empty file\n" in result.stderr
+
+
 def test_cli_npy_and_corrupt_safetensors(tmp_path):
     np.save(tmp_path / "emb.npy", np.full((3, 5), 0.5, np.float16))
     report = json.loads(_cli("audit", str(tmp_path / "emb.npy"), "--json").stdout)
