@@ -521,6 +521,12 @@ def test_cli_empty_file_is_named_as_such(tmp_path, suffix):
     assert result.returncode == 2 and f"error: {path}: empty file\n" in result.stderr
 
 
+def test_audit_checkpoint_takes_paths_and_stays_json_ready(checkpoints):
+    """A pathlib.Path was echoed into the report, which json.dumps then refused."""
+    report = audit.audit_checkpoint(checkpoints["npz"], update=checkpoints["npz"])
+    assert json.loads(json.dumps(report))["checkpoint"] == str(checkpoints["npz"])
+
+
 def test_cli_npy_and_corrupt_safetensors(tmp_path):
     np.save(tmp_path / "emb.npy", np.full((3, 5), 0.5, np.float16))
     report = json.loads(_cli("audit", str(tmp_path / "emb.npy"), "--json").stdout)
