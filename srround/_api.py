@@ -99,7 +99,6 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
         return own(x, dtype=dtype, seed=seed, offset=offset, out=out, overflow=overflow)
     fmt = get_format(dtype)
     saturate = saturate_flag(overflow)
-    k0, k1 = _key(seed)
     offset = check_offset(offset)
     src, _ = adapter.source(x, "x")
     dst = adapter.target(out, "out", src, fmt)
@@ -107,6 +106,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     if out is not None:
         _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
     offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
+    k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(
         "stochastic_round", src, src.bits, dst.bits, 1.0, (k0, k1), offset, fmt, saturate
     )
@@ -190,7 +190,6 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     alpha = _validate.real(alpha, "alpha")
     fmt = None if dtype is None else get_format(dtype)
     saturate = saturate_flag(overflow)
-    k0, k1 = _key(seed)
     offset = check_offset(offset)
     dst, fmt = adapter.inplace(w, "w", fmt)
     src, _ = adapter.source(u, "u")
@@ -198,6 +197,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     check_same_place(w=dst, u=src)
     _validate.no_overlap([_span("w", dst, True), _span("u", src, False)])
     offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
+    k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(
         "stochastic_add", dst, src.bits, dst.bits, alpha, (k0, k1), offset, fmt, saturate
     )
@@ -380,6 +380,14 @@ def update_scale(
         growth_tracker=trackers[0],
         overflow_tracker=trackers[1],
     )
+    _validate.no_overlap(
+        [
+            _span("scale", scale_view, True),
+            _span("found_inf", found_view, False),
+            _span("growth_tracker", trackers[0], True),
+            _span("overflow_tracker", trackers[1], True),
+        ]
+    )
     factors = (
         np.float32(growth_factor),
         np.float32(backoff_factor),
@@ -414,10 +422,15 @@ def _check_one_type(arrays, name, reference, reference_name):
             adapter_for(**{reference_name: reference, f"{name}[{i}]": a})
 
 
-def _as_list(arrays, name, count=None):
+def _as_list(arrays, name, count=None, *, whole=False):
+    """``arrays`` as a list of ``count`` entries; ``whole``: every entry an array (a ``None``
+    would reach the kernel as address 0)."""
     arrays = list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
     if count is not None and len(arrays) != count:
         raise ValueError(f"{name}: expected {count} arrays (one per parameter), got {len(arrays)}")
+    missing = next((i for i, a in enumerate(arrays) if a is None), None) if whole else None
+    if missing is not None:
+        raise ValueError(f"{name}[{missing}]: missing (None); expected one array per parameter")
     return arrays
 
 
@@ -448,7 +461,7 @@ def _fused_step(
     if not params:
         raise ValueError("params: expected at least one array")
     count = len(params)
-    grads = _as_list(grads, "grads", count)
+    grads = _as_list(grads, "grads", count, whole=True)
     extra = {
         n: v
         for n, v in (("inv_scale", inv_scale), ("found_inf", found_inf), ("step", step))
@@ -462,15 +475,22 @@ def _fused_step(
         )
     _check_one_type(params, "params", params[0], "params[0]")
     _check_one_type(grads, "grads", params[0], "params[0]")
-    states = [(label, None if a is None else _as_list(a, label, count)) for label, a in states]
+    states = [
+        (label, None if a is None else _as_list(a, label, count, whole=True)) for label, a in states
+    ]
     if aux is not None and _plan.needs_aux(mode):
         aux = _as_list(aux, "aux", count)
     if scales is not None:
-        scales = [(label, None if a is None else _as_list(a, label, count)) for label, a in scales]
+        scales = [
+            (label, None if a is None else _as_list(a, label, count, whole=True))
+            for label, a in scales
+        ]
     noise = None
     if stream_starts is not None:
         if scales is not None and any(a is not None for _, a in scales):
             raise ValueError("stream_starts: not with fp8 states (their blocks span the params)")
+        if isinstance(stream_starts, np.ndarray):  # NumPy ints (np.cumsum's): their list
+            stream_starts = stream_starts.tolist()
         noise = _as_list(stream_starts, "stream_starts", count)
         noise = [
             _validate.integer(s, f"stream_starts[{i}]", low=0, high=1 << _optim.STREAM_SHIFT)
@@ -479,6 +499,12 @@ def _fused_step(
     plan = _plan.plan_step(
         adapter, rounding, params, grads, states, aux, noise=noise, scales=scales
     )
+    for i, (start, size) in enumerate(zip(noise or (), plan.sizes)):
+        if start + size > _optim.MAX_ELEMENTS:
+            raise ValueError(
+                f"stream_starts[{i}]: {start} + {size} elements of params[{i}] pass"
+                f" {_optim.MAX_ELEMENTS}, the end of a step's stream"
+            )
     first, _ = _writable_view(adapter, params[0], "params[0]")
     steps = _step_counter(adapter, step, first, count)
     scales = _scalar_buffer(adapter, 1.0 if inv_scale is None else inv_scale, "inv_scale", first, 1)
@@ -486,7 +512,6 @@ def _fused_step(
     check_same_place(**{"params[0]": first, "inv_scale": scales, "found_inf": flags, "step": steps})
     extra = [_span("inv_scale", scales, False), _span("found_inf", flags, True)]
     _validate.no_overlap([*plan.spans, *extra, _span("step", steps, True)])
-    k0, k1 = _key(seed)
     fused = _optim.FusedStep(
         kind,
         mode,
@@ -497,6 +522,7 @@ def _fused_step(
         first.device,
         first.stream,
     )
+    k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     fused.set_hyper(np.asarray([hyper], np.float64))
     fused.run(scales.bits, flags.bits, k0, k1)
 
@@ -565,11 +591,15 @@ def adamw_step(
             ``ceil(size / srround.STATE_BLOCK)`` block scales per param (zeros before the first
             step), updated in place.
         stream_starts: per param, the position of its element 0 in the step's random stream
-            (ints in [0, 2**34)); default: the prefix sums of the sizes. A tensor updated in
-            pieces (shards) gets the bits of the whole when each piece starts at the tensor's
-            start plus the piece's first flat index. Not with fp8 states (their blocks).
+            (ints in [0, 2**34), a list or a NumPy array); default: the prefix sums of the
+            sizes. A tensor updated in pieces (shards) gets the bits of the whole when each
+            piece starts at the tensor's start plus the piece's first flat index. Not with fp8
+            states (their blocks).
     """
     lr, beta1, beta2, eps, weight_decay = _validate.adamw(lr, betas, eps, weight_decay)
+    for label, states in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        if states is None:
+            raise ValueError(f"{label}: needed (one state array per parameter)")
     _fused_step(
         _optim.ADAMW,
         (lr, beta1, beta2, eps, weight_decay),

@@ -240,11 +240,11 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
     from ._dispatch import adapter_for
 
     bf = get_block_format(format)
-    if rounding not in ("stochastic", "nearest"):
+    if not isinstance(rounding, str) or rounding not in ("stochastic", "nearest"):
         raise ValueError(f"rounding: expected 'stochastic' or 'nearest', got {rounding!r}")
     if scale is None:
         scale = "ceil" if rounding == "stochastic" else "floor"
-    if scale not in SCALE_MODES:
+    if not isinstance(scale, str) or scale not in SCALE_MODES:
         raise ValueError(f"scale: expected one of {list(SCALE_MODES)}, got {scale!r}")
     adapter = adapter_for(x=x)
     if not adapter.MUTABLE:  # JAX: its adapter's own implementation
@@ -252,9 +252,6 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
             x, format, rounding=rounding, seed=seed, offset=offset, axis=axis, scale=scale
         )
     stochastic = rounding == "stochastic"
-    k0, k1 = (0, 0)
-    if stochastic:
-        k0, k1 = split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
     offset = check_offset(offset)
     src, _ = adapter.source(x, "x")
     check_whole("x", src)
@@ -273,6 +270,9 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
         FORMATS["float8_e4m3fn"] if bf.two_level else E8M0,
     )
     tensor = adapter.target(None, "tensor_scale", dataclasses.replace(src, shape=(1,)), None)
+    k0, k1 = (0, 0)
+    if stochastic:  # after the checks: a refused call draws no seed
+        k0, k1 = split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
     params = (*_element_params(bf), stochastic, scale == "ceil")
     size = src.bits.size
     if src.device == "cpu":

@@ -7,6 +7,7 @@ or reads one tensor at a time, so memory stays near the largest tensor whatever 
   ``np.memmap`` of its byte range (no copy; unmapped when dropped);
 * ``.npy``: one tensor, ``np.load(mmap_mode="r")``;
 * ``.npz``: member headers first, then one member at a time (decompressed if compressed);
+  big-endian ``.npy``/``.npz`` tensors are converted to the machine's byte order;
 * torch ``.pt``/``.pth``/``.bin``: ``torch.load(weights_only=True, mmap=True)`` (a legacy,
   non-zip file is loaded whole); nested dicts and lists are flattened to dotted names.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 import zipfile
@@ -149,6 +151,14 @@ def _safetensors(path: str) -> list[Entry]:
         start, end = (int(o) for o in info["data_offsets"])
         if not 0 <= start <= end <= size - base:
             raise ValueError(f"{name}: data offsets {start}..{end} outside the file")
+        if dtype in _SAFETENSORS_DTYPES.values() and (
+            min(shape, default=0) < 0
+            or math.prod(shape) * _numpy_dtype(dtype).itemsize != end - start
+        ):
+            raise ValueError(
+                f"{name}: shape {list(shape)} of {dtype} does not fit its data offsets"
+                f" {start}..{end} ({end - start} bytes)"
+            )
 
         def read(start=start, end=end, dtype=dtype, name=name):
             np_dtype = _numpy_dtype(dtype)
@@ -161,33 +171,40 @@ def _safetensors(path: str) -> list[Entry]:
     return entries
 
 
+def _native(array: np.ndarray) -> np.ndarray:
+    """``array`` in the machine's byte order (a big-endian file's tensor: a converted copy)."""
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+
+
 def _npz(path: str) -> list[Entry]:
+    """The members of one archive, opened once (its central directory is parsed on opening:
+    once per member would be quadratic in the members); closed when the entries are dropped."""
     entries = []
-    with zipfile.ZipFile(path) as archive:
-        for info in archive.infolist():
-            if not info.filename.endswith(".npy"):
-                continue
-            with archive.open(info) as f:
-                version = np.lib.format.read_magic(f)
-                read_header = (
-                    np.lib.format.read_array_header_1_0
-                    if version == (1, 0)
-                    else np.lib.format.read_array_header_2_0
-                )
-                shape, _, dtype = read_header(f)
+    archive = zipfile.ZipFile(path)
+    for info in archive.infolist():
+        if not info.filename.endswith(".npy"):
+            continue
+        with archive.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read_header(f)
 
-            def read(member=info.filename):
-                with zipfile.ZipFile(path) as z, z.open(member) as f:
-                    return np.lib.format.read_array(f, allow_pickle=False).reshape(-1)
+        def read(member=info):
+            with archive.open(member) as f:
+                return _native(np.lib.format.read_array(f, allow_pickle=False).reshape(-1))
 
-            entries.append(Entry(info.filename[:-4], tuple(shape), dtype.name, read))
+        entries.append(Entry(info.filename[:-4], tuple(shape), dtype.name, read))
     return entries
 
 
 def _npy(path: str) -> list[Entry]:
     array = np.load(path, mmap_mode="r", allow_pickle=False)
     name = os.path.splitext(os.path.basename(path))[0]
-    return [Entry(name, array.shape, array.dtype.name, lambda: array.reshape(-1))]
+    return [Entry(name, array.shape, array.dtype.name, lambda: _native(array.reshape(-1)))]
 
 
 def torch_numpy(tensor):
@@ -219,16 +236,40 @@ def _drop_pages(tensor) -> None:
         libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
+def _weights_only_refusal(error: Exception) -> str:
+    """One line for ``torch.load(weights_only=True)`` refusing a file: torch's reason (its own
+    message advises ``torch.load`` options over many lines), and what to do instead."""
+    reason = str(error).split("WeightsUnpickler error:", 1)[-1].strip().split("\n", 1)[0]
+    reason = reason.split(" Please use", 1)[0].strip().rstrip(".")
+    return (
+        f"torch.load(weights_only=True) refuses it: {reason or 'not only tensors'}; srround"
+        " never runs a checkpoint's code, so audit a file of the weights alone, written with"
+        " torch.save(model.state_dict(), path)"
+    )
+
+
+def _load(path: str, **mmap):
+    """``torch.load`` of tensors and containers only (``weights_only=True``), on the CPU."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **mmap)
+    except pickle.UnpicklingError as error:
+        raise ValueError(_weights_only_refusal(error)) from error
+
+
 def _torch(path: str) -> list[Entry]:
     import torch
 
     mapped = True
     try:
-        tree = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        tree = _load(path, mmap=True)
     except RuntimeError as error:  # a legacy (non-zip) file cannot be mapped
         if "mmap" not in str(error):
             raise
-        tree = torch.load(path, map_location="cpu", weights_only=True)
+        tree = _load(path)
         mapped = False
     entries = []
 
@@ -254,12 +295,22 @@ def open_checkpoint(path: str) -> list[Entry]:
     """The tensors of the checkpoint at ``path`` (every dtype), in file order, unread.
 
     Raises:
-        CheckpointError: no such file, an unknown extension, a missing reader library or a
-            file its library cannot read.
+        CheckpointError: no such file, a folder, an unknown extension, an empty file, a
+            missing reader library or a file its library cannot read.
     """
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
+    if os.path.isdir(path):
+        try:
+            names = os.listdir(path)
+        except OSError:  # an unreadable folder: named without its files
+            names = []
+        inside = sorted(n for n in names if os.path.splitext(n)[1].lower() in FORMATS)
+        found = f" (here: {', '.join(inside)})" if inside else ""
+        raise CheckpointError(f"{path}: is a folder; pass one checkpoint file{found}")
     kind = FORMATS.get(os.path.splitext(path)[1].lower())
+    if kind is not None and os.path.getsize(path) == 0:
+        raise CheckpointError(f"{path}: empty file")
     if kind is None:
         raise CheckpointError(
             f"{path}: unknown checkpoint format; expected one of {', '.join(FORMATS)}"

@@ -39,7 +39,8 @@ def _seed(text: str) -> int:
 
 
 def _check_demo_args(args) -> str | None:
-    """What is wrong with the demo's arguments beyond their syntax (one line), or None."""
+    """What is wrong with the demo's arguments beyond their syntax (one line), or None; makes
+    the ``--out`` folder."""
     framework = args.framework or ("torch" if args.model == "lm" else "numpy")
     if args.model == "lm" and framework != "torch":
         return f"--framework: the lm demo runs on torch, got {framework!r}"
@@ -67,6 +68,12 @@ def _check_demo_args(args) -> str | None:
                 jax.devices("gpu")
             except RuntimeError:
                 return "--device: cuda requested, but jax sees no GPU here"
+    try:  # before training: a plot that cannot be written would end the run with a traceback
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as error:
+        return f"--out: {args.out!r} cannot be a folder ({error.strerror})"
+    if not os.access(args.out, os.W_OK | os.X_OK):
+        return f"--out: {args.out!r} is not a writable folder"
     args.framework = framework
     return None
 
@@ -127,7 +134,6 @@ def _demo(args) -> int:
     else:
         print(demo.format_table(result))
     notes = sys.stderr if args.json else sys.stdout
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, png)
     if demo.plot(result, path):
         print(f"loss curves: {path}", file=notes)
@@ -335,7 +341,16 @@ def _bench(args) -> int:
         return 2
     scripts = sorted(folder.glob("bench_*.py"))
     if args.only:
-        scripts = [p for p in scripts if any(name in p.stem for name in args.only)]
+        chosen = [p for p in scripts if any(name in p.stem for name in args.only)]
+        if not chosen:
+            print(
+                f"srround bench: error: --only: no benchmark matches"
+                f" {', '.join(map(repr, args.only))}; the benchmarks are"
+                f" {', '.join(p.stem for p in scripts)}",
+                file=sys.stderr,
+            )
+            return 2
+        scripts = chosen
     status = 0
     for script in scripts:
         print(f"== {script.name} ==", flush=True)
@@ -437,7 +452,15 @@ def main(argv=None) -> int:
     bench.add_argument("--only", nargs="*", help="run only scripts whose name contains these")
     bench.set_defaults(run=_bench)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # the reader went away (``srround audit ... | head``)
+        # the interpreter flushes stdout at exit: into /dev/null, not the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, no traceback
+        print("\nsrround: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

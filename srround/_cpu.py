@@ -387,7 +387,8 @@ def _unscale_run(address, code, j0, j1, inv_scale_bits):
 @njit(parallel=True, cache=True)
 def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor):
     """Unscale and check every element of a tensor list (``addresses``, ``formats``,
-    ``starts``); ``inv_scales``/``found``: uint32 float32 patterns, 1 or one per tensor. Work
+    ``starts``); ``inv_scales``/``found``: uint32 float32 patterns, 1 or one per tensor (with
+    ``per_tensor``: one flag per tensor, and one scale per tensor or one for all). Work
     is split into equal chunks of the global element range; a chunk walks the runs of the
     tensors it covers."""
     total = starts[-1]
@@ -399,9 +400,8 @@ def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor)
         while i < hi:
             end = min(hi, starts[k + 1])
             slot = k if per_tensor else 0
-            if not _unscale_run(
-                addresses[k], formats[k], i - starts[k], end - starts[k], inv_scales[slot]
-            ):
+            scale = inv_scales[slot if inv_scales.size > 1 else 0]  # one scale: shared
+            if not _unscale_run(addresses[k], formats[k], i - starts[k], end - starts[k], scale):
                 found[slot] = _ONE_F32
             i = end
             k += 1

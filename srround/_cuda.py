@@ -272,7 +272,8 @@ def _unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor
         while i >= starts[k + 1]:
             k += 1
         slot = k if per_tensor else 0
-        if not unscale_in_place(addresses[k], formats[k], i - starts[k], inv_scales[slot]):
+        scale = inv_scales[slot if inv_scales.size > 1 else 0]  # one scale: shared
+        if not unscale_in_place(addresses[k], formats[k], i - starts[k], scale):
             found[slot] = 0x3F800000  # 1.0f
 
 

@@ -174,8 +174,8 @@ def adapter_for(**arrays) -> ModuleType:
 
     Raises:
         TypeError: naming the argument, for an unsupported type, and for arrays of different
-            frameworks in one call (no silent conversion between frameworks); ``"no array
-            given"`` when every argument is ``None``.
+            frameworks in one call (no silent conversion between frameworks); naming the
+            first argument when every one is ``None``.
     """
     found = None
     for name, array in arrays.items():
@@ -190,7 +190,7 @@ def adapter_for(**arrays) -> ModuleType:
                 f" {_framework(found[1])} array; pass arrays of one framework per call"
             )
     if found is None:
-        raise TypeError("no array given")
+        raise TypeError(f"{next(iter(arrays), 'arrays')}: expected an array, got None")
     return _module(found[1])
 
 

@@ -18,8 +18,9 @@ def unscale_and_check(
     Args:
         addresses, formats, starts: the tensor list (``_tensor_list.TensorList``), host
             arrays; on CUDA their device copies are cached (``_cuda._device_table``).
-        inv_scales, found: uint32 float32 patterns (1, or one per tensor with ``per_tensor``)
-            on ``device``; ``found`` is set to 1.0 where an input was non-finite.
+        inv_scales, found: uint32 float32 patterns (1, or one per tensor with ``per_tensor``;
+            there one scale is shared) on ``device``; ``found`` is set to 1.0 where an input
+            was non-finite.
         device: ``"cpu"`` or ``"cuda"``; total: elements over all tensors; stream: CUDA stream.
     """
     args = (addresses, formats, starts, inv_scales, found, per_tensor)

@@ -14,7 +14,8 @@ So, at import, unless the layer is already decided (``NUMBA_THREADING_LAYER`` se
 
 * ``tbb`` when Intel TBB (``TBB_INTERFACE_VERSION >= 12060``, the PyPI package ``tbb``) can be
   loaded. pip installs ``libtbb.so.12`` into ``<prefix>/lib``, outside the dynamic loader's
-  search path, where Numba does not find it; it is loaded here by its full path first.
+  search path, where Numba does not find it; it is loaded here by its full path first (also
+  when the user chose a layer, so that ``tbb``, ``safe`` and ``threadsafe`` find it).
 * otherwise ``workqueue``, with ``launch_lock`` held around every srround CPU launch so that
   threads take turns instead of aborting.
 
@@ -123,13 +124,16 @@ def select_threading_layer() -> str:
     import numba
     from numba.np.ufunc import parallel
 
-    decided = (
-        getattr(parallel, "_is_initialized", False)
-        or os.environ.get("NUMBA_THREADING_LAYER")
+    started = getattr(parallel, "_is_initialized", False)
+    chosen = (
+        os.environ.get("NUMBA_THREADING_LAYER")
         or str(numba.config.THREADING_LAYER).lower() != "default"
     )
-    if not decided:
-        numba.config.THREADING_LAYER = "tbb" if tbb_usable() else "workqueue"
+    # loads pip's TBB where Numba finds it, also for a user's choice that takes TBB (tbb, safe,
+    # threadsafe: without it, an import error or GNU OpenMP)
+    tbb = not started and tbb_usable()
+    if not (started or chosen):
+        numba.config.THREADING_LAYER = "tbb" if tbb else "workqueue"
     numba.get_num_threads()  # launches the layer's threads: the choice is final from here
     layer = numba.threading_layer()
     if layer == "workqueue":

@@ -98,7 +98,8 @@ def adamw(lr, betas, eps, weight_decay) -> tuple[float, float, float, float, flo
     """``(lr, beta1, beta2, eps, weight_decay)`` checked as ``torch.optim.AdamW`` does, and
     finite: lr >= 0, 0 <= beta < 1, eps >= 0, weight_decay >= 0."""
     lr = real(lr, "lr", low=0.0)
-    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+    pair = hasattr(betas, "__len__") and getattr(betas, "ndim", 1) == 1  # (0-d arrays: no len)
+    if isinstance(betas, (str, bytes)) or not pair or len(betas) != 2:
         raise TypeError(f"betas: expected a pair (beta1, beta2), got {_describe(betas)}")
     beta1 = real(betas[0], "betas[0]", low=0.0, high=1.0, high_open=True)
     beta2 = real(betas[1], "betas[1]", low=0.0, high=1.0, high_open=True)
@@ -125,15 +126,24 @@ def scale_update(growth_factor, backoff_factor, growth_interval, hysteresis, min
     """``update_scale``'s factors: growth_factor >= 1 and backoff_factor in (0, 1] (torch
     GradScaler's > 1 and < 1, with 1 allowed for a static scale), int growth_interval and
     hysteresis >= 1 (int32 counters), min_scale >= 0 finite, max_scale > 0 (inf allowed),
-    min_scale <= max_scale. Returns the checked values, the bounds as floats."""
+    min_scale <= max_scale; backoff_factor and max_scale nonzero and max_scale finite or inf
+    in float32, where they are applied. Returns the checked values, the bounds as floats."""
     growth_factor = real(growth_factor, "growth_factor", low=1.0)
     backoff_factor = real(backoff_factor, "backoff_factor", low=0.0, high=1.0, low_open=True)
+    if np.float32(backoff_factor) == 0:
+        raise ValueError(f"backoff_factor: {backoff_factor!r} rounds to 0 in float32")
     growth_interval = integer(growth_interval, "growth_interval", low=1, high=2**31)
     hysteresis = integer(hysteresis, "hysteresis", low=1, high=2**31)
     low = 0.0 if min_scale is None else real(min_scale, "min_scale", low=0.0)
     high = math.inf
     if max_scale is not None:
         high = real(max_scale, "max_scale", low=0.0, low_open=True, finite=False)
+        if math.isfinite(high) and high > _F32_MAX:
+            raise ValueError(f"max_scale: {high!r} overflows float32; pass inf for no bound")
+        if np.float32(high) == 0:
+            raise ValueError(
+                f"max_scale: {high!r} rounds to 0 in float32; expected a positive bound"
+            )
     if low > high:
         raise ValueError(f"min_scale: {low!r} is above max_scale {high!r}")
     return growth_factor, backoff_factor, growth_interval, hysteresis, low, high

@@ -520,7 +520,8 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
     non-float tensors are listed under ``"not_audited"`` with the reason.
 
     Args:
-        path: a ``.safetensors``, ``.pt``/``.pth``/``.bin`` (torch), ``.npz`` or ``.npy`` file.
+        path: a ``.safetensors``, ``.pt``/``.pth``/``.bin`` (torch), ``.npz`` or ``.npy`` file
+            (a string or a path-like object).
         lr: update magnitude of unknown sign (default 1e-5 when ``update`` is not given).
         update: a checkpoint of per-weight signed updates with the same names and shapes.
             Weights it lacks are audited for fp16 range only and listed under
@@ -542,11 +543,13 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
         ValueError: ``lr`` with ``update``, a bad ``lr`` or ``dtype``, an update whose shape
             differs from its weight's (the message names the tensor), no weights at all.
     """
+    import os
     import time
 
     from ._checkpoint import CheckpointError, classify, open_checkpoint
 
     start = time.perf_counter()
+    path, update = os.fspath(path), None if update is None else os.fspath(update)  # (JSON)
     if update is not None and lr is not None:
         raise ValueError("lr: give either an update checkpoint or lr, not both")
     lr = None if update is not None else (_DEFAULT_LR if lr is None else _check_lr(lr))
@@ -573,15 +576,15 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
             other = updates.get(e.name)
             if other is None:
                 missing.append(e.name)
-            elif other.shape != e.shape or other.dtype not in (
-                "float64",
-                "float32",
-                "bfloat16",
-                "float16",
-            ):
+            elif other.shape != e.shape:
                 raise ValueError(
                     f"update: {e.name} has shape {list(other.shape)} ({other.dtype}) in"
                     f" {update}, the weight has {list(e.shape)}"
+                )
+            elif other.dtype not in ("float64", "float32", "bfloat16", "float16"):
+                raise ValueError(
+                    f"update: {e.name} is {other.dtype} in {update}; updates are float64,"
+                    " float32, bfloat16 or float16"
                 )
     rows, nonfinite, targets = [], [], set()
     stag_total = all_total = None

@@ -135,3 +135,13 @@ def test_results_page_from_envelopes(tmp_path):
     with pytest.raises(ValueError, match="machine.cpu_model"):
         (folder / "old.json").write_text(json.dumps(bad))
         results.load(folder / "old.json")
+
+
+def test_bench_only_that_matches_nothing_is_an_error(capsys):
+    """`srround bench --only typo` ran no script and exited 0, as if every benchmark passed."""
+    from srround._cli import main
+
+    assert main(["bench", "--only", "no_such_bench"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("srround bench: error: --only: no benchmark matches 'no_such_bench'")
+    assert "bench_optim" in err  # the names to choose from

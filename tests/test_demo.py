@@ -106,6 +106,44 @@ def test_demo_lm_runs_on_torch_only(capsys, tmp_path):
     assert line.startswith("srround demo: error: --framework: the lm demo runs on torch"), line
 
 
+@pytest.mark.parametrize("model", ["lm", "linear"])
+def test_demo_out_that_cannot_be_a_folder_is_refused_before_training(
+    capsys, tmp_path, monkeypatch, model
+):
+    """--out was created only after training (minutes for lm): a file there, or a folder
+    below a file, ended the run with a FileExistsError / NotADirectoryError traceback."""
+    from srround import _demo, _demo_lm
+
+    def trained(*args, **kwargs):
+        raise AssertionError("the demo ran")
+
+    monkeypatch.setattr(_demo, "run_demo", trained)
+    monkeypatch.setattr(_demo_lm, "run_lm_demo", trained)
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    for out in (taken, taken / "plots"):
+        line = _cli_error(capsys, ["demo", "--model", model, "--out", str(out)])
+        assert line.startswith(f"srround demo: error: --out: {str(out)!r} "), line
+
+
+def test_ctrl_c_ends_the_demo_without_a_traceback(capsys, tmp_path, monkeypatch):
+    """Ctrl-C in a minutes-long run printed a traceback through torch and srround internals."""
+    from srround import _demo
+    from srround._cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_demo, "run_demo", interrupted)
+    try:
+        code = main(["demo", "--model", "linear", "--out", str(tmp_path)])
+    except KeyboardInterrupt:  # (escaping, it would end the test session)
+        code = "KeyboardInterrupt escaped"
+    assert code == 130
+    err = capsys.readouterr().err
+    assert "\nsrround: interrupted\n" in err and "Traceback" not in err
+
+
 # -- the language-model demo ---------------------------------------------------------------------
 
 

@@ -120,3 +120,39 @@ def test_fused_step_reads_read_only_grads_and_rejects_read_only_params(optimizer
     locked.flags.writeable = False
     with pytest.raises(ValueError, match=r"params\[0\]: is read-only"):
         step([grad], [locked])
+
+
+def test_numpy_scalars_are_refused_where_written_or_listed():
+    """A NumPy scalar is immutable: as ``out``, an in-place target or an element of a tensor
+    list it was converted to a temporary array - the result went to that copy (the caller's
+    scalar unchanged) or, in a list, the kernel got the address of a freed temporary."""
+    bf16, one = ml_dtypes.bfloat16, np.ones((), np.float32)
+    cases = [
+        ("out", lambda: srround.to_float32(np.float16(1.5), out=np.float32(0))),
+        ("w", lambda: srround.stochastic_add(bf16(1), np.float32(1), seed=0)),
+        (r"grads\[0\]", lambda: srround.unscale_and_check([np.float32(4)], 0.5)),
+        ("scale", lambda: srround.update_scale(np.float32(2), np.zeros((), np.int32), one)),
+        (r"params\[0\]", lambda: srround.sgd_step(np.float32(1), one, lr=0.1, step=1)),
+        (r"grads\[0\]", lambda: srround.sgd_step(one.copy(), np.float32(1), lr=0.1, step=1)),
+    ]
+    for name, call in cases:
+        with pytest.raises(TypeError, match=rf"^{name}: a NumPy scalar"):
+            call()
+    assert srround.round_nearest(np.float32(1.5)).shape == ()  # read-only inputs are fine
+
+
+def test_none_and_arrays_where_a_value_is_expected_name_the_argument():
+    """None for the array, a 0-d array for ``betas``, an array for ``quantize_blocks``'
+    ``rounding``/``scale``: 'no array given', 'len() of unsized object' and NumPy's 'truth value
+    of an array is ambiguous' named no argument."""
+    with pytest.raises(TypeError, match=r"^x: expected an array, got None"):
+        srround.stochastic_round(None, seed=0)
+    with pytest.raises(TypeError, match=r"^grads: expected an array, got None"):
+        srround.unscale_and_check(None, 0.5)
+    p, g, m, v = (np.ones(4, np.float32) for _ in range(4))
+    with pytest.raises(TypeError, match=r"^betas: expected a pair"):
+        srround.adamw_step(p, g, m, v, lr=1e-3, betas=np.array(0.9), step=1)
+    blocks = np.ones((2, 32), np.float32)
+    for name in ("rounding", "scale"):
+        with pytest.raises(ValueError, match=rf"^{name}: expected"):
+            srround.quantize_blocks(blocks, "mxfp8_e4m3", **{name: np.ones(3)})

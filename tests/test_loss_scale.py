@@ -102,6 +102,19 @@ def test_per_tensor_flags_and_scales():
     assert list(again) == [1.0]
 
 
+def test_per_tensor_with_one_array_scale_shares_it(writable_backend):
+    """``per_tensor=True`` takes an array of 1 value (one scale, a flag per tensor): the kernels
+    read the scale of tensor k at index k, past the end of that array (garbage scales)."""
+    host = [np.full(3, 8.0, np.float32), np.array([8.0, np.inf], np.float16), np.full(2, 8.0)]
+    host[2] = host[2].astype(ml_dtypes.bfloat16)
+    grads = [writable_backend.put(g) for g in host]
+    found = srround.unscale_and_check(
+        grads, writable_backend.put(np.float32([0.5])), per_tensor=True
+    )
+    assert list(writable_backend.get(found)) == [0.0, 1.0, 0.0]
+    assert [float(writable_backend.get(g)[0]) for g in grads] == [4.0, 4.0, 4.0]
+
+
 def test_scale_trajectory_matches_torch_gradscaler():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
@@ -181,6 +194,32 @@ def test_errors():
     ro.flags.writeable = False
     with pytest.raises(ValueError, match=r"grads\[0\]: is read-only"):
         srround.unscale_and_check([ro], 0.5)
+
+
+def test_max_scale_and_backoff_must_hold_in_float32():
+    """The bound and factors are applied in float32: 1e-50 became 0 there (the next growth or
+    backoff set the scale to 0), a max_scale of 1e39 a cast-overflow warning."""
+    args = np.float32([8.0]), np.zeros(1, np.int32), np.float32([0.0])
+    with pytest.raises(ValueError, match=r"^max_scale: 1e-50 rounds to 0 in float32"):
+        srround.update_scale(*args, growth_interval=1, max_scale=1e-50)
+    with pytest.raises(ValueError, match=r"^max_scale: 1e\+39 overflows float32.*inf"):
+        srround.update_scale(*args, growth_interval=1, max_scale=1e39)
+    with pytest.raises(ValueError, match=r"^backoff_factor: 1e-50 rounds to 0 in float32"):
+        srround.update_scale(*args, backoff_factor=1e-50)
+    srround.update_scale(*args, growth_interval=1, max_scale=np.inf)
+    assert args[0][0] == 16.0
+
+
+def test_update_scale_refuses_shared_memory():
+    """One array as both trackers, or a scale sharing memory with its flags: the update reads
+    and writes them element by element, so the counts and the scale went wrong silently."""
+    scale, found = np.float32([8.0]), np.float32([0.0])
+    tracker = np.zeros(1, np.int32)
+    with pytest.raises(ValueError, match=r"^overflow_tracker: shares memory with growth_tracker"):
+        srround.update_scale(scale, tracker, found, overflow_tracker=tracker, hysteresis=2)
+    with pytest.raises(ValueError, match=r"^found_inf: shares memory with scale"):
+        srround.update_scale(scale, tracker, scale, growth_interval=1)
+    assert scale[0] == 8.0 and tracker[0] == 0
 
 
 def test_cuda_reuses_the_device_table_of_a_gradient_list(small_cuda_launch):

@@ -184,6 +184,30 @@ def test_bad_arguments_name_themselves():
         srround.sgd_step(params, grads, lr=0.1, momentum=0.9, step=1)
 
 
+def test_missing_buffers_are_refused_before_the_step():
+    """A None gradient or state used to reach the kernel as address 0: a segmentation fault,
+    or AdamW without its first moment / SGD without momentum, silently."""
+    params, grads, m, v = _problem()
+    before = [b.copy() for b in _bits(params)]
+    cases = [
+        (r"grads\[1\]", lambda: srround.sgd_step(params, [grads[0], None, grads[2]], m, **sgd)),
+        ("exp_avgs", lambda: srround.adamw_step(params, grads, None, v, **good)),
+        ("exp_avg_sqs", lambda: srround.adamw_step(params, grads, m, None, **good)),
+        (r"exp_avgs\[2\]", lambda: srround.adamw_step(params, grads, [*m[:2], None], v, **good)),
+        (r"momentum_buffers\[0\]", lambda: srround.sgd_step(params, grads, [None] * 3, **sgd)),
+        (r"exp_avg_scales\[0\]", lambda: srround.adamw_step(params, grads, m8, v8, **fp8)),
+    ]
+    m8 = [np.zeros(n, ml_dtypes.float8_e4m3fn) for n in SIZES]
+    v8 = [a.copy() for a in m8]
+    scales = [np.zeros(1, np.float32) for _ in SIZES]
+    fp8 = dict(exp_avg_scales=[None, *scales[1:]], exp_avg_sq_scales=scales, step=1, **HYPER)
+    good, sgd = dict(step=1, seed=0, **HYPER), dict(lr=0.1, momentum=0.9, step=1, seed=0)
+    for name, call in cases:
+        with pytest.raises((TypeError, ValueError), match=f"^{name}: "):
+            call()
+    assert all(np.array_equal(a, b) for a, b in zip(_bits(params), before))
+
+
 @pytest.mark.cuda
 def test_cuda_check_grads_flags_any_non_finite(small_cuda_launch):
     """``FusedStep.check_grads`` on CUDA (the torch GradScaler's check through the cached table;
@@ -302,6 +326,8 @@ def test_stream_starts_errors():
         srround.adamw_step([p], [g], [m], [v], stream_starts=[-1], **kw)
     with pytest.raises(TypeError, match=r"stream_starts\[0\]"):
         srround.adamw_step([p], [g], [m], [v], stream_starts=[1.5], **kw)
+    with pytest.raises(ValueError, match=r"^stream_starts\[0\]: 17179869182 \+ 4 elements"):
+        srround.adamw_step([p], [g], [m], [v], stream_starts=[2**34 - 2], **kw)  # was 'params:'
     assert np.array_equal(p, np.ones(4, ml_dtypes.bfloat16))  # nothing written
     # overlapping ranges would share (correlated) noise: before, taken silently
     ps, gs = [p, p.copy()], [g, g.copy()]
@@ -313,6 +339,21 @@ def test_stream_starts_errors():
     assert all(np.array_equal(q, np.ones(4, ml_dtypes.bfloat16)) for q in ps)
     empty = [np.ones(0, ml_dtypes.bfloat16), p]  # an empty tensor draws nothing
     srround.sgd_step(empty, [np.ones(0, np.float32), g], stream_starts=[1, 0], **kw)
+
+
+def test_stream_starts_as_a_numpy_array():
+    """The starts as NumPy ints (np.cumsum's result) are the list of them; before, the array
+    was taken as one entry: 'stream_starts: expected 2 arrays (one per parameter), got 1'."""
+    sizes = [3, 5]
+    steps = []
+    for starts in ([7, 10], np.cumsum([7, 3])):
+        params = [np.full(n, 0.3, ml_dtypes.bfloat16) for n in sizes]
+        grads = [np.full(n, 1e-3, np.float32) for n in sizes]
+        srround.sgd_step(params, grads, lr=0.1, step=1, seed=4, stream_starts=starts)
+        steps.append([p.view(np.uint16).tolist() for p in params])
+    assert steps[0] == steps[1]
+    with pytest.raises(TypeError, match=r"^stream_starts\[0\]: expected an int, got 7.0"):
+        srround.sgd_step(params, grads, lr=0.1, step=1, stream_starts=np.float32([7, 10]))
 
 
 def test_stream_starts_not_with_fp8_states():

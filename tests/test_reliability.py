@@ -406,6 +406,20 @@ def test_threading_layer_is_chosen_for_threads_and_fork():
     assert chosen.stdout.split()[-1] == "workqueue", chosen.stderr
 
 
+@pytest.mark.parametrize("chosen", ["tbb", "safe", "threadsafe"])
+def test_a_chosen_tbb_layer_finds_the_pip_tbb(chosen):
+    """A user's choice that needs TBB: Numba alone does not find pip's libtbb (outside the
+    loader's path), so `import srround` failed ("No threading layer could be loaded ... pip
+    install tbb", for tbb and safe) or ran on GNU OpenMP (threadsafe: no fork after it)."""
+    from srround import _threads
+
+    if not _threads.tbb_usable():
+        pytest.skip("no usable TBB runtime installed")
+    code = "import numba, srround; print(numba.threading_layer())"
+    result = _python(code, env={"NUMBA_THREADING_LAYER": chosen})
+    assert result.returncode == 0 and result.stdout.split()[-1] == "tbb", result.stderr
+
+
 # -- loss scaling flags what it produces (finding 4) ---------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -67,6 +68,30 @@ def test_manual_seed_reproduces_seedless_calls():
     again = [bits(srround.stochastic_round(x)) for _ in range(3)]
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert not np.array_equal(first[0], first[1])
+
+
+def test_a_refused_call_draws_no_seed():
+    """A seedless call that fails its checks leaves the library generator alone: the draw came
+    before the checks, so one bad call shifted every later seedless call after manual_seed."""
+    x = np.full(4096, 1.0 + 2.0**-9, np.float32)
+    srround.manual_seed(123)
+    expected = bits(srround.stochastic_round(x))
+    srround.manual_seed(123)
+    w, wrong = np.zeros(4096, ml_dtypes.bfloat16), np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="^out: shape"):
+        srround.stochastic_round(x, out=np.zeros(3, ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match="^u: shape"):
+        srround.stochastic_add(w, wrong)
+    with pytest.raises(ValueError, match=r"^params\[0\]: is read-only"):
+        srround.sgd_step(
+            np.frombuffer(bytes(8), ml_dtypes.bfloat16), np.ones(4, np.float32), lr=1, step=1
+        )
+    two = [np.zeros(4, ml_dtypes.bfloat16) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"^stream_starts\[1\]: .* overlaps"):
+        srround.sgd_step(two, [np.ones(4, np.float32)] * 2, lr=1, step=1, stream_starts=[0, 2])
+    with pytest.raises(ValueError, match="multiple of"):  # 33 is no multiple of 32
+        srround.quantize_blocks(np.ones(33, np.float32), "mxfp8_e4m3")
+    assert np.array_equal(bits(srround.stochastic_round(x)), expected)
 
 
 def test_random_bits_statistics():
