@@ -88,6 +88,8 @@ class Entry:
         name: dotted name (``"model.layer.weight"``).
         shape: the tensor's shape.
         dtype: ``"float32"``, ``"bfloat16"``, ``"int64"``, ... (the stored type).
+        unreadable: why the tensor has no values to read (``"meta tensor (no data)"``, a
+            sparse layout), or None.
     """
 
     name: str
@@ -95,6 +97,7 @@ class Entry:
     dtype: str
     _read: Callable = dataclasses.field(repr=False)
     _release: Callable | None = dataclasses.field(default=None, repr=False)
+    unreadable: str | None = None
 
     @property
     def size(self) -> int:
@@ -283,8 +286,20 @@ def _torch(path: str) -> list[Entry]:
         elif isinstance(node, torch.Tensor):
             dtype = str(node.dtype).removeprefix("torch.")
             release = (lambda t=node: _drop_pages(t)) if mapped else None
+            unreadable = None
+            if node.is_meta:
+                unreadable = "meta tensor (no data)"
+            elif node.layout is not torch.strided:
+                unreadable = f"{str(node.layout).removeprefix('torch.')} tensor"
             entries.append(
-                Entry(prefix[:-1], tuple(node.shape), dtype, lambda t=node: torch_numpy(t), release)
+                Entry(
+                    prefix[:-1],
+                    tuple(node.shape),
+                    dtype,
+                    lambda t=node: torch_numpy(t),
+                    release,
+                    unreadable,
+                )
             )
 
     walk(tree, "")

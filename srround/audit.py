@@ -516,8 +516,9 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
     """Audit every weight of a checkpoint file, one tensor at a time.
 
     Weights are the floating-point tensors that are not optimizer state or normalization
-    buffers (judged by name: ``exp_avg``, ``optimizer.*``, ``running_mean``, ...); those and
-    non-float tensors are listed under ``"not_audited"`` with the reason.
+    buffers (judged by name: ``exp_avg``, ``optimizer.*``, ``running_mean``, ...); those,
+    non-float tensors and tensors without values to read (meta, sparse) are listed under
+    ``"not_audited"`` with the reason.
 
     Args:
         path: a ``.safetensors``, ``.pt``/``.pth``/``.bin`` (torch), ``.npz`` or ``.npy`` file
@@ -558,7 +559,7 @@ def audit_checkpoint(path: str, *, lr=None, update: str | None = None, dtype=Non
     entries = open_checkpoint(path)
     weights, not_audited = [], []
     for e in entries:
-        reason = classify(e.name, e.dtype)
+        reason = e.unreadable or classify(e.name, e.dtype)
         if reason is None:
             weights.append(e)
         else:

@@ -512,6 +512,24 @@ def test_cli_torch_file_with_python_objects_says_what_to_do(tmp_path):
     assert "torch.save(model.state_dict(), path)" in result.stderr
 
 
+def test_meta_and_sparse_tensors_are_listed_not_audited(tmp_path):
+    """A .pt with a meta tensor (a model saved before materialization) or a sparse one beside
+    the weights: the audit stopped at it ("m: cannot be read (Cannot copy out of meta
+    tensor; no data!)"), auditing none. Now they are listed under not_audited, with why."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "odd.pt"
+    tensors = {
+        "w": torch.ones(4, 4),
+        "m": torch.empty(3, device="meta"),
+        "s": torch.eye(3).to_sparse(),
+    }
+    torch.save(tensors, path)
+    report = audit.audit_checkpoint(str(path))
+    assert [r["name"] for r in report["tensors"]] == ["w"]
+    reasons = {r["name"]: r["reason"] for r in report["not_audited"]}
+    assert reasons == {"m": "meta tensor (no data)", "s": "sparse_coo tensor"}
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt", ".npz", ".npy"])
 def test_cli_empty_file_is_named_as_such(tmp_path, suffix):
     """An empty .pt was 'not a readable torch file ()' (EOFError has no message)."""
