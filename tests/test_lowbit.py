@@ -324,7 +324,7 @@ def test_bad_dtypes_are_named():
     x = np.ones(4, np.float32)
     with pytest.raises(TypeError, match="y: expected a narrow float"):
         srround.to_float32(np.zeros(4, np.uint8))
-    with pytest.raises(TypeError, match="w: expected a narrow float"):
+    with pytest.raises(TypeError, match=r"w: expected a float8_e4m3fn array \(or uint8 bit"):
         srround.stochastic_add(np.zeros(4, np.uint16), x, dtype="float8_e4m3fn")
     with pytest.raises(TypeError, match="does not match"):
         srround.stochastic_add(np.zeros(4, ml_dtypes.float8_e5m2), x, dtype="float8_e4m3fn")
@@ -839,6 +839,22 @@ def test_dequantize_blocks_errors_name_the_argument():
                 srround.adapters.jax.dequantize_blocks(qj, impl=impl)
     back = srround.dequantize_blocks(nv._replace(tensor_scale=np.ones((), np.float32)))
     assert back.shape == x.shape  # one value in any shape (torchao's is 0-d)
+
+
+def test_nvfp4_e8m0_scales_error_says_what_is_expected():
+    """NVFP4 scales given as e8m0 (MX's scale dtype): the TypeError names the one dtype NVFP4
+    scales take, not every narrow float dtype (fp16, bf16, e5m2, ... were listed)."""
+    torch = pytest.importorskip("torch")
+    x = np.ones((2, 32), np.float32)
+    q = srround.quantize_blocks(x, "nvfp4")
+    qt = srround.quantize_blocks(torch.from_numpy(x), "nvfp4")
+    cases = [
+        (q._replace(scales=q.scales.view(ml_dtypes.float8_e8m0fnu)), "float8_e4m3fn array"),
+        (qt._replace(scales=qt.scales.view(torch.float8_e8m0fnu)), "torch.float8_e4m3fn tensor"),
+    ]
+    for bad, want in cases:
+        with pytest.raises(TypeError, match=rf"q.scales: expected an? {want} \(or .*uint8 bit"):
+            srround.dequantize_blocks(bad)
 
 
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
