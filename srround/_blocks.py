@@ -52,7 +52,7 @@ from ._block_kernels import (
     nv_tensor_scale,
     quantize_blocks_cpu,
 )
-from ._formats import FORMATS, Format
+from ._formats import FORMATS, Format, check_float32_dtype
 from ._rng import check_offset, check_seed, next_seed, split_seed
 from ._tensor_list import address
 
@@ -325,14 +325,14 @@ def dequantize_blocks(q, *, dtype="float32"):
 
     Args:
         q: a ``QuantizedBlocks``; its arrays in one framework, on one device.
-        dtype: ``"float32"`` (the only one).
+        dtype: float32 (the only one): ``"float32"``, ``np.float32`` or the framework's own
+            (``torch.float32``, ``jnp.float32``).
     """
     from ._dispatch import adapter_for, check_same_place
 
     if not isinstance(q, QuantizedBlocks):
         raise TypeError(f"q: expected a QuantizedBlocks, got {type(q).__name__}")
-    if dtype not in ("float32", np.float32):
-        raise ValueError(f"dtype: only 'float32' is supported, got {dtype!r}")
+    check_float32_dtype(dtype)
     bf = get_block_format(q.format)
     adapter = adapter_for(data=q.data, scales=q.scales, tensor_scale=q.tensor_scale)
     if not adapter.MUTABLE:

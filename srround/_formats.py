@@ -203,6 +203,21 @@ def get_format(dtype) -> Format:
     raise ValueError(f"dtype: unsupported target format {dtype!r}; expected one of {valid}")
 
 
+def check_float32_dtype(dtype, name="dtype") -> None:
+    """A ``dtype=`` that may only be float32: ``"float32"``, NumPy's, or a framework's dtype
+    object spelled ``"...float32"`` (``torch.float32``), as ``get_format`` reads them; else a
+    ValueError naming ``name``."""
+    if isinstance(dtype, str):
+        ok = dtype == "float32"
+    else:
+        try:
+            ok = np.dtype(dtype) == np.float32
+        except TypeError:
+            ok = str(dtype).rsplit(".", 1)[-1] == "float32"
+    if not ok:
+        raise ValueError(f"{name}: only float32 is supported, got {dtype!r}")
+
+
 OVERFLOW_POLICIES = {"inf": False, "saturate": True}  # name -> saturate flag of the kernels
 
 

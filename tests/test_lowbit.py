@@ -938,3 +938,23 @@ def test_jax_native_nvfp4_subnormal_block_scales():
             got = sj.quantize_blocks(jax.numpy.asarray(x), "nvfp4", rounding=rounding, seed=4)
             np.testing.assert_array_equal(_u8(np.asarray(got.scales)), _u8(want.scales))
             np.testing.assert_array_equal(np.asarray(got.data), _u8(want.data))
+
+
+def test_dequantize_blocks_takes_framework_float32():
+    """``dequantize_blocks(dtype=)`` takes float32 as every ``dtype=`` takes a format: a name,
+    NumPy's dtype or the framework's own object (``torch.float32`` was a ValueError)."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    from srround.adapters import jax as sj
+
+    x = np.ones((2, 32), np.float32)
+    qt = srround.quantize_blocks(torch.from_numpy(x), "mxfp4")
+    for dtype in ("float32", np.float32, torch.float32):
+        np.testing.assert_array_equal(srround.dequantize_blocks(qt, dtype=dtype).numpy(), x)
+    qj = srround.quantize_blocks(jax.numpy.asarray(x), "mxfp4")
+    for impl in ("native", "callback"):
+        got = sj.dequantize_blocks(qj, dtype=jax.numpy.float32, impl=impl)
+        np.testing.assert_array_equal(np.asarray(got), x)
+    for dtype in ("bfloat16", torch.bfloat16, np.float16):
+        with pytest.raises(ValueError, match="dtype: only float32"):
+            srround.dequantize_blocks(qt, dtype=dtype)

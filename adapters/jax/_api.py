@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from srround import _validate
-from srround._formats import FORMATS, Format, get_format, saturate_flag
+from srround._formats import FORMATS, Format, check_float32_dtype, get_format, saturate_flag
 from srround._rng import check_offset, check_seed, next_seed, split_seed
 
 from . import _callback, _lax
@@ -461,8 +461,7 @@ def dequantize_blocks(q, *, dtype="float32", impl=None):
     (default, ``jax.lax``) or ``"callback"`` (host), the same bits."""
     from srround import _blocks
 
-    if dtype not in ("float32", np.float32):
-        raise ValueError(f"dtype: only 'float32' is supported, got {dtype!r}")
+    check_float32_dtype(dtype)
     bf = _blocks.get_block_format(q.format)
     for name, array, fmt in (
         ("q.data", q.data, _blocks.PACKED_FP4 if bf.packed else bf.element),
