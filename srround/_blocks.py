@@ -40,6 +40,9 @@ axis, element ``2j`` in the low nibble, as torchao's ``pack_uint4``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.abc
+import importlib.util
+import sys
 from typing import Any, NamedTuple
 
 import ml_dtypes
@@ -132,6 +135,42 @@ class QuantizedBlocks(NamedTuple):
     tensor_scale: Any
     format: str
     axis: int
+
+
+def _register_pytree(jax) -> None:
+    """``QuantizedBlocks`` as a pytree of the imported ``jax`` module: its arrays are leaves,
+    ``format`` and ``axis`` static (so it passes through ``jit`` and ``device_put``)."""
+    jax.tree_util.register_pytree_node(
+        QuantizedBlocks,
+        lambda q: ((q.data, q.scales, q.tensor_scale), (q.format, q.axis)),
+        lambda aux, children: QuantizedBlocks(*children, *aux),
+    )
+
+
+class _AfterJaxImport(importlib.abc.MetaPathFinder):
+    """Registers the pytree once ``import jax`` has run, whenever that is: the core imports no
+    framework, and the pytree must not wait for ``srround.adapters.jax``."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "jax":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module
+
+            def exec_then_register(module):
+                exec_module(module)
+                _register_pytree(module)
+
+            spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+if "jax" in sys.modules:
+    _register_pytree(sys.modules["jax"])
+else:
+    sys.meta_path.insert(0, _AfterJaxImport())
 
 
 def check_axis(axis, ndim, name="axis") -> int:

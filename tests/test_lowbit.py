@@ -958,3 +958,32 @@ def test_dequantize_blocks_takes_framework_float32():
     for dtype in ("bfloat16", torch.bfloat16, np.float16):
         with pytest.raises(ValueError, match="dtype: only float32"):
             srround.dequantize_blocks(qt, dtype=dtype)
+
+
+@pytest.mark.parametrize("jax_first", [False, True])
+def test_quantized_blocks_is_a_pytree_whatever_the_import_order(jax_first):
+    """``QuantizedBlocks`` is a JAX pytree (arrays leaves, ``format`` and ``axis`` static)
+    as soon as both srround and JAX are imported, in either order, without
+    ``srround.adapters.jax`` (before, the NamedTuple's format string was a leaf until the
+    adapter was imported: ``jax.device_put`` of a NumPy-made result failed). ``import srround``
+    alone still imports no JAX."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("jax")
+    imports = (
+        "import jax, srround"
+        if jax_first
+        else "import srround, sys\nassert 'jax' not in sys.modules\nimport jax"
+    )
+    code = f"""{imports}
+import numpy as np, sys
+q = srround.quantize_blocks(np.ones((2, 32), np.float32), "nvfp4")
+leaves, tree = jax.tree_util.tree_flatten(q)
+assert len(leaves) == 3 and all(isinstance(x, np.ndarray) for x in leaves), leaves
+qd = jax.device_put(q)
+assert (qd.format, qd.axis) == ("nvfp4", 1) and isinstance(qd.data, jax.Array)
+assert "srround.adapters.jax" not in sys.modules
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -41,21 +41,6 @@ from . import _callback, _lax
 from ._lax import _JNP_DTYPES, _u
 
 MUTABLE = False  # the adapter protocol of srround._dispatch: the functional API is here
-
-
-def _register_quantized_blocks():
-    """``srround.QuantizedBlocks`` as a pytree: its arrays are leaves, ``format`` and ``axis``
-    static (so it passes through ``jit``)."""
-    from srround._blocks import QuantizedBlocks
-
-    jax.tree_util.register_pytree_node(
-        QuantizedBlocks,
-        lambda q: ((q.data, q.scales, q.tensor_scale), (q.format, q.axis)),
-        lambda aux, children: QuantizedBlocks(*children, *aux),
-    )
-
-
-_register_quantized_blocks()
 IMPLS = ("native", "callback")
 
 
