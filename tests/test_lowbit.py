@@ -987,3 +987,29 @@ assert "srround.adapters.jax" not in sys.modules
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+def test_jax_takes_float4_e2m1fn_arrays(impl):
+    """JAX arrays of dtype ``jnp.float4_e2m1fn`` are fp4 inputs as NumPy's
+    ``ml_dtypes.float4_e2m1fn`` arrays are (they were a TypeError: only uint8 patterns), the
+    same bits; ``stochastic_add`` returns the new ``w`` in ``w``'s dtype."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from srround.adapters import jax as sj
+
+    codes = np.arange(16, dtype=np.uint8)
+    w_np = codes.view(ml_dtypes.float4_e2m1fn)
+    w = jnp.asarray(w_np)
+    u = np.linspace(-3, 3, 16, dtype=np.float32)
+    for call in (
+        lambda w: sj.to_float32(w, impl=impl),
+        jax.jit(lambda w: sj.to_float32(w, impl=impl)),
+    ):
+        np.testing.assert_array_equal(np.asarray(call(w)), srround.to_float32(w_np))
+    got = sj.stochastic_add(w, jnp.asarray(u), seed=3, impl=impl)
+    want = srround.stochastic_add(w_np.copy(), u, seed=3)
+    assert got.dtype == jnp.float4_e2m1fn
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    with pytest.raises(TypeError, match="does not match"):
+        sj.to_float32(w, dtype="float8_e4m3fn", impl=impl)

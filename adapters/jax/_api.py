@@ -32,6 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from srround import _validate
 from srround._formats import FORMATS, Format, check_float32_dtype, get_format, saturate_flag
@@ -144,8 +145,13 @@ def _check_float32(x, name: str):
 
 def _narrow(y, name: str, fmt: Format | None):
     """``(array, format)`` of a bf16/fp16/fp8 array (or uint16 / uint8 patterns with ``dtype=``
-    given; fp4 is always uint8 patterns)."""
+    given); a ``float4_e2m1fn`` array comes back as its uint8 codes (no float4 gradient)."""
     y = _as_jax(y, name)
+    if y.dtype == jnp.float4_e2m1fn:
+        fp4 = FORMATS["float4_e2m1fn"]
+        if fmt is not None and fmt is not fp4:
+            raise TypeError(f"{name}: dtype {y.dtype} does not match dtype={fmt.name!r}")
+        return _fp4_codes(y), fp4
     for candidate_name, dtype in _JNP_DTYPES.items():
         if y.dtype == dtype:
             candidate = FORMATS[candidate_name]
@@ -156,8 +162,18 @@ def _narrow(y, name: str, fmt: Format | None):
         return y, fmt
     raise TypeError(
         f"{name}: expected a narrow float array (bfloat16, float16, float8_e4m3fn, float8_e5m2,"
-        f" or uint16 / uint8 bit patterns with dtype= given), got {y.dtype}"
+        f" float4_e2m1fn, or uint16 / uint8 bit patterns with dtype= given), got {y.dtype}"
     )
+
+
+def _fp4_codes(y):
+    """The uint8 codes of a ``float4_e2m1fn`` array (a 4-bit type: bitcast to uint4 first)."""
+    return lax.bitcast_convert_type(y, jnp.uint4).astype(jnp.uint8)
+
+
+def _fp4_array(codes):
+    """The ``float4_e2m1fn`` array of uint8 codes (below 16)."""
+    return lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
 
 
 def _key_words(seed):
@@ -365,6 +381,7 @@ def stochastic_add(
         seed, offset, overflow, impl, shard_spec: as ``stochastic_round``.
         dtype: the format of ``w`` when its dtype does not say it.
     """
+    fp4 = _as_jax(w, "w").dtype == jnp.float4_e2m1fn  # added as codes, returned as fp4
     w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
     u = _check_float32(u, "u")
     check_arrays(("w", w), ("u", u))
@@ -393,6 +410,8 @@ def stochastic_add(
             w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
         )
 
+    if fp4:
+        return _fp4_array(added(w, u, alpha))
     if not jnp.issubdtype(w.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
         return added(w, u, alpha)
     return _straight_through(added, w, u, jnp.asarray(alpha, jnp.float32))
