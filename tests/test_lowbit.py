@@ -1013,3 +1013,37 @@ def test_jax_takes_float4_e2m1fn_arrays(impl):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
     with pytest.raises(TypeError, match="does not match"):
         sj.to_float32(w, dtype="float8_e4m3fn", impl=impl)
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
+def test_ceil_blocks_at_flt_max_dequantize_to_inf(name):
+    """CEIL on a block of +-FLT_MAX: the elements round up to the scale's next power of two,
+    the MX value +-2**128, which float32 cannot hold: ``dequantize_blocks`` gives +-inf (its
+    correctly rounded float32; torchao's RCEIL bits, which torchao dequantizes to inf too).
+    FLOOR clips the block to its largest element instead (finite). e4m3, nearest: the first
+    value that reaches 2**128 is 1.9375 * 2**127 (the tie between 240 and 256 * 2**120)."""
+    big = np.float32(np.finfo(np.float32).max)
+    x = np.full((1, 32), big, np.float32)
+    x[0, 1] = -big
+    ceil = srround.quantize_blocks(x, name, rounding="nearest", scale="ceil")
+    back = srround.dequantize_blocks(ceil)
+    assert np.isposinf(back[0, 0]) and np.isneginf(back[0, 1])
+    floor = srround.dequantize_blocks(srround.quantize_blocks(x, name, rounding="nearest"))
+    assert np.isfinite(floor).all() and floor[0, 0] < big
+    if name == "mxfp8_e4m3":
+        edge = np.full((1, 32), np.float32(1.9375 * 2.0**127), np.float32)
+        below = np.nextafter(edge, np.float32(0))
+        for value, finite in ((edge, False), (below, True)):
+            q = srround.quantize_blocks(value, name, rounding="nearest", scale="ceil")
+            assert np.isfinite(srround.dequantize_blocks(q)).all() == finite
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+
+    dtype = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2}
+    dtype = dtype.get(name, torch.float4_e2m1fn_x2)
+    scales, data = to_mx(torch.from_numpy(x), dtype, 32, ScaleCalculationMode.RCEIL)
+    np.testing.assert_array_equal(_u8(ceil.scales), scales.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(_u8(ceil.data), data.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(to_dtype(data, scales, dtype, 32, torch.float32).numpy(), back)
