@@ -1047,3 +1047,70 @@ def test_ceil_blocks_at_flt_max_dequantize_to_inf(name):
     np.testing.assert_array_equal(_u8(ceil.scales), scales.view(torch.uint8).numpy())
     np.testing.assert_array_equal(_u8(ceil.data), data.view(torch.uint8).numpy())
     np.testing.assert_array_equal(to_dtype(data, scales, dtype, 32, torch.float32).numpy(), back)
+
+
+def _fp4_inputs_with_a_high_nibble():
+    codes = np.array([0x01, 0x0F, 0x2A, 0x03], np.uint8)  # 0x2A: two packed codes
+    return codes, np.linspace(-1, 1, 4, dtype=np.float32)
+
+
+def test_fp4_bytes_above_0x0f_are_refused():
+    """fp4 inputs are one code per byte: a byte above 0x0F (torchao's two-per-byte
+    float4_e2m1fn_x2 passed as dtype="float4_e2m1fn") is a ValueError naming the argument,
+    before anything is written - NumPy (uint8 and ml_dtypes arrays), torch and CUDA (the
+    simulator). Before, the low nibble was read and the high one dropped silently."""
+    torch = pytest.importorskip("torch")
+    codes, u = _fp4_inputs_with_a_high_nibble()
+    match = "holds byte 0x2A, not an fp4 code"
+    cases = [
+        (codes.copy(), np.array),
+        (codes.view(ml_dtypes.float4_e2m1fn).copy(), np.array),
+        (torch.from_numpy(codes.copy()), torch.from_numpy),  # torch: fp4 is uint8 patterns
+    ]
+    for y, wrap in cases:
+        out = wrap(np.full(4, 7.0, np.float32))
+        with pytest.raises(ValueError, match=f"y: {match}"):
+            srround.to_float32(y, dtype="float4_e2m1fn", out=out)
+        with pytest.raises(ValueError, match=f"w: {match}"):
+            srround.stochastic_add(y, wrap(u), seed=0, dtype="float4_e2m1fn")
+        assert (np.asarray(out) == 7.0).all()
+        np.testing.assert_array_equal(np.asarray(y).view(np.uint8), codes)  # unwritten
+    from numba import cuda
+
+    if cuda.is_available():
+        w = cuda.to_device(codes)
+        with pytest.raises(ValueError, match=f"y: {match}"):
+            srround.to_float32(w, dtype="float4_e2m1fn")
+        with pytest.raises(ValueError, match=f"w: {match}"):
+            srround.stochastic_add(w, cuda.to_device(u), seed=0, dtype="float4_e2m1fn")
+        np.testing.assert_array_equal(w.copy_to_host(), codes)
+        ok = cuda.to_device(codes & 0xF)
+        np.testing.assert_array_equal(
+            srround.to_float32(ok, dtype="float4_e2m1fn").copy_to_host(),
+            srround.to_float32(codes & 0xF, dtype="float4_e2m1fn"),
+        )
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+def test_jax_fp4_bytes_above_0x0f_are_refused(impl):
+    """JAX: a concrete uint8 fp4 input with a byte above 0x0F is the same ValueError, before
+    anything runs; under jit (values unknown when tracing) the callback raises it from its host
+    call and the jax.lax path reads the byte as NaN (fp4 has no NaN: it cannot pass as a value)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from srround.adapters import jax as sj
+
+    codes, u = _fp4_inputs_with_a_high_nibble()
+    y, uj = jnp.asarray(codes), jnp.asarray(u)
+    match = "holds byte 0x2A, not an fp4 code"
+    with pytest.raises(ValueError, match=f"y: {match}"):
+        sj.to_float32(y, dtype="float4_e2m1fn", impl=impl)
+    with pytest.raises(ValueError, match=f"w: {match}"):
+        sj.stochastic_add(y, uj, seed=0, dtype="float4_e2m1fn", impl=impl)
+    widen = jax.jit(lambda y: sj.to_float32(y, dtype="float4_e2m1fn", impl=impl))
+    if impl == "callback":
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(widen(y))
+    else:
+        got = np.asarray(widen(y))
+        assert np.isnan(got[2]) and not np.isnan(np.delete(got, 2)).any()

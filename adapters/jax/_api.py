@@ -35,7 +35,14 @@ import numpy as np
 from jax import lax
 
 from srround import _validate
-from srround._formats import FORMATS, Format, check_float32_dtype, get_format, saturate_flag
+from srround._formats import (
+    FORMATS,
+    Format,
+    check_float32_dtype,
+    check_fp4_top,
+    get_format,
+    saturate_flag,
+)
 from srround._rng import check_offset, check_seed, next_seed, split_seed
 
 from . import _callback, _lax
@@ -159,6 +166,9 @@ def _narrow(y, name: str, fmt: Format | None):
                 raise TypeError(f"{name}: dtype {y.dtype} does not match dtype={fmt.name!r}")
             return y, candidate
     if fmt is not None and y.dtype == jnp.dtype(fmt.bits_dtype):
+        if fmt.bits == 4 and y.size and not isinstance(y, jax.core.Tracer):
+            check_fp4_top(int(jnp.max(y)), name)  # traced: the callback raises at run time,
+            # jax.lax reads the byte as NaN (_lax._decode)
         return y, fmt
     raise TypeError(
         f"{name}: expected a narrow float array (bfloat16, float16, float8_e4m3fn, float8_e5m2,"
