@@ -149,19 +149,27 @@ def _register_pytree(jax) -> None:
 
 class _AfterJaxImport(importlib.abc.MetaPathFinder):
     """Registers the pytree once ``import jax`` has run, whenever that is: the core imports no
-    framework, and the pytree must not wait for ``srround.adapters.jax``."""
+    framework, and the pytree must not wait for ``srround.adapters.jax``. It stays in
+    ``sys.meta_path`` until JAX's module has run (a ``find_spec`` probe imports nothing)."""
+
+    finding = False
 
     def find_spec(self, name, path, target=None):
-        if name != "jax":
+        if name != "jax" or self.finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.finding = True
+        try:
+            spec = importlib.util.find_spec(name)  # the other finders' spec
+        finally:
+            self.finding = False
         if spec is not None and spec.loader is not None:
             exec_module = spec.loader.exec_module
 
             def exec_then_register(module):
                 exec_module(module)
                 _register_pytree(module)
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
 
             spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec

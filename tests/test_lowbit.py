@@ -974,7 +974,8 @@ def test_quantized_blocks_is_a_pytree_whatever_the_import_order(jax_first):
     imports = (
         "import jax, srround"
         if jax_first
-        else "import srround, sys\nassert 'jax' not in sys.modules\nimport jax"
+        else "import importlib.util, srround, sys\nassert 'jax' not in sys.modules\n"
+        "assert importlib.util.find_spec('jax')\nimport jax"  # a probe first imports nothing
     )
     code = f"""{imports}
 import numpy as np, sys
