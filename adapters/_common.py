@@ -64,6 +64,16 @@ def narrow_format(dtype, name: str, fmt: Format | None, dtypes: Dtypes = NUMPY) 
         return fmt
     if fmt is not None and str(dtype).rsplit(".", 1)[-1] == fmt.name:
         return fmt  # a storage-only format of block results (float8_e8m0fnu scales)
+    if fmt is not None:  # the one format the call reads: name it, not every narrow dtype
+        raw = dtypes.raw if fmt.bits > 8 else dtypes.raw8
+        own = [str(d) for d, f in dtypes.narrow.items() if f is fmt]
+        if not own and fmt.name != str(raw):  # storage-only (e8m0 scales) or torch's fp4
+            own = [fmt.name]
+        if own:
+            expected = f"{_a(' / '.join(own))} {dtypes.noun} (or {raw} bit patterns)"
+        else:
+            expected = f"{_a(str(raw))} {dtypes.noun} of bit patterns"
+        raise TypeError(f"{name}: expected {expected}, got {dtype}")
     expected = ", ".join(str(d) for d in dtypes.narrow)
     hint = f" (or {dtypes.raw} / {dtypes.raw8} bit patterns with dtype= given)"
     raise TypeError(

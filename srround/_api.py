@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _cpu, _loss_scale, _optim, _plan, _validate
 from ._dispatch import View, adapter_for, check_same_place, check_shape, mutable_adapter_for
-from ._formats import CODE_WIDTH, BufferCode, get_format, saturate_flag
+from ._formats import CODE_WIDTH, BufferCode, check_fp4_top, get_format, saturate_flag
 from ._rng import check_offset, check_seed, next_seed, split_seed
 from ._tensor_list import TensorList, address
 
@@ -46,6 +46,20 @@ def _launch(kernel: str, view: View, *args) -> None:
         from . import _cuda  # compiles CUDA kernels on first use only
 
         getattr(_cuda, kernel)(*args, stream=view.stream)
+
+
+def check_fp4_codes(view: View, fmt, name: str) -> None:
+    """``_formats.check_fp4_top`` of the bytes of an fp4 view, before anything runs (one read
+    of the bytes; on CUDA a device reduction and a sync)."""
+    if fmt.bits != 4 or view.bits.size == 0:
+        return
+    if view.device == "cpu":
+        top = int(view.bits.max())
+    else:
+        from . import _cuda
+
+        top = _cuda.max_byte(view.bits, stream=view.stream)
+    check_fp4_top(top, name)
 
 
 def _launch_random(kernel, view, src_bits, dst_bits, alpha, key, offset, fmt, saturate) -> None:
@@ -157,6 +171,7 @@ def to_float32(y, *, dtype=None, out=None):
         return own(y, dtype=dtype, out=out)
     fmt = None if dtype is None else get_format(dtype)
     src, fmt = adapter.source(y, "y", fmt, narrow=True)
+    check_fp4_codes(src, fmt, "y")
     dst = adapter.target(out, "out", src, None)
     check_same_place(y=src, out=dst)
     if out is not None:
@@ -196,6 +211,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     check_shape("u", src.shape, dst.shape, "w's")
     check_same_place(w=dst, u=src)
     _validate.no_overlap([_span("w", dst, True), _span("u", src, False)])
+    check_fp4_codes(dst, fmt, "w")
     offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
     k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(

@@ -40,6 +40,9 @@ axis, element ``2j`` in the low nibble, as torchao's ``pack_uint4``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.abc
+import importlib.util
+import sys
 from typing import Any, NamedTuple
 
 import ml_dtypes
@@ -52,7 +55,7 @@ from ._block_kernels import (
     nv_tensor_scale,
     quantize_blocks_cpu,
 )
-from ._formats import FORMATS, Format
+from ._formats import FORMATS, Format, check_float32_dtype
 from ._rng import check_offset, check_seed, next_seed, split_seed
 from ._tensor_list import address
 
@@ -132,6 +135,50 @@ class QuantizedBlocks(NamedTuple):
     tensor_scale: Any
     format: str
     axis: int
+
+
+def _register_pytree(jax) -> None:
+    """``QuantizedBlocks`` as a pytree of the imported ``jax`` module: its arrays are leaves,
+    ``format`` and ``axis`` static (so it passes through ``jit`` and ``device_put``)."""
+    jax.tree_util.register_pytree_node(
+        QuantizedBlocks,
+        lambda q: ((q.data, q.scales, q.tensor_scale), (q.format, q.axis)),
+        lambda aux, children: QuantizedBlocks(*children, *aux),
+    )
+
+
+class _AfterJaxImport(importlib.abc.MetaPathFinder):
+    """Registers the pytree once ``import jax`` has run, whenever that is: the core imports no
+    framework, and the pytree must not wait for ``srround.adapters.jax``. It stays in
+    ``sys.meta_path`` until JAX's module has run (a ``find_spec`` probe imports nothing)."""
+
+    finding = False
+
+    def find_spec(self, name, path, target=None):
+        if name != "jax" or self.finding:
+            return None
+        self.finding = True
+        try:
+            spec = importlib.util.find_spec(name)  # the other finders' spec
+        finally:
+            self.finding = False
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module
+
+            def exec_then_register(module):
+                exec_module(module)
+                _register_pytree(module)
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+
+            spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+if "jax" in sys.modules:
+    _register_pytree(sys.modules["jax"])
+else:
+    sys.meta_path.insert(0, _AfterJaxImport())
 
 
 def check_axis(axis, ndim, name="axis") -> int:
@@ -325,14 +372,14 @@ def dequantize_blocks(q, *, dtype="float32"):
 
     Args:
         q: a ``QuantizedBlocks``; its arrays in one framework, on one device.
-        dtype: ``"float32"`` (the only one).
+        dtype: float32 (the only one): ``"float32"``, ``np.float32`` or the framework's own
+            (``torch.float32``, ``jnp.float32``).
     """
     from ._dispatch import adapter_for, check_same_place
 
     if not isinstance(q, QuantizedBlocks):
         raise TypeError(f"q: expected a QuantizedBlocks, got {type(q).__name__}")
-    if dtype not in ("float32", np.float32):
-        raise ValueError(f"dtype: only 'float32' is supported, got {dtype!r}")
+    check_float32_dtype(dtype)
     bf = get_block_format(q.format)
     adapter = adapter_for(data=q.data, scales=q.scales, tensor_scale=q.tensor_scale)
     if not adapter.MUTABLE:

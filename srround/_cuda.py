@@ -261,6 +261,24 @@ def to_float32(h, out, mantissa_bits, exponent_bits, kind=0, *, stream):
     _run(_WIDEN, h, out, h, _NO_ALPHA, 0, 0, 0, mantissa_bits, exponent_bits, False, kind, stream)
 
 
+@cuda.jit(cache=True)
+def _max_byte(h, result):
+    """result[0] = the largest of the bytes ``h`` (atomic)."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    best = np.uint32(0)
+    for j in range(start, h.size, stride):
+        best = max(best, np.uint32(h[j]))
+    cuda.atomic.max(result, 0, best)
+
+
+def max_byte(h, *, stream) -> int:
+    """The largest of the bytes ``h`` (a device array), read back to the host (a sync)."""
+    result = cuda.to_device(np.zeros(1, np.uint32), stream=stream)
+    grid = _grid(h.size)
+    _max_byte[grid[0], grid[1], stream](h, result)
+    return int(result.copy_to_host(stream=stream)[0])
+
+
 # -- loss scaling (tensor lists through a pointer table, see _tensor_list.py) -----------------
 
 

@@ -203,6 +203,32 @@ def get_format(dtype) -> Format:
     raise ValueError(f"dtype: unsupported target format {dtype!r}; expected one of {valid}")
 
 
+def check_fp4_top(top: int, name: str) -> None:
+    """fp4 is one code per byte, ``0x00``-``0x0F``: an input whose largest byte ``top`` is above
+    (the high nibble of torchao's two-per-byte ``float4_e2m1fn_x2``) is a ValueError naming
+    ``name``."""
+    if top > 0xF:
+        raise ValueError(
+            f"{name}: holds byte 0x{top:02X}, not an fp4 code: float4_e2m1fn is one value per"
+            " byte (0x00-0x0F); unpack two-per-byte data (torch.float4_e2m1fn_x2) first"
+        )
+
+
+def check_float32_dtype(dtype, name="dtype") -> None:
+    """A ``dtype=`` that may only be float32: ``"float32"``, NumPy's, or a framework's dtype
+    object spelled ``"...float32"`` (``torch.float32``), as ``get_format`` reads them; else a
+    ValueError naming ``name``."""
+    if isinstance(dtype, str):
+        ok = dtype == "float32"
+    else:
+        try:
+            ok = np.dtype(dtype) == np.float32
+        except TypeError:
+            ok = str(dtype).rsplit(".", 1)[-1] == "float32"
+    if not ok:
+        raise ValueError(f"{name}: only float32 is supported, got {dtype!r}")
+
+
 OVERFLOW_POLICIES = {"inf": False, "saturate": True}  # name -> saturate flag of the kernels
 
 

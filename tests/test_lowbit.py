@@ -324,7 +324,7 @@ def test_bad_dtypes_are_named():
     x = np.ones(4, np.float32)
     with pytest.raises(TypeError, match="y: expected a narrow float"):
         srround.to_float32(np.zeros(4, np.uint8))
-    with pytest.raises(TypeError, match="w: expected a narrow float"):
+    with pytest.raises(TypeError, match=r"w: expected a float8_e4m3fn array \(or uint8 bit"):
         srround.stochastic_add(np.zeros(4, np.uint16), x, dtype="float8_e4m3fn")
     with pytest.raises(TypeError, match="does not match"):
         srround.stochastic_add(np.zeros(4, ml_dtypes.float8_e5m2), x, dtype="float8_e4m3fn")
@@ -841,6 +841,22 @@ def test_dequantize_blocks_errors_name_the_argument():
     assert back.shape == x.shape  # one value in any shape (torchao's is 0-d)
 
 
+def test_nvfp4_e8m0_scales_error_says_what_is_expected():
+    """NVFP4 scales given as e8m0 (MX's scale dtype): the TypeError names the one dtype NVFP4
+    scales take, not every narrow float dtype (fp16, bf16, e5m2, ... were listed)."""
+    torch = pytest.importorskip("torch")
+    x = np.ones((2, 32), np.float32)
+    q = srround.quantize_blocks(x, "nvfp4")
+    qt = srround.quantize_blocks(torch.from_numpy(x), "nvfp4")
+    cases = [
+        (q._replace(scales=q.scales.view(ml_dtypes.float8_e8m0fnu)), "float8_e4m3fn array"),
+        (qt._replace(scales=qt.scales.view(torch.float8_e8m0fnu)), "torch.float8_e4m3fn tensor"),
+    ]
+    for bad, want in cases:
+        with pytest.raises(TypeError, match=rf"q.scales: expected an? {want} \(or .*uint8 bit"):
+            srround.dequantize_blocks(bad)
+
+
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
 def test_mx_smallest_scale_round_trips(name):
     """Blocks whose scale is e8m0's smallest, 2**-127 (code 0: block maximum below
@@ -922,3 +938,180 @@ def test_jax_native_nvfp4_subnormal_block_scales():
             got = sj.quantize_blocks(jax.numpy.asarray(x), "nvfp4", rounding=rounding, seed=4)
             np.testing.assert_array_equal(_u8(np.asarray(got.scales)), _u8(want.scales))
             np.testing.assert_array_equal(np.asarray(got.data), _u8(want.data))
+
+
+def test_dequantize_blocks_takes_framework_float32():
+    """``dequantize_blocks(dtype=)`` takes float32 as every ``dtype=`` takes a format: a name,
+    NumPy's dtype or the framework's own object (``torch.float32`` was a ValueError)."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    from srround.adapters import jax as sj
+
+    x = np.ones((2, 32), np.float32)
+    qt = srround.quantize_blocks(torch.from_numpy(x), "mxfp4")
+    for dtype in ("float32", np.float32, torch.float32):
+        np.testing.assert_array_equal(srround.dequantize_blocks(qt, dtype=dtype).numpy(), x)
+    qj = srround.quantize_blocks(jax.numpy.asarray(x), "mxfp4")
+    for impl in ("native", "callback"):
+        got = sj.dequantize_blocks(qj, dtype=jax.numpy.float32, impl=impl)
+        np.testing.assert_array_equal(np.asarray(got), x)
+    for dtype in ("bfloat16", torch.bfloat16, np.float16):
+        with pytest.raises(ValueError, match="dtype: only float32"):
+            srround.dequantize_blocks(qt, dtype=dtype)
+
+
+@pytest.mark.parametrize("jax_first", [False, True])
+def test_quantized_blocks_is_a_pytree_whatever_the_import_order(jax_first):
+    """``QuantizedBlocks`` is a JAX pytree (arrays leaves, ``format`` and ``axis`` static)
+    as soon as both srround and JAX are imported, in either order, without
+    ``srround.adapters.jax`` (before, the NamedTuple's format string was a leaf until the
+    adapter was imported: ``jax.device_put`` of a NumPy-made result failed). ``import srround``
+    alone still imports no JAX."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("jax")
+    imports = (
+        "import jax, srround"
+        if jax_first
+        else "import importlib.util, srround, sys\nassert 'jax' not in sys.modules\n"
+        "assert importlib.util.find_spec('jax')\nimport jax"  # a probe first imports nothing
+    )
+    code = f"""{imports}
+import numpy as np, sys
+q = srround.quantize_blocks(np.ones((2, 32), np.float32), "nvfp4")
+leaves, tree = jax.tree_util.tree_flatten(q)
+assert len(leaves) == 3 and all(isinstance(x, np.ndarray) for x in leaves), leaves
+qd = jax.device_put(q)
+assert (qd.format, qd.axis) == ("nvfp4", 1) and isinstance(qd.data, jax.Array)
+assert "srround.adapters.jax" not in sys.modules
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+def test_jax_takes_float4_e2m1fn_arrays(impl):
+    """JAX arrays of dtype ``jnp.float4_e2m1fn`` are fp4 inputs as NumPy's
+    ``ml_dtypes.float4_e2m1fn`` arrays are (they were a TypeError: only uint8 patterns), the
+    same bits; ``stochastic_add`` returns the new ``w`` in ``w``'s dtype."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from srround.adapters import jax as sj
+
+    codes = np.arange(16, dtype=np.uint8)
+    w_np = codes.view(ml_dtypes.float4_e2m1fn)
+    w = jnp.asarray(w_np)
+    u = np.linspace(-3, 3, 16, dtype=np.float32)
+    for call in (
+        lambda w: sj.to_float32(w, impl=impl),
+        jax.jit(lambda w: sj.to_float32(w, impl=impl)),
+    ):
+        np.testing.assert_array_equal(np.asarray(call(w)), srround.to_float32(w_np))
+    got = sj.stochastic_add(w, jnp.asarray(u), seed=3, impl=impl)
+    want = srround.stochastic_add(w_np.copy(), u, seed=3)
+    assert got.dtype == jnp.float4_e2m1fn
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    with pytest.raises(TypeError, match="does not match"):
+        sj.to_float32(w, dtype="float8_e4m3fn", impl=impl)
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
+def test_ceil_blocks_at_flt_max_dequantize_to_inf(name):
+    """CEIL on a block of +-FLT_MAX: the elements round up to the scale's next power of two,
+    the MX value +-2**128, which float32 cannot hold: ``dequantize_blocks`` gives +-inf (its
+    correctly rounded float32; torchao's RCEIL bits, which torchao dequantizes to inf too).
+    FLOOR clips the block to its largest element instead (finite). e4m3, nearest: the first
+    value that reaches 2**128 is 1.9375 * 2**127 (the tie between 240 and 256 * 2**120)."""
+    big = np.float32(np.finfo(np.float32).max)
+    x = np.full((1, 32), big, np.float32)
+    x[0, 1] = -big
+    ceil = srround.quantize_blocks(x, name, rounding="nearest", scale="ceil")
+    back = srround.dequantize_blocks(ceil)
+    assert np.isposinf(back[0, 0]) and np.isneginf(back[0, 1])
+    floor = srround.dequantize_blocks(srround.quantize_blocks(x, name, rounding="nearest"))
+    assert np.isfinite(floor).all() and floor[0, 0] < big
+    if name == "mxfp8_e4m3":
+        edge = np.full((1, 32), np.float32(1.9375 * 2.0**127), np.float32)
+        below = np.nextafter(edge, np.float32(0))
+        for value, finite in ((edge, False), (below, True)):
+            q = srround.quantize_blocks(value, name, rounding="nearest", scale="ceil")
+            assert np.isfinite(srround.dequantize_blocks(q)).all() == finite
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+
+    dtype = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2}
+    dtype = dtype.get(name, torch.float4_e2m1fn_x2)
+    scales, data = to_mx(torch.from_numpy(x), dtype, 32, ScaleCalculationMode.RCEIL)
+    np.testing.assert_array_equal(_u8(ceil.scales), scales.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(_u8(ceil.data), data.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(to_dtype(data, scales, dtype, 32, torch.float32).numpy(), back)
+
+
+def _fp4_inputs_with_a_high_nibble():
+    codes = np.array([0x01, 0x0F, 0x2A, 0x03], np.uint8)  # 0x2A: two packed codes
+    return codes, np.linspace(-1, 1, 4, dtype=np.float32)
+
+
+def test_fp4_bytes_above_0x0f_are_refused():
+    """fp4 inputs are one code per byte: a byte above 0x0F (torchao's two-per-byte
+    float4_e2m1fn_x2 passed as dtype="float4_e2m1fn") is a ValueError naming the argument,
+    before anything is written - NumPy (uint8 and ml_dtypes arrays), torch and CUDA (the
+    simulator). Before, the low nibble was read and the high one dropped silently."""
+    torch = pytest.importorskip("torch")
+    codes, u = _fp4_inputs_with_a_high_nibble()
+    match = "holds byte 0x2A, not an fp4 code"
+    cases = [
+        (codes.copy(), np.array),
+        (codes.view(ml_dtypes.float4_e2m1fn).copy(), np.array),
+        (torch.from_numpy(codes.copy()), torch.from_numpy),  # torch: fp4 is uint8 patterns
+    ]
+    for y, wrap in cases:
+        out = wrap(np.full(4, 7.0, np.float32))
+        with pytest.raises(ValueError, match=f"y: {match}"):
+            srround.to_float32(y, dtype="float4_e2m1fn", out=out)
+        with pytest.raises(ValueError, match=f"w: {match}"):
+            srround.stochastic_add(y, wrap(u), seed=0, dtype="float4_e2m1fn")
+        assert (np.asarray(out) == 7.0).all()
+        np.testing.assert_array_equal(np.asarray(y).view(np.uint8), codes)  # unwritten
+    from numba import cuda
+
+    if cuda.is_available():
+        w = cuda.to_device(codes)
+        with pytest.raises(ValueError, match=f"y: {match}"):
+            srround.to_float32(w, dtype="float4_e2m1fn")
+        with pytest.raises(ValueError, match=f"w: {match}"):
+            srround.stochastic_add(w, cuda.to_device(u), seed=0, dtype="float4_e2m1fn")
+        np.testing.assert_array_equal(w.copy_to_host(), codes)
+        ok = cuda.to_device(codes & 0xF)
+        np.testing.assert_array_equal(
+            srround.to_float32(ok, dtype="float4_e2m1fn").copy_to_host(),
+            srround.to_float32(codes & 0xF, dtype="float4_e2m1fn"),
+        )
+
+
+@pytest.mark.parametrize("impl", ["native", "callback"])
+def test_jax_fp4_bytes_above_0x0f_are_refused(impl):
+    """JAX: a concrete uint8 fp4 input with a byte above 0x0F is the same ValueError, before
+    anything runs; under jit (values unknown when tracing) the callback raises it from its host
+    call and the jax.lax path reads the byte as NaN (fp4 has no NaN: it cannot pass as a value)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from srround.adapters import jax as sj
+
+    codes, u = _fp4_inputs_with_a_high_nibble()
+    y, uj = jnp.asarray(codes), jnp.asarray(u)
+    match = "holds byte 0x2A, not an fp4 code"
+    with pytest.raises(ValueError, match=f"y: {match}"):
+        sj.to_float32(y, dtype="float4_e2m1fn", impl=impl)
+    with pytest.raises(ValueError, match=f"w: {match}"):
+        sj.stochastic_add(y, uj, seed=0, dtype="float4_e2m1fn", impl=impl)
+    widen = jax.jit(lambda y: sj.to_float32(y, dtype="float4_e2m1fn", impl=impl))
+    if impl == "callback":
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(widen(y))
+    else:
+        got = np.asarray(widen(y))
+        assert np.isnan(got[2]) and not np.isnan(np.delete(got, 2)).any()

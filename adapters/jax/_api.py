@@ -32,30 +32,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from srround import _validate
-from srround._formats import FORMATS, Format, get_format, saturate_flag
+from srround._formats import (
+    FORMATS,
+    Format,
+    check_float32_dtype,
+    check_fp4_top,
+    get_format,
+    saturate_flag,
+)
 from srround._rng import check_offset, check_seed, next_seed, split_seed
 
 from . import _callback, _lax
 from ._lax import _JNP_DTYPES, _u
 
 MUTABLE = False  # the adapter protocol of srround._dispatch: the functional API is here
-
-
-def _register_quantized_blocks():
-    """``srround.QuantizedBlocks`` as a pytree: its arrays are leaves, ``format`` and ``axis``
-    static (so it passes through ``jit``)."""
-    from srround._blocks import QuantizedBlocks
-
-    jax.tree_util.register_pytree_node(
-        QuantizedBlocks,
-        lambda q: ((q.data, q.scales, q.tensor_scale), (q.format, q.axis)),
-        lambda aux, children: QuantizedBlocks(*children, *aux),
-    )
-
-
-_register_quantized_blocks()
 IMPLS = ("native", "callback")
 
 
@@ -159,8 +152,13 @@ def _check_float32(x, name: str):
 
 def _narrow(y, name: str, fmt: Format | None):
     """``(array, format)`` of a bf16/fp16/fp8 array (or uint16 / uint8 patterns with ``dtype=``
-    given; fp4 is always uint8 patterns)."""
+    given); a ``float4_e2m1fn`` array comes back as its uint8 codes (no float4 gradient)."""
     y = _as_jax(y, name)
+    if y.dtype == jnp.float4_e2m1fn:
+        fp4 = FORMATS["float4_e2m1fn"]
+        if fmt is not None and fmt is not fp4:
+            raise TypeError(f"{name}: dtype {y.dtype} does not match dtype={fmt.name!r}")
+        return _fp4_codes(y), fp4
     for candidate_name, dtype in _JNP_DTYPES.items():
         if y.dtype == dtype:
             candidate = FORMATS[candidate_name]
@@ -168,11 +166,24 @@ def _narrow(y, name: str, fmt: Format | None):
                 raise TypeError(f"{name}: dtype {y.dtype} does not match dtype={fmt.name!r}")
             return y, candidate
     if fmt is not None and y.dtype == jnp.dtype(fmt.bits_dtype):
+        if fmt.bits == 4 and y.size and not isinstance(y, jax.core.Tracer):
+            check_fp4_top(int(jnp.max(y)), name)  # traced: the callback raises at run time,
+            # jax.lax reads the byte as NaN (_lax._decode)
         return y, fmt
     raise TypeError(
         f"{name}: expected a narrow float array (bfloat16, float16, float8_e4m3fn, float8_e5m2,"
-        f" or uint16 / uint8 bit patterns with dtype= given), got {y.dtype}"
+        f" float4_e2m1fn, or uint16 / uint8 bit patterns with dtype= given), got {y.dtype}"
     )
+
+
+def _fp4_codes(y):
+    """The uint8 codes of a ``float4_e2m1fn`` array (a 4-bit type: bitcast to uint4 first)."""
+    return lax.bitcast_convert_type(y, jnp.uint4).astype(jnp.uint8)
+
+
+def _fp4_array(codes):
+    """The ``float4_e2m1fn`` array of uint8 codes (below 16)."""
+    return lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
 
 
 def _key_words(seed):
@@ -400,6 +411,7 @@ def stochastic_add(
         seed, offset, overflow, impl, shard_spec: as ``stochastic_round``.
         dtype: the format of ``w`` when its dtype does not say it.
     """
+    fp4 = _as_jax(w, "w").dtype == jnp.float4_e2m1fn  # added as codes, returned as fp4
     w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
     u = _check_float32(u, "u")
     check_arrays(("w", w), ("u", u), ("seed", seed))
@@ -434,6 +446,8 @@ def stochastic_add(
         )
 
     rest = (_u(k0), _u(k1), origin)
+    if fp4:
+        return _fp4_array(added(w, u, alpha, *rest))
     if not jnp.issubdtype(w.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
         return added(w, u, alpha, *rest)
     return _straight_through(added, (w, u, jnp.asarray(alpha, jnp.float32)), rest, _sum_tangent)
@@ -488,8 +502,7 @@ def dequantize_blocks(q, *, dtype="float32", impl=None):
     (default, ``jax.lax``) or ``"callback"`` (host), the same bits."""
     from srround import _blocks
 
-    if dtype not in ("float32", np.float32):
-        raise ValueError(f"dtype: only 'float32' is supported, got {dtype!r}")
+    check_float32_dtype(dtype)
     bf = _blocks.get_block_format(q.format)
     for name, array, fmt in (
         ("q.data", q.data, _blocks.PACKED_FP4 if bf.packed else bf.element),

@@ -194,6 +194,8 @@ def _decode(h, fmt: Format):
     elif fmt.specials == 2:  # no inf, no NaN
         top = jnp.zeros_like(top)
     magnitude = jnp.where(top, special, jnp.where(biased == 0, sub, normal))
+    if fmt.bits == 4:  # a byte that is no fp4 code (seen under jit only, else a ValueError): NaN
+        return jnp.where(h > 0xF, _U32(0x7FC00000), sign | magnitude)
     return sign | magnitude
 
 
