@@ -651,3 +651,63 @@ def test_eager_calls_skip_the_straight_through_custom_jvp(monkeypatch):
     sj.to_float32(sj.round_nearest(x))
     for a, b in zip(got, want):
         assert _bits(a).tolist() == _bits(b).tolist()
+
+
+def _compiles(call) -> int:
+    """How many XLA programs ``call()`` compiled (JAX's compile-time events)."""
+    names = []
+
+    def listen(name, secs, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            names.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        jax.block_until_ready(call())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(names)
+
+
+@pytest.mark.parametrize("impl", [None, *IMPLS])
+def test_eager_calls_at_new_seeds_and_offsets_compile_nothing(impl):
+    """A repeated eager call with the same settings and shapes, at another seed and offset (same
+    ``offset % 4``), reuses the compiled program and registers no new host function. Before,
+    every eager ``impl="callback"`` call of the elementwise functions compiled a program (its
+    per-shard wrappers were made anew each call), and the host functions of new offsets piled
+    up in the FFI registry."""
+    from srround.adapters.jax import _ffi
+
+    x = jnp.linspace(-3, 3, 64, dtype=jnp.float32).reshape(2, 32)
+    w = x.astype(jnp.bfloat16)
+    q = sj.quantize_blocks(x, "mxfp8_e4m3", seed=1, impl=impl)
+    calls = {
+        "stochastic_round": lambda i: sj.stochastic_round(x, seed=i, offset=4 * i, impl=impl),
+        "stochastic_round_key": lambda i: sj.stochastic_round(
+            x, seed=jax.random.key(i), offset=4 * i + 1, impl=impl
+        ),
+        "round_nearest": lambda i: sj.round_nearest(x, overflow="saturate", impl=impl),
+        "to_float32": lambda i: sj.to_float32(w, impl=impl),
+        "stochastic_add": lambda i: sj.stochastic_add(
+            w, x, alpha=i, seed=i, offset=4 * i, impl=impl
+        ),
+        "stochastic_add_alpha_array": lambda i: sj.stochastic_add(
+            w, x, alpha=jnp.float32(i), seed=i, offset=4 * i, impl=impl
+        ),
+        "quantize_blocks": lambda i: sj.quantize_blocks(
+            x, "mxfp8_e4m3", seed=i, offset=32 * i, impl=impl
+        ),
+        "quantize_blocks_nearest": lambda i: sj.quantize_blocks(
+            x, "nvfp4", rounding="nearest", impl=impl
+        ),
+        "dequantize_blocks": lambda i: sj.dequantize_blocks(q, impl=impl),
+    }
+    assert _compiles(lambda: jax.jit(lambda a: a * 3)(x)) == 1  # the events are counted
+    failures = []
+    for name, call in calls.items():
+        jax.block_until_ready(call(1))
+        registered = len(_ffi._FUNCTIONS)
+        compiled = _compiles(lambda: call(2))
+        if compiled or len(_ffi._FUNCTIONS) != registered:
+            failures.append((name, compiled, len(_ffi._FUNCTIONS) - registered))
+    assert failures == []  # (name, programs compiled, host functions registered)

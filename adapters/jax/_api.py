@@ -338,7 +338,16 @@ def stochastic_round(
             stream = (k0, k1, offset, origin, global_shape)
             return _native_stream(_lax._native_stochastic_round, (x,), stream, fmt, saturate)
 
-        return _callback.stochastic_round(x, fmt, k0, k1, offset, overflow, origin, global_shape)
+        return _callback.stochastic_round(
+            x,
+            k0,
+            k1,
+            _callback.offset_words(offset),
+            origin,
+            fmt_name=fmt.name,
+            overflow=overflow,
+            global_shape=global_shape,
+        )
 
     rest = (_u(k0), _u(k1), origin)
     if not jnp.issubdtype(_lax.result_dtype(fmt), jnp.floating):  # packed fp4: no gradient
@@ -360,7 +369,7 @@ def round_nearest(x, *, dtype="bfloat16", overflow="inf", impl=None, out=None):
             if x.size == 0:
                 return jnp.zeros(x.shape, _lax.result_dtype(fmt))
             return _lax._native_round_nearest(x, fmt_name=fmt.name, saturate=saturate)
-        return _callback.round_nearest(x, fmt, overflow)
+        return _callback.round_nearest(x, fmt_name=fmt.name, overflow=overflow)
 
     if not jnp.issubdtype(_lax.result_dtype(fmt), jnp.floating):  # packed fp4: no gradient
         return rounded(x)
@@ -378,7 +387,7 @@ def to_float32(y, *, dtype=None, impl=None, out=None):
             if y.size == 0:
                 return jnp.zeros(y.shape, jnp.float32)
             return _lax._native_to_float32(y, fmt_name=fmt.name)
-        return _callback.to_float32(y, fmt)
+        return _callback.to_float32(y, fmt_name=fmt.name)
 
     if not jnp.issubdtype(y.dtype, jnp.floating):  # uint16 patterns: nothing to differentiate
         return widened(y)
@@ -442,7 +451,16 @@ def stochastic_add(
             stream = (k0, k1, offset, origin, global_shape)
             return _native_stream(_lax._native_stochastic_add, (w, u, alpha), stream, fmt, saturate)
         return _callback.stochastic_add(
-            w, u, alpha, fmt, k0, k1, offset, overflow, origin, global_shape
+            w,
+            u,
+            alpha,
+            k0,
+            k1,
+            _callback.offset_words(offset),
+            origin,
+            fmt_name=fmt.name,
+            overflow=overflow,
+            global_shape=global_shape,
         )
 
     rest = (_u(k0), _u(k1), origin)
@@ -491,8 +509,15 @@ def quantize_blocks(
             lane0=offset & 3,
         )
     else:
-        (data, scales, tensor), axis = _callback.quantize_blocks(
-            x, bf, k0, k1, rounding=rounding, offset=offset, axis=int(axis), scale=scale
+        data, scales, tensor = _callback.quantize_blocks(
+            x,
+            _u(k0),
+            _u(k1),
+            _callback.offset_words(offset),
+            format=bf.name,
+            rounding=rounding,
+            axis=axis,
+            scale=scale,
         )
     return _blocks.QuantizedBlocks(data, scales, tensor if bf.two_level else None, bf.name, axis)
 

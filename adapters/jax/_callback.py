@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import platform
 import sys
 
@@ -34,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import srround._api as _srround_api
 from srround._elements import STEP_SHIFT
-from srround._formats import Format
+from srround._formats import FORMATS
 
 from . import _ffi
 from ._lax import _u, result_dtype
@@ -93,8 +94,15 @@ def _run_on_host(fn, *arrays, **outs):
 
 
 def _seed_of(k0, k1) -> int:
-    """The int seed of Threefry key words ``(k0, k1)`` (host scalars)."""
+    """The int of 32-bit words ``(k0, k1)`` (host scalars): a seed from its Threefry key words,
+    an offset from ``offset_words``."""
     return int(k0) | (int(k1) << 32)
+
+
+def offset_words(offset: int) -> tuple:
+    """A stream offset as uint32 words ``(low, high)``: operands of the host call, so a new
+    offset compiles and registers nothing."""
+    return np.uint32(offset & 0xFFFFFFFF), np.uint32(offset >> 32)
 
 
 def _callback(fn, result_shape, *args, key, aliases=None, into=False):
@@ -270,38 +278,46 @@ def _host(name: str):
     return getattr(_srround_api, name)
 
 
-def stochastic_round(
-    x, fmt: Format, k0, k1, offset: int, overflow: str, origin=None, global_shape=None
-):
-    """``srround.stochastic_round`` of float32 ``x`` on the host, run by run at the global
-    offsets of a block (``origin`` traced inside ``shard_map``; under ``jit``, each shard's)."""
-    global_shape = tuple(x.shape) if global_shape is None else global_shape
+# The functional calls are jitted with their settings static (key words, offset words and
+# alpha are operands): an eager call at a new seed or offset reuses the compiled program (the
+# per-shard wrappers, made anew each call, would compile one every call).
 
-    def host(xh, h0, h1, oh, *, outs):
+
+@functools.partial(jax.jit, static_argnames=("fmt_name", "overflow", "global_shape"))
+def stochastic_round(x, k0, k1, offset, origin, *, fmt_name: str, overflow: str, global_shape):
+    """``srround.stochastic_round`` of float32 ``x`` on the host, run by run at the global
+    offsets of a block (``origin`` traced inside ``shard_map``; under ``jit``, each shard's),
+    from stream position ``offset`` (``offset_words``)."""
+    fmt = FORMATS[fmt_name]
+
+    def host(xh, h0, h1, o0, o1, oh, *, outs):
         flat, y = xh.reshape(-1), outs[0].reshape(-1).view(fmt.numpy_dtype)  # views
         for lo, n, start in _runs(xh.shape, oh, global_shape):
             _host("stochastic_round")(
                 flat[lo : lo + n],
-                dtype=fmt.name,
+                dtype=fmt_name,
                 seed=_seed_of(h0, h1),
-                offset=offset + start,
+                offset=_seed_of(o0, o1) + start,
                 overflow=overflow,
                 out=y[lo : lo + n],
             )
 
-    def body(x, k0, k1, origins):
+    def body(x, k0, k1, o0, o1, origins):
         shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
         origin_arg = _origin_arg(None if origins is None else origins[0], x.ndim)
-        key = ("stochastic_round", fmt.name, offset, overflow, tuple(global_shape))
-        return _callback(host, shape, x, k0, k1, origin_arg, key=key, into=True)
+        key = ("stochastic_round", fmt_name, overflow, global_shape)
+        return _callback(host, shape, x, k0, k1, o0, o1, origin_arg, key=key, into=True)
 
+    scalars = (_u(k0), _u(k1), *map(_u, offset))
     if origin is not None:
-        return body(x, _u(k0), _u(k1), {0: origin})
-    return _per_shard(body, (0, None, None), x, _u(k0), _u(k1))
+        return body(x, *scalars, {0: origin})
+    return _per_shard(body, (0, None, None, None, None), x, *scalars)
 
 
-def round_nearest(x, fmt: Format, overflow: str):
+@functools.partial(jax.jit, static_argnames=("fmt_name", "overflow"))
+def round_nearest(x, *, fmt_name: str, overflow: str):
     """``srround.round_nearest`` of float32 ``x`` on the host (per shard under ``jit``)."""
+    fmt = FORMATS[fmt_name]
 
     def host(xh, *, outs):
         out = outs[0].view(fmt.numpy_dtype)
@@ -309,61 +325,77 @@ def round_nearest(x, fmt: Format, overflow: str):
 
     def body(x, origins):
         shape = jax.ShapeDtypeStruct(x.shape, result_dtype(fmt))
-        key = ("round_nearest", fmt.name, overflow)
+        key = ("round_nearest", fmt_name, overflow)
         return _callback(host, shape, x, key=key, into=True)
 
     return _per_shard(body, (0,), x)
 
 
-def to_float32(y, fmt: Format):
-    """``srround.to_float32`` of narrow ``y`` (format ``fmt``) on the host (per shard under
+@functools.partial(jax.jit, static_argnames=("fmt_name",))
+def to_float32(y, *, fmt_name: str):
+    """``srround.to_float32`` of narrow ``y`` (format ``fmt_name``) on the host (per shard under
     ``jit``)."""
 
     def host(yh, *, outs):
-        _host("to_float32")(yh, dtype=fmt.name, out=outs[0])
+        _host("to_float32")(yh, dtype=fmt_name, out=outs[0])
 
     def body(y, origins):
         shape = jax.ShapeDtypeStruct(y.shape, jnp.float32)
-        return _callback(host, shape, y, key=("to_float32", fmt.name), into=True)
+        return _callback(host, shape, y, key=("to_float32", fmt_name), into=True)
 
     return _per_shard(body, (0,), y)
 
 
+@functools.partial(jax.jit, static_argnames=("fmt_name", "overflow", "global_shape"))
 def stochastic_add(
-    w,
-    u,
-    alpha,
-    fmt: Format,
-    k0,
-    k1,
-    offset: int,
-    overflow: str,
-    origin=None,
-    global_shape=None,
+    w, u, alpha, k0, k1, offset, origin, *, fmt_name: str, overflow: str, global_shape
 ):
     """``srround.stochastic_add`` of one array on the host: ``stochastic_add_leaves`` of one
-    leaf (``origin`` traced inside ``shard_map``; under ``jit``, each shard's)."""
+    leaf at stream position ``offset`` (``offset_words``; ``origin`` traced inside
+    ``shard_map``; under ``jit``, each shard's)."""
     (out,) = stochastic_add_leaves(
-        [w], [u], alpha, [fmt], k0, k1, [offset], overflow, [origin], [global_shape]
+        [w],
+        [u],
+        alpha,
+        [FORMATS[fmt_name]],
+        k0,
+        k1,
+        [0],
+        overflow,
+        [origin],
+        [global_shape],
+        base=offset,
     )
     return out
 
 
 def stochastic_add_leaves(
-    ws, us, alpha, fmts, k0, k1, offsets, overflow: str, origins, global_shapes, step=None
+    ws,
+    us,
+    alpha,
+    fmts,
+    k0,
+    k1,
+    offsets,
+    overflow: str,
+    origins,
+    global_shapes,
+    step=None,
+    base=(0, 0),
 ):
     """``srround.stochastic_add`` of every leaf ``w`` with its ``u`` (same shapes, float32) in
     one host call, in place in the results' buffers (``_callback``'s ``aliases``); returns the
     new leaves. Leaf ``k`` is added run by run at its block's global offsets from
-    ``offsets[k]`` (``origins[k]``: traced inside ``shard_map``; ``None``: each shard's under
-    ``jit``, or the whole leaf). ``step``: a traced step count ``t`` whose stream
-    ``offsets[k] + t * 2**STEP_SHIFT`` is used (``apply_updates``), or ``None``."""
+    ``base + offsets[k]`` (``base``: ``offset_words``, possibly traced; ``origins[k]``: traced
+    inside ``shard_map``; ``None``: each shard's under ``jit``, or the whole leaf). ``step``: a
+    traced step count ``t`` whose stream, ``t * 2**STEP_SHIFT`` further on, is used
+    (``apply_updates``), or ``None``."""
     n = len(ws)
     names = [fmt.name for fmt in fmts]
     shapes = [tuple(w.shape) if g is None else tuple(g) for w, g in zip(ws, global_shapes)]
 
-    def host(ah, h0, h1, th, *arrays):
-        seed, base = _seed_of(h0, h1), int(th) << STEP_SHIFT
+    def host(ah, h0, h1, th, b0, b1, *arrays):
+        seed, first = _seed_of(h0, h1), (int(th) << STEP_SHIFT) + _seed_of(b0, b1)
         targets, updates, where = arrays[:n], arrays[n : 2 * n], arrays[2 * n :]
         add = _host("stochastic_add") if np.isfinite(ah) else _add_non_finite
         for w, uh, o, shape, name, offset in zip(targets, updates, where, shapes, names, offsets):
@@ -374,33 +406,39 @@ def stochastic_add_leaves(
                     flat_u[lo : lo + size],
                     alpha=np.float32(ah),
                     seed=seed,
-                    offset=base + offset + start,
+                    offset=first + offset + start,
                     dtype=name,
                     overflow=overflow,
                 )
         return targets[0] if n == 1 else tuple(targets)
 
+    scalars = (
+        jnp.asarray(alpha, jnp.float32),
+        _u(k0),
+        _u(k1),
+        jnp.asarray(0 if step is None else step, jnp.int32),
+        *map(_u, base),
+    )
+
     def body(*operands_and_origins):
         *operands, blocks = operands_and_origins
-        local = operands[4 : 4 + n]
+        local = operands[len(scalars) : len(scalars) + n]
         result = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype) for w in local)
         where = [
             _origin_arg(None if blocks is None else blocks.get(k), w.ndim)
             for k, w in enumerate(local)
         ]
         key = ("stochastic_add", tuple(names), tuple(offsets), overflow, tuple(shapes))
-        aliases = {4 + k: k for k in range(n)}
+        aliases = {len(scalars) + k: k for k in range(n)}
         return _callback(
             host, result[0] if n == 1 else result, *operands, *where, key=key, aliases=aliases
         )
 
-    t = jnp.asarray(0 if step is None else step, jnp.int32)
-    scalars = (jnp.asarray(alpha, jnp.float32), _u(k0), _u(k1), t)
     blocks = {k: o for k, o in enumerate(origins) if o is not None}
     if blocks:  # inside shard_map: each block's origin
         out = body(*scalars, *ws, *us, blocks)
     else:
-        leaf_of = (None,) * 4 + (*range(n), *range(n))
+        leaf_of = (None,) * len(scalars) + (*range(n), *range(n))
         out = _per_shard(body, leaf_of, *scalars, *ws, *us, result_leaves=tuple(range(n)))
     return [out] if n == 1 else list(out)
 
@@ -452,13 +490,14 @@ def random_lanes(k0, k1, high, ranges, after, streams=(0,)):
     return lanes[:, :count]
 
 
-def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):
-    """``srround.quantize_blocks`` of float32 ``x`` on the host: ``(data, scales,
-    tensor_scale)`` JAX arrays (``tensor_scale`` float32[1], 1.0 unread for MX)."""
+@functools.partial(jax.jit, static_argnames=("format", "rounding", "axis", "scale"))
+def quantize_blocks(x, k0, k1, offset, *, format: str, rounding: str, axis: int, scale: str):
+    """``srround.quantize_blocks`` of float32 ``x`` on the host along ``axis`` (non-negative),
+    from stream position ``offset`` (``offset_words``): ``(data, scales, tensor_scale)`` JAX
+    arrays (``tensor_scale`` float32[1], 1.0 unread for MX)."""
     from srround import _blocks
 
-    ndim = x.ndim
-    axis = axis % ndim if ndim and -ndim <= axis < ndim else axis
+    bf = _blocks.get_block_format(format)
     shape = tuple(x.shape)
     _blocks._layout(shape, axis, bf.block)  # errors at trace time, naming x and axis
     data_shape = _blocks._shape_with(shape, axis, shape[axis] // 2) if bf.packed else shape
@@ -466,13 +505,13 @@ def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):
     data_dtype = jnp.uint8 if bf.packed else result_dtype(bf.element)
     scale_dtype = jnp.float8_e4m3fn if bf.two_level else jnp.float8_e8m0fnu
 
-    def host(xh, h0, h1):
+    def host(xh, h0, h1, o0, o1):
         q = _blocks.quantize_blocks(
             np.asarray(xh, order="C"),
             bf.name,
             rounding=rounding,
             seed=_seed_of(h0, h1),
-            offset=offset,
+            offset=_seed_of(o0, o1),
             axis=axis,
             scale=scale,
         )
@@ -488,10 +527,11 @@ def quantize_blocks(x, bf, k0, k1, *, rounding, offset, axis, scale):
         jax.ShapeDtypeStruct(scale_shape, scale_dtype),
         jax.ShapeDtypeStruct((1,), jnp.float32),
     )
-    key = ("quantize_blocks", bf.name, rounding, offset, axis, scale)
-    return _callback(host, result, x, _u(k0), _u(k1), key=key), axis
+    key = ("quantize_blocks", bf.name, rounding, axis, scale)
+    return _callback(host, result, x, _u(k0), _u(k1), *map(_u, offset), key=key)
 
 
+@jax.jit
 def dequantize_blocks(q):
     """``srround.dequantize_blocks`` of a ``QuantizedBlocks`` of JAX arrays, on the host."""
     from srround import _blocks
