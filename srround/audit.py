@@ -218,9 +218,12 @@ def _by_pattern(w, stored: str, fmt: Format, u, u_table, lr: float, limits, rows
     return stats, exp_hist, _rows_sum(ratio)
 
 
-def _count(weights, update, lr: float | None, dtype) -> tuple[_Counts, Format, str]:
-    """One kernel pass over ``weights`` (and ``update``): the statistics, target, stored."""
-    w, stored = _flat(weights, "weights")
+def _count(
+    weights, update, lr: float | None, dtype, name: str = "weights"
+) -> tuple[_Counts, Format, str]:
+    """One kernel pass over ``weights`` (and ``update``): the statistics, target, stored;
+    ``name``: the caller's name for ``weights`` (in errors)."""
+    w, stored = _flat(weights, name)
     fmt = _target(dtype, stored)
     # the range audited: an fp8 target's own when asked for (dtype=), else fp16's - for a
     # tensor stored in fp8 too, whose own range it fits by construction
@@ -463,7 +466,7 @@ def _fp16(c: _Counts) -> Fp16Range:
 
 def fp16_range(tensor) -> Fp16Range:
     """fp16 safety of a tensor's values (see ``Fp16Range``)."""
-    counts, _, _ = _count(tensor, None, _DEFAULT_LR, None)
+    counts, _, _ = _count(tensor, None, _DEFAULT_LR, None, "tensor")
     return _fp16(counts)
 
 

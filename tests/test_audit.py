@@ -644,3 +644,9 @@ def test_cli_output_into_a_closed_pipe_is_no_traceback(tmp_path):
         p.stdout.close()  # the report is far larger than the pipe's buffer
         err = p.stderr.read().decode()
     assert p.returncode == 1 and "Traceback" not in err, err
+
+
+def test_fp16_range_errors_name_its_argument():
+    """``fp16_range(tensor)``'s errors named ``weights``, an argument it does not have."""
+    with pytest.raises(TypeError, match="^tensor: expected a float32"):
+        audit.fp16_range(np.zeros(3, np.int32))
