@@ -287,7 +287,7 @@ def _functional(rank, world, tmp):
 
 
 def _errors(rank, world, tmp):
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     sub = init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b"))["b"]
@@ -324,6 +324,19 @@ def _errors(rank, world, tmp):
     except RuntimeError as e:  # torch refusing the assignment itself is fine too
         out["dtensor_grad"] = f"torch: {e}"
         out["dtensor_grad_nothing_written"] = True
+    # a DTensor state placed otherwise than its parameter (a state dict of another layout)
+    w = param(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    w.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    opt = AdamW([w], seed=0)
+    opt.step()
+    replicated = distribute_tensor(torch.zeros(4, 2), mesh, [Replicate()])
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = replicated
+    out["state_placement_load"] = error(lambda: AdamW([w], seed=0).load_state_dict(sd))
+    opt.state[w]["exp_avg"] = replicated
+    before = w.to_local().clone()
+    out["state_placement_step"] = error(opt.step)
+    out["state_placement_nothing_written"] = torch.equal(w.to_local(), before)
     # Shard(1) of a matrix: the local piece is not one range of the full tensor
     c = param(distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)]))
     out["shard1"] = error(lambda: AdamW([c], seed=0))
@@ -652,6 +665,10 @@ def test_bad_distributed_input(ranks):
         assert "DTensor" in r["dtensor_grad"]
         assert r["dtensor_grad_nothing_written"]
         assert "not one contiguous range" in r["shard1"]
+        # before: loaded; the step then failed with "strides (2,), the parameter (2,)"
+        assert "state[0]['exp_avg']: placed as" in r["state_placement_load"]
+        assert "exp_avg: placed as" in r["state_placement_step"]
+        assert r["state_placement_nothing_written"]
         assert "grads[1]: a plain tensor in a list of DTensors" in r["mixed_grads"]
         assert r["mixed_grads_nothing_written"]
         assert "out: is a plain tensor but the input is a DTensor" in r["plain_out"]

@@ -287,17 +287,31 @@ def check_same_layout(t, like, name: str, like_name: str) -> None:
         )
 
 
-def shard_like(buf, p, name: str):
-    """State ``buf`` laid out as parameter ``p``: a full plain tensor (a state dict saved
-    without sharding) becomes ``p``'s local piece wrapped as a DTensor like ``p``; a DTensor
-    for a plain parameter is an error."""
-    if is_dtensor(p) == is_dtensor(buf):
-        return buf
-    if is_dtensor(buf):
+def check_state_placement(buf, p, name: str) -> None:
+    """A DTensor state ``buf`` must have parameter ``p``'s mesh and placements (its local
+    piece is what the kernels pair with ``p``'s); ``ValueError`` naming ``name`` otherwise."""
+    if not is_dtensor(buf):
+        return
+    if not is_dtensor(p):
         raise ValueError(
             f"{name}: a DTensor state ({_mesh_text(buf)}) for a plain parameter; load the"
             " state dict with the parameters sharded as they were saved, or full_tensor() it"
         )
+    if buf.device_mesh != p.device_mesh or tuple(buf.placements) != tuple(p.placements):
+        raise ValueError(
+            f"{name}: placed as {_mesh_text(buf)}, its parameter as {_mesh_text(p)};"
+            " redistribute the state to the parameter's placements (or load the state dict"
+            " through torch.distributed.checkpoint, which reshards)"
+        )
+
+
+def shard_like(buf, p, name: str):
+    """State ``buf`` laid out as parameter ``p``: a full plain tensor (a state dict saved
+    without sharding) becomes ``p``'s local piece wrapped as a DTensor like ``p``; a DTensor
+    placed otherwise than ``p`` is an error (``check_state_placement``)."""
+    check_state_placement(buf, p, name)
+    if is_dtensor(p) == is_dtensor(buf):
+        return buf
     if tuple(buf.shape) != tuple(p.shape):
         raise ValueError(f"{name}: shape {tuple(buf.shape)}, its parameter {tuple(p.shape)}")
     piece = p._local_tensor
