@@ -240,18 +240,20 @@ def _zero(rank, world, tmp):
 
 def _scaler(rank, world, tmp):
     """An inf in rank 1's piece only: both ranks skip (the flag is all-reduced), both back off;
-    through the fused path and through an explicit unscale_."""
+    through the fused path, through an explicit unscale_, and driving torch's fused AdamW."""
     out = {}
-    for explicit in (False, True):
+    for run in (False, True, "torch_fused"):
         model, opt, scaler = _fsdp_scaled()
+        if run == "torch_fused":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         before = [_full(p) for p in model.parameters()]
         _scaled_backward(model, scaler, 0, inf=rank == 1)
-        if explicit:
+        if run is True:
             scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
         after = [_full(p) for p in model.parameters()]
-        out[explicit] = {
+        out[run] = {
             "unchanged": all(np.array_equal(a, b) for a, b in zip(before, after)),
             "scale": scaler.get_scale(),
         }
@@ -628,10 +630,12 @@ def test_readme_examples_on_two_ranks(ranks):
 
 
 def test_grad_scaler_all_reduces_found_inf(ranks):
+    """Finding (``torch_fused``): driving ``torch.optim.AdamW(fused=True)`` the scaler checked
+    each rank's pieces alone, so rank 0 stepped while rank 1 skipped and the scales parted."""
     for r in _results(ranks, "scaler"):
-        for explicit in (False, True):
-            assert r[explicit]["unchanged"], explicit  # both ranks skipped
-            assert r[explicit]["scale"] == 8.0
+        for run in (False, True, "torch_fused"):
+            assert r[run]["unchanged"], run  # both ranks skipped
+            assert r[run]["scale"] == 8.0
 
 
 def test_functional_calls_on_dtensors(ranks):
