@@ -20,7 +20,12 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 import srround  # noqa: E402
-from srround.adapters.torch import AdamW, GradScaler, assign_stream_offsets  # noqa: E402
+from srround.adapters.torch import (  # noqa: E402
+    AdamW,
+    GradScaler,
+    assign_stream_offsets,
+    stochastic_round,
+)
 
 WORLD = 2
 STEPS = 3
@@ -270,6 +275,15 @@ def _functional(rank, world, tmp):
         xd = distribute_tensor(x, mesh, [placement])
         y = srround.stochastic_round(xd, seed=7, offset=11)
         out[f"round_{label}"] = (type(y).__name__, _full(y))
+        for compiled in (False, True):  # the custom op: eager, and traced (fullgraph)
+            op = torch.compile(
+                stochastic_round, fullgraph=True, backend="aot_eager", disable=not compiled
+            )
+            try:
+                y = op(xd, seed=7, offset=11)
+                out[f"op_round_{label}_{compiled}"] = (type(y).__name__, _full(y))
+            except Exception as e:
+                out[f"op_round_{label}_{compiled}"] = (type(e).__name__, str(e))
         w = distribute_tensor(x.to(torch.bfloat16), mesh, [placement])
         srround.stochastic_add(w, xd, alpha=1e-3, seed=8)
         out[f"add_{label}"] = _full(w)
@@ -645,9 +659,10 @@ def test_functional_calls_on_dtensors(ranks):
     srround.stochastic_add(w, x, alpha=1e-3, seed=8)
     for r in _results(ranks, "functional"):
         for label in ("shard", "replicate"):
-            kind, y = r[f"round_{label}"]
-            assert kind == "DTensor"
-            _same_bits([y], [rounded])  # noise keyed to the global element
+            for key in (f"round_{label}", f"op_round_{label}_False", f"op_round_{label}_True"):
+                kind, y = r[key]  # before: the custom op had no DTensor sharding strategy
+                assert kind == "DTensor", (key, y)
+                _same_bits([y], [rounded])  # noise keyed to the global element
             _same_bits([r[f"add_{label}"]], [_full(w)])
     (found0, scaled0), (found1, scaled1) = (r["unscale"] for r in _results(ranks, "functional"))
     assert scaled0 and scaled1  # the local pieces were unscaled

@@ -104,8 +104,11 @@ def global_start(t, name: str) -> int:
     if math.prod(local_shape) == 0:
         return 0
     # contiguous in the full row-major order: full extent after the last split dimension,
-    # extent 1 before it
-    split = max((d for d in range(len(shape)) if local_shape[d] != shape[d]), default=0)
+    # extent 1 before it (a loop: Dynamo cannot trace max() with default=)
+    split = 0
+    for d in range(len(shape)):
+        if local_shape[d] != shape[d]:
+            split = d
     if any(local_shape[d] != 1 for d in range(split)):
         raise ValueError(
             f"{name}: the local piece of this DTensor ({_mesh_text(t)}, global shape"
