@@ -353,6 +353,10 @@ def _errors(rank, world, tmp):
     before = w.to_local().clone()
     out["state_placement_step"] = error(opt.step)
     out["state_placement_nothing_written"] = torch.equal(w.to_local(), before)
+    # seed=None: each process would draw its own seed, and DDP replicas drift apart
+    out["no_seed"] = error(lambda: AdamW([param(torch.ones(3))]))
+    srround.manual_seed(5)  # the same generator on every rank: its seeds agree
+    out["manual_seed"] = AdamW([param(torch.ones(3))]).defaults["seed"]
     # Shard(1) of a matrix: the local piece is not one range of the full tensor
     c = param(distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)]))
     out["shard1"] = error(lambda: AdamW([c], seed=0))
@@ -678,12 +682,14 @@ def test_functional_unscale_and_check_all_reduces_found_inf(ranks):
 
 
 def test_bad_distributed_input(ranks):
+    assert len({r["manual_seed"] for r in _results(ranks, "errors")}) == 1
     for r in _results(ranks, "errors"):
         assert "one mesh per param group" in r["two_meshes"]
         assert "plain tensor in a param group of DTensors" in r["mixed_params"]
         assert "DTensor" in r["dtensor_grad"]
         assert r["dtensor_grad_nothing_written"]
         assert "not one contiguous range" in r["shard1"]
+        assert "seed: pass a seed" in r["no_seed"]  # before: a seed of its own per rank
         # before: loaded; the step then failed with "strides (2,), the parameter (2,)"
         assert "state[0]['exp_avg']: placed as" in r["state_placement_load"]
         assert "exp_avg: placed as" in r["state_placement_step"]

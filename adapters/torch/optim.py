@@ -431,6 +431,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 f"state_dtype: float8 states (block-scaled) are AdamW's only, got {state_dtype}"
             )
         _check_flags(defaults)
+        if seed is None:
+            _dist.check_default_seed()
         seed = next_seed() if seed is None else check_seed(seed, "seed")
         defaults = dict(defaults, rounding=rounding, state_dtype=state_dtype, seed=seed)
         self._entry = None
