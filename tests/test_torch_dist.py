@@ -287,6 +287,15 @@ def _functional(rank, world, tmp):
         w = distribute_tensor(x.to(torch.bfloat16), mesh, [placement])
         srround.stochastic_add(w, xd, alpha=1e-3, seed=8)
         out[f"add_{label}"] = _full(w)
+    xr = distribute_tensor(x, mesh, [Replicate()])
+    for name, call in (
+        ("round", lambda: srround.stochastic_round(xr)),
+        ("add", lambda: srround.stochastic_add(w, xr)),
+    ):
+        try:  # seed=None: a seed per process, the replicated pieces would differ
+            out[f"{name}_no_seed"] = type(call()).__name__
+        except ValueError as e:
+            out[f"{name}_no_seed"] = str(e)
     g = distribute_tensor(torch.full((5, 3), 4.0), mesh, [Shard(0)])
     if rank == 1:
         g.to_local()[0, 0] = float("inf")
@@ -668,6 +677,8 @@ def test_functional_calls_on_dtensors(ranks):
                 assert kind == "DTensor", (key, y)
                 _same_bits([y], [rounded])  # noise keyed to the global element
             _same_bits([r[f"add_{label}"]], [_full(w)])
+        for name in ("round", "add"):  # before: each rank drew its own seed
+            assert "seed: pass a seed" in r[f"{name}_no_seed"]
     (found0, scaled0), (found1, scaled1) = (r["unscale"] for r in _results(ranks, "functional"))
     assert scaled0 and scaled1  # the local pieces were unscaled
 
