@@ -15,12 +15,24 @@ import numpy as np
 from . import _cpu, _loss_scale, _optim, _plan, _validate
 from ._dispatch import View, adapter_for, check_same_place, check_shape, mutable_adapter_for
 from ._formats import CODE_WIDTH, BufferCode, check_fp4_top, get_format, saturate_flag
-from ._rng import check_offset, check_seed, next_seed, split_seed
+from ._rng import check_offset, check_seed, manually_seeded, next_seed, split_seed
 from ._tensor_list import TensorList, address
 
 
 def _key(seed) -> tuple[int, int]:
     return split_seed(next_seed() if seed is None else check_seed(seed, "seed"))
+
+
+def _check_shard_seed(seed, view: View) -> None:
+    """``seed=None`` for a sharded tensor (a DTensor, whose pieces live in several processes):
+    each process would draw its own seed, so replicated pieces would differ. ``ValueError``
+    unless ``srround.manual_seed`` seeded the library generator."""
+    if seed is None and view.sharded and not manually_seeded():
+        raise ValueError(
+            "seed: pass a seed (the same on every rank) for a DTensor; seed=None draws a"
+            " different one in each process, so replicated pieces would differ (or call"
+            " srround.manual_seed on every rank first)"
+        )
 
 
 def _span(name: str, view: View | None, writes: bool):
@@ -119,6 +131,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     check_same_place(x=src, out=dst)
     if out is not None:
         _validate.no_overlap([_span("x", src, False), _span("out", dst, True)])
+    _check_shard_seed(seed, src)
     offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
     k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(
@@ -212,6 +225,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     check_same_place(w=dst, u=src)
     _validate.no_overlap([_span("w", dst, True), _span("u", src, False)])
     check_fp4_codes(dst, fmt, "w")
+    _check_shard_seed(seed, dst)
     offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
     k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(

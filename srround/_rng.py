@@ -104,18 +104,26 @@ def split_seed(seed: int) -> tuple[int, int]:
 # -- the library generator behind seed=None ------------------------------------------------
 
 _generator = np.random.default_rng()
+_manually_seeded = False  # manual_seed called: the seed=None draws are reproducible
 
 
 def manual_seed(seed: int) -> None:
     """Seed the generator that calls with ``seed=None`` draw their seeds from (like
     ``torch.manual_seed``): after ``manual_seed(s)`` the sequence of such calls is reproducible."""
-    global _generator
+    global _generator, _manually_seeded
     if seed is None:
         raise TypeError(
             "seed: manual_seed needs an int in [0, 2**64), got None (seed=None is what the"
             " rounding calls take to draw from this generator)"
         )
     _generator = np.random.default_rng(check_seed(seed, "seed"))
+    _manually_seeded = True
+
+
+def manually_seeded() -> bool:
+    """Whether ``manual_seed`` seeded the library generator (else its seeds are fresh entropy,
+    a different sequence in every process)."""
+    return _manually_seeded
 
 
 def next_seed() -> int:

@@ -20,7 +20,12 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 import srround  # noqa: E402
-from srround.adapters.torch import AdamW, GradScaler, assign_stream_offsets  # noqa: E402
+from srround.adapters.torch import (  # noqa: E402
+    AdamW,
+    GradScaler,
+    assign_stream_offsets,
+    stochastic_round,
+)
 
 WORLD = 2
 STEPS = 3
@@ -240,18 +245,20 @@ def _zero(rank, world, tmp):
 
 def _scaler(rank, world, tmp):
     """An inf in rank 1's piece only: both ranks skip (the flag is all-reduced), both back off;
-    through the fused path and through an explicit unscale_."""
+    through the fused path, through an explicit unscale_, and driving torch's fused AdamW."""
     out = {}
-    for explicit in (False, True):
+    for run in (False, True, "torch_fused"):
         model, opt, scaler = _fsdp_scaled()
+        if run == "torch_fused":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         before = [_full(p) for p in model.parameters()]
         _scaled_backward(model, scaler, 0, inf=rank == 1)
-        if explicit:
+        if run is True:
             scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
         after = [_full(p) for p in model.parameters()]
-        out[explicit] = {
+        out[run] = {
             "unchanged": all(np.array_equal(a, b) for a, b in zip(before, after)),
             "scale": scaler.get_scale(),
         }
@@ -268,9 +275,27 @@ def _functional(rank, world, tmp):
         xd = distribute_tensor(x, mesh, [placement])
         y = srround.stochastic_round(xd, seed=7, offset=11)
         out[f"round_{label}"] = (type(y).__name__, _full(y))
+        for compiled in (False, True):  # the custom op: eager, and traced (fullgraph)
+            op = torch.compile(
+                stochastic_round, fullgraph=True, backend="aot_eager", disable=not compiled
+            )
+            try:
+                y = op(xd, seed=7, offset=11)
+                out[f"op_round_{label}_{compiled}"] = (type(y).__name__, _full(y))
+            except Exception as e:
+                out[f"op_round_{label}_{compiled}"] = (type(e).__name__, str(e))
         w = distribute_tensor(x.to(torch.bfloat16), mesh, [placement])
         srround.stochastic_add(w, xd, alpha=1e-3, seed=8)
         out[f"add_{label}"] = _full(w)
+    xr = distribute_tensor(x, mesh, [Replicate()])
+    for name, call in (
+        ("round", lambda: srround.stochastic_round(xr)),
+        ("add", lambda: srround.stochastic_add(w, xr)),
+    ):
+        try:  # seed=None: a seed per process, the replicated pieces would differ
+            out[f"{name}_no_seed"] = type(call()).__name__
+        except ValueError as e:
+            out[f"{name}_no_seed"] = str(e)
     g = distribute_tensor(torch.full((5, 3), 4.0), mesh, [Shard(0)])
     if rank == 1:
         g.to_local()[0, 0] = float("inf")
@@ -287,7 +312,7 @@ def _functional(rank, world, tmp):
 
 
 def _errors(rank, world, tmp):
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     sub = init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b"))["b"]
@@ -324,6 +349,23 @@ def _errors(rank, world, tmp):
     except RuntimeError as e:  # torch refusing the assignment itself is fine too
         out["dtensor_grad"] = f"torch: {e}"
         out["dtensor_grad_nothing_written"] = True
+    # a DTensor state placed otherwise than its parameter (a state dict of another layout)
+    w = param(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    w.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    opt = AdamW([w], seed=0)
+    opt.step()
+    replicated = distribute_tensor(torch.zeros(4, 2), mesh, [Replicate()])
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = replicated
+    out["state_placement_load"] = error(lambda: AdamW([w], seed=0).load_state_dict(sd))
+    opt.state[w]["exp_avg"] = replicated
+    before = w.to_local().clone()
+    out["state_placement_step"] = error(opt.step)
+    out["state_placement_nothing_written"] = torch.equal(w.to_local(), before)
+    # seed=None: each process would draw its own seed, and DDP replicas drift apart
+    out["no_seed"] = error(lambda: AdamW([param(torch.ones(3))]))
+    srround.manual_seed(5)  # the same generator on every rank: its seeds agree
+    out["manual_seed"] = AdamW([param(torch.ones(3))]).defaults["seed"]
     # Shard(1) of a matrix: the local piece is not one range of the full tensor
     c = param(distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)]))
     out["shard1"] = error(lambda: AdamW([c], seed=0))
@@ -615,10 +657,12 @@ def test_readme_examples_on_two_ranks(ranks):
 
 
 def test_grad_scaler_all_reduces_found_inf(ranks):
+    """Finding (``torch_fused``): driving ``torch.optim.AdamW(fused=True)`` the scaler checked
+    each rank's pieces alone, so rank 0 stepped while rank 1 skipped and the scales parted."""
     for r in _results(ranks, "scaler"):
-        for explicit in (False, True):
-            assert r[explicit]["unchanged"], explicit  # both ranks skipped
-            assert r[explicit]["scale"] == 8.0
+        for run in (False, True, "torch_fused"):
+            assert r[run]["unchanged"], run  # both ranks skipped
+            assert r[run]["scale"] == 8.0
 
 
 def test_functional_calls_on_dtensors(ranks):
@@ -628,10 +672,13 @@ def test_functional_calls_on_dtensors(ranks):
     srround.stochastic_add(w, x, alpha=1e-3, seed=8)
     for r in _results(ranks, "functional"):
         for label in ("shard", "replicate"):
-            kind, y = r[f"round_{label}"]
-            assert kind == "DTensor"
-            _same_bits([y], [rounded])  # noise keyed to the global element
+            for key in (f"round_{label}", f"op_round_{label}_False", f"op_round_{label}_True"):
+                kind, y = r[key]  # before: the custom op had no DTensor sharding strategy
+                assert kind == "DTensor", (key, y)
+                _same_bits([y], [rounded])  # noise keyed to the global element
             _same_bits([r[f"add_{label}"]], [_full(w)])
+        for name in ("round", "add"):  # before: each rank drew its own seed
+            assert "seed: pass a seed" in r[f"{name}_no_seed"]
     (found0, scaled0), (found1, scaled1) = (r["unscale"] for r in _results(ranks, "functional"))
     assert scaled0 and scaled1  # the local pieces were unscaled
 
@@ -646,12 +693,18 @@ def test_functional_unscale_and_check_all_reduces_found_inf(ranks):
 
 
 def test_bad_distributed_input(ranks):
+    assert len({r["manual_seed"] for r in _results(ranks, "errors")}) == 1
     for r in _results(ranks, "errors"):
         assert "one mesh per param group" in r["two_meshes"]
         assert "plain tensor in a param group of DTensors" in r["mixed_params"]
         assert "DTensor" in r["dtensor_grad"]
         assert r["dtensor_grad_nothing_written"]
         assert "not one contiguous range" in r["shard1"]
+        assert "seed: pass a seed" in r["no_seed"]  # before: a seed of its own per rank
+        # before: loaded; the step then failed with "strides (2,), the parameter (2,)"
+        assert "state[0]['exp_avg']: placed as" in r["state_placement_load"]
+        assert "exp_avg: placed as" in r["state_placement_step"]
+        assert r["state_placement_nothing_written"]
         assert "grads[1]: a plain tensor in a list of DTensors" in r["mixed_grads"]
         assert r["mixed_grads_nothing_written"]
         assert "out: is a plain tensor but the input is a DTensor" in r["plain_out"]

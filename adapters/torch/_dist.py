@@ -104,8 +104,11 @@ def global_start(t, name: str) -> int:
     if math.prod(local_shape) == 0:
         return 0
     # contiguous in the full row-major order: full extent after the last split dimension,
-    # extent 1 before it
-    split = max((d for d in range(len(shape)) if local_shape[d] != shape[d]), default=0)
+    # extent 1 before it (a loop: Dynamo cannot trace max() with default=)
+    split = 0
+    for d in range(len(shape)):
+        if local_shape[d] != shape[d]:
+            split = d
     if any(local_shape[d] != 1 for d in range(split)):
         raise ValueError(
             f"{name}: the local piece of this DTensor ({_mesh_text(t)}, global shape"
@@ -139,6 +142,26 @@ def assign_stream_offsets(params) -> int:
         setattr(p, _TAG, start)
         start += p.numel()
     return start
+
+
+def check_default_seed() -> None:
+    """``seed=None`` with several ranks (``torch.distributed`` initialized, world size > 1):
+    each process would draw a seed of its own, so DDP replicas and FSDP2's replicated mesh
+    dimensions would round differently and drift apart. ``ValueError`` unless
+    ``srround.manual_seed`` seeded the library generator (the same calls then draw the same
+    seeds on every rank)."""
+    from srround._rng import manually_seeded
+
+    module = sys.modules.get("torch.distributed")
+    if module is None or not module.is_available() or not module.is_initialized():
+        return
+    if module.get_world_size() > 1 and not manually_seeded():
+        raise ValueError(
+            "seed: pass a seed (the same on every rank) when torch.distributed runs several"
+            " ranks; seed=None draws a different one in each process, and replicas (DDP,"
+            " Replicate placements) would drift apart (or call srround.manual_seed on every"
+            " rank first)"
+        )
 
 
 def stream_bases(params) -> dict:
@@ -287,17 +310,31 @@ def check_same_layout(t, like, name: str, like_name: str) -> None:
         )
 
 
-def shard_like(buf, p, name: str):
-    """State ``buf`` laid out as parameter ``p``: a full plain tensor (a state dict saved
-    without sharding) becomes ``p``'s local piece wrapped as a DTensor like ``p``; a DTensor
-    for a plain parameter is an error."""
-    if is_dtensor(p) == is_dtensor(buf):
-        return buf
-    if is_dtensor(buf):
+def check_state_placement(buf, p, name: str) -> None:
+    """A DTensor state ``buf`` must have parameter ``p``'s mesh and placements (its local
+    piece is what the kernels pair with ``p``'s); ``ValueError`` naming ``name`` otherwise."""
+    if not is_dtensor(buf):
+        return
+    if not is_dtensor(p):
         raise ValueError(
             f"{name}: a DTensor state ({_mesh_text(buf)}) for a plain parameter; load the"
             " state dict with the parameters sharded as they were saved, or full_tensor() it"
         )
+    if buf.device_mesh != p.device_mesh or tuple(buf.placements) != tuple(p.placements):
+        raise ValueError(
+            f"{name}: placed as {_mesh_text(buf)}, its parameter as {_mesh_text(p)};"
+            " redistribute the state to the parameter's placements (or load the state dict"
+            " through torch.distributed.checkpoint, which reshards)"
+        )
+
+
+def shard_like(buf, p, name: str):
+    """State ``buf`` laid out as parameter ``p``: a full plain tensor (a state dict saved
+    without sharding) becomes ``p``'s local piece wrapped as a DTensor like ``p``; a DTensor
+    placed otherwise than ``p`` is an error (``check_state_placement``)."""
+    check_state_placement(buf, p, name)
+    if is_dtensor(p) == is_dtensor(buf):
+        return buf
     if tuple(buf.shape) != tuple(p.shape):
         raise ValueError(f"{name}: shape {tuple(buf.shape)}, its parameter {tuple(p.shape)}")
     piece = p._local_tensor

@@ -71,7 +71,9 @@ def stochastic_round(x, *, dtype="bfloat16", seed, offset=0, overflow="inf"):
     """``srround.stochastic_round`` of a float32 tensor as a custom op (traceable by
     torch.compile, same bits as the eager call). ``seed`` is required (an int in [0, 2**64)):
     a seed drawn inside a compiled function would be a constant of the graph. As the eager
-    call, records no autograd graph: the result never requires grad."""
+    call, records no autograd graph: the result never requires grad. A DTensor ``x`` gives a
+    DTensor placed as ``x`` whose full value is the call on the full tensor (its local piece
+    rounded at its global stream start, ``_dist.global_start``)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if dtype not in _DTYPES:
@@ -81,6 +83,16 @@ def stochastic_round(x, *, dtype="bfloat16", seed, offset=0, overflow="inf"):
     k0, k1 = split_seed(check_seed(seed, "seed"))
     if not isinstance(offset, torch.SymInt):  # compiled, a dynamic offset: the op checks it
         offset = check_offset(offset, "offset")
+    if _dist.is_dtensor(x):
+        piece = torch.ops.srround.stochastic_round(
+            _dist.local(x.detach()),
+            dtype,
+            k0,
+            k1,
+            offset + _dist.global_start(x, "x"),
+            overflow == "saturate",
+        )
+        return _dist.like_dtensor(piece, x)
     return torch.ops.srround.stochastic_round(
         x.detach(), dtype, k0, k1, offset, overflow == "saturate"
     )

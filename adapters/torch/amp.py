@@ -398,15 +398,18 @@ class GradScaler:
     def _torch_fused_step(self, optimizer, stage, *args, **kwargs):
         """torch's protocol for optimizers that unscale and skip inside their step (e.g.
         ``torch.optim.AdamW(fused=True)``): check the gradients for inf/NaN (unless
-        ``unscale_`` did), set ``optimizer.grad_scale`` (None if already unscaled) and
+        ``unscale_`` did; on DTensor gradients all-reduced over their meshes, as in
+        ``unscale_``), set ``optimizer.grad_scale`` (None if already unscaled) and
         ``optimizer.found_inf``, step, remove both attributes. No host sync."""
         if stage is None:
             params = self._params_with_grads(optimizer)
             self._lazy_init(params[0].grad.device if params else self._device)
             found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
-            if params:
+            if params:  # DTensor gradients: the flag all-reduced over their meshes
                 one = torch.ones(1, dtype=torch.float32, device=found.device)
-                unscale_grads([p.grad for p in params], one, found)
+                grads = [p.grad for p in params]
+                groups = _dist.mesh_groups(grads)
+                unscale_and_reduce(_dist.locals_of(grads, "grads"), one, found, groups)
             self._found[id(optimizer)] = found
             optimizer.grad_scale = self._scale.reshape(()) * getattr(optimizer, "grad_scale", 1)
         else:

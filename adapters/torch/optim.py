@@ -473,6 +473,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 f"state_dtype: float8 states (block-scaled) are AdamW's only, got {state_dtype}"
             )
         _check_flags(defaults)
+        if seed is None:
+            _dist.check_default_seed()
         seed = next_seed() if seed is None else check_seed(seed, "seed")
         defaults = dict(defaults, rounding=rounding, state_dtype=state_dtype, seed=seed)
         self._entry = None
@@ -957,7 +959,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _check_state_shapes(self, state_dict: dict) -> None:
         """A saved state of one value per element (moments, momentum, the weight mode's
-        buffer) must have its parameter's shape (before: a broadcasting error in the step)."""
+        buffer) must have its parameter's shape (before: a broadcasting error in the step)
+        and, a DTensor, its parameter's mesh and placements."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
@@ -973,6 +976,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                                 f"state_dict: state[{index}][{name!r}] has shape"
                                 f" {tuple(value.shape)}, its parameter {tuple(p.shape)}"
                             )
+                        _dist.check_state_placement(
+                            value, p, f"state_dict: state[{index}][{name!r}]"
+                        )
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, also of a ``torch.optim`` optimizer's state dict: group
