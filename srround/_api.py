@@ -24,9 +24,10 @@ def _key(seed) -> tuple[int, int]:
 
 
 def _check_shard_seed(seed, view: View) -> None:
-    """``seed=None`` for a sharded tensor (a DTensor, whose pieces live in several processes):
-    each process would draw its own seed, so replicated pieces would differ. ``ValueError``
-    unless ``srround.manual_seed`` seeded the library generator."""
+    """``seed=None`` for a sharded tensor (a DTensor, whose pieces live in several processes;
+    the fused steps pass their first parameter): each process would draw its own seed, so
+    replicated pieces would differ. ``ValueError`` unless ``srround.manual_seed`` seeded the
+    library generator."""
     if seed is None and view.sharded and not manually_seeded():
         raise ValueError(
             "seed: pass a seed (the same on every rank) for a DTensor; seed=None draws a"
@@ -552,6 +553,7 @@ def _fused_step(
         first.device,
         first.stream,
     )
+    _check_shard_seed(seed, first)
     k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     fused.set_hyper(np.asarray([hyper], np.float64))
     fused.run(scales.bits, flags.bits, k0, k1)

@@ -288,9 +288,13 @@ def _functional(rank, world, tmp):
         srround.stochastic_add(w, xd, alpha=1e-3, seed=8)
         out[f"add_{label}"] = _full(w)
     xr = distribute_tensor(x, mesh, [Replicate()])
+    states = (w.full_tensor(), torch.zeros_like(x), torch.zeros_like(x))
+    wr, m, v = (distribute_tensor(t, mesh, [Replicate()]) for t in states)
     for name, call in (
         ("round", lambda: srround.stochastic_round(xr)),
         ("add", lambda: srround.stochastic_add(w, xr)),
+        ("adamw", lambda: srround.adamw_step([wr], [xr], [m], [v], lr=1e-3, step=1)),
+        ("sgd", lambda: srround.sgd_step([wr], [xr], [m], lr=1e-3, momentum=0.9, step=1)),
     ):
         try:  # seed=None: a seed per process, the replicated pieces would differ
             out[f"{name}_no_seed"] = type(call()).__name__
@@ -677,7 +681,7 @@ def test_functional_calls_on_dtensors(ranks):
                 assert kind == "DTensor", (key, y)
                 _same_bits([y], [rounded])  # noise keyed to the global element
             _same_bits([r[f"add_{label}"]], [_full(w)])
-        for name in ("round", "add"):  # before: each rank drew its own seed
+        for name in ("round", "add", "adamw", "sgd"):  # before: each rank drew its own seed
             assert "seed: pass a seed" in r[f"{name}_no_seed"]
     (found0, scaled0), (found1, scaled1) = (r["unscale"] for r in _results(ranks, "functional"))
     assert scaled0 and scaled1  # the local pieces were unscaled
