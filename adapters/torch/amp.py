@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections import abc
 from collections.abc import Mapping
 from functools import partial
@@ -808,9 +807,7 @@ def _positive_scale(value, name):
     """A host scale: a real number (not a bool or a string), > 0 and finite (a zero, negative
     or inf scale would skip every step or flip the gradients' sign; torch's scaler takes it
     unchecked)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
-    value = float(value)
+    value = _validate.number(value, name)
     if not 0.0 < value < math.inf:
         raise ValueError(f"{name}: expected a positive finite scale, got {value}")
     return value
