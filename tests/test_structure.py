@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import ml_dtypes
@@ -201,3 +202,18 @@ def test_gpu_session_runs_every_gpu_benchmark():
     assert gpu_benchmarks, "no benchmark with a --device option found"
     missing = [name for name in [*gpu_benchmarks, "jax_gpu_check"] if name not in script]
     assert not missing, f"benchmarks/gpu_session.sh does not run {missing}"
+
+
+def test_top_level_is_the_design_card():
+    """The repository's top level holds the design card's entries and nothing else: a
+    benchmark's stray output or a scratch script cannot be committed there unnoticed."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(
+        [git, "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    top_level = {line.split("/", 1)[0] for line in listed.splitlines() if line}
+    expected = {".ci", ".gitignore", "README.md", "pyproject.toml", "docs"}
+    expected |= {"srround", "adapters", "tests", "benchmarks"}
+    assert top_level <= expected, f"unexpected top-level entries: {sorted(top_level - expected)}"
