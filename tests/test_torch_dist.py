@@ -146,12 +146,19 @@ def _compiled_and_amsgrad(rank, world, tmp):
     """On FSDP2 parameters: ``opt.step()`` compiled (fullgraph; the custom ops take the local
     pieces) with the overflow check, an inf on rank 1 in a last step, for the fused step and
     for AMSGrad; and the eager per-tensor AMSGrad path."""
+    from torch._dynamo.backends.debugging import aot_eager
+
     out = {}
     for name, make in (("compiled", _adamw), ("compiled_amsgrad", _amsgrad)):
         model = _sharded_model()
         opt = make(model.parameters())
+        traced_calls = set()
 
-        @torch.compile(fullgraph=True, backend="aot_eager")
+        def backend(gm, example_inputs):
+            traced_calls.update(str(node.target) for node in gm.graph.nodes)
+            return aot_eager(gm, example_inputs)
+
+        @torch.compile(fullgraph=True, backend=backend)
         def step(opt, found):
             opt.step(found_inf=found, check_grads=True)
 
@@ -165,6 +172,7 @@ def _compiled_and_amsgrad(rank, world, tmp):
         out[name] = [_full(p) for p in model.parameters()]
         out[f"{name}_found"] = float(found)
         out[f"{name}_steps"] = int(opt.state[model[0].weight]["step"])
+        out[f"{name}_to_local"] = sorted(c for c in traced_calls if "to_local" in c)
     model = _sharded_model()
     opt = _amsgrad(model.parameters())
     for i in range(STEPS):
@@ -600,6 +608,10 @@ def test_compiled_step_on_fsdp2_matches_one_process(ranks, reference):
     for r in _results(ranks, "compiled_and_amsgrad"):
         _same_bits(r["compiled"], reference[0])  # the last step skipped on both ranks
         assert r["compiled_found"] == 1.0 and r["compiled_steps"] == STEPS
+        # the pieces are read as ``_local_tensor``: a traced ``to_local()`` of FSDP2's
+        # gradients failed Dynamo's guard building on torch 2.14 (IndexError in
+        # produce_guards; before)
+        assert r["compiled_to_local"] == [] and r["compiled_amsgrad_to_local"] == []
 
 
 def test_amsgrad_on_fsdp2_matches_one_process(ranks):

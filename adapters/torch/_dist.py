@@ -45,12 +45,12 @@ def is_dtensor(t) -> bool:
 
 
 def local(t):
-    """The local piece of a DTensor (``to_local()`` without the autograd node; under
-    torch.compile ``to_local()``, which is what the traced code uses elsewhere: a piece
-    mutated through both in one graph fails AOT's functionalization), else ``t``."""
-    if not is_dtensor(t):
-        return t
-    return t.to_local() if torch.compiler.is_compiling() else t._local_tensor
+    """The local piece of a DTensor, ``t._local_tensor``, eager and traced alike, else ``t``.
+    Not ``to_local()``: under torch.compile its op, with FSDP2 gradients (views of a flat
+    buffer) on torch 2.14, failed Dynamo's guard building (an ``IndexError`` in
+    ``produce_guards``); and a piece reached both ways in one graph fails AOT's
+    functionalization."""
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def locals_of(tensors, name: str) -> list:

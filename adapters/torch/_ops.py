@@ -149,7 +149,7 @@ def _traceable_unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor
             grads, inv_scale, found_inf=found_inf, per_tensor=per_tensor
         )
     names = _dist.group_names(_dist.mesh_groups(items))
-    pieces = [g.to_local() if d else g for g, d in zip(items, dtensors)]
+    pieces = [_dist.local(g) for g in items]
     if found_inf is None:
         count = len(pieces) if per_tensor else 1
         found_inf = torch.zeros(count, dtype=torch.float32, device=pieces[0].device)

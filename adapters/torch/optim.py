@@ -865,9 +865,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         # by a scheduler after the first recompile was silently not used (before)
         meta[6] = [float(v) for row in self._hyper_rows() for v in row]
         if meta[-1]:  # DTensors (FSDP2): the op works on the local pieces
-            from torch.distributed.tensor import DTensor
-
-            lists = [[t.to_local() if isinstance(t, DTensor) else t for t in ts] for ts in lists]
+            lists = [[_dist.local(t) for t in ts] for ts in lists]
         params, grads, states1, states2, auxes, steps, maxes = lists
         device = params[0].device
         if found_inf is None:
