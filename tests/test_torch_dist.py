@@ -295,6 +295,7 @@ def _functional(rank, world, tmp):
         w = distribute_tensor(x.to(torch.bfloat16), mesh, [placement])
         srround.stochastic_add(w, xd, alpha=1e-3, seed=8)
         out[f"add_{label}"] = _full(w)
+    out["op_traces_torch_piece_offset"] = _traces_torch_piece_offset(xd)
     xr = distribute_tensor(x, mesh, [Replicate()])
     states = (w.full_tensor(), torch.zeros_like(x), torch.zeros_like(x))
     wr, m, v = (distribute_tensor(t, mesh, [Replicate()]) for t in states)
@@ -321,6 +322,24 @@ def _functional(rank, world, tmp):
     flags = srround.unscale_and_check(gs, torch.full((2,), 0.5), per_tensor=True)
     out["per_tensor"] = flags.tolist()
     return out
+
+
+def _traces_torch_piece_offset(xd):
+    """Whether the compiled op traces torch's ``compute_local_shape_and_global_offset`` (which
+    Dynamo before torch 2.13 cannot trace: the compiled call failed on torch 2.11). Here a
+    traced call is a graph break, so the fullgraph compile fails."""
+    import torch.distributed.tensor._utils as dtensor_utils
+
+    real = dtensor_utils.compute_local_shape_and_global_offset
+    torch._dynamo.reset()
+    dtensor_utils.compute_local_shape_and_global_offset = torch.compiler.disable(real)
+    try:
+        torch.compile(stochastic_round, fullgraph=True, backend="aot_eager")(xd, seed=7)
+    except Exception:
+        return True
+    finally:
+        dtensor_utils.compute_local_shape_and_global_offset = real
+    return False
 
 
 def _errors(rank, world, tmp):
@@ -693,6 +712,8 @@ def test_functional_calls_on_dtensors(ranks):
                 assert kind == "DTensor", (key, y)
                 _same_bits([y], [rounded])  # noise keyed to the global element
             _same_bits([r[f"add_{label}"]], [_full(w)])
+        # the piece's offset is a constant of the graph, computed eagerly (before: traced)
+        assert r["op_traces_torch_piece_offset"] is False
         for name in ("round", "add", "adamw", "sgd"):  # before: each rank drew its own seed
             assert "seed: pass a seed" in r[f"{name}_no_seed"]
     (found0, scaled0), (found1, scaled1) = (r["unscale"] for r in _results(ranks, "functional"))

@@ -83,7 +83,6 @@ def global_start(t, name: str) -> int:
     if not is_dtensor(t):
         return 0
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for placement in t.placements:
         if isinstance(placement, Partial):
@@ -92,11 +91,12 @@ def global_start(t, name: str) -> int:
                 " values; redistribute it to Shard/Replicate first"
             )
     shape = tuple(t.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(
-        t.shape, t.device_mesh, t.placements
-    )
-    local_shape, offset = tuple(local_shape), tuple(offset)
-    if tuple(t._local_tensor.shape) != local_shape:
+    if torch.compiler.is_compiling() and all(type(n) is int for n in shape):
+        # a constant of the graph: Dynamo before torch 2.13 cannot trace torch's own function
+        local_shape, offset = _static_piece(torch.Size(shape), t.device_mesh, t.placements)
+    else:
+        local_shape, offset = _piece(shape, t.device_mesh, t.placements)
+    if tuple(t._local_tensor.shape) != tuple(local_shape):
         raise ValueError(
             f"{name}: local piece of shape {tuple(t._local_tensor.shape)}, but its placements"
             f" ({_mesh_text(t)}) give {local_shape}"
@@ -121,6 +121,17 @@ def global_start(t, name: str) -> int:
         start += offset[d] * stride
         stride *= shape[d]
     return start
+
+
+def _piece(shape, mesh, placements) -> tuple[tuple, tuple]:
+    """``(local shape, global offset)`` of this rank's piece of a DTensor of full ``shape``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(local_shape), tuple(offset)
+
+
+_static_piece = torch.compiler.assume_constant_result(_piece)
 
 
 def assign_stream_offsets(params) -> int:
