@@ -1212,7 +1212,8 @@ def adamw(
         shard_specs: when the step runs inside ``shard_map``: the partition specs of the
             params (a spec or a pytree prefix, as ``in_specs``; grads and states split alike),
             so every block uses the noise of its global elements (equal to the unsharded step).
-            Native only. Not needed under ``jit`` with sharded arrays.
+            Both implementations; not with fp8 states. Not needed under ``jit`` with sharded
+            arrays.
 
     Returns:
         ``tx`` with ``tx.init(params) -> AdamWState``, ``tx.update(grads, state, params) ->
