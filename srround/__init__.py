@@ -1,6 +1,8 @@
 """srround: stochastic rounding, fused low-precision optimizer updates and loss scaling, as
 Numba kernels for CPU and CUDA, usable from NumPy, CuPy, PyTorch and JAX."""
 
+import importlib
+
 from srround import _cache, _threads
 
 # before any kernel module is decorated: Numba's cache keyed on srround's sources (_cache.py)
@@ -24,6 +26,15 @@ from srround._rng import manual_seed  # noqa: E402
 from srround._state8 import STATE_BLOCK  # noqa: E402
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``srround.adapters`` (``srround.adapters.torch.AdamW`` after a plain ``import srround``),
+    imported on first use: the core never imports an adapter itself."""
+    if name == "adapters":
+        return importlib.import_module("srround.adapters")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FORMATS",

@@ -98,8 +98,9 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
 
     Each element rounds to one of its two neighbours in the target format, up with probability
     equal to the distance from the lower one in units of their spacing (16 random bits), so
-    ``E[result] = x``; representable values, NaN, +-inf and +-0 come back unchanged (NaN as the
-    format's quiet NaN with its sign).
+    ``E[result] = x``; representable values and +-0 come back unchanged, NaN as the format's
+    quiet NaN with its sign and +-inf as +-inf where the format has them (e4m3fn: NaN or +-448
+    for inf, e2m1fn: +-0 for NaN and +-6 for inf; see ``overflow``).
 
     Args:
         x: float32 array (any supported framework, C-contiguous, any shape).

@@ -43,6 +43,20 @@ def test_adapters_installed_under_srround_only():
     assert result.stdout.strip() == "None"
 
 
+def test_adapters_reachable_from_import_srround():
+    """The README's ``import srround`` then ``srround.adapters.torch.GradScaler()``: the
+    adapters are an attribute of the package, imported on first use (not by ``import srround``)."""
+    result = _run(
+        """
+        import sys, srround
+        print("srround.adapters" in sys.modules)
+        print(srround.adapters.numpy.__name__, srround.adapters.torch.GradScaler.__name__)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "srround.adapters.numpy", "GradScaler"]
+
+
 _WITHOUT_ROW_STACK = """
 import numpy as np
 if hasattr(np, "row_stack"):

@@ -180,8 +180,9 @@ class DynamicLossScale:
 
     Raises:
         TypeError: positional settings, a non-float scale, non-int trackers.
-        ValueError: a non-scalar scale or tracker, growth_interval/hysteresis < 1,
-            min_scale < 0 or > max_scale.
+        ValueError: a non-scalar scale or tracker, a concrete scale that is not positive and
+            finite, growth_factor < 1, backoff_factor outside (0, 1], growth_interval or
+            hysteresis < 1, min_scale < 0 or > max_scale.
     """
 
     loss_scale: jax.Array
