@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -119,12 +120,45 @@ def test_settings_are_checked_at_construction(key, value, error):
 @pytest.mark.parametrize(
     "key, value, error",
     [
+        ("growth_factor", "3", TypeError),  # before: set_growth_factor took it as 3.0
+        ("growth_factor", None, TypeError),  # before: float()'s TypeError, no name
+        ("growth_factor", True, TypeError),  # before: a ValueError
+        ("growth_factor", math.inf, ValueError),  # before: the setter took it
+        ("backoff_factor", "0.25", TypeError),  # before: set_backoff_factor took it
+        ("backoff_factor", math.nan, ValueError),
+        ("growth_interval", "5", TypeError),  # before: a ValueError
+        ("growth_interval", 2.0, TypeError),
+        ("growth_interval", 0, ValueError),
+    ],
+)
+def test_factors_and_interval_follow_the_argument_rules(key, value, error):
+    """Strings, None and bools where a number is expected are a ``TypeError`` naming the
+    argument, in the constructor and in the setters alike, which changed nothing."""
+    with pytest.raises(error, match=f"^{key}: "):
+        GradScaler("cpu", **{key: value})
+    scaler = GradScaler("cpu")
+    before = scaler.state_dict()
+    with pytest.raises(error, match=f"^{key}: "):
+        getattr(scaler, f"set_{key}")(value)
+    assert scaler.state_dict() == before
+
+
+def test_numpy_ints_are_growth_intervals():
+    """A NumPy int is an int, as everywhere else (before: a ValueError)."""
+    scaler = GradScaler("cpu", growth_interval=np.int64(5))
+    scaler.set_growth_interval(np.int32(7))
+    assert scaler.get_growth_interval() == 7 and type(scaler.get_growth_interval()) is int
+
+
+@pytest.mark.parametrize(
+    "key, value, error",
+    [
         ("scale", 0.0, ValueError),
         ("scale", float("nan"), ValueError),
         ("growth_factor", 0.5, ValueError),
         ("backoff_factor", 2.0, ValueError),
         ("growth_interval", 0, ValueError),
-        ("growth_interval", "x", ValueError),
+        ("growth_interval", "x", TypeError),
         ("_growth_tracker", -1, ValueError),
         ("hysteresis", 0, ValueError),
         ("min_scale", 1e9, ValueError),  # above max_scale

@@ -506,8 +506,7 @@ class GradScaler:
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (a float > 1)."""
-        _check_growth_factor(new_factor)
-        self._growth_factor = float(new_factor)
+        self._growth_factor = _check_growth_factor(new_factor)
 
     def get_backoff_factor(self) -> float:
         """The scale multiplier after an overflow."""
@@ -515,8 +514,7 @@ class GradScaler:
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (a finite float in (0, 1))."""
-        _check_backoff_factor(new_factor)
-        self._backoff_factor = float(new_factor)
+        self._backoff_factor = _check_backoff_factor(new_factor)
 
     def get_growth_interval(self) -> int:
         """Clean steps before the scale grows."""
@@ -524,8 +522,7 @@ class GradScaler:
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (a positive int)."""
-        _check_growth_interval(new_interval)
-        self._growth_interval = int(new_interval)
+        self._growth_interval = _check_growth_interval(new_interval)
 
     def _get_growth_tracker(self) -> int:
         """Clean steps since the last change of the scale (``S``'s in per-tensor mode)."""
@@ -826,16 +823,19 @@ def _check_settings(
     )
 
 
-def _check_growth_factor(value):
-    if not float(value) > 1.0:
+def _check_growth_factor(value) -> float:
+    value = _validate.real(value, "growth_factor")
+    if not value > 1.0:
         raise ValueError(f"growth_factor: expected > 1.0, got {value}")
+    return value
 
 
-def _check_backoff_factor(value):
-    if not 0.0 < float(value) < 1.0:
+def _check_backoff_factor(value) -> float:
+    value = _validate.real(value, "backoff_factor")
+    if not 0.0 < value < 1.0:
         raise ValueError(f"backoff_factor: expected in (0, 1), got {value}")
+    return value
 
 
-def _check_growth_interval(value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"growth_interval: expected an int >= 1, got {value!r}")
+def _check_growth_interval(value) -> int:
+    return _validate.integer(value, "growth_interval", low=1, high=2**31)
