@@ -1213,6 +1213,25 @@ def test_amsgrad_fp32_is_torch_bits(maximize):
         _assert_bits_equal(p, r)
 
 
+def test_amsgrad_torch_state_dict_of_bf16_params_runs_on_float32_states():
+    """Finding: a torch.optim.AdamW(amsgrad=True) state dict of bf16 parameters (its states
+    bf16) loaded: the moments became float32, ``max_exp_avg_sq`` stayed bf16, and every step
+    rounded the running maximum to bf16. It is float32 too now, as the path's states are."""
+    ours, theirs = _params(torch.bfloat16), _params(torch.bfloat16)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, amsgrad=True)
+    _run(ref, theirs, 2, dtype=torch.bfloat16)
+    opt = AdamW(ours, lr=1e-2, amsgrad=True, seed=1)
+    opt.load_state_dict(ref.state_dict())
+    loaded = [ref.state[r]["max_exp_avg_sq"].float() for r in theirs]
+    _run(opt, ours, 1, dtype=torch.bfloat16, start=2)
+    for p, before in zip(ours, loaded):
+        state = opt.state[p]
+        assert {state[k].dtype for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")} == {
+            torch.float32
+        }
+        _assert_bits_equal(state["max_exp_avg_sq"], torch.maximum(before, state["exp_avg_sq"]))
+
+
 @pytest.mark.parametrize(
     "dtype, rounding, qnan",
     [(torch.float32, "stochastic", 0x7FC00000), (torch.bfloat16, "nearest", 0x7FC0)],

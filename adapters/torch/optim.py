@@ -943,8 +943,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 aux_index.append(i)
                 auxes.append(aux)
             if amsgrad:
-                if "max_exp_avg_sq" not in state:
+                saved = state.get("max_exp_avg_sq")
+                if saved is None:
                     state["max_exp_avg_sq"] = torch.zeros_like(_like(p), dtype=torch.float32)
+                else:  # float32 as the moments (torch's state dicts: the parameter's dtype)
+                    state["max_exp_avg_sq"] = _in_layout(saved.detach(), _like(p), torch.float32)
                 maxes.append(state["max_exp_avg_sq"])
         steps.append(flat)
         self._entry = None  # new step views: the eager table is rebuilt if used again
