@@ -811,6 +811,12 @@ def test_strided_parameters_get_the_bits_of_a_contiguous_copy(rounding):
 def test_unsupported_parameters_and_gradients_fail_clearly():
     with pytest.raises(TypeError, match=r"params\[0\].*float64 parameters are not supported"):
         AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    # Finding: the index is the one within its group, which the error did not name (the
+    # Trainer builds two groups: decay, no decay)
+    decay, other = _params(torch.float32), _params(torch.float32)
+    other[1] = torch.nn.Parameter(other[1].detach().double())
+    with pytest.raises(TypeError, match=r"params\[1\] \(param group 1\): .* got torch.float64"):
+        AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}])
     p = torch.nn.Parameter(torch.zeros(3))
     opt = AdamW([p], seed=0)
     with pytest.raises(TypeError, match="float64"):

@@ -531,8 +531,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.dtype not in _PARAM_DTYPES:
                     raise TypeError(
-                        f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got"
-                        f" {p.dtype} (float64 parameters are not supported)"
+                        f"params[{i}]{where}: expected a float32, bfloat16 or float16 parameter,"
+                        f" got {p.dtype} (float64 parameters are not supported)"
                     )
             codes = [_BUFFER_CODES[p.dtype] for p in group["params"]]
             _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]))
