@@ -223,6 +223,41 @@ def _compiled_unscale(rank, world, tmp):
     return out
 
 
+def _switched(rank, world, tmp):
+    """accelerate's FSDP2 order (``Accelerator._prepare_fsdp2``): the optimizer built on the
+    plain parameters, then ``fully_shard``, then its param groups switched to the sharded
+    parameters (``fsdp2_switch_optimizer_parameters``); a scaler that checks the gradients
+    inside the fused step (``unscale_grads=False``), an inf in rank 1's piece in the second
+    of three steps. The same with the optimizer built after ``fully_shard``, to compare."""
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for switched in (True, False):
+        model = _model(torch.float32)
+        if switched:
+            opt = _adamw(model.parameters())
+            names = {id(p): n for n, p in model.named_parameters()}
+        fully_shard(model, mesh=_cpu_mesh())
+        if switched:
+            sharded = dict(model.named_parameters())
+            for group in opt.param_groups:
+                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        else:
+            opt = _adamw(model.parameters())
+        scaler = GradScaler("cpu", init_scale=16.0, unscale_grads=False)
+        for i in range(STEPS):
+            opt.zero_grad()
+            _scaled_backward(model, scaler, i, inf=i == 1 and rank == 1)
+            scaler.step(opt)
+            scaler.update()
+        out[switched] = {
+            "steps": [int(opt.state[p]["step"]) for p in model.parameters()],
+            "scale": scaler.get_scale(),
+            "params": [_full(p) for p in model.parameters()],
+        }
+    return out
+
+
 def _ddp(rank, world, tmp):
     from torch.nn.parallel import DistributedDataParallel
 
@@ -496,6 +531,7 @@ SCENARIOS = {
     "fsdp": _fsdp,
     "compiled_and_amsgrad": _compiled_and_amsgrad,
     "compiled_unscale": _compiled_unscale,
+    "switched": _switched,
     "ddp": _ddp,
     "zero": _zero,
     "scaler": _scaler,
@@ -698,6 +734,20 @@ def test_grad_scaler_all_reduces_found_inf(ranks):
         for run in (False, True, "torch_fused"):
             assert r[run]["unchanged"], run  # both ranks skipped
             assert r[run]["scale"] == 8.0
+
+
+def test_dtensors_switched_into_the_param_groups(ranks):
+    """Finding: accelerate's FSDP2 ``prepare`` puts the sharded parameters into an optimizer
+    built on the plain ones; the optimizer still took them for plain tensors, so the overflow
+    flag of its fused check was not all-reduced: rank 0 stepped past rank 1's inf (step
+    counts 3 and 2) and the scales parted (16 and 8)."""
+    results = _results(ranks, "switched")
+    for r in results:
+        for switched in (True, False):
+            assert r[switched]["steps"] == [STEPS - 1] * 6, switched  # both ranks skipped
+            assert r[switched]["scale"] == 8.0
+        _same_bits(r[True]["params"], r[False]["params"])  # the bits of the usual order
+    _same_bits(results[0][True]["params"], results[1][True]["params"])
 
 
 def test_functional_calls_on_dtensors(ranks):

@@ -730,6 +730,36 @@ def test_torch_gradscaler_drives_srround_optimizer(dtype):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("kind", ["torch", "srround"])
+def test_an_overflow_still_calls_the_fused_step(kind):
+    """Documented (README, the differences from torch): both scalers call the step of
+    srround's optimizers on an overflow too (it skips itself on the device, no sync), as
+    torch's scaler calls its ``fused=True`` optimizers; a wrapper that takes a call for a step
+    taken (accelerate's ``patch_optimizer_step``, behind ``optimizer_step_was_skipped``) sees
+    none skipped. srround's scaler reports the skip in ``last_step_skipped``."""
+    scaler = torch.amp.GradScaler("cpu") if kind == "torch" else GradScaler("cpu")
+    model = _model()
+    opt = _srround_adamw(model)
+    calls = []
+    step = opt.step
+
+    def patched_step(*args, **kwargs):
+        calls.append(True)
+        return step(*args, **kwargs)
+
+    opt.step = patched_step
+    before = [p.detach().clone() for p in model.parameters()]
+    _scaled_backward(model, scaler)
+    model[2].bias.grad.fill_(float("inf"))
+    scaler.step(opt, None)  # as accelerate calls it
+    scaler.update()
+    assert calls == [True]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert int(opt.state[model[0].weight]["step"]) == 0
+    if kind == "srround":
+        assert float(scaler.last_step_skipped.item()) == 1.0
+
+
 def test_srround_gradscaler_drives_torch_fused_optimizer():
     """srround's scaler gives torch.optim.AdamW(fused=True) grad_scale / found_inf as torch's
     scaler does: same parameters and states."""

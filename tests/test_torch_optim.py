@@ -811,6 +811,12 @@ def test_strided_parameters_get_the_bits_of_a_contiguous_copy(rounding):
 def test_unsupported_parameters_and_gradients_fail_clearly():
     with pytest.raises(TypeError, match=r"params\[0\].*float64 parameters are not supported"):
         AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    # Finding: the index is the one within its group, which the error did not name (the
+    # Trainer builds two groups: decay, no decay)
+    decay, other = _params(torch.float32), _params(torch.float32)
+    other[1] = torch.nn.Parameter(other[1].detach().double())
+    with pytest.raises(TypeError, match=r"params\[1\] \(param group 1\): .* got torch.float64"):
+        AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}])
     p = torch.nn.Parameter(torch.zeros(3))
     opt = AdamW([p], seed=0)
     with pytest.raises(TypeError, match="float64"):
@@ -1213,6 +1219,25 @@ def test_amsgrad_fp32_is_torch_bits(maximize):
         _assert_bits_equal(p, r)
 
 
+def test_amsgrad_torch_state_dict_of_bf16_params_runs_on_float32_states():
+    """Finding: a torch.optim.AdamW(amsgrad=True) state dict of bf16 parameters (its states
+    bf16) loaded: the moments became float32, ``max_exp_avg_sq`` stayed bf16, and every step
+    rounded the running maximum to bf16. It is float32 too now, as the path's states are."""
+    ours, theirs = _params(torch.bfloat16), _params(torch.bfloat16)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, amsgrad=True)
+    _run(ref, theirs, 2, dtype=torch.bfloat16)
+    opt = AdamW(ours, lr=1e-2, amsgrad=True, seed=1)
+    opt.load_state_dict(ref.state_dict())
+    loaded = [ref.state[r]["max_exp_avg_sq"].float() for r in theirs]
+    _run(opt, ours, 1, dtype=torch.bfloat16, start=2)
+    for p, before in zip(ours, loaded):
+        state = opt.state[p]
+        assert {state[k].dtype for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")} == {
+            torch.float32
+        }
+        _assert_bits_equal(state["max_exp_avg_sq"], torch.maximum(before, state["exp_avg_sq"]))
+
+
 @pytest.mark.parametrize(
     "dtype, rounding, qnan",
     [(torch.float32, "stochastic", 0x7FC00000), (torch.bfloat16, "nearest", 0x7FC0)],
@@ -1265,3 +1290,116 @@ def test_amsgrad_bf16_stochastic_write_back_is_the_documented_stream():
         expected = srround.stochastic_round(r.detach(), seed=8, offset=(1 << STEP_SHIFT) + start)
         _assert_bits_equal(p, expected)
         start += p.numel()
+
+
+# -- Hugging Face accelerate and transformers (run where they are installed; not in CI) --------
+
+
+def _hf_train(make_optimizer, save=None, load=None):
+    """Pure bf16 training with accelerate: two param groups (decay / no decay), a linear
+    warmup schedule, gradient accumulation over 2 batches, clipping; ``save_state`` after
+    batch 3 of 8, or ``load_state`` and resume from batch 4. Returns the final parameters."""
+    accelerate = pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    from accelerate.state import AcceleratorState, GradientState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 1)
+    ).to(torch.bfloat16)
+    decay = [model[0].weight, model[2].weight]
+    rest = [p for p in model.parameters() if all(p is not q for q in decay)]
+    opt = make_optimizer([{"params": decay, "weight_decay": 0.1}, {"params": rest}])
+    schedule = transformers.get_linear_schedule_with_warmup(opt, 2, 8)
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(8)
+    ]
+    acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+    try:
+        model, opt, schedule = acc.prepare(model, opt, schedule)
+        if load is not None:
+            acc.load_state(load)
+        for i, (x, y) in enumerate(batches[4 if load else 0 :], start=4 if load else 0):
+            with acc.accumulate(model):
+                acc.backward((model(x.to(torch.bfloat16)).float() - y).square().mean())
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                schedule.step()
+                opt.zero_grad()
+            if i == 3 and save is not None:
+                acc.save_state(save)
+        return [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "master"])
+def test_accelerate_resume_continues_the_same_bits(rounding, tmp_path):
+    """accelerate's ``prepare`` (which reloads the state dict), ``accumulate``,
+    ``clip_grad_norm_``, and ``save_state`` / ``load_state`` mid-run: the resumed run ends on
+    the bits of the uninterrupted one."""
+
+    def make(groups):
+        return AdamW(groups, lr=1e-2, seed=3, rounding=rounding, state_dtype=torch.bfloat16)
+
+    full = _hf_train(make, save=str(tmp_path))
+    resumed = _hf_train(make, load=str(tmp_path))
+    torch.manual_seed(0)
+    assert not torch.equal(_bits(full[0]), _bits(torch.nn.Linear(8, 16).weight.bfloat16()))
+    for a, b in zip(full, resumed):
+        _assert_bits_equal(a, b)
+
+
+def test_trainer_resume_continues_the_same_bits(tmp_path):
+    """transformers' Trainer on a tiny GPT-2 in bf16 (tied embeddings, its decay / no-decay
+    groups), srround's AdamW through ``optimizer_cls_and_kwargs``, accumulation and clipping:
+    ``train(resume_from_checkpoint=...)`` ends on the bits of the uninterrupted run."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+
+    class Tokens(torch.utils.data.Dataset):
+        ids = torch.randint(0, 100, (16, 8), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    def train(out, resume=None):
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            n_layer=1, n_embd=16, n_head=2, vocab_size=100, n_positions=8
+        )
+        model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16)
+        args = transformers.TrainingArguments(
+            output_dir=str(out),
+            use_cpu=True,
+            max_steps=4,
+            save_steps=2,
+            gradient_accumulation_steps=2,
+            per_device_train_batch_size=2,
+            max_grad_norm=1.0,
+            weight_decay=0.1,
+            warmup_steps=1,
+            report_to=[],
+            seed=0,
+        )
+        trainer = transformers.Trainer(
+            model=model,
+            args=args,
+            train_dataset=Tokens(),
+            optimizer_cls_and_kwargs=(AdamW, {"lr": 1e-3, "seed": 3}),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        groups = trainer.optimizer.param_groups
+        assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+        return [p.detach().clone() for p in model.parameters()]
+
+    full = train(tmp_path / "full")
+    resumed = train(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
+    for a, b in zip(full, resumed):
+        _assert_bits_equal(a, b)

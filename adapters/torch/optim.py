@@ -486,7 +486,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         rebuilt at the next step."""
         super().__setstate__(state)
         self._entry = None
+        self._find_dtensors()
+
+    def _find_dtensors(self) -> bool:
+        """Whether any parameter is a DTensor, from the param groups as they are now (each
+        group checked: one mesh, no plain tensors among DTensors). accelerate's FSDP2
+        ``prepare`` switches the groups of an optimizer built on plain parameters to the sharded
+        ones; the step then keys, checks and all-reduces on the local pieces."""
         self._dtensors = any(_dist.check_group(group["params"]) for group in self.param_groups)
+        return self._dtensors
 
     # -- groups -----------------------------------------------------------------------------
 
@@ -523,8 +531,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.dtype not in _PARAM_DTYPES:
                     raise TypeError(
-                        f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got"
-                        f" {p.dtype} (float64 parameters are not supported)"
+                        f"params[{i}]{where}: expected a float32, bfloat16 or float16 parameter,"
+                        f" got {p.dtype} (float64 parameters are not supported)"
                     )
             codes = [_BUFFER_CODES[p.dtype] for p in group["params"]]
             _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]))
@@ -567,7 +575,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         groups = self.param_groups
         params = list(chain.from_iterable(g["params"] for g in groups))
         grads = list(map(_GRAD, params))
-        if self._dtensors:  # a DTensor's data_ptr() is 0: key on the local pieces
+        ptrs = None if self._dtensors else list(map(_DATA_PTR, params))
+        # a DTensor's data_ptr() is 0: key on the local pieces (0 also: an empty tensor, or a
+        # DTensor put into the groups after construction, found here)
+        if ptrs is None or (0 in ptrs and self._find_dtensors()):
             return _dist.cache_key(groups, params, grads)
         try:
             try:
@@ -578,7 +589,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             params, _ = self._collect()
             check_pairs(params, [p.grad for p in params], self.param_groups[0]["rounding"])
             raise
-        return ([len(g["params"]) for g in groups], list(map(_DATA_PTR, params)), grad_ptrs)
+        return ([len(g["params"]) for g in groups], ptrs, grad_ptrs)
 
     def _collect(self):
         """``(params with grads, their group indices)``."""
@@ -912,6 +923,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         (flat), k0, k1, negate, stream starts, mesh process group names, whether they are
         DTensors)``."""
         config = self._config()
+        self._find_dtensors()  # also those switched into the groups after construction
         found, group_index = self._collect()
         if not found:
             return (self._KIND, 0, 0, [], [], [], [], 0, 0, False, [], "", False)
@@ -931,8 +943,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 aux_index.append(i)
                 auxes.append(aux)
             if amsgrad:
-                if "max_exp_avg_sq" not in state:
+                saved = state.get("max_exp_avg_sq")
+                if saved is None:
                     state["max_exp_avg_sq"] = torch.zeros_like(_like(p), dtype=torch.float32)
+                else:  # float32 as the moments (torch's state dicts: the parameter's dtype)
+                    state["max_exp_avg_sq"] = _in_layout(saved.detach(), _like(p), torch.float32)
                 maxes.append(state["max_exp_avg_sq"])
         steps.append(flat)
         self._entry = None  # new step views: the eager table is rebuilt if used again
