@@ -1403,3 +1403,25 @@ def test_trainer_resume_continues_the_same_bits(tmp_path):
     resumed = train(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
     for a, b in zip(full, resumed):
         _assert_bits_equal(a, b)
+
+
+@pytest.mark.parametrize("make", [AdamW, SGD])
+def test_seed_none_follows_torch_manual_seed(monkeypatch, make):
+    """Finding: ``seed=None`` drew from srround's own generator, which ``torch.manual_seed``
+    (``transformers.set_seed``, Lightning's ``seed_everything``) does not seed: two identical
+    runs rounded differently. It now draws from torch's default generator, as torchao's
+    stochastic rounding does; ``srround.manual_seed`` still takes precedence."""
+    from srround import _rng
+
+    monkeypatch.setattr(_rng, "_manually_seeded", False)
+
+    def seed(torch_seed):
+        torch.manual_seed(torch_seed)
+        return make([torch.nn.Parameter(torch.zeros(4))], lr=1e-3).param_groups[0]["seed"]
+
+    assert seed(3) == seed(3) != seed(4)
+    monkeypatch.setattr(_rng, "_generator", np.random.default_rng(5))
+    monkeypatch.setattr(_rng, "_manually_seeded", True)
+    first = seed(3)
+    monkeypatch.setattr(_rng, "_generator", np.random.default_rng(5))
+    assert seed(4) == first  # the library generator's draw, whatever torch's seed

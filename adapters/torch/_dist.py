@@ -157,10 +157,10 @@ def assign_stream_offsets(params) -> int:
 
 def check_default_seed() -> None:
     """``seed=None`` with several ranks (``torch.distributed`` initialized, world size > 1):
-    each process would draw a seed of its own, so DDP replicas and FSDP2's replicated mesh
-    dimensions would round differently and drift apart. ``ValueError`` unless
-    ``srround.manual_seed`` seeded the library generator (the same calls then draw the same
-    seeds on every rank)."""
+    each process would draw a seed of its own (ranks often seed torch differently), so DDP
+    replicas and FSDP2's replicated mesh dimensions would round differently and drift apart.
+    ``ValueError`` unless ``srround.manual_seed`` seeded the library generator (the same calls
+    then draw the same seeds on every rank)."""
     from srround._rng import manually_seeded
 
     module = sys.modules.get("torch.distributed")
@@ -169,7 +169,7 @@ def check_default_seed() -> None:
     if module.get_world_size() > 1 and not manually_seeded():
         raise ValueError(
             "seed: pass a seed (the same on every rank) when torch.distributed runs several"
-            " ranks; seed=None draws a different one in each process, and replicas (DDP,"
+            " ranks; seed=None may draw a different one in each process, and replicas (DDP,"
             " Replicate placements) would drift apart (or call srround.manual_seed on every"
             " rank first)"
         )

@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from srround import _optim, _plan, _state8, _validate
-from srround._rng import check_seed, next_seed, split_seed
+from srround._rng import check_seed, manually_seeded, next_seed, split_seed
 
 from . import _dist, _views
 from ._views import _BUFFER_CODES, _DATA_PTR, _check_storage, _external_stream, _view
@@ -456,6 +456,17 @@ def run_entry(entry, inv_scale, found_inf, check_grads, negate, k0, k1) -> None:
             dst.copy_(src)
 
 
+def _default_seed() -> int:
+    """An optimizer's ``seed=None``: after ``srround.manual_seed``, the library generator's next
+    seed; else 64 bits from torch's default generator, so ``torch.manual_seed`` (which
+    ``transformers.set_seed`` and Lightning's ``seed_everything`` call) makes the run
+    reproducible, as it does torchao's stochastic rounding."""
+    if manually_seeded():
+        return next_seed()
+    high, low = torch.randint(0, 2**32, (2,), dtype=torch.int64).tolist()
+    return high << 32 | low
+
+
 class _FusedOptimizer(torch.optim.Optimizer):
     """Common machinery: lazy table, cache check, hyperparameters, scaler protocols."""
 
@@ -475,7 +486,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         _check_flags(defaults)
         if seed is None:
             _dist.check_default_seed()
-        seed = next_seed() if seed is None else check_seed(seed, "seed")
+        seed = _default_seed() if seed is None else check_seed(seed, "seed")
         defaults = dict(defaults, rounding=rounding, state_dtype=state_dtype, seed=seed)
         self._entry = None
         self._dtensors = False  # any DTensor parameter (FSDP2, tensor parallel): _dist.py
@@ -1097,7 +1108,8 @@ class AdamW(_FusedOptimizer):
             ``srround.STATE_BLOCK`` elements) in the state, ``exp_avg_sq`` holds ``sqrt(v)``
             (``docs/contracts.md``, "fp8 states"); eager steps only, no DTensors.
         seed: the random stream of the stochastic roundings (int in [0, 2**64)); None draws
-            one from srround's generator. Stored in the param groups (and the state dict).
+            one from torch's default generator (from srround's after ``srround.manual_seed``).
+            Stored in the param groups (and the state dict).
 
     ``step(closure=None, *, inv_scale=None, found_inf=None, check_grads=False,
     grad_scale=None)``; see the module docstring for the cache, layouts and state layout.
