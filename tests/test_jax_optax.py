@@ -368,7 +368,8 @@ def test_bad_optimizer_input_names_the_argument():
     schedule that gives an array, and an ``apply_updates`` step that is not an integer are
     errors naming the argument, before anything runs (before: a host-call failure at run time,
     JAX's broadcasting error, an error without the argument's name, or a float step taken). A
-    concrete 0-d array is a learning rate like a float."""
+    concrete 0-d array is a learning rate like a float. A leaf that is not an array (an
+    unfiltered equinox model's activation function) is named."""
     p = [jnp.ones((4,), jnp.bfloat16), jnp.ones((3,), jnp.float32)]
     g = [jnp.ones((4,)), jnp.ones((3,))]
     with pytest.raises(ValueError, match="^learning_rate: "):
@@ -388,6 +389,12 @@ def test_bad_optimizer_input_names_the_argument():
     for step in (1.5, True, jnp.float32(2.0), jnp.array([1, 2])):  # before: 1.5 was taken
         with pytest.raises(TypeError, match="^step: expected None, an int or an integer"):
             sj.apply_updates(p, g, 0, step=step)
+    model = {"w": p[0], "act": jax.nn.relu}  # an unfiltered equinox model: before, a bare
+    for tx in (sj.adamw(1e-3), sj.sgd(1e-2)):  # AttributeError() from the function's .dtype
+        with pytest.raises(TypeError, match=r"^params\[0\]: expected an array, got custom_jvp"):
+            tx.init(model)
+        with pytest.raises(TypeError, match=r"^params\[0\]: expected an array, got custom_jvp"):
+            tx.step({"w": g[0], "act": None}, tx.init({"w": p[0]}), model)
     one = sj.adamw(jnp.float32(1e-3), seed=1)
     two = sj.adamw(1e-3, seed=1)
     for a, b in zip(one.step(g, one.init(p), p)[0], two.step(g, two.init(p), p)[0]):

@@ -350,14 +350,28 @@ def _layouts(leaves, specs, name="params"):
     return layouts, global_shapes
 
 
+def _param_array(p, k: int):
+    """Leaf ``k`` of ``apply_updates``' params as an array (a number too, as optax takes it);
+    anything else (an equinox model's activation function) is a ``TypeError``."""
+    if not isinstance(p, (jax.Array, np.ndarray, np.generic, int, float)) or isinstance(p, bool):
+        raise TypeError(
+            f"params[{k}]: expected an array, got {type(p).__name__} (give such a leaf a None"
+            " update, as eqx.filter_grad does, and it is kept as it is)"
+        )
+    return jnp.asarray(p)
+
+
 def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=None):
     """``optax.apply_updates`` with stochastic rounding of the low-precision leaves.
 
     Args:
         params: a pytree of arrays (``None`` leaves are kept, as optax does).
-        updates: a pytree of the same structure; each leaf broadcasts to its param's shape as
-            in optax (a scalar update too); float32/bf16/fp16 (exactly widened to float32) or
-            a Python number (float32, also under ``jax_enable_x64``).
+        updates: a pytree of the same structure, or a prefix of it, as ``eqx.apply_updates``
+            takes: a ``None`` update keeps its params as they are (any leaves: an equinox
+            model's functions too) and takes no place in the random stream. Each other leaf
+            broadcasts to its param's shape as in optax (a scalar update too); float32/bf16/
+            fp16 (exactly widened to float32) or a Python number (float32, also under
+            ``jax_enable_x64``).
         seed: a JAX PRNG key or an int in [0, 2**64). With ``step=None`` pass a fresh key
             every step (``jax.random.fold_in(key, step)``): the same key gives the same noise.
         step: ``None``, or the 1-based step (int or traced int scalar, < 2**26): leaf ``k``
@@ -382,7 +396,8 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
     Raises:
         ValueError: an update that does not broadcast to its param's shape, a deleted
             (donated) array, leaves on different meshes, bad ``shard_specs``.
-        TypeError: a float64 (or non-float) update for a bf16/fp16 param (it would round twice).
+        TypeError: a float64 (or non-float) update for a bf16/fp16 param (it would round
+            twice); an update for a leaf that is not an array or a number.
     """
     host_bits = impl is None
     impl = _impl(impl)
@@ -392,10 +407,11 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         return x is None
 
     p_leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_none)
-    try:
-        u_leaves = treedef.flatten_up_to(updates)
+    try:  # equinox's rule: updates may be a prefix of params, a None update keeps its params
+        u_leaves = treedef.flatten_up_to(jax.tree.broadcast(updates, params, is_leaf=is_none))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"updates: not the structure of params: {exc}") from None
+    p_leaves = [None if u is None else p for p, u in zip(p_leaves, u_leaves)]
     check_arrays(("params", p_leaves), ("updates", u_leaves), ("seed", seed))
     specs = _leaf_specs(shard_specs, params, treedef)
     layouts, global_shapes = _layouts(p_leaves, specs)
@@ -407,12 +423,12 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         i += p is not None
     k0, k1 = _key_words(seed)
     t = 0 if step is None else step
-    out = [None] * len(p_leaves)
+    out = jax.tree_util.tree_leaves(params, is_leaf=is_none)  # kept where p or u is None
     narrow = []
     for k, (p, u) in enumerate(zip(p_leaves, u_leaves)):
         if p is None:
             continue
-        p = jnp.asarray(p)
+        p = _param_array(p, k)
         name = _NARROW.get(jnp.dtype(p.dtype))
         if name is None:
             out[k] = jnp.asarray(p + u).astype(p.dtype)
@@ -812,6 +828,11 @@ def _aux_for(rounding, p):
 
 def _check_params(leaves) -> None:
     for i, p in enumerate(leaves):
+        if not isinstance(p, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"params[{i}]: expected an array, got {type(p).__name__} (with equinox pass"
+                " eqx.filter(model, eqx.is_inexact_array): its None leaves are left out)"
+            )
         if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.float32), *_NARROW):
             extra = ""
             if jnp.dtype(p.dtype) == jnp.float64:
