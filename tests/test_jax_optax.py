@@ -399,3 +399,84 @@ def test_bad_optimizer_input_names_the_argument():
     two = sj.adamw(1e-3, seed=1)
     for a, b in zip(one.step(g, one.init(p), p)[0], two.step(g, two.init(p), p)[0]):
         assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("impl", [None, "native"])
+def test_stochastic_write_back_through_optax_apply_updates(impl):
+    """``flax.nnx.Optimizer.update`` and flax's ``TrainState.apply_gradients`` call
+    ``optax.apply_updates`` themselves, so ``apply_updates``' stochastic write-back was out
+    of reach there for any optax optimizer: ``optax.chain(optimizer, stochastic_write_back(
+    seed))`` gives updates that ``optax.apply_updates`` writes back as ``apply_updates(...,
+    seed, step=t)``, bit for bit, jitted, over steps (fresh noise each), with float32 and
+    ``None`` leaves passing through."""
+    params = {
+        "w": (0.1 * jax.random.normal(jax.random.key(0), (4, 8))).astype(jnp.bfloat16),
+        "h": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32).astype(jnp.float16),
+        "b": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32),
+        "none": None,
+    }
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, p.dtype), params)
+    inner = optax.adamw(1e-3)
+    tx = optax.chain(inner, sj.stochastic_write_back(SEED, impl=impl))
+
+    @jax.jit
+    def step(p, s):
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    @jax.jit
+    def reference(p, s, t):
+        updates, s = inner.update(grads, s, p)
+        return sj.apply_updates(p, updates, SEED, step=t, impl=impl), s
+
+    p, s, rp, rs = params, tx.init(params), params, inner.init(params)
+    for t in range(1, 4):
+        p, s = step(p, s)
+        rp, rs = reference(rp, rs, t)
+        assert int(s[1].count) == t and p["none"] is None
+        for k in ("w", "h", "b"):
+            assert p[k].dtype == params[k].dtype
+            assert_same_bits(p[k], rp[k])
+    assert not np.array_equal(np.asarray(p["w"]), np.asarray(params["w"]))
+    alone = sj.stochastic_write_back(SEED)
+    with pytest.raises(ValueError, match="^stochastic_write_back: update needs params"):
+        alone.update(grads, alone.init(params))
+
+
+def test_stochastic_write_back_in_flax():
+    """The same inside flax (not a CI dependency): ``nnx.Optimizer`` with bf16 params under
+    ``nnx.jit``, and linen's ``TrainState.apply_gradients``, both equal ``apply_updates``."""
+    nnx = pytest.importorskip("flax.nnx")
+    from flax.training import train_state
+
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    tx = optax.chain(optax.adamw(1e-3), sj.stochastic_write_back(SEED))
+    model = nnx.Linear(4, 2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    params = nnx.as_pure(params)  # arrays, not the model's variables (updated in place)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def loss(m):
+        return (m(x).astype(jnp.float32) ** 2).mean()
+
+    @nnx.jit
+    def step(model, opt):
+        opt.update(model, nnx.grad(loss)(model))
+
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    inner = optax.adamw(1e-3)
+    ref, ref_state = params, inner.init(params)
+    for t in range(1, 4):
+        grads = jax.grad(lambda p: loss(nnx.merge(graphdef, p)))(ref)
+        step(model, opt)
+        state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+        updates, ref_state = inner.update(grads, ref_state, ref)
+        ref = sj.apply_updates(ref, updates, SEED, step=t)
+        for a, b, c in zip(
+            jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param))),
+            jax.tree.leaves(state.params),
+            jax.tree.leaves(ref),
+        ):
+            assert a.dtype == jnp.bfloat16
+            assert_same_bits(a, c)
+            assert_same_bits(b, c)

@@ -116,9 +116,11 @@ __all__ = [
     "SGD_STATIC_ARGS",
     "AdamWState",
     "SGDState",
+    "WriteBackState",
     "adamw",
     "apply_updates",
     "sgd",
+    "stochastic_write_back",
 ]
 
 _U32 = jnp.uint32
@@ -474,6 +476,63 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         for (k, *_), r in zip(narrow, results):
             out[k] = r
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class WriteBackState(NamedTuple):
+    """State of ``stochastic_write_back``: ``count``, int32 scalar, the updates taken."""
+
+    count: Any
+
+
+def stochastic_write_back(seed, *, impl=None, shard_specs=None):
+    """An optax transformation, last in an ``optax.chain``, that turns any optimizer's
+    updates into ones that ``optax.apply_updates`` writes back with stochastic rounding: for
+    the frameworks that call ``optax.apply_updates`` themselves (``flax.nnx.Optimizer.update``,
+    flax's ``TrainState.apply_gradients``).
+
+    ``update(updates, state, params)`` returns float32 ``u`` with ``float32(p + u) == n``,
+    ``n = apply_updates(params, updates, seed, step=count + 1)`` (as the fused optimizers'
+    ``update``, module docstring: ``n`` exactly, except where no such float32 ``u`` exists, a
+    bf16/fp16 weight whose exponent changes by more than ~16), for bf16/fp16 leaves; other
+    leaves' updates pass unchanged, and ``None`` updates stay ``None``. The fixed ``seed`` and
+    the count in the state give fresh noise every step, the weight stream of the fused
+    optimizers.
+
+    Args:
+        seed: a JAX PRNG key or an int in [0, 2**64), fixed for the run.
+        impl: as ``apply_updates``.
+        shard_specs: as ``apply_updates`` (inside ``shard_map`` only).
+
+    Returns:
+        an ``optax.GradientTransformation`` with ``WriteBackState`` states.
+
+    Raises:
+        ValueError: ``update`` without ``params``; ``apply_updates``' errors.
+    """
+    _key_words(seed)  # a bad seed fails here, when the transformation is made
+
+    def init(params):
+        del params
+        return WriteBackState(jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params=None, **extra_args):
+        del extra_args  # what optax.chain hands every transformation (found_inf: the fused ones)
+        if params is None:
+            raise ValueError("stochastic_write_back: update needs params (it rounds p + u)")
+        count = state.count + 1
+        new = apply_updates(params, updates, seed, step=count, impl=impl, shard_specs=shard_specs)
+
+        def exact(u, n, p):
+            if u is None or jnp.dtype(n.dtype) not in _NARROW:
+                return u
+            return _exact_update(n, p)
+
+        def is_none(x):
+            return x is None
+
+        return jax.tree.map(exact, updates, new, params, is_leaf=is_none), WriteBackState(count)
+
+    return _Base(init, update)
 
 
 # -- fused AdamW -------------------------------------------------------------------------------
