@@ -480,3 +480,23 @@ def test_stochastic_write_back_in_flax():
             assert a.dtype == jnp.bfloat16
             assert_same_bits(a, c)
             assert_same_bits(b, c)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_update_takes_found_inf_and_inv_scale_as_extra_args(kind):
+    """``flax.nnx.Optimizer.update(model, grads, **kwargs)`` hands its keyword arguments to
+    ``tx.update`` (optax's extra arguments), also through ``optax.chain``: ``update`` reads
+    ``inv_scale`` as ``step`` does (before: dropped silently - fp16 weights took the scaled
+    gradients, SGD moved 0.5 to -0.52 instead of 0.499) and ``found_inf``."""
+    params = {"w": jnp.full(8, 0.5, jnp.float16), "b": jnp.linspace(-1.0, 1.0, 8)}
+    scaled = {"w": jnp.full(8, 10.24, jnp.float16), "b": jnp.full(8, 10.24)}
+    tx = sj.adamw(1e-2, seed=SEED) if kind == "adamw" else sj.sgd(0.1, seed=SEED)
+    state = tx.init(params)
+    for extra in ({"inv_scale": jnp.float32(1 / 1024)}, {"found_inf": jnp.bool_(True)}):
+        want, _ = tx.step(scaled, state, params, **extra)
+        for wrapped in (tx, optax.chain(optax.identity(), tx)):
+            s = wrapped.init(params)
+            updates, _ = jax.jit(wrapped.update)(scaled, s, params, **extra)
+            got = optax.apply_updates(params, updates)
+            for k in params:
+                assert_same_bits(got[k], want[k])

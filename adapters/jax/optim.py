@@ -21,7 +21,9 @@ modes ``stochastic``, ``nearest``, ``kahan``, ``master``, ``remainder``), bit fo
   such float32 ``u`` exists (an fp32 weight moving far, e.g. across zero to a much larger
   magnitude; bf16/fp16 weights whose exponent changes by more than ~16). ``step`` is exact
   always and does less work: prefer it (or ``optax.adamw`` plus ``apply_updates`` here).
-  ``update`` needs ``params`` and must come last in an ``optax.chain``.
+  ``update`` needs ``params`` and must come last in an ``optax.chain``; it takes ``step``'s
+  ``found_inf`` and ``inv_scale`` as optax's extra arguments (``flax.nnx.Optimizer.update``
+  hands its keyword arguments on), other extra arguments are ignored as optax does.
 
 Random stream (the one of the fused kernels, ``srround.adamw_step``): the leaves in
 ``jax.tree_util.tree_leaves`` order are one tensor list; leaf ``k`` starts at global element
@@ -1231,8 +1233,13 @@ def _fused(
     def update(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError(f"{kind} (srround): update needs params (the fused step writes them)")
-        found_inf = extra_args.get("found_inf")
-        new_params, new_state = checked_step(updates, state, params, found_inf=found_inf)
+        new_params, new_state = checked_step(
+            updates,
+            state,
+            params,
+            found_inf=extra_args.get("found_inf"),
+            inv_scale=extra_args.get("inv_scale"),
+        )
         return jax.tree_util.tree_map(_exact_update, new_params, params), new_state
 
     return FusedOptimizer(
