@@ -500,3 +500,69 @@ def test_update_takes_found_inf_and_inv_scale_as_extra_args(kind):
             got = optax.apply_updates(params, updates)
             for k in params:
                 assert_same_bits(got[k], want[k])
+
+
+@jax.tree_util.register_pytree_node_class
+class _Box:
+    """A pytree node holding one value, as ``flax.nnx.Variable`` holds a parameter."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def tree_flatten(self):
+        return (self.value,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def _boxes(tree):
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, _Box))
+
+
+def test_fp8_states_hold_arrays_where_params_do():
+    """``nnx.Optimizer`` inits its optimizer on the model's ``Param`` variables and keeps each
+    state leaf in a variable; the fp8 states were a tree of ``(codes, scales)`` pairs, so a
+    variable held a tuple, which ``nnx.update`` turned into a mapping: the second step failed
+    with ``state.exp_avg: not the structure this optimizer's init(params) gives``. The fp8
+    states are now a pair of trees like params: every box holds an array."""
+    params = {"w": _Box(jnp.ones((40,), jnp.bfloat16)), "b": _Box(jnp.ones((3,), jnp.float32))}
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, jnp.float32), params)
+    tx = sj.adamw(1e-3, seed=SEED, state_dtype=jnp.float8_e4m3fn)
+    state = tx.init(params)
+    for _ in range(2):
+        boxes = _boxes(state.exp_avg) + _boxes(state.exp_avg_sq)
+        assert len(boxes) == 8 and all(isinstance(b.value, jax.Array) for b in boxes)
+        params, state = tx.step(grads, state, params)
+    codes, scales = state.exp_avg
+    assert codes["w"].value.dtype == jnp.float8_e4m3fn and scales["w"].value.dtype == jnp.float32
+
+
+def test_fp8_states_in_flax_nnx_optimizer():
+    """The same with flax itself (not a CI dependency): steps of ``nnx.Optimizer`` with fp8
+    states under ``nnx.jit`` are those of ``tx.step``."""
+    nnx = pytest.importorskip("flax.nnx")
+    tx = sj.adamw(1e-3, seed=SEED, state_dtype=jnp.float8_e4m3fn)
+    model = nnx.Linear(4, 40, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    params = nnx.as_pure(params)
+    state = tx.init(params)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+
+    def loss(m):
+        return (m(x).astype(jnp.float32) ** 2).mean()
+
+    @nnx.jit
+    def step(model, opt):
+        opt.update(model, nnx.grad(loss)(model))
+
+    for _ in range(3):
+        step(model, opt)
+        grads = jax.grad(lambda p: loss(nnx.merge(graphdef, p)))(params)
+        params, state = tx.step(grads, state, params)
+    for a, b in zip(
+        jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param))), jax.tree.leaves(params)
+    ):
+        assert_same_bits(a, b)

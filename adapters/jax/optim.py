@@ -545,7 +545,9 @@ class AdamWState(NamedTuple):
 
     Attributes:
         count: int32 scalar, steps taken (the 1-based step of the next update is count + 1).
-        exp_avg, exp_avg_sq: pytrees like params, ``state_dtype`` (float32 or bfloat16).
+        exp_avg, exp_avg_sq: pytrees like params, ``state_dtype`` (float32 or bfloat16); fp8
+            states: the pair ``(codes, scales)`` of pytrees like params (the float8 moments and
+            each leaf's float32 block scales).
         aux: pytree like params of the weight mode's buffers (``None`` for float32 leaves and
             for ``stochastic``/``nearest``): kahan compensation (param dtype, starts at 0),
             master weights (float32), remainder (int16, starts at 0).
@@ -861,15 +863,19 @@ def _state_dtype(dtype, name: str, fp8: bool = False):
     raise TypeError(f"{name}: expected float32, bfloat16{extra}, got {dtype}")
 
 
-def _state_zeros(p, dtype):
-    """A zero state for leaf ``p``: an array like ``p`` (keeping a sharded leaf's sharding), or
-    for fp8 states the pair ``(moments, float32 block scales)`` (``srround.STATE_BLOCK``)."""
+def _state_zeros(params, dtype):
+    """A zero state for ``params``: a pytree like ``params`` (keeping sharded leaves'
+    shardings), or for fp8 states the pair of pytrees ``(moments, float32 block scales)``
+    (``srround.STATE_BLOCK``) - two trees of arrays, not a tree of pairs: flax.nnx keeps a
+    state's leaves in variables, and turns a tuple held in one into a mapping."""
     if dtype in _FP8_STATES:
         return (
-            jnp.zeros(p.shape, dtype),
-            jnp.zeros((-(-p.size // _state8.STATE_BLOCK),), jnp.float32),
+            jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, dtype), params),
+            jax.tree_util.tree_map(
+                lambda p: jnp.zeros((-(-p.size // _state8.STATE_BLOCK),), jnp.float32), params
+            ),
         )
-    return jnp.zeros_like(p, dtype)
+    return jax.tree_util.tree_map(lambda p: jnp.zeros_like(p, dtype), params)
 
 
 def _aux_for(rounding, p):
@@ -1026,9 +1032,7 @@ def _fused(
             if dtype is None:
                 buffers.append(jax.tree_util.tree_map(lambda p: None, params))
             else:
-                buffers.append(
-                    jax.tree_util.tree_map(lambda p, d=dtype: _state_zeros(p, d), params)
-                )
+                buffers.append(_state_zeros(params, dtype))
         aux = jax.tree_util.tree_unflatten(treedef, [_aux_for(rounding, p) for p in leaves])
         return state_type(jnp.zeros((), jnp.int32), *buffers, aux)
 
@@ -1059,7 +1063,12 @@ def _fused(
                 raise TypeError(
                     f"grads[{k}]: expected float32, bfloat16 or float16, got {jnp.dtype(g.dtype)}"
                 )
-        s_leaves = [treedef.flatten_up_to(state[1 + i]) for i in range(len(states))]
+        s_leaves = [  # fp8 states as (moments, scales) pairs per leaf
+            list(zip(*(treedef.flatten_up_to(tree) for tree in state[1 + i])))
+            if dtype in _FP8_STATES
+            else treedef.flatten_up_to(state[1 + i])
+            for i, (_, dtype, _) in enumerate(states)
+        ]
         a_leaves = treedef.flatten_up_to(state[-1])
         specs = _leaf_specs(shard_specs, params, treedef)
         layouts, global_shapes = _layouts(p_leaves, specs)
@@ -1121,12 +1130,16 @@ def _fused(
         else:
             outs = on_lax() if impl == "native" else on_host()
 
-        def unflat(i):
-            return jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
+        def unflat(i, part=None):
+            return jax.tree_util.tree_unflatten(
+                treedef, [o[i] if part is None else o[i][part] for o in outs]
+            )
 
-        new_state = state_type(
-            t, *(unflat(1 + i) for i in range(len(states))), unflat(1 + len(states))
-        )
+        new_states = [
+            (unflat(1 + i, 0), unflat(1 + i, 1)) if dtype in _FP8_STATES else unflat(1 + i)
+            for i, (_, dtype, _) in enumerate(states)
+        ]
+        new_state = state_type(t, *new_states, unflat(1 + len(states)))
         return unflat(0), new_state
 
     def step(grads, state, params, *, found_inf=None, inv_scale=None):
