@@ -566,3 +566,60 @@ def test_fp8_states_in_flax_nnx_optimizer():
         jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param))), jax.tree.leaves(params)
     ):
         assert_same_bits(a, b)
+
+
+def test_equinox_recipes_keep_bf16():
+    """README's equinox recipes (not a CI dependency), under ``eqx.filter_jit`` with one
+    compile: the fused ``tx.step`` on ``eqx.partition``'s params, and ``optax.adamw`` with
+    ``apply_updates`` on the whole model (its function leaves get ``None`` updates); both
+    keep bf16, and the second equals ``apply_updates`` on the filtered model. The fused
+    ``update`` with ``eqx.apply_updates`` promotes to float32 (the documented difference)."""
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0), dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (3, 4)).astype(jnp.bfloat16)
+
+    def loss(m):
+        return (jax.vmap(m)(x).astype(jnp.float32) ** 2).mean()
+
+    tx, inner = sj.adamw(1e-3, seed=SEED), optax.adamw(1e-3)
+    floats = eqx.filter(model, eqx.is_inexact_array)
+
+    @eqx.filter_jit
+    def fused(model, state):
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        params, state = tx.step(eqx.filter_grad(loss)(model), state, params)
+        return eqx.combine(params, static), state
+
+    @eqx.filter_jit
+    def with_optax(model, state, t):
+        grads = eqx.filter_grad(loss)(model)
+        updates, state = inner.update(grads, state, eqx.filter(model, eqx.is_inexact_array))
+        return sj.apply_updates(model, updates, SEED, step=t), state, updates
+
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    m1, s1, m2, s2 = model, tx.init(floats), model, inner.init(floats)
+    fused(m1, s1), with_optax(m2, s2, jnp.int32(1))  # compiled here
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        steps = []
+        for t in range(1, 4):
+            m1, s1 = fused(m1, s1)
+            steps.append((m2, *with_optax(m2, s2, jnp.int32(t))))
+            m2, s2 = steps[-1][1:3]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(compiles) == 0  # an int32 array step: no compile per step
+    for t, (before, after, _, updates) in enumerate(steps, 1):
+        want = sj.apply_updates(eqx.filter(before, eqx.is_inexact_array), updates, SEED, step=t)
+        for a, b in zip(jax.tree.leaves(eqx.filter(after, eqx.is_array)), jax.tree.leaves(want)):
+            assert_same_bits(a, b)
+    for leaf in jax.tree.leaves(eqx.filter((m1, m2), eqx.is_array)):
+        assert leaf.dtype == jnp.bfloat16
+    updates, _ = tx.update(eqx.filter_grad(loss)(model), tx.init(floats), floats)
+    promoted = eqx.apply_updates(model, updates)
+    assert promoted.layers[0].weight.dtype == jnp.float32
