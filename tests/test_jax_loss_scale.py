@@ -392,3 +392,22 @@ def test_flax_nnx_step_compiles_once():
         jax.monitoring.unregister_event_duration_listener(listener)
     assert float(model.ls.loss_scale) == 2.0**17
     assert len(compiles) == 1
+
+
+def test_pickle_and_orbax_checkpoint_a_loss_scale(tmp_path):
+    """README: pickle, and orbax (not a CI dependency), save and restore a loss scale,
+    settings kept (``flax.serialization.to_bytes`` refuses it, as jmp's)."""
+    import pickle
+
+    scale = DynamicLossScale(2.0**15, growth_interval=7, hysteresis=2).adjust(jnp.bool_(False))
+    assert pickle.loads(pickle.dumps(scale)) == scale
+    ocp = pytest.importorskip("orbax.checkpoint")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "scale", scale)
+    checkpointer.wait_until_finished()
+    again = checkpointer.restore(
+        tmp_path / "scale", DynamicLossScale(2.0**15, growth_interval=7, hysteresis=2)
+    )
+    assert again.growth_interval == 7 and again.hysteresis == 2
+    for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(scale)):
+        assert np.asarray(a).dtype == np.asarray(b).dtype and np.asarray(a) == np.asarray(b)
