@@ -3,6 +3,8 @@
 ``apply_updates(params, updates, seed, *, step=None, impl=None)`` - a drop-in for
 ``optax.apply_updates``: bf16/fp16 leaves become ``SR(p + u)`` (``stochastic_add``: the sum in
 float32 with one rounding, then stochastically rounded), float32 leaves ``p + u`` as optax does.
+``stochastic_write_back(seed)`` - the same write-back as an optax transformation, last in a
+chain, for frameworks that call ``optax.apply_updates`` themselves (flax).
 
 ``adamw(learning_rate, b1, b2, eps, weight_decay, *, seed, rounding, state_dtype, impl)`` - the
 fused AdamW of ``srround.adamw_step`` (torch.optim.AdamW's math, float32, explicit fma, the weight
