@@ -340,3 +340,74 @@ def test_scaling_under_strict_dtype_promotion():
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert a.dtype == jnp.float32
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _is_array(x) -> bool:
+    """flax.nnx's test for a module attribute's leaf (``graphlib``): anything else, a NumPy
+    scalar such as ``np.int32(0)`` included, is static - part of the compiled program's key."""
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def test_leaves_are_arrays_as_flax_nnx_and_jmp_take_them():
+    """A loss scale kept on an ``nnx.Module`` (``nnx.data``) and adjusted in an ``nnx.jit``
+    step compiled the step twice: its default trackers (and a scale made from a number) were
+    NumPy scalars, which nnx takes as static, and the first ``adjust`` turned them into arrays.
+    jmp's trackers are 0-d arrays (``np.zeros([], np.int32)``); so are srround's now."""
+    for scale in (DynamicLossScale(2.0**15), DynamicLossScale(np.float32(2.0**15))):
+        for leaf in jax.tree_util.tree_leaves(scale):
+            assert _is_array(leaf) and np.shape(leaf) == (), type(leaf)
+        adjusted = jax.jit(lambda s: s.adjust(jnp.bool_(True)))(scale)
+        for a, b in zip(jax.tree_util.tree_leaves(scale), jax.tree_util.tree_leaves(adjusted)):
+            assert np.dtype(a.dtype) == b.dtype
+    custom = DynamicLossScale(jnp.float32(4.0), growth_tracker=3, overflow_tracker=np.int64(1))
+    assert all(_is_array(leaf) for leaf in jax.tree_util.tree_leaves(custom))
+
+
+def test_flax_nnx_step_compiles_once():
+    """The same with flax itself (not a CI dependency): a scale on the module, adjusted in
+    the jitted step, compiles it once."""
+    nnx = pytest.importorskip("flax.nnx")
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3, jnp.float16))
+            self.ls = nnx.data(DynamicLossScale(2.0**15, growth_interval=2))
+
+    @nnx.jit
+    def step(model):
+        grads = model.ls.unscale({"w": model.ls.scale(model.w[...])})
+        model.ls = model.ls.adjust(all_finite(grads))
+
+    model = Model()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for _ in range(4):
+            step(model)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert float(model.ls.loss_scale) == 2.0**17
+    assert len(compiles) == 1
+
+
+def test_pickle_and_orbax_checkpoint_a_loss_scale(tmp_path):
+    """README: pickle, and orbax (not a CI dependency), save and restore a loss scale,
+    settings kept (``flax.serialization.to_bytes`` refuses it, as jmp's)."""
+    import pickle
+
+    scale = DynamicLossScale(2.0**15, growth_interval=7, hysteresis=2).adjust(jnp.bool_(False))
+    assert pickle.loads(pickle.dumps(scale)) == scale
+    ocp = pytest.importorskip("orbax.checkpoint")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "scale", scale)
+    checkpointer.wait_until_finished()
+    again = checkpointer.restore(
+        tmp_path / "scale", DynamicLossScale(2.0**15, growth_interval=7, hysteresis=2)
+    )
+    assert again.growth_interval == 7 and again.hysteresis == 2
+    for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(scale)):
+        assert np.asarray(a).dtype == np.asarray(b).dtype and np.asarray(a) == np.asarray(b)

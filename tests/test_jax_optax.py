@@ -368,7 +368,8 @@ def test_bad_optimizer_input_names_the_argument():
     schedule that gives an array, and an ``apply_updates`` step that is not an integer are
     errors naming the argument, before anything runs (before: a host-call failure at run time,
     JAX's broadcasting error, an error without the argument's name, or a float step taken). A
-    concrete 0-d array is a learning rate like a float."""
+    concrete 0-d array is a learning rate like a float. A leaf that is not an array (an
+    unfiltered equinox model's activation function) is named."""
     p = [jnp.ones((4,), jnp.bfloat16), jnp.ones((3,), jnp.float32)]
     g = [jnp.ones((4,)), jnp.ones((3,))]
     with pytest.raises(ValueError, match="^learning_rate: "):
@@ -388,7 +389,237 @@ def test_bad_optimizer_input_names_the_argument():
     for step in (1.5, True, jnp.float32(2.0), jnp.array([1, 2])):  # before: 1.5 was taken
         with pytest.raises(TypeError, match="^step: expected None, an int or an integer"):
             sj.apply_updates(p, g, 0, step=step)
+    model = {"w": p[0], "act": jax.nn.relu}  # an unfiltered equinox model: before, a bare
+    for tx in (sj.adamw(1e-3), sj.sgd(1e-2)):  # AttributeError() from the function's .dtype
+        with pytest.raises(TypeError, match=r"^params\[0\]: expected an array, got custom_jvp"):
+            tx.init(model)
+        with pytest.raises(TypeError, match=r"^params\[0\]: expected an array, got custom_jvp"):
+            tx.step({"w": g[0], "act": None}, tx.init({"w": p[0]}), model)
     one = sj.adamw(jnp.float32(1e-3), seed=1)
     two = sj.adamw(1e-3, seed=1)
     for a, b in zip(one.step(g, one.init(p), p)[0], two.step(g, two.init(p), p)[0]):
         assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("impl", [None, "native"])
+def test_stochastic_write_back_through_optax_apply_updates(impl):
+    """``flax.nnx.Optimizer.update`` and flax's ``TrainState.apply_gradients`` call
+    ``optax.apply_updates`` themselves, so ``apply_updates``' stochastic write-back was out
+    of reach there for any optax optimizer: ``optax.chain(optimizer, stochastic_write_back(
+    seed))`` gives updates that ``optax.apply_updates`` writes back as ``apply_updates(...,
+    seed, step=t)``, bit for bit, jitted, over steps (fresh noise each), with float32 and
+    ``None`` leaves passing through."""
+    params = {
+        "w": (0.1 * jax.random.normal(jax.random.key(0), (4, 8))).astype(jnp.bfloat16),
+        "h": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32).astype(jnp.float16),
+        "b": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32),
+        "none": None,
+    }
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, p.dtype), params)
+    inner = optax.adamw(1e-3)
+    tx = optax.chain(inner, sj.stochastic_write_back(SEED, impl=impl))
+
+    @jax.jit
+    def step(p, s):
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    @jax.jit
+    def reference(p, s, t):
+        updates, s = inner.update(grads, s, p)
+        return sj.apply_updates(p, updates, SEED, step=t, impl=impl), s
+
+    p, s, rp, rs = params, tx.init(params), params, inner.init(params)
+    for t in range(1, 4):
+        p, s = step(p, s)
+        rp, rs = reference(rp, rs, t)
+        assert int(s[1].count) == t and p["none"] is None
+        for k in ("w", "h", "b"):
+            assert p[k].dtype == params[k].dtype
+            assert_same_bits(p[k], rp[k])
+    assert not np.array_equal(np.asarray(p["w"]), np.asarray(params["w"]))
+    alone = sj.stochastic_write_back(SEED)
+    with pytest.raises(ValueError, match="^stochastic_write_back: update needs params"):
+        alone.update(grads, alone.init(params))
+
+
+def test_stochastic_write_back_in_flax():
+    """The same inside flax (not a CI dependency): ``nnx.Optimizer`` with bf16 params under
+    ``nnx.jit``, and linen's ``TrainState.apply_gradients``, both equal ``apply_updates``."""
+    nnx = pytest.importorskip("flax.nnx")
+    from flax.training import train_state
+
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    tx = optax.chain(optax.adamw(1e-3), sj.stochastic_write_back(SEED))
+    model = nnx.Linear(4, 2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    params = nnx.as_pure(params)  # arrays, not the model's variables (updated in place)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def loss(m):
+        return (m(x).astype(jnp.float32) ** 2).mean()
+
+    @nnx.jit
+    def step(model, opt):
+        opt.update(model, nnx.grad(loss)(model))
+
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    inner = optax.adamw(1e-3)
+    ref, ref_state = params, inner.init(params)
+    for t in range(1, 4):
+        grads = jax.grad(lambda p: loss(nnx.merge(graphdef, p)))(ref)
+        step(model, opt)
+        state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+        updates, ref_state = inner.update(grads, ref_state, ref)
+        ref = sj.apply_updates(ref, updates, SEED, step=t)
+        for a, b, c in zip(
+            jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param))),
+            jax.tree.leaves(state.params),
+            jax.tree.leaves(ref),
+        ):
+            assert a.dtype == jnp.bfloat16
+            assert_same_bits(a, c)
+            assert_same_bits(b, c)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_update_takes_found_inf_and_inv_scale_as_extra_args(kind):
+    """``flax.nnx.Optimizer.update(model, grads, **kwargs)`` hands its keyword arguments to
+    ``tx.update`` (optax's extra arguments), also through ``optax.chain``: ``update`` reads
+    ``inv_scale`` as ``step`` does (before: dropped silently - fp16 weights took the scaled
+    gradients, SGD moved 0.5 to -0.52 instead of 0.499) and ``found_inf``."""
+    params = {"w": jnp.full(8, 0.5, jnp.float16), "b": jnp.linspace(-1.0, 1.0, 8)}
+    scaled = {"w": jnp.full(8, 10.24, jnp.float16), "b": jnp.full(8, 10.24)}
+    tx = sj.adamw(1e-2, seed=SEED) if kind == "adamw" else sj.sgd(0.1, seed=SEED)
+    state = tx.init(params)
+    for extra in ({"inv_scale": jnp.float32(1 / 1024)}, {"found_inf": jnp.bool_(True)}):
+        want, _ = tx.step(scaled, state, params, **extra)
+        for wrapped in (tx, optax.chain(optax.identity(), tx)):
+            s = wrapped.init(params)
+            updates, _ = jax.jit(wrapped.update)(scaled, s, params, **extra)
+            got = optax.apply_updates(params, updates)
+            for k in params:
+                assert_same_bits(got[k], want[k])
+
+
+@jax.tree_util.register_pytree_node_class
+class _Box:
+    """A pytree node holding one value, as ``flax.nnx.Variable`` holds a parameter."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def tree_flatten(self):
+        return (self.value,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def _boxes(tree):
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, _Box))
+
+
+def test_fp8_states_hold_arrays_where_params_do():
+    """``nnx.Optimizer`` inits its optimizer on the model's ``Param`` variables and keeps each
+    state leaf in a variable; the fp8 states were a tree of ``(codes, scales)`` pairs, so a
+    variable held a tuple, which ``nnx.update`` turned into a mapping: the second step failed
+    with ``state.exp_avg: not the structure this optimizer's init(params) gives``. The fp8
+    states are now a pair of trees like params: every box holds an array."""
+    params = {"w": _Box(jnp.ones((40,), jnp.bfloat16)), "b": _Box(jnp.ones((3,), jnp.float32))}
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, jnp.float32), params)
+    tx = sj.adamw(1e-3, seed=SEED, state_dtype=jnp.float8_e4m3fn)
+    state = tx.init(params)
+    for _ in range(2):
+        boxes = _boxes(state.exp_avg) + _boxes(state.exp_avg_sq)
+        assert len(boxes) == 8 and all(isinstance(b.value, jax.Array) for b in boxes)
+        params, state = tx.step(grads, state, params)
+    codes, scales = state.exp_avg
+    assert codes["w"].value.dtype == jnp.float8_e4m3fn and scales["w"].value.dtype == jnp.float32
+
+
+def test_fp8_states_in_flax_nnx_optimizer():
+    """The same with flax itself (not a CI dependency): steps of ``nnx.Optimizer`` with fp8
+    states under ``nnx.jit`` are those of ``tx.step``."""
+    nnx = pytest.importorskip("flax.nnx")
+    tx = sj.adamw(1e-3, seed=SEED, state_dtype=jnp.float8_e4m3fn)
+    model = nnx.Linear(4, 40, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    params = nnx.as_pure(params)
+    state = tx.init(params)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+
+    def loss(m):
+        return (m(x).astype(jnp.float32) ** 2).mean()
+
+    @nnx.jit
+    def step(model, opt):
+        opt.update(model, nnx.grad(loss)(model))
+
+    for _ in range(3):
+        step(model, opt)
+        grads = jax.grad(lambda p: loss(nnx.merge(graphdef, p)))(params)
+        params, state = tx.step(grads, state, params)
+    for a, b in zip(
+        jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param))), jax.tree.leaves(params)
+    ):
+        assert_same_bits(a, b)
+
+
+def test_equinox_recipes_keep_bf16():
+    """README's equinox recipes (not a CI dependency), under ``eqx.filter_jit`` with one
+    compile: the fused ``tx.step`` on ``eqx.partition``'s params, and ``optax.adamw`` with
+    ``apply_updates`` on the whole model (its function leaves get ``None`` updates); both
+    keep bf16, and the second equals ``apply_updates`` on the filtered model. The fused
+    ``update`` with ``eqx.apply_updates`` promotes to float32 (the documented difference)."""
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0), dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (3, 4)).astype(jnp.bfloat16)
+
+    def loss(m):
+        return (jax.vmap(m)(x).astype(jnp.float32) ** 2).mean()
+
+    tx, inner = sj.adamw(1e-3, seed=SEED), optax.adamw(1e-3)
+    floats = eqx.filter(model, eqx.is_inexact_array)
+
+    @eqx.filter_jit
+    def fused(model, state):
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        params, state = tx.step(eqx.filter_grad(loss)(model), state, params)
+        return eqx.combine(params, static), state
+
+    @eqx.filter_jit
+    def with_optax(model, state, t):
+        grads = eqx.filter_grad(loss)(model)
+        updates, state = inner.update(grads, state, eqx.filter(model, eqx.is_inexact_array))
+        return sj.apply_updates(model, updates, SEED, step=t), state, updates
+
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    m1, s1, m2, s2 = model, tx.init(floats), model, inner.init(floats)
+    fused(m1, s1), with_optax(m2, s2, jnp.int32(1))  # compiled here
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        steps = []
+        for t in range(1, 4):
+            m1, s1 = fused(m1, s1)
+            steps.append((m2, *with_optax(m2, s2, jnp.int32(t))))
+            m2, s2 = steps[-1][1:3]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(compiles) == 0  # an int32 array step: no compile per step
+    for t, (before, after, _, updates) in enumerate(steps, 1):
+        want = sj.apply_updates(eqx.filter(before, eqx.is_inexact_array), updates, SEED, step=t)
+        for a, b in zip(jax.tree.leaves(eqx.filter(after, eqx.is_array)), jax.tree.leaves(want)):
+            assert_same_bits(a, b)
+    for leaf in jax.tree.leaves(eqx.filter((m1, m2), eqx.is_array)):
+        assert leaf.dtype == jnp.bfloat16
+    updates, _ = tx.update(eqx.filter_grad(loss)(model), tx.init(floats), floats)
+    promoted = eqx.apply_updates(model, updates)
+    assert promoted.layers[0].weight.dtype == jnp.float32

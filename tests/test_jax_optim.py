@@ -101,6 +101,33 @@ def test_apply_updates_matches_optax_structure_and_none_leaves():
     assert_same_bits(out["b"], np.ones(3, np.float32))
 
 
+@pytest.mark.parametrize("impl", APPLY_IMPLS)
+def test_apply_updates_none_updates_keep_any_leaf_as_equinox(impl):
+    """An equinox model as params: ``eqx.filter_grad`` gives ``None`` for the leaves that are
+    not float arrays (an activation function, an int field), and ``eqx.apply_updates`` keeps
+    those leaves; updates may also be a prefix (``None`` for a whole frozen subtree). Such a
+    leaf is kept and takes no place in the stream, so the bits are those of the filtered tree
+    (``eqx.filter``: ``None`` params). Before: JAX's "not a valid JAX array type" TypeError for
+    the function leaf, naming neither argument."""
+    w = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).astype(jnp.bfloat16)
+    model = {"act": jax.nn.relu, "n": 3, "lin": [w, jnp.ones(5, jnp.bfloat16)], "frozen": [w]}
+    u = jnp.full(12, 1e-3, jnp.float32)
+    updates = {"act": None, "n": None, "lin": [u, jnp.full(5, -1e-3)], "frozen": None}
+    filtered = {"act": None, "n": None, "lin": model["lin"], "frozen": [None]}
+    got = sj.apply_updates(model, updates, 7, step=2, impl=impl)
+    want = sj.apply_updates(filtered, updates | {"frozen": [None]}, 7, step=2, impl=impl)
+    assert got["act"] is jax.nn.relu and got["n"] == 3 and got["frozen"][0] is w
+    for a, b in zip(got["lin"], want["lin"]):
+        assert a.dtype == jnp.bfloat16
+        assert_same_bits(a, b)
+    traced = jax.jit(
+        lambda lin, up: sj.apply_updates(model | {"lin": lin}, up, 7, step=2, impl=impl)["lin"]
+    )
+    assert_same_bits(traced(model["lin"], updates)[0], want["lin"][0])
+    with pytest.raises(TypeError, match=r"^params\[0\]: expected an array, got custom_jvp"):
+        sj.apply_updates(model, updates | {"act": jnp.float32(1.0)}, 7, step=2, impl=impl)
+
+
 def test_apply_updates_python_scalar_updates_under_x64():
     """A Python number as a bf16 leaf's update (optax broadcasts it) is a float32 update,
     with or without ``jax_enable_x64``: under x64 it was refused as float64, and an int as a

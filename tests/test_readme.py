@@ -169,6 +169,19 @@ def test_example_fused_optimizers():
     assert int(ns["state"].count) == 2  # update, then step
 
 
+def test_example_stochastic_write_back():
+    params = [jnp.asarray(p) for p in _numpy_tree(BF16)]
+    grads = [jnp.asarray(g) for g in _numpy_tree(BF16, (5, 12))]
+    given = {"optax": optax, "sj": srround.adapters.jax, "params": params, "grads": grads}
+    ns = readme.run("tx = optax.chain(optax.adamw(1e-4), sj.stochastic_write_back", given)
+    inner = optax.adamw(1e-4)
+    updates, _ = inner.update(grads, inner.init(params), params)
+    want = srround.adapters.jax.apply_updates(params, updates, 0, step=1)
+    for got, expected in zip(ns["params"], want):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got.view(jnp.uint16), expected.view(jnp.uint16))
+
+
 def test_example_torch_checkpoints():
     model = _model()
     torch_adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -309,8 +309,8 @@ def test_jax_adamw_fp8_states_equal_the_functional_step(impl):
             np.asarray(tree[key]).view(np.uint16), p_np[i].view(np.uint16)
         )
         for (q, sc), want_q, want_s in (
-            (state.exp_avg[key], m[i], ms[i]),
-            (state.exp_avg_sq[key], s[i], vs[i]),
+            ((state.exp_avg[0][key], state.exp_avg[1][key]), m[i], ms[i]),
+            ((state.exp_avg_sq[0][key], state.exp_avg_sq[1][key]), s[i], vs[i]),
         ):
             np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
             np.testing.assert_array_equal(np.asarray(sc), want_s)

@@ -6,7 +6,8 @@
 * ``apply_updates`` (``optax.apply_updates`` with stochastic rounding), ``adamw`` and ``sgd``
   (fused optimizers that are optax ``GradientTransformation`` s, states ``AdamWState`` and
   ``SGDState``; ``ADAMW_STATIC_ARGS``/``SGD_STATIC_ARGS``: their ``static_args`` under
-  ``optax.inject_hyperparams``).
+  ``optax.inject_hyperparams``); ``stochastic_write_back`` (last in an ``optax.chain``: any
+  optimizer's updates written back with stochastic rounding by ``optax.apply_updates``).
 * ``DynamicLossScale``, ``StaticLossScale``, ``NoOpLossScale``, ``all_finite``,
   ``select_tree``: loss scaling with jmp's interface.
 """
@@ -31,9 +32,11 @@ from .optim import (
     SGD_STATIC_ARGS,
     AdamWState,
     SGDState,
+    WriteBackState,
     adamw,
     apply_updates,
     sgd,
+    stochastic_write_back,
 )
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "NoOpLossScale",
     "SGDState",
     "StaticLossScale",
+    "WriteBackState",
     "adamw",
     "all_finite",
     "apply_updates",
@@ -54,5 +58,6 @@ __all__ = [
     "sgd",
     "stochastic_add",
     "stochastic_round",
+    "stochastic_write_back",
     "to_float32",
 ]

@@ -62,7 +62,7 @@ def _float_scale(x, name: str):
     if isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a float scalar, got a bool")
     if isinstance(x, (int, float, np.integer, np.floating)):
-        return np.float32(x)
+        return np.asarray(x, np.float32)  # 0-d arrays: flax.nnx takes NumPy scalars as static
     if isinstance(x, np.ndarray):
         x = x.astype(np.float32) if np.issubdtype(x.dtype, np.number) else x
     dtype = getattr(x, "dtype", None)
@@ -98,7 +98,7 @@ def _int_scalar(x, name: str):
     if _is_placeholder(x):
         return x
     if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
-        return np.int32(x)
+        return np.asarray(x, np.int32)
     dtype = getattr(x, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or np.ndim(x) != 0:
         raise TypeError(f"{name}: expected an int scalar, got {type(x).__name__} {dtype}")
@@ -187,8 +187,8 @@ class DynamicLossScale:
 
     loss_scale: jax.Array
     _: dataclasses.KW_ONLY
-    growth_tracker: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))
-    overflow_tracker: jax.Array = dataclasses.field(default_factory=lambda: np.int32(0))
+    growth_tracker: jax.Array = dataclasses.field(default_factory=lambda: np.zeros((), np.int32))
+    overflow_tracker: jax.Array = dataclasses.field(default_factory=lambda: np.zeros((), np.int32))
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000

@@ -3,6 +3,8 @@
 ``apply_updates(params, updates, seed, *, step=None, impl=None)`` - a drop-in for
 ``optax.apply_updates``: bf16/fp16 leaves become ``SR(p + u)`` (``stochastic_add``: the sum in
 float32 with one rounding, then stochastically rounded), float32 leaves ``p + u`` as optax does.
+``stochastic_write_back(seed)`` - the same write-back as an optax transformation, last in a
+chain, for frameworks that call ``optax.apply_updates`` themselves (flax).
 
 ``adamw(learning_rate, b1, b2, eps, weight_decay, *, seed, rounding, state_dtype, impl)`` - the
 fused AdamW of ``srround.adamw_step`` (torch.optim.AdamW's math, float32, explicit fma, the weight
@@ -22,7 +24,9 @@ modes ``stochastic``, ``nearest``, ``kahan``, ``master``, ``remainder``), bit fo
   or away from it: 0.4 % of N(0, 1) weights in an AdamW step at lr 1e-2; bf16/fp16 weights
   whose exponent changes by more than ~16). ``step`` is exact
   always and does less work: prefer it (or ``optax.adamw`` plus ``apply_updates`` here).
-  ``update`` needs ``params`` and must come last in an ``optax.chain``.
+  ``update`` needs ``params`` and must come last in an ``optax.chain``; it takes ``step``'s
+  ``found_inf`` and ``inv_scale`` as optax's extra arguments (``flax.nnx.Optimizer.update``
+  hands its keyword arguments on), other extra arguments are ignored as optax does.
 
 Random stream (the one of the fused kernels, ``srround.adamw_step``): the leaves in
 ``jax.tree_util.tree_leaves`` order are one tensor list; leaf ``k`` starts at global element
@@ -117,9 +121,11 @@ __all__ = [
     "SGD_STATIC_ARGS",
     "AdamWState",
     "SGDState",
+    "WriteBackState",
     "adamw",
     "apply_updates",
     "sgd",
+    "stochastic_write_back",
 ]
 
 _U32 = jnp.uint32
@@ -351,14 +357,28 @@ def _layouts(leaves, specs, name="params"):
     return layouts, global_shapes
 
 
+def _param_array(p, k: int):
+    """Leaf ``k`` of ``apply_updates``' params as an array (a number too, as optax takes it);
+    anything else (an equinox model's activation function) is a ``TypeError``."""
+    if not isinstance(p, (jax.Array, np.ndarray, np.generic, int, float)) or isinstance(p, bool):
+        raise TypeError(
+            f"params[{k}]: expected an array, got {type(p).__name__} (give such a leaf a None"
+            " update, as eqx.filter_grad does, and it is kept as it is)"
+        )
+    return jnp.asarray(p)
+
+
 def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=None):
     """``optax.apply_updates`` with stochastic rounding of the low-precision leaves.
 
     Args:
         params: a pytree of arrays (``None`` leaves are kept, as optax does).
-        updates: a pytree of the same structure; each leaf broadcasts to its param's shape as
-            in optax (a scalar update too); float32/bf16/fp16 (exactly widened to float32) or
-            a Python number (float32, also under ``jax_enable_x64``).
+        updates: a pytree of the same structure, or a prefix of it, as ``eqx.apply_updates``
+            takes: a ``None`` update keeps its params as they are (any leaves: an equinox
+            model's functions too) and takes no place in the random stream. Each other leaf
+            broadcasts to its param's shape as in optax (a scalar update too); float32/bf16/
+            fp16 (exactly widened to float32) or a Python number (float32, also under
+            ``jax_enable_x64``).
         seed: a JAX PRNG key or an int in [0, 2**64). With ``step=None`` pass a fresh key
             every step (``jax.random.fold_in(key, step)``): the same key gives the same noise.
         step: ``None``, or the 1-based step (int or traced int scalar, < 2**26): leaf ``k``
@@ -383,7 +403,8 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
     Raises:
         ValueError: an update that does not broadcast to its param's shape, a deleted
             (donated) array, leaves on different meshes, bad ``shard_specs``.
-        TypeError: a float64 (or non-float) update for a bf16/fp16 param (it would round twice).
+        TypeError: a float64 (or non-float) update for a bf16/fp16 param (it would round
+            twice); an update for a leaf that is not an array or a number.
     """
     host_bits = impl is None
     impl = _impl(impl)
@@ -393,10 +414,11 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         return x is None
 
     p_leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_none)
-    try:
-        u_leaves = treedef.flatten_up_to(updates)
+    try:  # equinox's rule: updates may be a prefix of params, a None update keeps its params
+        u_leaves = treedef.flatten_up_to(jax.tree.broadcast(updates, params, is_leaf=is_none))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"updates: not the structure of params: {exc}") from None
+    p_leaves = [None if u is None else p for p, u in zip(p_leaves, u_leaves)]
     check_arrays(("params", p_leaves), ("updates", u_leaves), ("seed", seed))
     specs = _leaf_specs(shard_specs, params, treedef)
     layouts, global_shapes = _layouts(p_leaves, specs)
@@ -408,12 +430,12 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
         i += p is not None
     k0, k1 = _key_words(seed)
     t = 0 if step is None else step
-    out = [None] * len(p_leaves)
+    out = jax.tree_util.tree_leaves(params, is_leaf=is_none)  # kept where p or u is None
     narrow = []
     for k, (p, u) in enumerate(zip(p_leaves, u_leaves)):
         if p is None:
             continue
-        p = jnp.asarray(p)
+        p = _param_array(p, k)
         name = _NARROW.get(jnp.dtype(p.dtype))
         if name is None:
             out[k] = jnp.asarray(p + u).astype(p.dtype)
@@ -461,6 +483,63 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+class WriteBackState(NamedTuple):
+    """State of ``stochastic_write_back``: ``count``, int32 scalar, the updates taken."""
+
+    count: Any
+
+
+def stochastic_write_back(seed, *, impl=None, shard_specs=None):
+    """An optax transformation, last in an ``optax.chain``, that turns any optimizer's
+    updates into ones that ``optax.apply_updates`` writes back with stochastic rounding: for
+    the frameworks that call ``optax.apply_updates`` themselves (``flax.nnx.Optimizer.update``,
+    flax's ``TrainState.apply_gradients``).
+
+    ``update(updates, state, params)`` returns float32 ``u`` with ``float32(p + u) == n``,
+    ``n = apply_updates(params, updates, seed, step=count + 1)`` (as the fused optimizers'
+    ``update``, module docstring: ``n`` exactly, except where no such float32 ``u`` exists, a
+    bf16/fp16 weight whose exponent changes by more than ~16), for bf16/fp16 leaves; other
+    leaves' updates pass unchanged, and ``None`` updates stay ``None``. The fixed ``seed`` and
+    the count in the state give fresh noise every step, the weight stream of the fused
+    optimizers.
+
+    Args:
+        seed: a JAX PRNG key or an int in [0, 2**64), fixed for the run.
+        impl: as ``apply_updates``.
+        shard_specs: as ``apply_updates`` (inside ``shard_map`` only).
+
+    Returns:
+        an ``optax.GradientTransformation`` with ``WriteBackState`` states.
+
+    Raises:
+        ValueError: ``update`` without ``params``; ``apply_updates``' errors.
+    """
+    _key_words(seed)  # a bad seed fails here, when the transformation is made
+
+    def init(params):
+        del params
+        return WriteBackState(jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params=None, **extra_args):
+        del extra_args  # what optax.chain hands every transformation (found_inf: the fused ones)
+        if params is None:
+            raise ValueError("stochastic_write_back: update needs params (it rounds p + u)")
+        count = state.count + 1
+        new = apply_updates(params, updates, seed, step=count, impl=impl, shard_specs=shard_specs)
+
+        def exact(u, n, p):
+            if u is None or jnp.dtype(n.dtype) not in _NARROW:
+                return u
+            return _exact_update(n, p)
+
+        def is_none(x):
+            return x is None
+
+        return jax.tree.map(exact, updates, new, params, is_leaf=is_none), WriteBackState(count)
+
+    return _Base(init, update)
+
+
 # -- fused AdamW -------------------------------------------------------------------------------
 
 
@@ -469,7 +548,9 @@ class AdamWState(NamedTuple):
 
     Attributes:
         count: int32 scalar, steps taken (the 1-based step of the next update is count + 1).
-        exp_avg, exp_avg_sq: pytrees like params, ``state_dtype`` (float32 or bfloat16).
+        exp_avg, exp_avg_sq: pytrees like params, ``state_dtype`` (float32 or bfloat16); fp8
+            states: the pair ``(codes, scales)`` of pytrees like params (the float8 moments and
+            each leaf's float32 block scales).
         aux: pytree like params of the weight mode's buffers (``None`` for float32 leaves and
             for ``stochastic``/``nearest``): kahan compensation (param dtype, starts at 0),
             master weights (float32), remainder (int16, starts at 0).
@@ -785,15 +866,19 @@ def _state_dtype(dtype, name: str, fp8: bool = False):
     raise TypeError(f"{name}: expected float32, bfloat16{extra}, got {dtype}")
 
 
-def _state_zeros(p, dtype):
-    """A zero state for leaf ``p``: an array like ``p`` (keeping a sharded leaf's sharding), or
-    for fp8 states the pair ``(moments, float32 block scales)`` (``srround.STATE_BLOCK``)."""
+def _state_zeros(params, dtype):
+    """A zero state for ``params``: a pytree like ``params`` (keeping sharded leaves'
+    shardings), or for fp8 states the pair of pytrees ``(moments, float32 block scales)``
+    (``srround.STATE_BLOCK``) - two trees of arrays, not a tree of pairs: flax.nnx keeps a
+    state's leaves in variables, and turns a tuple held in one into a mapping."""
     if dtype in _FP8_STATES:
         return (
-            jnp.zeros(p.shape, dtype),
-            jnp.zeros((-(-p.size // _state8.STATE_BLOCK),), jnp.float32),
+            jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, dtype), params),
+            jax.tree_util.tree_map(
+                lambda p: jnp.zeros((-(-p.size // _state8.STATE_BLOCK),), jnp.float32), params
+            ),
         )
-    return jnp.zeros_like(p, dtype)
+    return jax.tree_util.tree_map(lambda p: jnp.zeros_like(p, dtype), params)
 
 
 def _aux_for(rounding, p):
@@ -813,6 +898,11 @@ def _aux_for(rounding, p):
 
 def _check_params(leaves) -> None:
     for i, p in enumerate(leaves):
+        if not isinstance(p, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"params[{i}]: expected an array, got {type(p).__name__} (with equinox pass"
+                " eqx.filter(model, eqx.is_inexact_array): its None leaves are left out)"
+            )
         if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.float32), *_NARROW):
             extra = ""
             if jnp.dtype(p.dtype) == jnp.float64:
@@ -945,9 +1035,7 @@ def _fused(
             if dtype is None:
                 buffers.append(jax.tree_util.tree_map(lambda p: None, params))
             else:
-                buffers.append(
-                    jax.tree_util.tree_map(lambda p, d=dtype: _state_zeros(p, d), params)
-                )
+                buffers.append(_state_zeros(params, dtype))
         aux = jax.tree_util.tree_unflatten(treedef, [_aux_for(rounding, p) for p in leaves])
         return state_type(jnp.zeros((), jnp.int32), *buffers, aux)
 
@@ -978,7 +1066,12 @@ def _fused(
                 raise TypeError(
                     f"grads[{k}]: expected float32, bfloat16 or float16, got {jnp.dtype(g.dtype)}"
                 )
-        s_leaves = [treedef.flatten_up_to(state[1 + i]) for i in range(len(states))]
+        s_leaves = [  # fp8 states as (moments, scales) pairs per leaf
+            list(zip(*(treedef.flatten_up_to(tree) for tree in state[1 + i])))
+            if dtype in _FP8_STATES
+            else treedef.flatten_up_to(state[1 + i])
+            for i, (_, dtype, _) in enumerate(states)
+        ]
         a_leaves = treedef.flatten_up_to(state[-1])
         specs = _leaf_specs(shard_specs, params, treedef)
         layouts, global_shapes = _layouts(p_leaves, specs)
@@ -1040,12 +1133,16 @@ def _fused(
         else:
             outs = on_lax() if impl == "native" else on_host()
 
-        def unflat(i):
-            return jax.tree_util.tree_unflatten(treedef, [o[i] for o in outs])
+        def unflat(i, part=None):
+            return jax.tree_util.tree_unflatten(
+                treedef, [o[i] if part is None else o[i][part] for o in outs]
+            )
 
-        new_state = state_type(
-            t, *(unflat(1 + i) for i in range(len(states))), unflat(1 + len(states))
-        )
+        new_states = [
+            (unflat(1 + i, 0), unflat(1 + i, 1)) if dtype in _FP8_STATES else unflat(1 + i)
+            for i, (_, dtype, _) in enumerate(states)
+        ]
+        new_state = state_type(t, *new_states, unflat(1 + len(states)))
         return unflat(0), new_state
 
     def step(grads, state, params, *, found_inf=None, inv_scale=None):
@@ -1152,8 +1249,13 @@ def _fused(
     def update(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError(f"{kind} (srround): update needs params (the fused step writes them)")
-        found_inf = extra_args.get("found_inf")
-        new_params, new_state = checked_step(updates, state, params, found_inf=found_inf)
+        new_params, new_state = checked_step(
+            updates,
+            state,
+            params,
+            found_inf=extra_args.get("found_inf"),
+            inv_scale=extra_args.get("inv_scale"),
+        )
         return jax.tree_util.tree_map(_exact_update, new_params, params), new_state
 
     return FusedOptimizer(
