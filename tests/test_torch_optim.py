@@ -1415,11 +1415,16 @@ def test_seed_none_follows_torch_manual_seed(monkeypatch, make):
 
     monkeypatch.setattr(_rng, "_manually_seeded", False)
 
+    param = torch.nn.Parameter(torch.zeros(4))
+
     def seed(torch_seed):
         torch.manual_seed(torch_seed)
-        return make([torch.nn.Parameter(torch.zeros(4))], lr=1e-3).param_groups[0]["seed"]
+        return make([param], lr=1e-3).param_groups[0]["seed"]
 
     assert seed(3) == seed(3) != seed(4)
+    outside = seed(3)
+    with torch.device("meta"):  # a default device set for model init: torch's CPU generator
+        assert seed(3) == outside  # before: the draw on the meta device failed
     monkeypatch.setattr(_rng, "_generator", np.random.default_rng(5))
     monkeypatch.setattr(_rng, "_manually_seeded", True)
     first = seed(3)

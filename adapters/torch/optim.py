@@ -463,7 +463,7 @@ def _default_seed() -> int:
     reproducible, as it does torchao's stochastic rounding."""
     if manually_seeded():
         return next_seed()
-    high, low = torch.randint(0, 2**32, (2,), dtype=torch.int64).tolist()
+    high, low = torch.randint(0, 2**32, (2,), dtype=torch.int64, device="cpu").tolist()
     return high << 32 | low
 
 
