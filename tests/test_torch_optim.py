@@ -1430,3 +1430,21 @@ def test_seed_none_follows_torch_manual_seed(monkeypatch, make):
     first = seed(3)
     monkeypatch.setattr(_rng, "_generator", np.random.default_rng(5))
     assert seed(4) == first  # the library generator's draw, whatever torch's seed
+
+
+def test_master_copy_is_the_weight_of_record():
+    """The README's rule: with ``rounding="master"`` a weight edited in place after the first
+    step is overwritten from the fp32 copy at the next step (before it: kept); with
+    ``"kahan"`` / ``"remainder"`` the edit holds."""
+    for mode, kept in (("master", False), ("kahan", True), ("remainder", True)):
+        p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        opt = AdamW([p], lr=1e-3, rounding=mode, seed=1)
+        with torch.no_grad():
+            p.fill_(5.0)  # before the first step: taken
+        p.grad = torch.ones(4, dtype=torch.bfloat16)
+        opt.step()
+        assert (p == 5.0).all()
+        with torch.no_grad():
+            p.fill_(9.0)
+        opt.step()
+        assert bool((p == 9.0).all()) is kept, mode
