@@ -470,8 +470,6 @@ def _default_seed() -> int:
 class _FusedOptimizer(torch.optim.Optimizer):
     """Common machinery: lazy table, cache check, hyperparameters, scaler protocols."""
 
-    _srround_fused = True  # srround's GradScaler passes inv_scale/found_inf to step()
-    _step_supports_amp_scaling = True  # torch's GradScaler sets grad_scale / found_inf
     _KIND: int | None = None
     _STATE_NAMES: tuple = ()
     _ONE_PER_OPTIMIZER: tuple[str, ...] = ("rounding", "state_dtype", "seed", "maximize")
@@ -491,6 +489,21 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._entry = None
         self._dtensors = False  # any DTensor parameter (FSDP2, tensor parallel): _dist.py
         super().__init__(params, defaults)
+
+    @property
+    def _srround_fused(self) -> bool:
+        """srround's GradScaler passes ``inv_scale`` / ``found_inf`` to ``step()``: declared by
+        the optimizer itself only (``_step_supports_amp_scaling``)."""
+        return self._step_supports_amp_scaling
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch's GradScaler sets ``grad_scale`` / ``found_inf`` on the optimizer and calls
+        ``step()``. False for a delegating wrapper, an instance of a subclass that is not itself
+        an initialised optimizer (Lightning's ``LightningOptimizer``, Fabric's
+        ``_FabricOptimizer``): what is set on it, or passed to its ``step``, does not reach the
+        step that runs, so the scalers unscale, check and skip it themselves."""
+        return "param_groups" in vars(self)
 
     def __setstate__(self, state: dict) -> None:
         """Unpickle / deepcopy (torch pickles defaults, state and groups only): the table is
