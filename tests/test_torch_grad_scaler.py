@@ -1179,3 +1179,32 @@ def test_scalers_drive_a_fabric_optimizer(kind):
             scaler.step(o)
         scaler.update()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def test_amp_scaling_in_step_can_be_switched_off():
+    """README: Lightning's ``precision="16-mixed"`` refuses gradient clipping for an optimizer
+    that declares ``_step_supports_amp_scaling``; assigning False makes torch's scaler unscale
+    before the step and skip the call on an overflow, with torch.optim.SGD's bits."""
+    from srround.adapters.torch import SGD
+
+    runs = []
+    for kind in ("srround", "torch"):
+        model = _model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        if kind == "srround":
+            opt = SGD(model.parameters(), lr=0.1, momentum=0.9, seed=3)
+            opt._step_supports_amp_scaling = False
+            assert not opt._srround_fused
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            opt.zero_grad()
+            _scaled_backward(model, scaler)
+            if step == 1:
+                model[2].bias.grad.fill_(float("inf"))
+            scaler.unscale_(opt)  # Lightning: unscale, clip, step, update
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+        runs.append([p.detach() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*runs))

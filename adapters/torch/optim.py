@@ -502,8 +502,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         ``step()``. False for a delegating wrapper, an instance of a subclass that is not itself
         an initialised optimizer (Lightning's ``LightningOptimizer``, Fabric's
         ``_FabricOptimizer``): what is set on it, or passed to its ``step``, does not reach the
-        step that runs, so the scalers unscale, check and skip it themselves."""
-        return "param_groups" in vars(self)
+        step that runs, so the scalers unscale, check and skip it themselves. Assigning False
+        (as torch's non-fused optimizers declare) makes torch's scaler and Lightning unscale
+        the gradients before ``step()`` (one host sync per step), e.g. for Lightning's gradient
+        clipping with ``precision="16-mixed"``."""
+        return "param_groups" in vars(self) and vars(self).get("_amp_in_step", True)
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        self.__dict__["_amp_in_step"] = bool(value)
 
     def __setstate__(self, state: dict) -> None:
         """Unpickle / deepcopy (torch pickles defaults, state and groups only): the table is
