@@ -666,6 +666,33 @@ def test_loads_a_torch_optim_state_dict_and_continues(kind):
             assert int(opt.state[p]["step"]) == 6
 
 
+@pytest.mark.parametrize("make", [AdamW, SGD])
+def test_param_group_added_after_load_state_dict_takes_the_loaded_settings(make):
+    """Finding (Lightning: a run resumed with ``ckpt_path``, then ``BackboneFinetuning``
+    unfreezing the backbone, ``optimizer.add_param_group``): the new group took ``seed`` (and
+    ``rounding``, ``state_dtype``) from the constructor's defaults, the loaded groups had the
+    state dict's, and the next step raised "must be the same in every group". A state dict
+    sets the one-per-optimizer values, defaults included; the resumed run matches one that was
+    never interrupted."""
+    settings = dict(lr=1e-2, rounding="kahan", state_dtype=torch.bfloat16, seed=1)
+    runs = []
+    for resumed in (False, True):
+        first, second = _params(seed=1), _params(seed=2)
+        opt = make(first, **settings)
+        _run(opt, first, 2)
+        if resumed:
+            state_dict = opt.state_dict()
+            opt = make(first, lr=1.0, seed=2)  # a fresh process: seed=None draws another seed
+            opt.load_state_dict(state_dict)
+        opt.add_param_group({"params": second, "lr": 1e-3})
+        assert opt.param_groups[1]["seed"] == 1 and opt.param_groups[1]["rounding"] == "kahan"
+        for step in (2, 3):
+            _set_grads(first + second, _grads(step) + _grads(step + 10))
+            opt.step()
+        runs.append([p.detach() for p in first + second])
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
 def test_unusable_torch_state_dict_fails_at_load_with_nothing_loaded():
     params = _params(torch.float32)
     torch_opt = torch.optim.AdamW(params, lr=1e-2, differentiable=True)

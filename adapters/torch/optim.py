@@ -1035,7 +1035,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         ``torch.optim.Adam``'s with weight decay, which is not decoupled) or with states of
         another shape than their parameters is a ``ValueError``. torch's hooks run as
         torch runs them: the pre-hooks first (what they return is what is checked and loaded),
-        the post-hooks last."""
+        the post-hooks last. The loaded one-per-optimizer values (``rounding``, ``state_dtype``,
+        ``seed``, ...) replace the constructor's in ``defaults``: a group added later takes them."""
         hooks = (
             self._optimizer_load_state_dict_pre_hooks,
             self._optimizer_load_state_dict_post_hooks,
@@ -1100,6 +1101,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if "step" not in restored and restored:  # torch SGD: no count; not a first step
                     restored["step"] = torch.ones((), dtype=torch.int32, device=p.device)
                 self.state[p] = restored
+        if groups:  # the loaded one-per-optimizer values are the optimizer's: a group added
+            # later (add_param_group) takes them, not the constructor's
+            self.defaults.update({name: first[name] for name in self._ONE_PER_OPTIMIZER})
         self._entry = None  # new state tensors: rebuild the table at the next step
         for hook in post_hooks:
             hook(self)
