@@ -1106,3 +1106,105 @@ def test_unscaled_nan_is_the_positive_quiet_nan_on_every_path():
     assert hex(int(dense.view(torch.int32)[0]) & 0xFFFFFFFF) == "0x7fc00000"
     assert hex(int(strided.view(torch.int32)[0, 0]) & 0xFFFFFFFF) == "0x7fc00000"
     assert float(dense[1]) == 0.5
+
+
+class _DelegatingWrapper:
+    """Lightning Fabric's ``_FabricOptimizer`` / Lightning's ``LightningOptimizer``, reduced:
+    an instance of a subclass of the optimizer's class (for isinstance checks), not itself an
+    initialised optimizer: attribute reads go to the optimizer, ``step`` calls its step
+    without keyword arguments; attributes set on the wrapper stay on the wrapper."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+        self.__class__ = type(
+            "Wrapped" + type(optimizer).__name__, (type(self), type(optimizer)), {}
+        )
+
+    def step(self, closure=None):
+        return self._optimizer.step() if closure is None else self._optimizer.step(closure)
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
+@pytest.mark.parametrize("kind", ["torch", "srround"])
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+def test_scalers_drive_a_delegating_wrapper(kind, optimizer):
+    """Finding (Lightning Fabric: ``fabric.setup(model, opt)``, then a GradScaler as in the
+    plain torch loop): the wrapper inherited ``_step_supports_amp_scaling``, so torch's scaler
+    set ``grad_scale`` / ``found_inf`` on the wrapper, where the step that ran never saw them:
+    an overflow step was taken (NaN weights) and the next step used the scaled gradients;
+    srround's scaler passed ``found_inf=`` to the wrapper's ``step`` (``TypeError``). A
+    wrapper declares neither protocol: both scalers unscale, check and call its ``step``
+    only without overflow, as for torch's default optimizers."""
+    from srround.adapters import torch as adapters
+
+    runs = []
+    for wrap in (False, True):
+        scaler = torch.amp.GradScaler("cpu") if kind == "torch" else GradScaler("cpu")
+        model = _model()
+        opt = getattr(adapters, optimizer)(model.parameters(), lr=0.1, seed=3)
+        if wrap:
+            opt = _DelegatingWrapper(opt)
+        for step in range(3):
+            opt.zero_grad()
+            _scaled_backward(model, scaler)
+            if step == 1:
+                model[2].bias.grad.fill_(float("inf"))
+            scaler.step(opt)
+            scaler.update()
+        runs.append([p.detach() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
+    assert not opt._step_supports_amp_scaling and not opt._srround_fused
+    assert opt._optimizer._step_supports_amp_scaling and opt._optimizer._srround_fused
+
+
+@pytest.mark.parametrize("kind", ["torch", "srround"])
+def test_scalers_drive_a_fabric_optimizer(kind):
+    """The finding above with Lightning Fabric itself (when installed): an overflow step
+    through ``fabric.setup``'s optimizer changes nothing, the next one is unscaled."""
+    fabric_module = pytest.importorskip("lightning_fabric")
+    from srround.adapters.torch import SGD
+
+    fabric = fabric_module.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    scaler = torch.amp.GradScaler("cpu") if kind == "torch" else GradScaler("cpu")
+    model, opt = fabric.setup(*(lambda m: (m, SGD(m.parameters(), lr=0.1, seed=3)))(_model()))
+    plain = _model()
+    plain_opt = SGD(plain.parameters(), lr=0.1, seed=3)
+    for step in range(2):
+        for m, o, backward in ((model, opt, fabric.backward), (plain, plain_opt, None)):
+            o.zero_grad()
+            loss = scaler.scale(m(torch.ones(4, 8)).sum() * (float("inf") if step == 0 else 1))
+            (backward or torch.Tensor.backward)(loss)
+            scaler.step(o)
+        scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def test_amp_scaling_in_step_can_be_switched_off():
+    """README: Lightning's ``precision="16-mixed"`` refuses gradient clipping for an optimizer
+    that declares ``_step_supports_amp_scaling``; assigning False makes torch's scaler unscale
+    before the step and skip the call on an overflow, with torch.optim.SGD's bits."""
+    from srround.adapters.torch import SGD
+
+    runs = []
+    for kind in ("srround", "torch"):
+        model = _model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        if kind == "srround":
+            opt = SGD(model.parameters(), lr=0.1, momentum=0.9, seed=3)
+            opt._step_supports_amp_scaling = False
+            assert not opt._srround_fused
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            opt.zero_grad()
+            _scaled_backward(model, scaler)
+            if step == 1:
+                model[2].bias.grad.fill_(float("inf"))
+            scaler.unscale_(opt)  # Lightning: unscale, clip, step, update
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+        runs.append([p.detach() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*runs))

@@ -666,6 +666,86 @@ def test_loads_a_torch_optim_state_dict_and_continues(kind):
             assert int(opt.state[p]["step"]) == 6
 
 
+@pytest.mark.parametrize("make", [AdamW, SGD])
+def test_param_group_added_after_load_state_dict_takes_the_loaded_settings(make):
+    """Finding (Lightning: a run resumed with ``ckpt_path``, then ``BackboneFinetuning``
+    unfreezing the backbone, ``optimizer.add_param_group``): the new group took ``seed`` (and
+    ``rounding``, ``state_dtype``) from the constructor's defaults, the loaded groups had the
+    state dict's, and the next step raised "must be the same in every group". A state dict
+    sets the one-per-optimizer values, defaults included; the resumed run matches one that was
+    never interrupted."""
+    settings = dict(lr=1e-2, rounding="kahan", state_dtype=torch.bfloat16, seed=1)
+    runs = []
+    for resumed in (False, True):
+        first, second = _params(seed=1), _params(seed=2)
+        opt = make(first, **settings)
+        _run(opt, first, 2)
+        if resumed:
+            state_dict = opt.state_dict()
+            opt = make(first, lr=1.0, seed=2)  # a fresh process: seed=None draws another seed
+            opt.load_state_dict(state_dict)
+        opt.add_param_group({"params": second, "lr": 1e-3})
+        assert opt.param_groups[1]["seed"] == 1 and opt.param_groups[1]["rounding"] == "kahan"
+        for step in (2, 3):
+            _set_grads(first + second, _grads(step) + _grads(step + 10))
+            opt.step()
+        runs.append([p.detach() for p in first + second])
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
+def test_lightning_resume_ends_on_the_uninterrupted_bits(tmp_path):
+    """PyTorch Lightning (when installed): bf16-true parameters, seed=None under
+    ``seed_everything``, a per-step LR schedule, ``ModelCheckpoint`` then
+    ``trainer.fit(ckpt_path=...)`` from a process seeded otherwise, ``BackboneFinetuning``
+    adding a param group after the resume (before: "must be the same in every group"): the
+    resumed run ends on the bits of the uninterrupted one."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.backbone = torch.nn.Linear(8, 8)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            )
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(self.backbone(x)).float(), y.float())
+
+        def configure_optimizers(self):
+            opt = AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(8, 8, generator=gen), torch.randn(8, 1, generator=gen))
+
+    def fit(seed, ckpt_path=None, callbacks=()):
+        pl.seed_everything(seed, verbose=False)
+        module = Module()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=4,
+            precision="bf16-true",
+            logger=False,
+            callbacks=[pl.callbacks.BackboneFinetuning(3), *callbacks],
+            enable_checkpointing=bool(callbacks),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+        assert len(trainer.optimizers[0].param_groups) == 2  # the backbone's group added
+        return [p.detach() for p in module.parameters()]
+
+    checkpoint = pl.callbacks.ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1)
+    full = fit(1, callbacks=[checkpoint])
+    resumed = fit(2, ckpt_path=next(tmp_path.glob("*step=2*")))
+    assert all(torch.equal(p, q) for p, q in zip(full, resumed))
+
+
 def test_unusable_torch_state_dict_fails_at_load_with_nothing_loaded():
     params = _params(torch.float32)
     torch_opt = torch.optim.AdamW(params, lr=1e-2, differentiable=True)

@@ -470,8 +470,6 @@ def _default_seed() -> int:
 class _FusedOptimizer(torch.optim.Optimizer):
     """Common machinery: lazy table, cache check, hyperparameters, scaler protocols."""
 
-    _srround_fused = True  # srround's GradScaler passes inv_scale/found_inf to step()
-    _step_supports_amp_scaling = True  # torch's GradScaler sets grad_scale / found_inf
     _KIND: int | None = None
     _STATE_NAMES: tuple = ()
     _ONE_PER_OPTIMIZER: tuple[str, ...] = ("rounding", "state_dtype", "seed", "maximize")
@@ -491,6 +489,28 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._entry = None
         self._dtensors = False  # any DTensor parameter (FSDP2, tensor parallel): _dist.py
         super().__init__(params, defaults)
+
+    @property
+    def _srround_fused(self) -> bool:
+        """srround's GradScaler passes ``inv_scale`` / ``found_inf`` to ``step()``: declared by
+        the optimizer itself only (``_step_supports_amp_scaling``)."""
+        return self._step_supports_amp_scaling
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch's GradScaler sets ``grad_scale`` / ``found_inf`` on the optimizer and calls
+        ``step()``. False for a delegating wrapper, an instance of a subclass that is not itself
+        an initialised optimizer (Lightning's ``LightningOptimizer``, Fabric's
+        ``_FabricOptimizer``): what is set on it, or passed to its ``step``, does not reach the
+        step that runs, so the scalers unscale, check and skip it themselves. Assigning False
+        (as torch's non-fused optimizers declare) makes torch's scaler and Lightning unscale
+        the gradients before ``step()`` (one host sync per step), e.g. for Lightning's gradient
+        clipping with ``precision="16-mixed"``."""
+        return "param_groups" in vars(self) and vars(self).get("_amp_in_step", True)
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        self.__dict__["_amp_in_step"] = bool(value)
 
     def __setstate__(self, state: dict) -> None:
         """Unpickle / deepcopy (torch pickles defaults, state and groups only): the table is
@@ -1015,7 +1035,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         ``torch.optim.Adam``'s with weight decay, which is not decoupled) or with states of
         another shape than their parameters is a ``ValueError``. torch's hooks run as
         torch runs them: the pre-hooks first (what they return is what is checked and loaded),
-        the post-hooks last."""
+        the post-hooks last. The loaded one-per-optimizer values (``rounding``, ``state_dtype``,
+        ``seed``, ...) replace the constructor's in ``defaults``: a group added later takes them."""
         hooks = (
             self._optimizer_load_state_dict_pre_hooks,
             self._optimizer_load_state_dict_post_hooks,
@@ -1080,6 +1101,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if "step" not in restored and restored:  # torch SGD: no count; not a first step
                     restored["step"] = torch.ones((), dtype=torch.int32, device=p.device)
                 self.state[p] = restored
+        if groups:  # the loaded one-per-optimizer values are the optimizer's: a group added
+            # later (add_param_group) takes them, not the constructor's
+            self.defaults.update({name: first[name] for name in self._ONE_PER_OPTIMIZER})
         self._entry = None  # new state tensors: rebuild the table at the next step
         for hook in post_hooks:
             hook(self)
