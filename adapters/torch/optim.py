@@ -1001,6 +1001,41 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     # -- state dict -------------------------------------------------------------------------
 
+    @staticmethod
+    def _plain_states(state_dict: dict) -> dict:
+        """``state_dict`` with torchao's conventions read: a one-value tensor ``lr`` (torchao's
+        optimizers keep ``lr`` as a 0-d tensor) becomes its float, and a state tensor subclass
+        without storage of its own with a ``dequantize()`` of its own (torchao's ``OptimState8bit``,
+        ``OptimState4bit``, ``OptimStateFp8``: codes with block scales) becomes its float32
+        values; another such subclass is a ``ValueError`` naming the state (before: its
+        codes were read, or a torch dispatch error at the step)."""
+        groups = [
+            dict(g, lr=g["lr"].item())
+            if isinstance(g.get("lr"), torch.Tensor) and g["lr"].numel() == 1
+            else g
+            for g in state_dict["param_groups"]
+        ]
+        states = {}
+        for index, state in state_dict["state"].items():
+            states[index] = dict(state)
+            for name, value in state.items():
+                if (
+                    not isinstance(value, torch.Tensor)
+                    or _dist.is_dtensor(value)
+                    or value.data_ptr() != 0
+                    or value.numel() == 0
+                    or value.is_meta
+                ):
+                    continue
+                if type(value).dequantize is torch.Tensor.dequantize:  # not its own
+                    raise ValueError(
+                        f"state_dict: state[{index}][{name!r}] is a {type(value).__name__} (a"
+                        " tensor subclass with no storage of its own), which srround cannot"
+                        " read: save its values as a plain tensor"
+                    )
+                states[index][name] = value.dequantize(torch.float32)
+        return dict(state_dict, param_groups=groups, state=states)
+
     def _check_state_shapes(self, state_dict: dict) -> None:
         """A saved state of one value per element (moments, momentum, the weight mode's
         buffer) must have its parameter's shape (before: a broadcasting error in the step)
@@ -1030,7 +1065,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         defaults, and every group is checked before anything is loaded. srround's state dtypes
         are kept (torch casts every floating state to the parameter's dtype, which would round
         fp32 moments and master weights of bf16 parameters, and turn int16 remainders into
-        values); a float ``step`` (torch's) becomes srround's int32 counter. A state dict of
+        values); a float ``step`` (torch's) becomes srround's int32 counter; torchao's tensor
+        ``lr`` and quantized states are read (``_plain_states``). A state dict of
         another optimizer (its groups lack this one's hyperparameters: ``_SAVED_KEYS``; or
         ``torch.optim.Adam``'s with weight decay, which is not decoupled) or with states of
         another shape than their parameters is a ``ValueError``. torch's hooks run as
@@ -1047,6 +1083,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = self._plain_states(state_dict)
         for i, saved in enumerate(state_dict["param_groups"]):
             missing = [key for key in self._SAVED_KEYS if key not in saved]
             if missing:  # before: filled from this optimizer's defaults, silently
