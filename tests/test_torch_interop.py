@@ -82,3 +82,103 @@ def test_a_state_subclass_that_cannot_dequantize_fails_at_load():
     with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] is a TwoTensor"):
         opt.load_state_dict(saved)
     assert len(opt.state) == 0
+
+
+def _srround_kahan_run(steps, p=None, opt=None, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+        opt.step()
+
+
+def test_a_weight_mode_buffer_the_rounding_does_not_use_fails_at_load():
+    """Finding: a torch-style state dict carrying ``kahan_comp`` (optimi's Kahan buffer, or
+    srround's without its ``rounding`` key) loaded into ``AdamW(rounding="stochastic")`` kept
+    the buffer unused: the weights' compensated part was dropped silently. Now a ValueError
+    naming the buffer and the rounding that uses it, before anything is loaded; with
+    ``rounding="kahan"`` the buffer is used: the run goes on with the uninterrupted run's bits."""
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(4, 64, generator=gen).bfloat16()
+    p = torch.nn.Parameter(w0.clone())
+    opt = AdamW([p], lr=1e-3, rounding="kahan", seed=3)
+    _srround_kahan_run(3, p, opt)
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:  # torch's keys only, as a converted optimi dict
+        for key in ("rounding", "state_dtype", "seed"):
+            del group[key]
+    resumed = torch.nn.Parameter(p.detach().clone())
+    wrong = AdamW([resumed], lr=1e-3, rounding="stochastic", seed=3)
+    with pytest.raises(ValueError, match=r"state\[0\] has 'kahan_comp'.*rounding='kahan'"):
+        wrong.load_state_dict(saved)
+    assert len(wrong.state) == 0
+    right = AdamW([resumed], lr=1e-3, rounding="kahan", seed=3)
+    right.load_state_dict(saved)
+    _srround_kahan_run(3, p, opt, seed=2)
+    _srround_kahan_run(3, resumed, right, seed=2)
+    assert torch.equal(resumed, p)
+    assert torch.equal(right.state[resumed]["kahan_comp"], opt.state[p]["kahan_comp"])
+
+
+def _optimi_like_group():
+    return {"params": [0], "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "step": 3}
+
+
+def test_an_optimi_state_dict_is_refused_naming_the_conversion():
+    """optimi's groups hold ``beta1``/``beta2`` and its moments are bias-corrected: loading them
+    as torch's would be wrong, so the error says so (before: only "has no betas")."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    saved = {"state": {}, "param_groups": [dict(_optimi_like_group(), weight_decay=0.0)]}
+    with pytest.raises(ValueError, match=r"no betas.*optimi's \(beta1, beta2\) keeps bias"):
+        AdamW([p], seed=0).load_state_dict(saved)
+
+
+def _from_optimi(saved):
+    """An optimi ``AdamW`` state dict converted as the README says."""
+    groups, states = [], {}
+    for g in saved["param_groups"]:
+        b1, b2, t = g["beta1"], g["beta2"], g["step"]
+        wd = g["weight_decay"] / g["max_lr"] if g["decouple_lr"] else g["weight_decay"]
+        groups.append(
+            {"params": g["params"], "lr": g["lr"], "betas": (b1, b2), "eps": g["eps"]}
+            | {"weight_decay": wd}
+        )
+        for i in g["params"]:
+            s = saved["state"][i]
+            states[i] = {
+                "step": torch.tensor(float(t)),
+                "exp_avg": s["exp_avg"].float() * (1 - b1**t),
+                "exp_avg_sq": s["exp_avg_sq"].float() * (1 - b2**t),
+            }
+            if s.get("kahan_comp") is not None:
+                states[i]["kahan_comp"] = s["kahan_comp"]
+    return {"state": states, "param_groups": groups}
+
+
+@pytest.mark.parametrize("decouple_lr", [False, True])
+def test_resumes_an_optimi_kahan_run_converted_as_the_readme_says(decouple_lr):
+    """optimi ``AdamW(kahan_sum=True)`` on bf16 weights, 3 steps, converted and loaded into
+    ``AdamW(rounding="kahan")``, then 3 more steps of each: the weights stay within a few
+    hundredths of the distance moved (srround's Kahan step is optimi's method, not its
+    bits: README, "Fused optimizers")."""
+    optimi = pytest.importorskip("optimi")
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(4096, generator=gen) * 0.02).bfloat16())
+    w0 = p.detach().float()
+    kw = {"lr": 1e-3, "weight_decay": 1e-4, "max_lr": 1e-3} if decouple_lr else {"lr": 1e-3}
+    theirs = optimi.AdamW([p], kahan_sum=True, decouple_lr=decouple_lr, foreach=False, **kw)
+    grads = [torch.randn(4096, generator=gen).bfloat16() for _ in range(6)]
+    for g in grads[:3]:
+        p.grad = g.clone()
+        theirs.step()
+    saved = theirs.state_dict()
+    with pytest.raises(ValueError, match="optimi"):
+        AdamW([p], seed=0).load_state_dict(saved)
+    ours = torch.nn.Parameter(p.detach().clone())
+    opt = AdamW([ours], lr=1.0, rounding="kahan", seed=0)
+    opt.load_state_dict(_from_optimi(saved))
+    for g in grads[3:]:
+        p.grad, ours.grad = g.clone(), g.clone()
+        theirs.step()
+        opt.step()
+    moved = (p.detach().float() - w0).abs().mean()
+    assert (ours.float() - p.float()).abs().mean() < 0.05 * moved

@@ -1087,9 +1087,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for i, saved in enumerate(state_dict["param_groups"]):
             missing = [key for key in self._SAVED_KEYS if key not in saved]
             if missing:  # before: filled from this optimizer's defaults, silently
+                optimi = "beta1" in saved and "betas" not in saved
                 raise ValueError(
                     f"state_dict: param group {i} has no {', '.join(missing)}: not a state dict"
                     f" of {type(self).__name__} (torch.optim's or srround's)"
+                    + (
+                        "; optimi's (beta1, beta2) keeps bias-corrected moments and one step"
+                        " count per group: convert it as the README's PyTorch section says"
+                        if optimi
+                        else ""
+                    )
                 )
         self._check_state_shapes(state_dict)
         groups = [dict(self.defaults, **g) for g in state_dict["param_groups"]]
@@ -1108,6 +1115,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         f"state_dict: param group {i} has {name}={group[name]!r}, group 0"
                         f" {first[name]!r} (one value per optimizer)"
                     )
+        if groups:  # another weight mode's buffer would be kept unused: its weight lost
+            used = AUX_NAMES.get(first["rounding"])
+            for index, state in state_dict["state"].items():
+                for name in AUX_NAMES.values():
+                    if name != used and isinstance(state.get(name), torch.Tensor):
+                        raise ValueError(
+                            f"state_dict: state[{index}] has {name!r}, which rounding="
+                            f"{first['rounding']!r} does not use: pass rounding="
+                            f"{next(k for k, v in AUX_NAMES.items() if v == name)!r}"
+                        )
         state_dict = dict(state_dict, param_groups=groups)
         # torch's load, without the hooks (their dicts emptied, then refilled in order: the
         # handles stay valid): they run here, around srround's restore
