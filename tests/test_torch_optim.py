@@ -906,7 +906,7 @@ def test_unsupported_parameters_and_gradients_fail_clearly():
     opt = SGD([p, *emb.parameters()], lr=0.1, momentum=0.9)
     p.grad = torch.ones(3)
     emb(torch.tensor([1])).sum().backward()
-    with pytest.raises(TypeError, match=r"grads\[1\]: torch.sparse_coo gradients"):
+    with pytest.raises(TypeError, match=r"grads\[1\] \(param group 0\): torch.sparse_coo"):
         opt.step()
     assert len(opt.state) == 0  # nothing created before the error
 
@@ -929,7 +929,22 @@ def test_tensor_subclasses_without_storage_fail_clearly(which):
     plain.grad = torch.ones(3)
     p.grad = wrapped(torch.ones(2)) if which == "param" else wrapped(torch.ones(3))
     index = 1 if which == "param" else 0
-    with pytest.raises(TypeError, match=rf"^{which}s\[{index}\]: a TwoTensor .*no storage"):
+    with pytest.raises(TypeError, match=rf"^{which}s\[{index}\] \(param group 0\): a TwoTensor"):
+        opt.step()
+    assert len(opt.state) == 0
+
+
+def test_a_step_error_names_the_parameter_by_its_index_in_its_group():
+    """Finding: the step's checks named a parameter by its index among the parameters with
+    gradients, so a frozen parameter before it shifted the index: torchao's
+    ``WeightWithDynamicFloat8CastTensor`` weight after a frozen one was "params[0]", the
+    frozen one's index. Now ``params[j] (param group g)``, as the constructor names them."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    plain, frozen = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    wrapped = torch.nn.Parameter(two_tensor.TwoTensor(torch.zeros(2), torch.zeros(2)))
+    opt = AdamW([{"params": [plain]}, {"params": [frozen, wrapped]}], seed=0)
+    wrapped.grad = two_tensor.TwoTensor(torch.ones(2), torch.ones(2))
+    with pytest.raises(TypeError, match=r"^params\[1\] \(param group 1\): a TwoTensor"):
         opt.step()
     assert len(opt.state) == 0
 

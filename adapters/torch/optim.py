@@ -201,33 +201,35 @@ def _in_layout(buf, like, dtype):
     return torch.empty_like(like, dtype=dtype).copy_(buf)
 
 
-def check_pairs(params, grads, rounding) -> None:
-    """Raise the error of the first (parameter, gradient) pair the step cannot take."""
+def check_pairs(params, grads, rounding, names) -> None:
+    """Raise the error of the first (parameter, gradient) pair the step cannot take, naming
+    pair ``i`` ``params{names[i]}`` / ``grads{names[i]}``."""
     device = params[0].device if params else None
     for i, p in enumerate(params):
         if p.dtype not in _PARAM_DTYPES:
             raise TypeError(
-                f"params[{i}]: expected a float32, bfloat16 or float16 parameter, got {p.dtype}"
+                f"params{names[i]}: expected a float32, bfloat16 or float16 parameter,"
+                f" got {p.dtype}"
             )
-        _check_storage(p, f"params[{i}]")
+        _check_storage(p, f"params{names[i]}")
     _plan.check_param_codes(
         [_BUFFER_CODES[p.dtype] for p in params], _plan.check_rounding(rounding)
     )
     for i, (p, g) in enumerate(zip(params, grads)):
         if g.layout is not torch.strided:
             raise TypeError(
-                f"grads[{i}]: {g.layout} gradients are not supported; srround needs dense"
+                f"grads{names[i]}: {g.layout} gradients are not supported; srround needs dense"
                 " ones (for a sparse embedding use sparse=False)"
             )
-        _check_storage(g, f"grads[{i}]")
+        _check_storage(g, f"grads{names[i]}")
         if g.shape != p.shape or g.dtype not in _PARAM_DTYPES:
             raise ValueError(
-                f"grads[{i}]: shape {tuple(g.shape)} / dtype {g.dtype} does not fit its"
+                f"grads{names[i]}: shape {tuple(g.shape)} / dtype {g.dtype} does not fit its"
                 f" parameter (shape {tuple(p.shape)}; float32, bfloat16 or float16 needed)"
             )
         if p.device != device or g.device != device:
             raise ValueError(
-                f"params[{i}]: parameters and gradients must be on one device ({device}),"
+                f"params{names[i]}: parameters and gradients must be on one device ({device}),"
                 f" got {p.device} / {g.device}"
             )
 
@@ -618,9 +620,20 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 grad_ptrs = [0 if g is None else g.data_ptr() for g in grads]
         except RuntimeError:  # a gradient without strided storage (sparse)
             params, _ = self._collect()
-            check_pairs(params, [p.grad for p in params], self.param_groups[0]["rounding"])
+            rounding = self.param_groups[0]["rounding"]
+            check_pairs(params, [p.grad for p in params], rounding, self._names())
             raise
         return ([len(g["params"]) for g in groups], ptrs, grad_ptrs)
+
+    def _names(self) -> list[str]:
+        """``"[j] (param group g)"`` for the parameters ``_collect`` returns: their indices
+        in their groups, as the constructor's errors name them."""
+        return [
+            f"[{j}] (param group {gi})"
+            for gi, group in enumerate(self.param_groups)
+            for j, p in enumerate(group["params"])
+            if p.grad is not None
+        ]
 
     def _collect(self):
         """``(params with grads, their group indices)``."""
@@ -697,7 +710,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         rounding, state_dtype = config[0], config[1]
         for i, p in enumerate(params):  # DTensor and plain parameters and gradients not mixed
             _dist.check_grad(p, i)
-        check_pairs(params, [p.grad for p in params], rounding)
+        check_pairs(params, [p.grad for p in params], rounding, self._names())
         for gi in sorted(set(group_index)):
             self._check_group(self.param_groups[gi], gi)
         groups = self.param_groups
