@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from srround.adapters.torch import AdamW  # noqa: E402
+from srround.adapters.torch import SGD, AdamW  # noqa: E402
 
 
 def _torch_run(steps=3):
@@ -119,17 +119,22 @@ def test_a_weight_mode_buffer_the_rounding_does_not_use_fails_at_load():
     assert torch.equal(right.state[resumed]["kahan_comp"], opt.state[p]["kahan_comp"])
 
 
-def _optimi_like_group():
-    return {"params": [0], "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "step": 3}
-
-
-def test_an_optimi_state_dict_is_refused_naming_the_conversion():
-    """optimi's groups hold ``beta1``/``beta2`` and its moments are bias-corrected: loading them
-    as torch's would be wrong, so the error says so (before: only "has no betas")."""
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_an_optimi_state_dict_is_refused_naming_the_conversion(kind):
+    """optimi's AdamW keeps bias-corrected moments (``beta1``/``beta2``, one step count per
+    group), its SGD the momentum in ``exp_avg`` (no ``nesterov``): loading them as torch's
+    would be wrong, so the error says what differs (before: only the missing key)."""
     p = torch.nn.Parameter(torch.zeros(4))
-    saved = {"state": {}, "param_groups": [dict(_optimi_like_group(), weight_decay=0.0)]}
-    with pytest.raises(ValueError, match=r"no betas.*optimi's \(beta1, beta2\) keeps bias"):
-        AdamW([p], seed=0).load_state_dict(saved)
+    group = {"params": [0], "lr": 1e-3, "weight_decay": 0.0, "decouple_lr": False}
+    if kind == "adamw":
+        opt, missing = AdamW([p], seed=0), "betas"
+        group |= {"beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "step": 3}
+    else:
+        opt, missing = SGD([p], lr=0.1, seed=0), "nesterov"
+        group |= {"momentum": 0.9, "dampening": False}
+    saved = {"state": {}, "param_groups": [group]}
+    with pytest.raises(ValueError, match=rf"no {missing}.*optimi's states differ"):
+        opt.load_state_dict(saved)
 
 
 def _from_optimi(saved):

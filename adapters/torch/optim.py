@@ -1100,14 +1100,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for i, saved in enumerate(state_dict["param_groups"]):
             missing = [key for key in self._SAVED_KEYS if key not in saved]
             if missing:  # before: filled from this optimizer's defaults, silently
-                optimi = "beta1" in saved and "betas" not in saved
                 raise ValueError(
                     f"state_dict: param group {i} has no {', '.join(missing)}: not a state dict"
                     f" of {type(self).__name__} (torch.optim's or srround's)"
                     + (
-                        "; optimi's (beta1, beta2) keeps bias-corrected moments and one step"
-                        " count per group: convert it as the README's PyTorch section says"
-                        if optimi
+                        "; optimi's states differ from torch's (AdamW: bias-corrected moments,"
+                        " one step count per group; SGD: the momentum in exp_avg): convert it"
+                        " as the README's PyTorch section says"
+                        if "decouple_lr" in saved  # optimi's own key
                         else ""
                     )
                 )
