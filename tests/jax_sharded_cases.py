@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -553,6 +554,68 @@ def case_readme():
     for k in ps:
         _same(got[k], expected[k], f"readme shard_map {k}")
     print("readme ok")
+
+
+def case_missing_specs():
+    """Inside ``shard_map`` an optimizer given no (or a wrong) ``shard_specs`` for a split
+    leaf: a ``ValueError`` naming the leaf and ``shard_specs``, before anything runs (before,
+    every block was rounded as a whole array: the same noise in every shard, bits that
+    depended on the mesh). Replicated leaves need no spec."""
+    mesh = _mesh((2, 4), ("data", "model"))
+    specs = {"b": P("model"), "w": P(None, "model")}
+    params = {"b": jnp.ones(8, jnp.bfloat16), "w": jnp.ones((4, 8), jnp.bfloat16)}
+    grads = jax.tree.map(lambda p: p.astype(jnp.float32) * 1e-2, params)
+    for impl in ("native", "callback"):
+        for given, leaf in ((None, "params[0]"), ({"b": P("model"), "w": P()}, "params[1]")):
+            tx = sj.adamw(1e-2, shard_specs=given, impl=impl)
+            wb = optax.chain(optax.sgd(1e-2), sj.stochastic_write_back(0, shard_specs=given))
+            state_specs = type(tx.init(params))(P(), specs, specs, specs)
+            calls = {
+                "adamw": (
+                    tx.step,
+                    (grads, tx.init(params), params),
+                    (specs, state_specs, specs),
+                    (specs, state_specs),
+                ),
+                "apply_updates": (
+                    functools.partial(sj.apply_updates, seed=KEY, shard_specs=given, impl=impl),
+                    (params, grads),
+                    (specs, specs),
+                    specs,
+                ),
+                "write_back": (
+                    wb.update,
+                    (grads, wb.init(params), params),
+                    (specs, P(), specs),
+                    (specs, P()),
+                ),
+            }
+            for what, (fn, args, in_specs, out_specs) in calls.items():
+                smap = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+                try:
+                    jax.jit(smap).lower(*args)
+                except ValueError as exc:
+                    message = f"{leaf}: inside shard_map it varies over mesh axes ['model']"
+                    assert message in str(exc) and "shard_specs" in str(exc), (what, exc)
+                else:
+                    raise AssertionError(f"{what} {impl} {given}: no error for a missing spec")
+    # data parallel: replicated params, grads averaged with pmean - no spec needed
+    tx = sj.adamw(1e-2, seed=KEY)
+    state = tx.init(params)
+
+    def step(g, s, p):
+        return tx.step(jax.lax.pmean(g, "data"), s, p)
+
+    state_specs = type(state)(P(), P(), P(), P())
+    smap = jax.shard_map(
+        step, mesh=mesh, in_specs=(P("data"), state_specs, P()), out_specs=(P(), state_specs)
+    )
+    per_device = jax.tree.map(lambda g: jnp.concatenate([g, g]), grads)  # one block per row
+    got, _ = jax.jit(smap)(per_device, state, params)
+    expected, _ = tx.step(grads, state, params)
+    for k in params:
+        _same(got[k], expected[k], f"data parallel {k}")
+    print("missing_specs ok")
 
 
 if __name__ == "__main__":

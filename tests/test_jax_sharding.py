@@ -19,7 +19,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "case", ["functional", "shard_map", "optim", "loss_scale", "errors", "explicit", "readme"]
+    "case",
+    [
+        "functional",
+        "shard_map",
+        "optim",
+        "loss_scale",
+        "errors",
+        "explicit",
+        "readme",
+        "missing_specs",
+    ],
 )
 def test_sharded_equals_unsharded(case):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
