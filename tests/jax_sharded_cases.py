@@ -511,6 +511,22 @@ def case_explicit():
         for k in params:
             _same(grads[k], e_grads[k], f"unscale explicit {k}")
             _same_sharding(grads[k], us[k], f"unscale explicit {k}")
+    # a 1 x 1 mesh (the script of a 2 x 4 mesh run on one device): small leaves of different
+    # specs (before: a ShardingTypeError from concatenating them into one loop)
+    one = jax.make_mesh((1, 1), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    specs = {"a": P("x", "y"), "b": P("y")}
+    with jax.set_mesh(one):
+        ps = {k: jax.device_put(v, NamedSharding(one, specs[k])) for k, v in params.items()}
+        us = {k: jax.device_put(v, NamedSharding(one, specs[k])) for k, v in updates.items()}
+        for impl in ("native", "callback", None):
+            got = jax.jit(lambda p, u, i=impl: sj.apply_updates(p, u, KEY, step=2, impl=i))(ps, us)
+            tx = sj.adamw(1e-2, seed=KEY, impl=impl)
+            new, _ = jax.jit(lambda g, p, tx=tx: tx.step(g, tx.init(p), p))(us, ps)
+            for k in params:
+                _same(got[k], expected["apply"][k], f"apply_updates 1 x 1 {impl} {k}")
+                _same_sharding(got[k], ps[k], f"apply_updates 1 x 1 {impl} {k}")
+                _same(new[k], e_params[k], f"adamw 1 x 1 {impl} {k}")
+                _same_sharding(new[k], ps[k], f"adamw 1 x 1 {impl} {k}")
     print("explicit ok")
 
 
