@@ -368,6 +368,24 @@ def case_loss_scale():
     gs = jax.device_put(grads, {k: NamedSharding(mesh, s) for k, s in spec.items()})
     finite = jax.jit(sj.all_finite)(gs)
     assert not bool(finite)
+    # axis_name missing an axis the leaves vary over: a ValueError naming the leaf and
+    # axis_name (before: each "model" block had its own flag, [False, True] here - the
+    # devices skipped different steps and adjusted different loss scales)
+    mesh = _mesh((2, 2), ("data", "model"))
+    grads = {"a": jnp.ones(2), "w": jnp.ones((4, 4)).at[0, 3].set(jnp.inf)}
+    spec = {"a": P(), "w": P("data", "model")}
+
+    def flags(grads):
+        return sj.all_finite(grads, axis_name="data")[None]
+
+    fn = jax.jit(jax.shard_map(flags, mesh=mesh, in_specs=(spec,), out_specs=P("model")))
+    try:
+        fn.lower(grads)
+    except ValueError as exc:
+        message = "tree[1]: varies over mesh axes ['model'] that axis_name='data' does not"
+        assert message in str(exc), exc
+    else:
+        raise AssertionError(f"no error for an axis_name without 'model': {fn(grads)}")
     print("loss_scale ok")
 
 
