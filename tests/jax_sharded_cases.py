@@ -652,6 +652,57 @@ def case_missing_specs():
     print("missing_specs ok")
 
 
+def case_flax():
+    """flax.nnx as its users write it (skipped without flax): ``nnx.with_partitioning``
+    params, ``nnx.Optimizer`` with the fused AdamW, an ``nnx.jit`` step on meshes with
+    explicit axes: a 1 x 1 mesh (before 398171a: a ShardingTypeError) and 2 x 4 / 4 x 2 give
+    the same bits, the moments keep the kernel's spec, one trace per run."""
+    from flax import nnx
+    from jax.sharding import AxisType
+
+    def model_of(rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("data", "model"))
+        bias = nnx.with_partitioning(nnx.initializers.ones_init(), ("model",))
+        kw = {"param_dtype": jnp.bfloat16, "rngs": rngs}
+        return nnx.Linear(8, 16, kernel_init=init, bias_init=bias, **kw)
+
+    def loss_fn(model, t):
+        params = jax.tree.leaves(nnx.state(model, nnx.Param))
+        return sum(
+            jnp.sum(p.astype(jnp.float32) * jnp.sin(p.astype(jnp.float32) + t)) for p in params
+        )
+
+    def run(mesh_shape, tx):
+        devices = np.array(jax.devices()[: int(np.prod(mesh_shape))]).reshape(mesh_shape)
+        mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+        traces = []
+        with jax.set_mesh(mesh):
+            model = model_of(nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+            @nnx.jit
+            def step(model, optimizer, t):
+                traces.append(t)
+                optimizer.update(model, nnx.grad(loss_fn)(model, t))
+
+            for t in range(3):
+                step(model, optimizer, jnp.float32(t))
+        assert len(traces) == 1, f"{mesh_shape}: {len(traces)} traces"
+        leaves = jax.tree_util.tree_leaves_with_path(nnx.state((model, optimizer)))
+        kernel = model.kernel[...].sharding.spec
+        for path, leaf in leaves:  # moments of the kernel follow it
+            if leaf.shape == (8, 16):
+                assert leaf.sharding.spec == kernel, (mesh_shape, path, leaf.sharding.spec)
+        return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+
+    expected = run((1, 1), sj.adamw(1e-2, weight_decay=1e-2, seed=3))
+    for mesh_shape in ((2, 4), (4, 2)):
+        got = run(mesh_shape, sj.adamw(1e-2, weight_decay=1e-2, seed=3))
+        for k, leaf in got.items():
+            _same(leaf, expected[k], f"flax adamw {mesh_shape} {k}")
+    print("flax ok")
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     for name in sys.argv[1:]:

@@ -37,3 +37,9 @@ def test_sharded_equals_unsharded(case):
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     run = run_python(["-m", "tests.jax_sharded_cases", case], env=env, cwd=ROOT)
     assert f"{case} ok" in run.stdout
+
+
+def test_flax_nnx_sharded():
+    """flax.nnx's sharded training (``tests/jax_sharded_cases.py`` case ``flax``)."""
+    pytest.importorskip("flax")
+    test_sharded_equals_unsharded("flax")
