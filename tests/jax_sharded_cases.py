@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -367,6 +368,24 @@ def case_loss_scale():
     gs = jax.device_put(grads, {k: NamedSharding(mesh, s) for k, s in spec.items()})
     finite = jax.jit(sj.all_finite)(gs)
     assert not bool(finite)
+    # axis_name missing an axis the leaves vary over: a ValueError naming the leaf and
+    # axis_name (before: each "model" block had its own flag, [False, True] here - the
+    # devices skipped different steps and adjusted different loss scales)
+    mesh = _mesh((2, 2), ("data", "model"))
+    grads = {"a": jnp.ones(2), "w": jnp.ones((4, 4)).at[0, 3].set(jnp.inf)}
+    spec = {"a": P(), "w": P("data", "model")}
+
+    def flags(grads):
+        return sj.all_finite(grads, axis_name="data")[None]
+
+    fn = jax.jit(jax.shard_map(flags, mesh=mesh, in_specs=(spec,), out_specs=P("model")))
+    try:
+        fn.lower(grads)
+    except ValueError as exc:
+        message = "tree[1]: varies over mesh axes ['model'] that axis_name='data' does not"
+        assert message in str(exc), exc
+    else:
+        raise AssertionError(f"no error for an axis_name without 'model': {fn(grads)}")
     print("loss_scale ok")
 
 
@@ -510,6 +529,22 @@ def case_explicit():
         for k in params:
             _same(grads[k], e_grads[k], f"unscale explicit {k}")
             _same_sharding(grads[k], us[k], f"unscale explicit {k}")
+    # a 1 x 1 mesh (the script of a 2 x 4 mesh run on one device): small leaves of different
+    # specs (before: a ShardingTypeError from concatenating them into one loop)
+    one = jax.make_mesh((1, 1), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    specs = {"a": P("x", "y"), "b": P("y")}
+    with jax.set_mesh(one):
+        ps = {k: jax.device_put(v, NamedSharding(one, specs[k])) for k, v in params.items()}
+        us = {k: jax.device_put(v, NamedSharding(one, specs[k])) for k, v in updates.items()}
+        for impl in ("native", "callback", None):
+            got = jax.jit(lambda p, u, i=impl: sj.apply_updates(p, u, KEY, step=2, impl=i))(ps, us)
+            tx = sj.adamw(1e-2, seed=KEY, impl=impl)
+            new, _ = jax.jit(lambda g, p, tx=tx: tx.step(g, tx.init(p), p))(us, ps)
+            for k in params:
+                _same(got[k], expected["apply"][k], f"apply_updates 1 x 1 {impl} {k}")
+                _same_sharding(got[k], ps[k], f"apply_updates 1 x 1 {impl} {k}")
+                _same(new[k], e_params[k], f"adamw 1 x 1 {impl} {k}")
+                _same_sharding(new[k], ps[k], f"adamw 1 x 1 {impl} {k}")
     print("explicit ok")
 
 
@@ -553,6 +588,119 @@ def case_readme():
     for k in ps:
         _same(got[k], expected[k], f"readme shard_map {k}")
     print("readme ok")
+
+
+def case_missing_specs():
+    """Inside ``shard_map`` an optimizer given no (or a wrong) ``shard_specs`` for a split
+    leaf: a ``ValueError`` naming the leaf and ``shard_specs``, before anything runs (before,
+    every block was rounded as a whole array: the same noise in every shard, bits that
+    depended on the mesh). Replicated leaves need no spec."""
+    mesh = _mesh((2, 4), ("data", "model"))
+    specs = {"b": P("model"), "w": P(None, "model")}
+    params = {"b": jnp.ones(8, jnp.bfloat16), "w": jnp.ones((4, 8), jnp.bfloat16)}
+    grads = jax.tree.map(lambda p: p.astype(jnp.float32) * 1e-2, params)
+    for impl in ("native", "callback"):
+        for given, leaf in ((None, "params[0]"), ({"b": P("model"), "w": P()}, "params[1]")):
+            tx = sj.adamw(1e-2, shard_specs=given, impl=impl)
+            wb = optax.chain(optax.sgd(1e-2), sj.stochastic_write_back(0, shard_specs=given))
+            state_specs = type(tx.init(params))(P(), specs, specs, specs)
+            calls = {
+                "adamw": (
+                    tx.step,
+                    (grads, tx.init(params), params),
+                    (specs, state_specs, specs),
+                    (specs, state_specs),
+                ),
+                "apply_updates": (
+                    functools.partial(sj.apply_updates, seed=KEY, shard_specs=given, impl=impl),
+                    (params, grads),
+                    (specs, specs),
+                    specs,
+                ),
+                "write_back": (
+                    wb.update,
+                    (grads, wb.init(params), params),
+                    (specs, P(), specs),
+                    (specs, P()),
+                ),
+            }
+            for what, (fn, args, in_specs, out_specs) in calls.items():
+                smap = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+                try:
+                    jax.jit(smap).lower(*args)
+                except ValueError as exc:
+                    message = f"{leaf}: inside shard_map it varies over mesh axes ['model']"
+                    assert message in str(exc) and "shard_specs" in str(exc), (what, exc)
+                else:
+                    raise AssertionError(f"{what} {impl} {given}: no error for a missing spec")
+    # data parallel: replicated params, grads averaged with pmean - no spec needed
+    tx = sj.adamw(1e-2, seed=KEY)
+    state = tx.init(params)
+
+    def step(g, s, p):
+        return tx.step(jax.lax.pmean(g, "data"), s, p)
+
+    state_specs = type(state)(P(), P(), P(), P())
+    smap = jax.shard_map(
+        step, mesh=mesh, in_specs=(P("data"), state_specs, P()), out_specs=(P(), state_specs)
+    )
+    per_device = jax.tree.map(lambda g: jnp.concatenate([g, g]), grads)  # one block per row
+    got, _ = jax.jit(smap)(per_device, state, params)
+    expected, _ = tx.step(grads, state, params)
+    for k in params:
+        _same(got[k], expected[k], f"data parallel {k}")
+    print("missing_specs ok")
+
+
+def case_flax():
+    """flax.nnx as its users write it (skipped without flax): ``nnx.with_partitioning``
+    params, ``nnx.Optimizer`` with the fused AdamW, an ``nnx.jit`` step on meshes with
+    explicit axes: a 1 x 1 mesh (before 398171a: a ShardingTypeError) and 2 x 4 / 4 x 2 give
+    the same bits, the moments keep the kernel's spec, one trace per run."""
+    from flax import nnx
+    from jax.sharding import AxisType
+
+    def model_of(rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("data", "model"))
+        bias = nnx.with_partitioning(nnx.initializers.ones_init(), ("model",))
+        kw = {"param_dtype": jnp.bfloat16, "rngs": rngs}
+        return nnx.Linear(8, 16, kernel_init=init, bias_init=bias, **kw)
+
+    def loss_fn(model, t):
+        params = jax.tree.leaves(nnx.state(model, nnx.Param))
+        return sum(
+            jnp.sum(p.astype(jnp.float32) * jnp.sin(p.astype(jnp.float32) + t)) for p in params
+        )
+
+    def run(mesh_shape, tx):
+        devices = np.array(jax.devices()[: int(np.prod(mesh_shape))]).reshape(mesh_shape)
+        mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+        traces = []
+        with jax.set_mesh(mesh):
+            model = model_of(nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+            @nnx.jit
+            def step(model, optimizer, t):
+                traces.append(t)
+                optimizer.update(model, nnx.grad(loss_fn)(model, t))
+
+            for t in range(3):
+                step(model, optimizer, jnp.float32(t))
+        assert len(traces) == 1, f"{mesh_shape}: {len(traces)} traces"
+        leaves = jax.tree_util.tree_leaves_with_path(nnx.state((model, optimizer)))
+        kernel = model.kernel[...].sharding.spec
+        for path, leaf in leaves:  # moments of the kernel follow it
+            if leaf.shape == (8, 16):
+                assert leaf.sharding.spec == kernel, (mesh_shape, path, leaf.sharding.spec)
+        return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+
+    expected = run((1, 1), sj.adamw(1e-2, weight_decay=1e-2, seed=3))
+    for mesh_shape in ((2, 4), (4, 2)):
+        got = run(mesh_shape, sj.adamw(1e-2, weight_decay=1e-2, seed=3))
+        for k, leaf in got.items():
+            _same(leaf, expected[k], f"flax adamw {mesh_shape} {k}")
+    print("flax ok")
 
 
 if __name__ == "__main__":

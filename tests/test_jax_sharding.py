@@ -19,7 +19,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "case", ["functional", "shard_map", "optim", "loss_scale", "errors", "explicit", "readme"]
+    "case",
+    [
+        "functional",
+        "shard_map",
+        "optim",
+        "loss_scale",
+        "errors",
+        "explicit",
+        "readme",
+        "missing_specs",
+    ],
 )
 def test_sharded_equals_unsharded(case):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
@@ -27,3 +37,9 @@ def test_sharded_equals_unsharded(case):
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     run = run_python(["-m", "tests.jax_sharded_cases", case], env=env, cwd=ROOT)
     assert f"{case} ok" in run.stdout
+
+
+def test_flax_nnx_sharded():
+    """flax.nnx's sharded training (``tests/jax_sharded_cases.py`` case ``flax``)."""
+    pytest.importorskip("flax")
+    test_sharded_equals_unsharded("flax")

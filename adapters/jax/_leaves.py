@@ -325,12 +325,16 @@ def _on_one_cpu(leaves) -> bool:
     """Whether the leaves are computed on one CPU device: the CPU backend (elsewhere the
     Threefry rounds in each leaf's loop cost no compile time worth a buffer of random bits)
     and no leaf laid out over several devices (its abstract value's mesh: set under ``jit``
-    with sharded arrays and inside ``shard_map``)."""
+    with sharded arrays and inside ``shard_map``) nor split in its type on a mesh of one
+    device (explicit axes: leaves of different specs cannot be concatenated)."""
     if jax.default_backend() != "cpu":
         return False
     for x in leaves:
-        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty and mesh.size > 1:
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or mesh.empty:
+            continue
+        if mesh.size > 1 or any(entry is not None for entry in sharding.spec):
             return False
     return True
 

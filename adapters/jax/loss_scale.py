@@ -46,6 +46,7 @@ from jax import lax
 from srround import _validate
 
 from ._api import check_arrays
+from ._callback import _varying_axes
 
 
 def _is_placeholder(x) -> bool:
@@ -351,9 +352,21 @@ def all_finite(tree, *, axis_name=None) -> jax.Array:
     tree). Under ``jit`` with sharded leaves the reduction is global. Inside ``shard_map`` pass
     ``axis_name`` (a mesh axis name or a tuple of them, the axes the leaves are split over):
     the local flags are combined with ``lax.pmin``, so every device returns the same value.
+    A leaf that varies over a mesh axis ``axis_name`` does not name (typed so by
+    ``shard_map``'s ``check_vma``) is a ``ValueError``: the flag would differ across it.
     """
     leaves = jax.tree_util.tree_leaves(tree)
     check_arrays(("tree", leaves))
+    if axis_name is not None:
+        reduced = {axis_name} if isinstance(axis_name, str) else set(axis_name)
+        for k, x in enumerate(leaves):
+            rest = sorted(_varying_axes(x) - reduced) if isinstance(x, jax.Array) else []
+            if rest:
+                raise ValueError(
+                    f"tree[{k}]: varies over mesh axes {rest} that axis_name={axis_name!r} does"
+                    " not reduce over: the devices would disagree on the flag (name every axis"
+                    " the leaves are split over)"
+                )
     if not leaves:
         finite = jnp.bool_(True)
     else:

@@ -98,6 +98,7 @@ from ._callback import (
     _per_shard,
     _runs,
     _seed_of,
+    _varying_axes,
     stochastic_add_leaves,
     varying_as,
 )
@@ -105,6 +106,7 @@ from ._lax import (
     _decode,
     _encode,
     _shard_layout,
+    _spec_axes,
     _u,
     block_element,
     canonical_nan,
@@ -344,13 +346,24 @@ def _leaf_specs(shard_specs, params, treedef, name="shard_specs"):
 
 def _layouts(leaves, specs, name="params"):
     """Per leaf ``(origin, global_shape)`` inside ``shard_map`` (``None``: not split) and the
-    global shapes."""
+    global shapes. A leaf that varies over a mesh axis its spec does not split it over (typed
+    so by ``shard_map``'s ``check_vma``) is a ``ValueError``: a parameter varies over exactly
+    the axes it is split over, and a block taken as a whole array would round with the noise
+    of the other blocks."""
     layouts, global_shapes = [], []
     for k, (x, spec) in enumerate(zip(leaves, specs)):
         if x is None:
             layouts.append(None)
             global_shapes.append(None)
             continue
+        split = {a for names in _spec_axes(spec, np.ndim(x), f"{name}[{k}]") for a in names}
+        unsplit = sorted(_varying_axes(x) - split) if isinstance(x, jax.Array) else []
+        if unsplit:
+            raise ValueError(
+                f"{name}[{k}]: inside shard_map it varies over mesh axes {unsplit}, but"
+                f" shard_specs gives it {spec}: pass its partition spec from in_specs as"
+                " shard_specs (split leaves need it; replicated ones need none)"
+            )
         origin, global_shape = _shard_layout(np.shape(x), spec, f"{name}[{k}]")
         layouts.append(None if origin is None else (origin, global_shape))
         global_shapes.append(global_shape)
