@@ -337,3 +337,54 @@ def test_compiled_step_on_cuda_matches_eager_bits(amsgrad):
         assert flags == [float(i == 2)] * 2
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(_bits(p), _bits(q))
+
+
+def test_compiled_scaler_step_and_update_match_eager():
+    """Finding: ``scaler.step(opt); scaler.update()`` in a compiled function died in Numba
+    (``max(float32, array(float32, 0d))``): Dynamo traced into ``srround.update_scale`` and
+    made its ``np.float32`` factors 0-d arrays, a graph break at every line on the way. Now
+    srround's functions run eagerly at one graph break each; the scale (backed off on the
+    overflow step) and the bits are eager's."""
+    runs = []
+    for compile_it in (False, True):
+        model = _model(torch.bfloat16)
+        opt = st.AdamW(model.parameters(), lr=1e-2, seed=11)
+        scaler = st.GradScaler("cpu", init_scale=2.0**10)
+
+        def tail(opt=opt, scaler=scaler):
+            scaler.step(opt)
+            scaler.update()
+
+        if compile_it:
+            tail = torch.compile(tail, backend="aot_eager")
+        scales = []
+        for i in range(3):
+            _backward(model, i)
+            if i == 1:
+                model[0].bias.grad[0] = float("inf")
+            tail()
+            scales.append(scaler.get_scale())
+            model.zero_grad(set_to_none=True)
+        runs.append((scales, [_bits(p) for p in model.parameters()]))
+    torch._dynamo.reset()
+    assert runs[0][0] == runs[1][0] == [1024.0, 512.0, 512.0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_srround_calls_in_compiled_code_are_one_graph_break_each():
+    """Before: Dynamo traced into srround's functions, compiling every frame on the way
+    (a graph break per line of ``srround.update_scale``). Now each call is one graph break,
+    run with Dynamo off in all it calls; the eager result."""
+    from torch._dynamo.utils import counters
+
+    @torch.compile(backend="aot_eager")
+    def f(scale, growth, found):
+        srround.update_scale(scale, growth, found, growth_interval=1)
+        return scale * 2
+
+    counters.clear()
+    scale, growth = torch.ones(1), torch.zeros(1, dtype=torch.int32)
+    assert float(f(scale, growth, torch.zeros(1))) == 4.0
+    assert sum(counters["graph_break"].values()) == 1
+    torch._dynamo.reset()

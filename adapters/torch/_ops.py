@@ -39,10 +39,20 @@ from . import _dist
 from .optim import amsgrad_update, build_entry, rebind_grads, run_entry
 
 # Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
-# fullgraph=False): skipping numba's files makes an srround call that is not one of these ops
-# (``srround.stochastic_round(tensor)``) a graph break that runs eagerly
-with contextlib.suppress(Exception):  # a private hook: without it, use the ops below
-    torch._dynamo.trace_rules.add("numba")
+# fullgraph=False), nor into srround's functions (it traced ``np.float32(x)`` as a 0-d array,
+# which Numba refused: ``GradScaler.update()`` in a compiled function died): an srround call
+# that is not one of these ops (``srround.update_scale``, ``srround.stochastic_round(tensor)``)
+# is one graph break (its file skipped) that runs eagerly with Dynamo off in all it calls
+with contextlib.suppress(Exception):  # private hooks: without them, use the ops below
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    for _module in ("numba", "srround._api", "srround._blocks"):
+        torch._dynamo.trace_rules.add(_module)
+    for _name in srround.__all__:
+        _code = getattr(getattr(srround, _name), "__code__", None)
+        if _code is not None:
+            set_code_exec_strategy(_code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _CACHE: dict = {}  # fused_step: buffers' addresses -> entry (the few latest)
