@@ -388,3 +388,27 @@ def test_srround_calls_in_compiled_code_are_one_graph_break_each():
     assert float(f(scale, growth, torch.zeros(1))) == 4.0
     assert sum(counters["graph_break"].values()) == 1
     torch._dynamo.reset()
+
+
+def test_export_takes_the_ops_and_refuses_a_traced_tensor_clearly():
+    """``torch.export.export(strict=True)`` takes ``st.stochastic_round`` and
+    ``srround.unscale_and_check`` as the custom ops (eager bits and flag). Its default
+    non-strict mode calls ``srround.unscale_and_check`` on FakeTensors: before, torch's
+    "Cannot access data pointer of Tensor" RuntimeError from deep in the adapter; now a
+    TypeError naming the argument that says how to trace srround."""
+
+    class Step(torch.nn.Module):
+        def forward(self, x, grads, inv):
+            return st.stochastic_round(x * 2, seed=5, offset=7), srround.unscale_and_check(
+                grads, inv
+            )
+
+    x, grads, inv = torch.randn(16), [torch.randn(4), torch.randn(3)], torch.tensor([0.5])
+    exported = torch.export.export(Step(), (x, grads, inv), strict=True)
+    copies = [g.clone() for g in grads]
+    y, found = exported.module()(x, copies, inv)
+    assert torch.equal(_bits(y), _bits(srround.stochastic_round(x * 2, seed=5, offset=7)))
+    assert float(found) == 0.0
+    assert all(torch.equal(c, g * 0.5) for c, g in zip(copies, grads))
+    with pytest.raises(TypeError, match=r"^grads\[0\]: a traced .*strict=True"):
+        torch.export.export(Step(), (x, grads, inv))
