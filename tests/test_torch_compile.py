@@ -343,8 +343,8 @@ def test_compiled_scaler_step_and_update_match_eager():
     """Finding: ``scaler.step(opt); scaler.update()`` in a compiled function died in Numba
     (``max(float32, array(float32, 0d))``): Dynamo traced into ``srround.update_scale`` and
     made its ``np.float32`` factors 0-d arrays, a graph break at every line on the way. Now
-    srround's functions run eagerly at one graph break each; the scale (backed off on the
-    overflow step) and the bits are eager's."""
+    srround's functions run eagerly at one graph break each (and ``update()`` calls a custom
+    op); the scale (backed off on the overflow step) and the bits are eager's."""
     runs = []
     for compile_it in (False, True):
         model = _model(torch.bfloat16)
@@ -412,3 +412,37 @@ def test_export_takes_the_ops_and_refuses_a_traced_tensor_clearly():
     assert all(torch.equal(c, g * 0.5) for c, g in zip(copies, grads))
     with pytest.raises(TypeError, match=r"^grads\[0\]: a traced .*strict=True"):
         torch.export.export(Step(), (x, grads, inv))
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["scalar", "per_tensor"])
+def test_compiled_scaler_update_traces_fullgraph(per_tensor):
+    """Before: ``scaler.update()`` broke the graph (``srround.update_scale`` runs eagerly), so
+    a loss scaler's step compiled with ``fullgraph=True`` failed. It now calls the custom op
+    ``srround::update_scale_``: one graph; scales (per-tensor: each module's) and bits eager's."""
+    runs = []
+    for compile_it in (False, True):
+        model = _model(torch.bfloat16)
+        opt = st.AdamW(model.parameters(), lr=1e-2, seed=11)
+        scaler = st.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, per_tensor=per_tensor)
+        if per_tensor:
+            scaler.attach(model)
+
+        def tail(opt=opt, scaler=scaler):
+            scaler.step(opt)
+            scaler.update()
+
+        if compile_it:
+            tail = torch.compile(tail, fullgraph=True, backend="aot_eager")
+        scales = []
+        for i in range(3):
+            _backward(model, i)
+            if i == 1:
+                model[2].weight.grad[0, 0] = float("inf")
+            tail()
+            scales.append(scaler.tensor_scales.tolist() if per_tensor else scaler.get_scale())
+            model.zero_grad(set_to_none=True)
+        runs.append((scales, [_bits(p) for p in model.parameters()]))
+    torch._dynamo.reset()
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)

@@ -8,6 +8,8 @@ as opaque calls (Dynamo never looks into Numba) and functionalizes their in-plac
   strict=False, mesh_groups="", inv_value=1.0)``: the loss scaler's fused unscale and
   overflow check (``srround.unscale_and_check``), in place, then the flag all-reduced over
   the named process groups.
+* ``torch.ops.srround.update_scale_(scale, growth_tracker, found_inf, overflow_tracker,
+  ...)``: ``srround.update_scale`` in place (``GradScaler.update()``).
 * ``torch.ops.srround.fused_step(...)``: the fused optimizer step of
   ``srround.adapters.torch.AdamW`` / ``SGD`` over lists of parameters, gradients and states,
   and the step counters as one int32 tensor in a one-item list (what their ``step()`` calls
@@ -174,6 +176,42 @@ def _traceable_unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor
 _eager_unscale_and_check = torch._dynamo.disable(srround.unscale_and_check)
 with contextlib.suppress(ValueError):  # registered already: this module was reloaded
     torch.compiler.substitute_in_graph(srround.unscale_and_check)(_traceable_unscale_and_check)
+
+
+@torch.library.custom_op(
+    "srround::update_scale_", mutates_args=("scale", "growth_tracker", "overflow_tracker")
+)
+def _update_scale(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    found_inf: Tensor,
+    overflow_tracker: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> None:
+    """``srround.update_scale`` in place (what ``GradScaler.update()`` calls under
+    torch.compile: traced with ``fullgraph=True``)."""
+    srround.update_scale(
+        scale,
+        growth_tracker,
+        found_inf,
+        overflow_tracker=overflow_tracker,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
+
+
+@_update_scale.register_fake
+def _(*args):
+    return None
 
 
 @torch.library.custom_op(

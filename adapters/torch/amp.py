@@ -473,17 +473,18 @@ class GradScaler:
             for flag in self._found.values():
                 found = torch.maximum(found, flag.to(found.device))
             dynamic = slice(0, len(self._scales) - 1) if self._per_tensor else slice(None)
-            srround.update_scale(
+            # srround.update_scale as a custom op (``_ops.py``): update() traces, fullgraph too
+            torch.ops.srround.update_scale_(
                 self._scales[dynamic],
                 self._growth_trackers[dynamic],
                 self._slot_found[dynamic] if self._per_tensor else found,
-                overflow_tracker=self._overflow_trackers[dynamic],
-                growth_factor=self._growth_factor,
-                backoff_factor=self._backoff_factor,
-                growth_interval=self._growth_interval,
-                hysteresis=self._hysteresis,
-                min_scale=self._min_scale,
-                max_scale=self._max_scale,
+                self._overflow_trackers[dynamic],
+                self._growth_factor,
+                self._backoff_factor,
+                self._growth_interval,
+                self._hysteresis,
+                self._min_scale,
+                self._max_scale,
             )
             self._last_skipped.copy_(found)
             self._skipped += (found > 0).to(torch.int32)
