@@ -38,6 +38,7 @@ import srround
 from srround._rng import check_offset, check_seed, split_seed
 
 from . import _dist
+from .amp import update_scale
 from .optim import amsgrad_update, build_entry, rebind_grads, run_entry
 
 # Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
@@ -178,35 +179,12 @@ with contextlib.suppress(ValueError):  # registered already: this module was rel
     torch.compiler.substitute_in_graph(srround.unscale_and_check)(_traceable_unscale_and_check)
 
 
-@torch.library.custom_op(
-    "srround::update_scale_", mutates_args=("scale", "growth_tracker", "overflow_tracker")
+# GradScaler.update()'s srround.update_scale
+_update_scale = torch.library.custom_op(
+    "srround::update_scale_",
+    update_scale,
+    mutates_args=("scale", "growth_tracker", "overflow_tracker"),
 )
-def _update_scale(
-    scale: Tensor,
-    growth_tracker: Tensor,
-    found_inf: Tensor,
-    overflow_tracker: Tensor,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float | None,
-    max_scale: float | None,
-) -> None:
-    """``srround.update_scale`` in place (what ``GradScaler.update()`` calls under
-    torch.compile: traced with ``fullgraph=True``)."""
-    srround.update_scale(
-        scale,
-        growth_tracker,
-        found_inf,
-        overflow_tracker=overflow_tracker,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        min_scale=min_scale,
-        max_scale=max_scale,
-    )
 
 
 @_update_scale.register_fake
