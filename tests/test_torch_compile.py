@@ -446,3 +446,23 @@ def test_compiled_scaler_update_traces_fullgraph(per_tensor):
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a, b)
+
+
+def test_compiled_step_tables_die_with_their_optimizer():
+    """Before: the op's cache of tables (the latest four, module-wide) kept the parameters and
+    states each one writes alive after the model and optimizer were dropped (a notebook's
+    next run, a sweep in one process: up to four dead models' weights and states pinned).
+    Now an optimizer's tables go when it is collected."""
+    import gc
+
+    def train():
+        model = _model(torch.bfloat16)
+        opt = st.AdamW(model.parameters(), lr=1e-2, seed=11)
+        step = torch.compile(opt.step, fullgraph=True)  # inductor: the op gets the buffers
+        _backward(model, 0)
+        step()
+        return weakref.ref(model[2].weight), weakref.ref(opt.state[model[2].weight]["exp_avg"])
+
+    refs = train()
+    gc.collect()
+    assert all(r() is None for r in refs)

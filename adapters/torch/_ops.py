@@ -239,6 +239,7 @@ def _fused_step(
     tensors = [*params, *grads, *states1, *states2, *auxes]
     written = [*params, *states1, *states2, *auxes]
     key = (
+        tuple(t.data_ptr() for t in written),  # first: ``forget`` reads it
         opt_kind,
         weight_mode,
         state_fmt,
@@ -249,7 +250,6 @@ def _fused_step(
         mesh_groups,
         # the tables keep no gradient alive: new gradients of the same dtypes and layouts
         # (zero_grad(set_to_none=True)) reuse the table, which then reads them
-        tuple(t.data_ptr() for t in written),
         tuple(t.dtype for t in tensors),
         tuple(t.shape for t in tensors),
         tuple(t.stride() for t in tensors),
@@ -280,6 +280,13 @@ def _fused_step(
         entry.buffers[0] = flat
     entry.fused.set_hyper(np.array(hyper, np.float64).reshape(-1, _optim.HYPER_COLUMNS))
     run_entry(entry, inv_scale, found, check_grads, negate, k0, k1)
+
+
+def forget(addresses) -> None:
+    """Drop the cached tables that write any of ``addresses`` (a collected optimizer's
+    parameters: each table keeps the buffers it writes alive)."""
+    for key in [k for k in _CACHE if not addresses.isdisjoint(k[0])]:
+        del _CACHE[key]
 
 
 @_fused_step.register_fake

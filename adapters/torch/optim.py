@@ -232,6 +232,16 @@ def check_pairs(params, grads, rounding) -> None:
             )
 
 
+_TRACED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose step was traced
+
+
+def _forget_tables(addresses) -> None:
+    """Drop the compiled step's cached tables that write any of ``addresses``."""
+    from ._ops import forget
+
+    forget(addresses)
+
+
 class _Entry:
     """The cached fused step of one set of buffers."""
 
@@ -982,6 +992,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 maxes.append(state["max_exp_avg_sq"])
         steps.append(flat)
         self._entry = None  # new step views: the eager table is rebuilt if used again
+        if self not in _TRACED:  # the compiled step's tables keep its buffers alive: at
+            _TRACED.add(self)  # its collection, drop them (they would pin the parameters)
+            weakref.finalize(self, _forget_tables, {_dist.local(p).data_ptr() for p in params})
         k0, k1 = split_seed(config[2])
         return (
             self._KIND,
