@@ -466,3 +466,36 @@ def test_compiled_step_tables_die_with_their_optimizer():
     refs = train()
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_compiled_steps_of_five_optimizers_keep_their_tables(monkeypatch):
+    """Before: the op's cache held the latest four tables, module-wide: a fifth optimizer
+    (a GAN's and a few more, per-layer optimizers) evicted one at every step, so each step
+    of each optimizer rebuilt its table (validation, planning, the table's copy to the
+    device). Now a table only replaces its own parameters' older ones; the bits are eager's."""
+    from srround.adapters.torch import _ops
+
+    builds = []
+    build = _ops.build_entry
+    monkeypatch.setattr(_ops, "build_entry", lambda *a: builds.append(1) or build(*a))
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(3, generator=gen).bfloat16() for _ in range(5)]
+    runs = []
+    for compile_it in (False, True):
+        params = [torch.nn.Parameter(s.clone()) for s in start]
+        opts = [st.AdamW([p], lr=1e-2, seed=i) for i, p in enumerate(params)]
+
+        def step(opts=opts):
+            for opt in opts:
+                opt.step()
+
+        if compile_it:
+            step = torch.compile(step, fullgraph=True)  # inductor: the op gets the buffers
+        for i in range(3):
+            for p in params:
+                p.grad = torch.randn(3, generator=gen.manual_seed(i)).bfloat16()
+            step()
+        runs.append([_bits(p) for p in params])
+    assert len(builds) == 5
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

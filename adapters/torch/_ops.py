@@ -58,8 +58,10 @@ with contextlib.suppress(Exception):  # private hooks: without them, use the ops
             set_code_exec_strategy(_code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-_CACHE: dict = {}  # fused_step: buffers' addresses -> entry (the few latest)
-_CACHE_SIZE = 4
+# fused_step: buffers' addresses -> entry, one per set of parameters (the latest few: a
+# table keeps the buffers it writes alive; ``forget`` drops a collected optimizer's)
+_CACHE: dict = {}
+_CACHE_SIZE = 16
 
 
 @torch.library.custom_op("srround::stochastic_round", mutates_args=())
@@ -270,7 +272,8 @@ def _fused_step(
             opt_kind, rounding, state_fmt, params, grads, rows, flat, group_index, stream, noise
         )
         entry.groups = _dist.resolve_groups(mesh_groups)
-        if key not in _CACHE and len(_CACHE) >= _CACHE_SIZE:
+        forget({p.data_ptr() for p in params})  # this table replaces its parameters' old ones
+        if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = entry
     else:
