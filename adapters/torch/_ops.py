@@ -39,7 +39,7 @@ from srround._rng import check_offset, check_seed, split_seed
 
 from . import _dist
 from .amp import update_scale
-from .optim import amsgrad_update, build_entry, rebind_grads, run_entry
+from .optim import _TRACED, amsgrad_update, build_entry, rebind_grads, run_entry
 
 # Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
 # fullgraph=False), nor into srround's functions (it traced ``np.float32(x)`` as a 0-d array,
@@ -58,10 +58,11 @@ with contextlib.suppress(Exception):  # private hooks: without them, use the ops
             set_code_exec_strategy(_code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-# fused_step: buffers' addresses -> entry, one per set of parameters (the latest few: a
-# table keeps the buffers it writes alive; ``forget`` drops a collected optimizer's)
+# fused_step: buffers' addresses -> entry, one per set of parameters; a table keeps the
+# buffers it writes alive (``forget`` drops a collected optimizer's), so the latest few only:
+# four, or one per live optimizer whose step was traced (aot_eager passes new copies each step)
 _CACHE: dict = {}
-_CACHE_SIZE = 16
+_CACHE_SIZE = 4
 
 
 @torch.library.custom_op("srround::stochastic_round", mutates_args=())
@@ -273,7 +274,7 @@ def _fused_step(
         )
         entry.groups = _dist.resolve_groups(mesh_groups)
         forget({p.data_ptr() for p in params})  # this table replaces its parameters' old ones
-        if len(_CACHE) >= _CACHE_SIZE:
+        if len(_CACHE) >= max(_CACHE_SIZE, len(_TRACED)):
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = entry
     else:

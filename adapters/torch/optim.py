@@ -232,7 +232,7 @@ def check_pairs(params, grads, rounding) -> None:
             )
 
 
-_TRACED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose step was traced
+_TRACED: weakref.WeakSet = weakref.WeakSet()  # optimizers that ran _init_group (traced steps)
 
 
 def _forget_tables(addresses) -> None:
