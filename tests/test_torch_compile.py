@@ -499,3 +499,17 @@ def test_compiled_steps_of_five_optimizers_keep_their_tables(monkeypatch):
     assert len(builds) == 5
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_straight_through_rounding_recipe_keeps_the_bits_under_inductor():
+    """The README's straight-through activation rounding, ``x + (SR(x) - x).detach()``,
+    compiled with inductor: the rounding's bits (eager's) and the gradient 1."""
+
+    def f(x, offset):
+        return x + (st.stochastic_round(x, seed=7, offset=offset).float() - x).detach()
+
+    x = (torch.randn(256, generator=torch.Generator().manual_seed(0)) * 100).requires_grad_()
+    y = torch.compile(f, fullgraph=True)(x, 3)
+    assert torch.equal(y, st.stochastic_round(x, seed=7, offset=3).float())
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(256))
