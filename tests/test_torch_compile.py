@@ -337,3 +337,215 @@ def test_compiled_step_on_cuda_matches_eager_bits(amsgrad):
         assert flags == [float(i == 2)] * 2
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(_bits(p), _bits(q))
+
+
+def test_compiled_scaler_step_and_update_match_eager():
+    """Finding: ``scaler.step(opt); scaler.update()`` in a compiled function died in Numba
+    (``max(float32, array(float32, 0d))``): Dynamo traced into ``srround.update_scale`` and
+    made its ``np.float32`` factors 0-d arrays, a graph break at every line on the way. Now
+    srround's functions run eagerly at one graph break each (and ``update()`` calls a custom
+    op); the scale (backed off on the overflow step) and the bits are eager's."""
+    runs = []
+    for compile_it in (False, True):
+        model = _model(torch.bfloat16)
+        opt = st.AdamW(model.parameters(), lr=1e-2, seed=11)
+        scaler = st.GradScaler("cpu", init_scale=2.0**10)
+
+        def tail(opt=opt, scaler=scaler):
+            scaler.step(opt)
+            scaler.update()
+
+        if compile_it:
+            tail = torch.compile(tail, backend="aot_eager")
+        scales = []
+        for i in range(3):
+            _backward(model, i)
+            if i == 1:
+                model[0].bias.grad[0] = float("inf")
+            tail()
+            scales.append(scaler.get_scale())
+            model.zero_grad(set_to_none=True)
+        runs.append((scales, [_bits(p) for p in model.parameters()]))
+    torch._dynamo.reset()
+    assert runs[0][0] == runs[1][0] == [1024.0, 512.0, 512.0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_srround_calls_in_compiled_code_are_one_graph_break_each():
+    """Before: Dynamo traced into srround's functions, compiling every frame on the way
+    (a graph break per line of ``srround.update_scale``). Now each call is one graph break,
+    run with Dynamo off in all it calls; the eager result."""
+    from torch._dynamo.utils import counters
+
+    @torch.compile(backend="aot_eager")
+    def f(scale, growth, found):
+        srround.update_scale(scale, growth, found, growth_interval=1)
+        return scale * 2
+
+    counters.clear()
+    scale, growth = torch.ones(1), torch.zeros(1, dtype=torch.int32)
+    assert float(f(scale, growth, torch.zeros(1))) == 4.0
+    assert sum(counters["graph_break"].values()) == 1
+    torch._dynamo.reset()
+
+
+def test_export_takes_the_ops_and_refuses_a_traced_tensor_clearly():
+    """``torch.export.export(strict=True)`` takes ``st.stochastic_round`` and
+    ``srround.unscale_and_check`` as the custom ops (eager bits and flag). Its default
+    non-strict mode calls ``srround.unscale_and_check`` on FakeTensors: before, torch's
+    "Cannot access data pointer of Tensor" RuntimeError from deep in the adapter; now a
+    TypeError naming the argument that says how to trace srround."""
+
+    class Step(torch.nn.Module):
+        def forward(self, x, grads, inv):
+            return st.stochastic_round(x * 2, seed=5, offset=7), srround.unscale_and_check(
+                grads, inv
+            )
+
+    x, grads, inv = torch.randn(16), [torch.randn(4), torch.randn(3)], torch.tensor([0.5])
+    exported = torch.export.export(Step(), (x, grads, inv), strict=True)
+    copies = [g.clone() for g in grads]
+    y, found = exported.module()(x, copies, inv)
+    assert torch.equal(_bits(y), _bits(srround.stochastic_round(x * 2, seed=5, offset=7)))
+    assert float(found) == 0.0
+    assert all(torch.equal(c, g * 0.5) for c, g in zip(copies, grads))
+    with pytest.raises(TypeError, match=r"^grads\[0\]: a traced .*strict=True"):
+        torch.export.export(Step(), (x, grads, inv))
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["scalar", "per_tensor"])
+def test_compiled_scaler_update_traces_fullgraph(per_tensor):
+    """Before: ``scaler.update()`` broke the graph (``srround.update_scale`` runs eagerly), so
+    a loss scaler's step compiled with ``fullgraph=True`` failed. It now calls the custom op
+    ``srround::update_scale_``: one graph; scales (per-tensor: each module's) and bits eager's."""
+    runs = []
+    for compile_it in (False, True):
+        model = _model(torch.bfloat16)
+        opt = st.AdamW(model.parameters(), lr=1e-2, seed=11)
+        scaler = st.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, per_tensor=per_tensor)
+        if per_tensor:
+            scaler.attach(model)
+
+        def tail(opt=opt, scaler=scaler):
+            scaler.step(opt)
+            scaler.update()
+
+        if compile_it:
+            tail = torch.compile(tail, fullgraph=True, backend="aot_eager")
+        scales = []
+        for i in range(3):
+            _backward(model, i)
+            if i == 1:
+                model[2].weight.grad[0, 0] = float("inf")
+            tail()
+            scales.append(scaler.tensor_scales.tolist() if per_tensor else scaler.get_scale())
+            model.zero_grad(set_to_none=True)
+        runs.append((scales, [_bits(p) for p in model.parameters()]))
+    torch._dynamo.reset()
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_compiled_step_tables_die_with_their_optimizer():
+    """Before: the op's cache of tables (the latest four, module-wide) kept the parameters and
+    states each one writes alive after the model and optimizer were dropped (a notebook's
+    next run, a sweep in one process: up to four dead models' weights and states pinned).
+    Now an optimizer's tables go when it is collected."""
+    import gc
+
+    def train():
+        model = _model(torch.bfloat16)
+        opt = st.AdamW(model.parameters(), lr=1e-2, seed=11)
+        step = torch.compile(opt.step, fullgraph=True)  # inductor: the op gets the buffers
+        _backward(model, 0)
+        step()
+        return weakref.ref(model[2].weight), weakref.ref(opt.state[model[2].weight]["exp_avg"])
+
+    refs = train()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_compiled_steps_of_five_optimizers_keep_their_tables(monkeypatch):
+    """Before: the op's cache held the latest four tables, module-wide: a fifth optimizer
+    (a GAN's and a few more, per-layer optimizers) evicted one at every step, so each step
+    of each optimizer rebuilt its table (validation, planning, the table's copy to the
+    device). Now a table only replaces its own parameters' older ones; the bits are eager's."""
+    from srround.adapters.torch import _ops
+
+    builds = []
+    build = _ops.build_entry
+    monkeypatch.setattr(_ops, "build_entry", lambda *a: builds.append(1) or build(*a))
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(3, generator=gen).bfloat16() for _ in range(5)]
+    runs = []
+    for compile_it in (False, True):
+        params = [torch.nn.Parameter(s.clone()) for s in start]
+        opts = [st.AdamW([p], lr=1e-2, seed=i) for i, p in enumerate(params)]
+
+        def step(opts=opts):
+            for opt in opts:
+                opt.step()
+
+        if compile_it:
+            step = torch.compile(step, fullgraph=True)  # inductor: the op gets the buffers
+        for i in range(3):
+            for p in params:
+                p.grad = torch.randn(3, generator=gen.manual_seed(i)).bfloat16()
+            step()
+        runs.append([_bits(p) for p in params])
+    assert len(builds) == 5
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_straight_through_rounding_recipe_keeps_the_bits_under_inductor():
+    """The README's straight-through activation rounding, ``x + (SR(x) - x).detach()``,
+    compiled with inductor: the rounding's bits (eager's) and the gradient 1."""
+
+    def f(x, offset):
+        return x + (st.stochastic_round(x, seed=7, offset=offset).float() - x).detach()
+
+    x = (torch.randn(256, generator=torch.Generator().manual_seed(0)) * 100).requires_grad_()
+    y = torch.compile(f, fullgraph=True)(x, 3)
+    assert torch.equal(y, st.stochastic_round(x, seed=7, offset=3).float())
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(256))
+
+
+def test_compiled_step_with_float8_states_runs_eagerly_at_a_graph_break():
+    """float8 states have no custom op yet. Before: a compiled function calling ``opt.step()``
+    died in Dynamo (RecursionError: it compiled the eager fallback's srround calls), and with
+    fullgraph=True said only "Observed exception". Now the step runs eagerly at a graph break
+    (eager's bits, states included); fullgraph=True is refused with the reason."""
+    runs = []
+    for compile_it in (False, True):
+        model = _model(torch.bfloat16)
+        opt = st.AdamW(model.parameters(), lr=1e-2, state_dtype=torch.float8_e4m3fn, seed=11)
+
+        def step(opt=opt):
+            opt.step()
+
+        if compile_it:
+            step = torch.compile(step, backend="aot_eager")
+        for i in range(2):
+            _backward(model, i)
+            step()
+            model.zero_grad(set_to_none=True)
+        runs.append(
+            [_bits(p) for p in model.parameters()]
+            + [
+                s.view(torch.uint8)
+                for p in model.parameters()
+                for s in opt.state[p].values()
+                if s.dtype == torch.float8_e4m3fn
+            ]
+        )
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()  # else the frames compiled above run, with their graph break
+    with pytest.raises(Exception, match="float8 states are not supported inside torch.compile"):
+        torch.compile(opt.step, fullgraph=True, backend="aot_eager")()
+    torch._dynamo.reset()

@@ -8,6 +8,8 @@ as opaque calls (Dynamo never looks into Numba) and functionalizes their in-plac
   strict=False, mesh_groups="", inv_value=1.0)``: the loss scaler's fused unscale and
   overflow check (``srround.unscale_and_check``), in place, then the flag all-reduced over
   the named process groups.
+* ``torch.ops.srround.update_scale_(scale, growth_tracker, found_inf, overflow_tracker,
+  ...)``: ``srround.update_scale`` in place (``GradScaler.update()``).
 * ``torch.ops.srround.fused_step(...)``: the fused optimizer step of
   ``srround.adapters.torch.AdamW`` / ``SGD`` over lists of parameters, gradients and states,
   and the step counters as one int32 tensor in a one-item list (what their ``step()`` calls
@@ -36,16 +38,30 @@ import srround
 from srround._rng import check_offset, check_seed, split_seed
 
 from . import _dist
-from .optim import amsgrad_update, build_entry, rebind_grads, run_entry
+from .amp import update_scale
+from .optim import _TRACED, amsgrad_update, build_entry, rebind_grads, run_entry
 
 # Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
-# fullgraph=False): skipping numba's files makes an srround call that is not one of these ops
-# (``srround.stochastic_round(tensor)``) a graph break that runs eagerly
-with contextlib.suppress(Exception):  # a private hook: without it, use the ops below
-    torch._dynamo.trace_rules.add("numba")
+# fullgraph=False), nor into srround's functions (it traced ``np.float32(x)`` as a 0-d array,
+# which Numba refused: ``GradScaler.update()`` in a compiled function died): an srround call
+# that is not one of these ops (``srround.update_scale``, ``srround.stochastic_round(tensor)``)
+# is one graph break (its file skipped) that runs eagerly with Dynamo off in all it calls
+with contextlib.suppress(Exception):  # private hooks: without them, use the ops below
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    for _module in ("numba", "srround._api", "srround._blocks"):
+        torch._dynamo.trace_rules.add(_module)
+    for _name in srround.__all__:
+        _code = getattr(getattr(srround, _name), "__code__", None)
+        if _code is not None:
+            set_code_exec_strategy(_code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-_CACHE: dict = {}  # fused_step: buffers' addresses -> entry (the few latest)
+# fused_step: buffers' addresses -> entry, one per set of parameters; a table keeps the
+# buffers it writes alive (``forget`` drops a collected optimizer's), so the latest few only:
+# four, or one per live optimizer whose step was traced (aot_eager passes new copies each step)
+_CACHE: dict = {}
 _CACHE_SIZE = 4
 
 
@@ -166,6 +182,19 @@ with contextlib.suppress(ValueError):  # registered already: this module was rel
     torch.compiler.substitute_in_graph(srround.unscale_and_check)(_traceable_unscale_and_check)
 
 
+# GradScaler.update()'s srround.update_scale
+_update_scale = torch.library.custom_op(
+    "srround::update_scale_",
+    update_scale,
+    mutates_args=("scale", "growth_tracker", "overflow_tracker"),
+)
+
+
+@_update_scale.register_fake
+def _(*args):
+    return None
+
+
 @torch.library.custom_op(
     "srround::fused_step", mutates_args=("params", "states1", "states2", "auxes", "steps", "found")
 )
@@ -213,6 +242,7 @@ def _fused_step(
     tensors = [*params, *grads, *states1, *states2, *auxes]
     written = [*params, *states1, *states2, *auxes]
     key = (
+        tuple(t.data_ptr() for t in written),  # first: ``forget`` reads it
         opt_kind,
         weight_mode,
         state_fmt,
@@ -223,7 +253,6 @@ def _fused_step(
         mesh_groups,
         # the tables keep no gradient alive: new gradients of the same dtypes and layouts
         # (zero_grad(set_to_none=True)) reuse the table, which then reads them
-        tuple(t.data_ptr() for t in written),
         tuple(t.dtype for t in tensors),
         tuple(t.shape for t in tensors),
         tuple(t.stride() for t in tensors),
@@ -244,7 +273,8 @@ def _fused_step(
             opt_kind, rounding, state_fmt, params, grads, rows, flat, group_index, stream, noise
         )
         entry.groups = _dist.resolve_groups(mesh_groups)
-        if key not in _CACHE and len(_CACHE) >= _CACHE_SIZE:
+        forget({p.data_ptr() for p in params})  # this table replaces its parameters' old ones
+        if len(_CACHE) >= max(_CACHE_SIZE, len(_TRACED)):
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = entry
     else:
@@ -254,6 +284,13 @@ def _fused_step(
         entry.buffers[0] = flat
     entry.fused.set_hyper(np.array(hyper, np.float64).reshape(-1, _optim.HYPER_COLUMNS))
     run_entry(entry, inv_scale, found, check_grads, negate, k0, k1)
+
+
+def forget(addresses) -> None:
+    """Drop the cached tables that write any of ``addresses`` (a collected optimizer's
+    parameters: each table keeps the buffers it writes alive)."""
+    for key in [k for k in _CACHE if not addresses.isdisjoint(k[0])]:
+        del _CACHE[key]
 
 
 @_fused_step.register_fake

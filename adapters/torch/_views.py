@@ -95,9 +95,19 @@ def _as_tensor(x, name: str):
 def _check_storage(t, name: str) -> None:
     """``t`` (a DTensor: its local piece) has storage of its own: a wrapper tensor subclass
     (torchao's weight and state wrappers, torch's TwoTensor) reports ``data_ptr()`` 0, and
-    the kernels read and write raw addresses (meta tensors: the device's own error)."""
+    the kernels read and write raw addresses (meta tensors: the device's own error). A traced
+    tensor (torch.export's default non-strict mode, make_fx) has no memory: an error that
+    says how to trace srround."""
     piece = _dist.local(t)
-    if piece.data_ptr() == 0 and piece.numel() != 0 and not piece.is_meta:
+    try:
+        address = piece.data_ptr()
+    except RuntimeError as error:  # FakeTensor, FunctionalTensor: torch's "data pointer" error
+        raise TypeError(
+            f"{name}: a traced {type(piece).__name__} has no memory for srround's kernels;"
+            " trace with torch.compile or torch.export.export(..., strict=True) (they take"
+            " srround.unscale_and_check as a custom op) or call srround.adapters.torch's ops"
+        ) from error
+    if address == 0 and piece.numel() != 0 and not piece.is_meta:
         raise TypeError(
             f"{name}: a {type(piece).__name__} (a tensor subclass with no storage of its"
             " own) is not supported; srround's kernels need plain tensors"

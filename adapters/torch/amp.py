@@ -82,6 +82,34 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _UNSCALED, _STEPPED = "unscaled", "stepped"  # per-optimizer stage of an iteration
 
 
+def update_scale(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    overflow_tracker: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> None:
+    """``srround.update_scale`` in place, positional (the body of the custom op
+    ``srround::update_scale_``, which ``GradScaler.update()`` calls under torch.compile)."""
+    srround.update_scale(
+        scale,
+        growth_tracker,
+        found_inf,
+        overflow_tracker=overflow_tracker,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
+
+
 def unscale_grads(grads, inv_scale, found_inf, per_tensor=False) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` (float32, 1 value)
     to 1 if any was inf/NaN. Dense fp32/bf16/fp16 gradients of ``found_inf``'s device (any
@@ -473,17 +501,20 @@ class GradScaler:
             for flag in self._found.values():
                 found = torch.maximum(found, flag.to(found.device))
             dynamic = slice(0, len(self._scales) - 1) if self._per_tensor else slice(None)
-            srround.update_scale(
+            # compiled: the custom op (``_ops.py``), so update() traces with fullgraph=True;
+            # eagerly the op's body (the op's dispatch would double the call's time)
+            compiled = torch.compiler.is_compiling()
+            (torch.ops.srround.update_scale_ if compiled else update_scale)(
                 self._scales[dynamic],
                 self._growth_trackers[dynamic],
                 self._slot_found[dynamic] if self._per_tensor else found,
-                overflow_tracker=self._overflow_trackers[dynamic],
-                growth_factor=self._growth_factor,
-                backoff_factor=self._backoff_factor,
-                growth_interval=self._growth_interval,
-                hysteresis=self._hysteresis,
-                min_scale=self._min_scale,
-                max_scale=self._max_scale,
+                self._overflow_trackers[dynamic],
+                self._growth_factor,
+                self._backoff_factor,
+                self._growth_interval,
+                self._hysteresis,
+                self._min_scale,
+                self._max_scale,
             )
             self._last_skipped.copy_(found)
             self._skipped += (found > 0).to(torch.int32)

@@ -234,6 +234,16 @@ def check_pairs(params, grads, rounding, names) -> None:
             )
 
 
+_TRACED: weakref.WeakSet = weakref.WeakSet()  # optimizers that ran _init_group (traced steps)
+
+
+def _forget_tables(addresses) -> None:
+    """Drop the compiled step's cached tables that write any of ``addresses``."""
+    from ._ops import forget
+
+    forget(addresses)
+
+
 class _Entry:
     """The cached fused step of one set of buffers."""
 
@@ -864,6 +874,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if torch.compiler.is_compiling():
             self._traced_step(inv_scale, found_inf, check_grads, grad_scale)
             return loss
+        self._eager_step(inv_scale, found_inf, check_grads, grad_scale)
+        return loss
+
+    def _eager_step(self, inv_scale, found_inf, check_grads, grad_scale):
+        """``step()`` outside torch.compile: the optimizer's cached table, then one launch."""
         config = self._config()
         hyper = self._hyper()  # checked before anything is written
         key = (self._key(), config, self._layout_key())
@@ -878,7 +893,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         ):
             params, group_index = self._collect()
             if not params:  # no gradients
-                return loss
+                return
             with _on(params[0].device):
                 entry = self._build(params, group_index, key, config)
         if grad_scale is not None:
@@ -888,7 +903,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
         run_entry(entry, inv_scale, found_inf, check_grads, config[3], k0, k1)
         if entry.written:
             torch.autograd.graph.increment_version(entry.written)
-        return loss
 
     def _unscale_grads(self, entry, grad_scale, found_inf):
         """torch's protocol: divide the gradients by ``grad_scale`` in place (one fused
@@ -906,11 +920,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _traced_step(self, inv_scale, found_inf, check_grads, grad_scale):
         """The step under torch.compile: states at trace time (``_init_group``), then the
         custom op (``srround::fused_step``, or ``srround::amsgrad_step`` with AMSGrad)."""
-        if self._config()[1] in _FP8_STATE_DTYPES:
-            raise NotImplementedError(
-                "state_dtype: float8 states are not supported inside torch.compile yet;"
-                " call opt.step() outside the compiled function"
-            )
+        if self._config()[1] in _FP8_STATE_DTYPES:  # eagerly, at a graph break
+            _eager_fp8_step(self, inv_scale, found_inf, check_grads, grad_scale)
+            return
         lists = [[] for _ in range(7)]
         meta = list(self._init_group(*lists))
         if not lists[0]:
@@ -995,6 +1007,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 maxes.append(state["max_exp_avg_sq"])
         steps.append(flat)
         self._entry = None  # new step views: the eager table is rebuilt if used again
+        if self not in _TRACED:  # the compiled step's tables keep its buffers alive: at
+            _TRACED.add(self)  # its collection, drop them (they would pin the parameters)
+            weakref.finalize(self, _forget_tables, {_dist.local(p).data_ptr() for p in params})
         k0, k1 = split_seed(config[2])
         return (
             self._KIND,
@@ -1394,6 +1409,23 @@ def amsgrad_update(
             fmt = "bfloat16" if piece.dtype == torch.bfloat16 else "float16"
             rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
             piece.copy_(rounded.as_strided(work.shape, work.stride()))
+
+
+def _fp8_step(opt, inv_scale, found_inf, check_grads, grad_scale):
+    if inv_scale is not None and not isinstance(inv_scale, torch.Tensor):
+        inv_scale = _validate.inv_scale(inv_scale)
+    opt._eager_step(inv_scale, found_inf, check_grads, grad_scale)
+
+
+# float8 states under torch.compile (no custom op for them yet): the eager step at a graph
+# break, Dynamo off in all it calls (before: Dynamo compiled its callees and died, or with
+# fullgraph=True said "Observed exception"); fullgraph=True: Dynamo's error gives the reason
+_eager_fp8_step = torch._dynamo.disable(
+    _fp8_step,
+    reason="state_dtype: float8 states are not supported inside torch.compile yet: their step"
+    " runs eagerly at a graph break (with fullgraph=True, call opt.step() outside the"
+    " compiled function)",
+)
 
 
 class SGD(_FusedOptimizer):
