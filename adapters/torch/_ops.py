@@ -47,11 +47,12 @@ from .optim import _TRACED, amsgrad_update, build_entry, rebind_grads, run_entry
 # that is not one of these ops (``srround.update_scale``, ``srround.stochastic_round(tensor)``)
 # is one graph break (its file skipped) that runs eagerly with Dynamo off in all it calls
 with contextlib.suppress(Exception):  # private hooks: without them, use the ops below
+    for _module in ("numba", "srround._api", "srround._blocks"):
+        torch._dynamo.trace_rules.add(_module)
+with contextlib.suppress(Exception):  # a newer private hook (without it: the files above only)
     from torch._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
-    for _module in ("numba", "srround._api", "srround._blocks"):
-        torch._dynamo.trace_rules.add(_module)
     for _name in srround.__all__:
         _code = getattr(getattr(srround, _name), "__code__", None)
         if _code is not None:
