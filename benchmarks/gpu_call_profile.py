@@ -52,9 +52,12 @@ def main(argv=None) -> int:
     import ml_dtypes
     import numpy as np
     import torch
-    from numba import cuda
 
     import srround
+    from srround._numba_cuda_compat import import_numba_cuda
+
+    # numba-cuda 0.30.4 under NumPy 2.5 fails its first compile unless srround's shim runs first
+    cuda = import_numba_cuda()
 
     n = 1024
     x = cuda.to_device(np.linspace(-1, 1, n, dtype=np.float32))

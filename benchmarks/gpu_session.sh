@@ -65,13 +65,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$log
 'torch', torch.__version__)" | tee -a "$logs/gpu.txt"
 
 for phase in $phases; do
+    timeout_flag=()
+    "$py" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 150)
     case "$phase" in
     tests)
-        timeout_flag=()
-        "$py" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 150)
         # NUMBA_NUM_THREADS=2: twelve workers share the CPU cores
-        step pytest "${T_TESTS:-220}" env NUMBA_NUM_THREADS=2 PYTHONFAULTHANDLER=1 "$py" -m pytest -q -p no:cacheprovider \
+        # -v: one line per test, so a run stopped at its limit still names what failed
+        step pytest "${T_TESTS:-260}" env NUMBA_NUM_THREADS=2 PYTHONFAULTHANDLER=1 "$py" -m pytest -v -p no:cacheprovider \
             -n 12 --dist loadfile -rfE "${timeout_flag[@]}" --junitxml="$logs/junit.xml"
+        grep -E "(FAILED|ERROR) " "$logs/pytest.log" | sort -u | tail -n 40
+        ;;
+    gpu-tests) # the tests whose names say cuda or gpu: the GPU part of the suite in about 2 minutes
+        step pytest_gpu "${T_TESTS:-150}" env NUMBA_NUM_THREADS=2 PYTHONFAULTHANDLER=1 "$py" -m pytest -v -p no:cacheprovider \
+            -n 12 --dist loadfile -rfE -k "cuda or gpu" "${timeout_flag[@]}" --junitxml="$logs/junit_gpu.xml"
+        grep -E "(FAILED|ERROR) " "$logs/pytest_gpu.log" | sort -u | tail -n 40
         ;;
     round) bench bench_round "${T_BENCH:-80}" --device cuda --no-latency --sizes 2^20 2^24 2^27 ;;
     optim) bench bench_optim "${T_OPTIM:-150}" --device cuda --quick ;;
