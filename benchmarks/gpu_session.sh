@@ -9,7 +9,8 @@
 #   tests  installs srround in place without dependencies and runs the whole test suite on the
 #          real GPU (tests/conftest.py uses the GPU when /dev/nvidiactl exists: CUDA tests are
 #          not simulated), several workers, JAX without preallocation, a Python traceback on a
-#          crash (PYTHONFAULTHANDLER, spawned processes included).
+#          crash or at the time limit (PYTHONFAULTHANDLER, SIGABRT; spawned processes
+#          included), each failure's traceback in failures.txt as it happens.
 #   round, optim, jax  the kernel benchmarks for the GPU, each against its same-run baselines
 #          (copy bandwidth, torch's kernels): bench_round, bench_optim, and jax_gpu_check (the
 #          JAX native path vs copy bandwidth, bits vs the Numba CUDA kernels).
@@ -23,13 +24,18 @@
 #   demo   the language-model demo's GPU configuration (srround demo --device cuda).
 # JSON lands in benchmarks/results/<name>_gpu.json; regenerate benchmarks/RESULTS.md from it
 # with `python benchmarks/results.py` (here or after fetching gpu.tgz).
-# Seen on one H100 (2026-11-26): tests 130-150 s, round 30 s, optim 60 s, jax 12 s, lowbit 11 s,
-# compile 23 s, demo 181 s: every phase but the demo fits one call of about 7 minutes, e.g.
-# `T_TESTS=200 T_MORE=60 bash benchmarks/gpu_session.sh` with the device's timeout_s=480 (the
-# demo then stops at 60 s; the probe, not yet run on a GPU, may be cut short too); the demo
-# alone: `T_MORE=230 bash benchmarks/gpu_session.sh demo`; the probe alone:
-# `bash benchmarks/gpu_session.sh probe`.
+# Seen on one H100 (2026-11-27; a lease is 15 minutes, starts included): the whole suite did not
+# end within 200 s (94 %) and the gpu-tests phase's 163 tests passed or failed within 150 s but
+# pytest did not exit by then (where it hangs: the SIGABRT tracebacks of the next run); round
+# 39 s, optim over 80 s (its JAX rows compile for 5-15 s each: give it 150), jax 11 s, probe 40 s,
+# lowbit 17 s, compile 34 s, lossscale 15 s, adapters 24 s, profile 24 s; demo 181 s (11-26). One
+# call of about 9 minutes (the device's timeout_s=560) holds all but the demo and the whole
+# suite: `T_TESTS=150 T_MORE=45 bash benchmarks/gpu_session.sh gpu-tests jax probe round optim
+# lowbit compile lossscale adapters profile`; the demo alone: `T_MORE=230 bash
+# benchmarks/gpu_session.sh demo`.
 set -uo pipefail
+ulimit -c 0 # no core files from the SIGABRT that stops a step at its limit
+export PYTHONFAULTHANDLER=1
 out="${OUT:-gpu-out}"
 logs="$(mktemp -d)/gpu"
 mkdir -p "$out" "$logs" benchmarks/results
@@ -44,7 +50,9 @@ step() {
     shift 2
     echo "== $name (limit ${limit} s): $*"
     local t0=$SECONDS
-    timeout -k 5 "$limit" "$@" >"$logs/$name.log" 2>&1
+    # SIGABRT at the limit: with PYTHONFAULTHANDLER every Python process of the step (pytest's
+    # workers included) prints where it was stuck before it dies
+    timeout -s ABRT -k 5 "$limit" "$@" >"$logs/$name.log" 2>&1
     local rc=$?
     echo "   $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$logs/steps.txt"
     tail -n 25 "$logs/$name.log"
@@ -71,12 +79,14 @@ for phase in $phases; do
     tests)
         # NUMBA_NUM_THREADS=2: twelve workers share the CPU cores
         # -v: one line per test, so a run stopped at its limit still names what failed
-        step pytest "${T_TESTS:-260}" env NUMBA_NUM_THREADS=2 PYTHONFAULTHANDLER=1 "$py" -m pytest -v -p no:cacheprovider \
+        step pytest "${T_TESTS:-260}" env NUMBA_NUM_THREADS=2 \
+            SRROUND_FAILURE_LOG="$logs/failures.txt" "$py" -m pytest -v -p no:cacheprovider \
             -n 12 --dist loadfile -rfE "${timeout_flag[@]}" --junitxml="$logs/junit.xml"
         grep -E "(FAILED|ERROR) " "$logs/pytest.log" | sort -u | tail -n 40
         ;;
     gpu-tests) # the tests whose names say cuda or gpu: the GPU part of the suite in about 2 minutes
-        step pytest_gpu "${T_TESTS:-150}" env NUMBA_NUM_THREADS=2 PYTHONFAULTHANDLER=1 "$py" -m pytest -v -p no:cacheprovider \
+        step pytest_gpu "${T_TESTS:-150}" env NUMBA_NUM_THREADS=2 \
+            SRROUND_FAILURE_LOG="$logs/failures.txt" "$py" -m pytest -v -p no:cacheprovider \
             -n 12 --dist loadfile -rfE -k "cuda or gpu" "${timeout_flag[@]}" --junitxml="$logs/junit_gpu.xml"
         grep -E "(FAILED|ERROR) " "$logs/pytest_gpu.log" | sort -u | tail -n 40
         ;;

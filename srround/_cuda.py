@@ -312,7 +312,10 @@ def _device_table(arrays):
     """Device copies of a tensor list's host table (int64 arrays), of the last
     ``_config.CUDA_TABLES_KEPT`` tables: a training loop passes the same table every step, and
     each copy costs an allocation and a transfer. A new table is copied and synchronized once,
-    so that any stream may read it."""
+    so that any stream may read it. ``arrays``: NumPy arrays (a device array has no bytes to
+    key the cache with: on a GPU an AttributeError, in the simulator a silent host read)."""
+    if not all(isinstance(a, np.ndarray) for a in arrays):
+        raise TypeError("_device_table: the host table's NumPy arrays, not device arrays")
     device = getattr(cuda.get_current_device(), "id", 0)  # (the simulator's has none)
     key = (device, *(a.tobytes() for a in arrays))
     with _TABLES_LOCK:
@@ -329,10 +332,14 @@ def _device_table(arrays):
     return table
 
 
-def unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor, *, total, stream):
+def unscale_and_check(
+    addresses, formats, starts, inv_scales, found, per_tensor, *, total, stream, on_device=False
+):
     """``total``: elements over all tensors; the host table arrays are copied over (cached,
-    ``_device_table``)."""
-    table = _device_table((addresses, formats, starts))
+    ``_device_table``) unless ``on_device`` says they are device arrays already."""
+    table = (
+        (addresses, formats, starts) if on_device else _device_table((addresses, formats, starts))
+    )
     grid = _grid(total)
     _unscale_and_check[grid[0], grid[1], stream](*table, inv_scales, found, per_tensor)
 

@@ -163,7 +163,13 @@ class FusedStep:
                 one = cuda.to_device(one, stream=self.stream)
             self._grad_table = (*columns, self.starts, one)
         unscale_and_check(
-            *self._grad_table, found, False, self.device, total=self.total, stream=self.stream
+            *self._grad_table,
+            found,
+            False,
+            self.device,
+            total=self.total,
+            stream=self.stream,
+            on_device=self.device == "cuda",
         )
 
     def run(self, inv_scale, found, k0, k1, *, negated=False) -> None:

@@ -50,6 +50,17 @@ def pytest_configure(config):
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
+def pytest_runtest_logreport(report):
+    """With ``SRROUND_FAILURE_LOG`` set (``benchmarks/gpu_session.sh``), each failure's report is
+    appended to that file as it comes in, so a run stopped at its time limit still keeps its
+    tracebacks (pytest prints them at the end). Written once: by xdist's controller, or by the
+    only process."""
+    path = os.environ.get("SRROUND_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as log:
+            log.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture
 def small_cuda_launch(monkeypatch):
     """Tiny launch configuration so the simulator covers multi-block grid-stride loops fast."""
