@@ -1208,3 +1208,36 @@ def test_amp_scaling_in_step_can_be_switched_off():
             scaler.update()
         runs.append([p.detach() for p in model.parameters()])
     assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
+@pytest.mark.parametrize("kind", ["torch", "srround"])
+def test_scalers_drive_srround_adamw_on_cuda_as_on_the_cpu(kind):
+    """On a GPU (torch has no simulator: skipped without one): torch's and srround's scaler
+    with srround's AdamW, whose step checks the gradients through its cached device table, an
+    overflow at the second step: the CPU run's parameters, step counts and scale, bit for bit
+    (gradients set by hand, so both devices see the same ones). On an H100 the check raised
+    AttributeError before the fix (a device array handed to the host-table cache)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA for torch")
+    gen = torch.Generator().manual_seed(11)
+    grads = [[torch.randn(p.shape, generator=gen) for p in _model().parameters()] for _ in range(3)]
+    runs = []
+    for device in ("cpu", "cuda"):
+        make = torch.amp.GradScaler if kind == "torch" else GradScaler
+        scaler = make(device, init_scale=2.0**8, growth_interval=1)
+        model = _model().to(device)
+        opt = _srround_adamw(model)
+        for step, step_grads in enumerate(grads):
+            scaler.scale(torch.ones((), device=device))  # the scale exists from here on
+            for p, g in zip(model.parameters(), step_grads):
+                p.grad = (g * scaler.get_scale()).to(device)
+            if step == 1:
+                model[0].bias.grad[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        params = [p.detach().cpu() for p in model.parameters()]
+        runs.append((params, scaler.get_scale(), int(opt.state[model[0].weight]["step"])))
+    (cpu, cpu_scale, cpu_steps), (gpu, gpu_scale, gpu_steps) = runs
+    assert cpu_scale == gpu_scale and cpu_steps == gpu_steps == 2
+    for a, b in zip(cpu, gpu):
+        assert torch.equal(a, b)
