@@ -40,6 +40,8 @@ from ._elements import (
     S1_SCALE,
     S2_ADDR,
     S2_SCALE,
+    STATE1_ALL,
+    STATE1_SOME,
     STATE1_STREAM,
     STATE2_STREAM,
     STOCHASTIC,
@@ -47,6 +49,7 @@ from ._elements import (
     group_constants,
     prepare_coefs,
     scale_usable,
+    state1_presence,
     stream_offset,
     unscale_bits,
     unscale_in_place,
@@ -475,9 +478,6 @@ def _update_formats(
         _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
 
 
-STATE1_NONE, STATE1_ALL, STATE1_SOME = range(3)
-
-
 @njit(forceinline=True, cache=True)
 def _step_chunk(config, table, starts, hyper, steps, coefs, scale, k0, k1, lo, hi):
     """Global elements [lo, hi) of one CPU step: per tensor run, its random bits into scratch,
@@ -568,13 +568,6 @@ def _make_step(kind, mode, state_fmt, state1, cases):
             )
 
     return step
-
-
-def state1_presence(table) -> int:
-    """Whether no, every or some tensor of ``table`` has a first state (an SGD momentum buffer;
-    AdamW: every one). Loops over a mix test per tensor and do not vectorize."""
-    present = np.asarray(table)[:, S1_ADDR] != 0
-    return STATE1_ALL if present.all() else STATE1_SOME if present.any() else STATE1_NONE
 
 
 def format_cases(table) -> tuple:

@@ -34,9 +34,12 @@ from ._elements import (
     S1_SCALE,
     S2_ADDR,
     S2_SCALE,
-    first_noise_cache,
+    STATE1_ALL,
+    STATE1_SOME,
+    group_constants,
     prepare_coefs,
     scale_usable,
+    state1_presence,
     step_element,
     unscale_in_place,
     update_scale_one,
@@ -62,13 +65,11 @@ _find_tensor = cuda.jit(device=True)(find_tensor.py_func)
 
 
 @cuda.jit(device=True)
-def _block_range(total, quantum):
-    """``(first, end)``: the contiguous element range of this block in a tensor-list kernel, a
-    multiple of ``quantum`` elements long (its threads take ``quantum`` consecutive elements at
-    a time and stride by the block, so a thread's tensor index only moves forward: one binary
-    search per thread, not one per element)."""
+def _block_range(total):
+    """``(first, end)``: the contiguous element range of this block in a tensor-list kernel
+    (its threads stride through it by the block, so a thread's tensor index only moves
+    forward: one binary search per thread, not one per element)."""
     chunk = (total + cuda.gridDim.x - 1) // cuda.gridDim.x
-    chunk = (chunk + quantum - 1) // quantum * quantum
     first = cuda.blockIdx.x * chunk
     return first, min(first + chunk, total)
 
@@ -284,7 +285,7 @@ def max_byte(h, *, stream) -> int:
 
 @cuda.jit(cache=True)
 def _unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor):
-    first, end = _block_range(starts[starts.size - 1], 1)
+    first, end = _block_range(starts[starts.size - 1])
     k = _find_tensor(starts, min(first + cuda.threadIdx.x, end - 1)) if first < end else 0
     for i in range(first + cuda.threadIdx.x, end, cuda.blockDim.x):
         while i >= starts[k + 1]:
@@ -382,42 +383,98 @@ def _buffers(table, k):
     )
 
 
-@cuda.jit(cache=True)
-def _optim_step(
-    kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1
-):
-    if found[0] & 0x7FFFFFFF:
-        return
-    # four consecutive elements per thread: one Threefry block per stream serves them
-    first, end = _block_range(starts[starts.size - 1], 4)
-    k = _find_tensor(starts, min(first + 4 * cuda.threadIdx.x, end - 1)) if first < end else 0
-    cache = first_noise_cache(k0, k1)
-    caches = (cache, cache, cache)
-    for quad in range(first + 4 * cuda.threadIdx.x, end, 4 * cuda.blockDim.x):
-        for i in range(quad, min(quad + 4, end)):
-            while i >= starts[k + 1]:
-                k += 1
-            g = table[k, GROUP]
-            caches = step_element(
+@cuda.jit(device=True)
+def _tensor_constants(table, starts, hyper, steps, coefs, k, kind):
+    """What the elements of tensor ``k`` share, read once per tensor a thread reaches (its
+    element loop stores through raw addresses, which could alias these arrays: read inside
+    that loop, every one would be read again per element): ``(buffers, formats, state1,
+    noise start, start, end, step, coefs, group)``."""
+    g = table[k, GROUP]
+    buffers = (table[k, P_ADDR], table[k, G_ADDR], table[k, S1_ADDR], table[k, S2_ADDR])
+    buffers = buffers + (table[k, AUX_ADDR],)
+    c = (coefs[k, 0], coefs[k, 1], coefs[k, 2])
+    group = group_constants(kind, hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4])
+    return (
+        buffers,
+        (table[k, P_FMT], table[k, G_FMT]),
+        table[k, S1_ADDR] != 0,
+        table[k, NOISE],
+        starts[k],
+        starts[k + 1],
+        steps[k],
+        c,
+        group,
+    )
+
+
+def _make_step(kind, mode, state_fmt, state1, formats):
+    """The CUDA step kernel of one configuration: kind, weight mode, state format, which
+    tensors have a first state (``state1_presence``) and the parameter and gradient formats
+    (``(-1, -1)``: per tensor, from the table) are constants the compiler folds (closure
+    variables), as in the CPU's steps: the generic kernel carried every branch of every
+    configuration. Each block takes a contiguous range of elements, its threads one element at
+    a time (a warp's loads consecutive), and a thread reads a tensor's row once."""
+    fixed_p, fixed_g = formats
+
+    @cuda.jit(cache=True)
+    def step(table, starts, hyper, steps, coefs, inv_scale, found, k0, k1):
+        if found[0] & 0x7FFFFFFF:
+            return
+        first, end = _block_range(starts[starts.size - 1])
+        lead = first + cuda.threadIdx.x
+        if lead >= end:
+            return
+        k = _find_tensor(starts, lead)
+        buffers, fmts, some1, noise, start, stop, count, c, group = _tensor_constants(
+            table, starts, hyper, steps, coefs, k, kind
+        )
+        scale_bits = inv_scale[0]
+        for i in range(lead, end, cuda.blockDim.x):
+            if i >= stop:
+                while i >= starts[k + 1]:
+                    k += 1
+                buffers, fmts, some1, noise, start, stop, count, c, group = _tensor_constants(
+                    table, starts, hyper, steps, coefs, k, kind
+                )
+            p_fmt = fixed_p if fixed_p >= 0 else fmts[0]
+            g_fmt = fixed_g if fixed_g >= 0 else fmts[1]
+            has_state1 = some1 if state1 == STATE1_SOME else state1 == STATE1_ALL
+            step_element(
                 kind,
                 mode,
-                state_fmt,
-                _buffers(table, k) + (g,),  # the row, in Column order
-                i - starts[k],
-                table[k, NOISE],
-                steps[k],
-                inv_scale[0],
-                (coefs[k, 0], coefs[k, 1], coefs[k, 2]),
-                (hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4]),
+                (p_fmt, g_fmt, state_fmt),
+                buffers,
+                has_state1,
+                i - start,
+                noise,
+                count,
+                scale_bits,
+                c,
+                group,
                 (k0, k1),
-                caches,
             )
+
+    return step
+
+
+_STEPS: dict = {}
+
+
+def optim_step_kernel(kind, mode, state_fmt, table):
+    """The compiled CUDA step for the host ``table``'s configuration, built once per process
+    (and kept in Numba's cache)."""
+    p_fmt, g_fmt = np.asarray(table)[:, P_FMT], np.asarray(table)[:, G_FMT]
+    uniform = len(p_fmt) and (p_fmt == p_fmt[0]).all() and (g_fmt == g_fmt[0]).all()
+    formats = (int(p_fmt[0]), int(g_fmt[0])) if uniform else (-1, -1)
+    key = (int(kind), int(mode), int(state_fmt), state1_presence(table), formats)
+    if key not in _STEPS:
+        _STEPS[key] = _make_step(*key)
+    return _STEPS[key]
 
 
 def optim_step(
+    kernel,
     kind,
-    mode,
-    state_fmt,
     table,
     starts,
     hyper,
@@ -432,17 +489,16 @@ def optim_step(
     total,
     stream,
 ):
-    """Both passes of one fused step over ``total`` elements; every array on the device.
-    ``sign``: the sign bit an ``inv_scale`` must have (0, or 0x80000000 for a negated one),
-    else ``found`` is set to 1.0 and nothing changes."""
+    """Both passes of one fused step over ``total`` elements; every array on the device;
+    ``kernel``: ``optim_step_kernel``'s for this table. ``sign``: the sign bit an
+    ``inv_scale`` must have (0, or 0x80000000 for a negated one), else ``found`` is set to 1.0
+    and nothing changes."""
     grid = _grid(steps.size)
     _optim_prepare[grid[0], grid[1], stream](
         kind, table, hyper, steps, coefs, inv_scale, sign, found
     )
-    grid = _grid(-(-total // 4))  # a thread per four elements
-    _optim_step[grid[0], grid[1], stream](
-        kind, mode, state_fmt, table, starts, hyper, steps, coefs, inv_scale, found, k0, k1
-    )
+    grid = _grid(total)
+    kernel[grid[0], grid[1], stream](table, starts, hyper, steps, coefs, inv_scale, found, k0, k1)
 
 
 @cuda.jit(cache=True)

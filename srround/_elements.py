@@ -94,23 +94,11 @@ def store(address, j, value, code):
 
 
 @njit(forceinline=True, cache=True)
-def noise_bits16(k0, k1, offset, cache):
-    """The 16 random bits of counter ``offset`` of the stream of key ``(k0, k1)``, given
-    ``cache`` = ``(block, x0, x1)``, the last Threefry block drawn: four consecutive counters
-    share a block, so a new one is drawn only when ``offset`` lies in another. Returns
-    ``(bits, cache)``; a first cache: ``first_noise_cache``."""
-    block = offset >> 2
-    if block != cache[0]:
-        x0, x1 = random_block(k0, k1, block)
-        cache = (block, x0, x1)
-    return lane_bits16(cache[1], cache[2], offset & 3), cache
-
-
-@njit(forceinline=True, cache=True)
-def first_noise_cache(k0, k1):
-    """A valid ``noise_bits16`` cache (block 0, drawn: no step's counter lies there)."""
-    x0, x1 = random_block(k0, k1, np.int64(0))
-    return np.int64(0), x0, x1
+def noise_bits16(k0, k1, offset):
+    """The 16 random bits of counter ``offset`` of the stream of key ``(k0, k1)``: lane
+    ``offset & 3`` of Threefry block ``offset >> 2``."""
+    x0, x1 = random_block(k0, k1, offset >> 2)
+    return lane_bits16(x0, x1, offset & 3)
 
 
 # -- loss scaling ----------------------------------------------------------------------------
@@ -417,47 +405,54 @@ def update_element(kind, mode, formats, buffers, has_state1, j, scale, coefs, gr
         store(aux_addr, j, aux_new, aux_fmt)
 
 
+STATE1_NONE, STATE1_ALL, STATE1_SOME = range(3)
+
+
+def state1_presence(table) -> int:
+    """Whether no, every or some tensor of ``table`` has a first state (an SGD momentum buffer;
+    AdamW: every one): a constant of the compiled steps, where a mix tests per tensor."""
+    present = np.asarray(table)[:, S1_ADDR] != 0
+    return STATE1_ALL if present.all() else STATE1_SOME if present.any() else STATE1_NONE
+
+
 @njit(cache=True)
-def step_element(kind, mode, state_fmt, row, j, start, step, scale_bits, coefs, hyper, key, caches):
+def step_element(
+    kind, mode, formats, buffers, has_state1, j, start, step, scale_bits, coefs, group, key
+):
     """``update_element`` for a kernel that has no random-bit buffer (CUDA): draws element
-    ``j``'s noise itself, through ``caches`` (a ``noise_bits16`` cache per stream: weight,
-    state1, state2), and returns the updated caches, so that a thread taking consecutive
-    elements draws one Threefry block per four of them.
+    ``j``'s noise itself, one Threefry block per element and stream (a thread per element, so
+    that a warp's loads are consecutive; README, "On a GPU": sharing a block among a thread's
+    four consecutive elements was slower).
 
     Args:
-        row: the tensor's table row as a tuple in ``Column`` order.
+        formats, buffers, has_state1, coefs, group: as ``update_element``'s.
         start: the tensor's first global element; step: its step count (after the increment).
         scale_bits: float32 bits of the gradient multiplier.
-        coefs: the tensor's ``(c0, c1, c2)`` (``prepare_coefs``).
-        hyper: the group's hyperparameter columns 1-4 as floats (the simulator passes Python
-            floats, so every float32 is made here).
         key: the Threefry key ``(k0, k1)``.
     """
-    p_addr, p_fmt, g_addr, g_fmt, s1_addr, s2_addr, aux_addr, _group = row
+    p_fmt, _g_fmt, state_fmt = formats
     k0, k1 = key
-    group = group_constants(kind, hyper[0], hyper[1], hyper[2], hyper[3])
-    w_cache, m_cache, v_cache = caches
+    # float32 again: in the simulator these come from Python, where a float32 is a float
+    coefs = (np.float32(coefs[0]), np.float32(coefs[1]), np.float32(coefs[2]))
+    c1, c2, c3, c4 = group
+    group = (np.float32(c1), np.float32(c2), np.float32(c3), np.float32(c4))
     w_bits16 = m_bits16 = v_bits16 = 0
     if mode == STOCHASTIC and p_fmt != F32:
-        offset = stream_offset(step, WEIGHT_STREAM, start) + j
-        w_bits16, w_cache = noise_bits16(k0, k1, offset, w_cache)
+        w_bits16 = noise_bits16(k0, k1, stream_offset(step, WEIGHT_STREAM, start) + j)
     if state_fmt != F32:
-        if s1_addr:
-            offset = stream_offset(step, STATE1_STREAM, start) + j
-            m_bits16, m_cache = noise_bits16(k0, k1, offset, m_cache)
+        if has_state1:
+            m_bits16 = noise_bits16(k0, k1, stream_offset(step, STATE1_STREAM, start) + j)
         if kind == ADAMW:
-            offset = stream_offset(step, STATE2_STREAM, start) + j
-            v_bits16, v_cache = noise_bits16(k0, k1, offset, v_cache)
+            v_bits16 = noise_bits16(k0, k1, stream_offset(step, STATE2_STREAM, start) + j)
     update_element(
         kind,
         mode,
-        (p_fmt, g_fmt, state_fmt),
-        (p_addr, g_addr, s1_addr, s2_addr, aux_addr),
-        s1_addr != 0,
+        formats,
+        buffers,
+        has_state1,
         j,
         bits_to_f32(scale_bits),
-        (np.float32(coefs[0]), np.float32(coefs[1]), np.float32(coefs[2])),
+        coefs,
         group,
         (w_bits16, m_bits16, v_bits16),
     )
-    return w_cache, m_cache, v_cache

@@ -121,6 +121,10 @@ class FusedStep:
             self.table, self.starts, self.coefs, self.bstarts = (
                 cuda.to_device(a, stream=stream) for a in (table, starts, coefs, bstarts)
             )
+            if not self.fp8:
+                from . import _cuda
+
+                self._kernel = _cuda.optim_step_kernel(kind, mode, state_fmt, table)
 
     def set_hyper(self, hyper: np.ndarray) -> None:
         """Per-group hyperparameters (float64[G, len(Hyper)]); copied to the device only when
@@ -225,9 +229,8 @@ class FusedStep:
             from . import _cuda
 
             _cuda.optim_step(
+                self._kernel,
                 self.kind,
-                self.mode,
-                self.state_fmt,
                 *args,
                 sign=sign,
                 total=self.total,

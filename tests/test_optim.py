@@ -375,10 +375,10 @@ def test_stream_starts_not_with_fp8_states():
         )
 
 
-def test_cuda_noise_blocks_shared_by_four_elements_match_cpu(small_cuda_launch):
-    """The CUDA step draws one Threefry block per four consecutive elements and stream (a
-    per-thread cache): bf16 params and states (three streams), tensors of odd sizes, and noise
-    starts not aligned with the elements' places (``stream_starts``): the CPU's bits."""
+def test_cuda_noise_at_unaligned_stream_starts_matches_cpu(small_cuda_launch):
+    """The CUDA step's noise (a Threefry block per element and stream, four elements' lanes in
+    a block): bf16 params and states (three streams), tensors of odd sizes, and noise starts
+    not aligned with the elements' places (``stream_starts``): the CPU's bits."""
     rng = np.random.default_rng(9)
     sizes = (7, 13, 5, 9)
     starts = [5, 102, 19, 41]  # disjoint ranges, none aligned to a block of four

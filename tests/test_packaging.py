@@ -113,10 +113,19 @@ blocks = {  # addresses, block count, tensor scale word, layout, key, offset, pa
     "_quantize": (i64, i64, i64, i64, u32, i64, i64, i64, i64, i64, i64, mx),
     "_dequantize": (i64, i64, i64, u32, i64, i64, i64, i64, t.Tuple((i64, i64, i64, b, b))),
 }
-from srround import _blocks_cuda
-for name, sig in [*kernels.items(), *blocks.items()]:
-    module = _blocks_cuda if name in blocks else _cuda
-    ptx, _ = compile_ptx(getattr(module, name).py_func, sig, cc=(9, 0))
+from srround import _blocks_cuda, _elements as E
+# the fused step's kernels are built per configuration (_cuda.optim_step_kernel)
+step_sig = (i64a, t.int64[::1], f64a, i32, f32a, u32, u32, i64, i64)
+steps = {
+    "_optim_step_adamw": (E.ADAMW, E.STOCHASTIC, E.F32, E.STATE1_ALL, (E.BF16, E.BF16)),
+    "_optim_step_sgd_mixed": (E.SGD, E.KAHAN, E.BF16, E.STATE1_SOME, (-1, -1)),
+}
+for name, sig in [*kernels.items(), *blocks.items(), *steps.items()]:
+    if name in steps:
+        kernel, sig = _cuda._make_step(*sig), step_sig
+    else:
+        kernel = getattr(_blocks_cuda if name in blocks else _cuda, name)
+    ptx, _ = compile_ptx(kernel.py_func, sig, cc=(9, 0))
     ops = sorted(set(re.findall(r"(ld\\.global\\S*|st\\.global\\S*|fma\\.\\S*|\\.local)", ptx)))
     print(name, " ".join(ops) or "-")
 """
@@ -138,4 +147,4 @@ def test_cuda_kernels_compile_to_ptx_with_8_byte_accesses():
     assert lines["_to_float32_vec4"] == "ld.global.u64 st.global.u64"
     assert "fma.rn.f32" in lines["_stochastic_add_general"]
     assert not any(".local" in ops for ops in lines.values())
-    assert len(lines) == 13 and lines["_unscale_and_check"] and lines["_update_scale"]  # all built
+    assert len(lines) == 15 and lines["_unscale_and_check"] and lines["_update_scale"]  # all built
