@@ -283,17 +283,46 @@ def max_byte(h, *, stream) -> int:
 # -- loss scaling (tensor lists through a pointer table, see _tensor_list.py) -----------------
 
 
-@cuda.jit(cache=True)
-def _unscale_and_check(addresses, formats, starts, inv_scales, found, per_tensor):
-    first, end = _block_range(starts[starts.size - 1])
-    k = _find_tensor(starts, min(first + cuda.threadIdx.x, end - 1)) if first < end else 0
-    for i in range(first + cuda.threadIdx.x, end, cuda.blockDim.x):
-        while i >= starts[k + 1]:
-            k += 1
+def _make_unscale(fixed_code):
+    """The unscale-and-check kernel, the gradients' format a constant where every tensor of
+    the list has the same (``fixed_code``; -1: per tensor, from the table). A thread reads a
+    tensor's entries once, not per element (its stores through raw addresses would make the
+    compiler read them again)."""
+
+    @cuda.jit(cache=True)
+    def unscale(addresses, formats, starts, inv_scales, found, per_tensor):
+        first, end = _block_range(starts[starts.size - 1])
+        lead = first + cuda.threadIdx.x
+        if lead >= end:
+            return
+        shared = inv_scales.size == 1  # one scale for every tensor
+        k = _find_tensor(starts, lead)
+        address, code, start, stop = addresses[k], formats[k], starts[k], starts[k + 1]
         slot = k if per_tensor else 0
-        scale = inv_scales[slot if inv_scales.size > 1 else 0]  # one scale: shared
-        if not unscale_in_place(addresses[k], formats[k], i - starts[k], scale):
-            found[slot] = 0x3F800000  # 1.0f
+        scale = inv_scales[0 if shared else slot]
+        for i in range(lead, end, cuda.blockDim.x):
+            if i >= stop:
+                while i >= starts[k + 1]:
+                    k += 1
+                address, code, start, stop = addresses[k], formats[k], starts[k], starts[k + 1]
+                slot = k if per_tensor else 0
+                scale = inv_scales[0 if shared else slot]
+            fmt = fixed_code if fixed_code >= 0 else code
+            if not unscale_in_place(address, fmt, i - start, scale):
+                found[slot] = 0x3F800000  # 1.0f
+
+    return unscale
+
+
+_UNSCALES: dict = {}
+
+
+def _unscale_kernel(formats):
+    """``_make_unscale``'s kernel for the host array ``formats``, built once per process."""
+    fixed = int(formats[0]) if len(formats) and (formats == formats[0]).all() else -1
+    if fixed not in _UNSCALES:
+        _UNSCALES[fixed] = _make_unscale(fixed)
+    return _UNSCALES[fixed]
 
 
 @cuda.jit(cache=True)
@@ -334,15 +363,17 @@ def _device_table(arrays):
 
 
 def unscale_and_check(
-    addresses, formats, starts, inv_scales, found, per_tensor, *, total, stream, on_device=False
+    addresses, formats, starts, inv_scales, found, per_tensor, *, total, stream, device_table=None
 ):
-    """``total``: elements over all tensors; the host table arrays are copied over (cached,
-    ``_device_table``) unless ``on_device`` says they are device arrays already."""
+    """``total``: elements over all tensors; ``addresses``, ``formats``, ``starts``: the host
+    table, copied over (cached, ``_device_table``) unless ``device_table`` holds the device
+    copies the caller keeps."""
     table = (
-        (addresses, formats, starts) if on_device else _device_table((addresses, formats, starts))
+        device_table if device_table is not None else _device_table((addresses, formats, starts))
     )
     grid = _grid(total)
-    _unscale_and_check[grid[0], grid[1], stream](*table, inv_scales, found, per_tensor)
+    kernel = _unscale_kernel(formats)
+    kernel[grid[0], grid[1], stream](*table, inv_scales, found, per_tensor)
 
 
 def update_scale(scale, growth_tracker, overflow_tracker, found, factors, *, stream):

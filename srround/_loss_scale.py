@@ -21,14 +21,14 @@ def unscale_and_check(
     *,
     total,
     stream=None,
-    on_device=False,
+    device_table=None,
 ) -> None:
     """Unscale every element of a tensor list in place and flag non-finite inputs.
 
     Args:
         addresses, formats, starts: the tensor list (``_tensor_list.TensorList``), host
-            arrays; on CUDA their device copies are cached (``_cuda._device_table``), or,
-            with ``on_device``, device arrays the caller keeps (``_optim.FusedStep``).
+            arrays; on CUDA their device copies are cached (``_cuda._device_table``), or
+            ``device_table`` holds the copies the caller keeps (``_optim.FusedStep``).
         inv_scales, found: uint32 float32 patterns (1, or one per tensor with ``per_tensor``;
             there one scale is shared) on ``device``; ``found`` is set to 1.0 where an input
             was non-finite.
@@ -40,7 +40,7 @@ def unscale_and_check(
     else:
         from . import _cuda
 
-        _cuda.unscale_and_check(*args, total=total, stream=stream, on_device=on_device)
+        _cuda.unscale_and_check(*args, total=total, stream=stream, device_table=device_table)
 
 
 def update_scale(scale, growth_tracker, overflow_tracker, found, *factors, device, stream=None):

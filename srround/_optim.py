@@ -94,7 +94,7 @@ class FusedStep:
     def __init__(self, kind, mode, state_fmt, table, sizes, steps, device, stream=None):
         self.kind, self.mode, self.state_fmt = int(kind), int(mode), int(state_fmt)
         starts = np.concatenate([[0], np.cumsum(np.asarray(sizes, np.int64))]).astype(np.int64)
-        self.total = int(starts[-1])
+        self.total, self._host_starts = int(starts[-1]), starts
         if self.total >= MAX_ELEMENTS:
             raise ValueError(f"params: {self.total} elements, at most {MAX_ELEMENTS - 1} per step")
         if len(table) and int((table[:, NOISE] + np.diff(starts)).max()) > MAX_ELEMENTS:
@@ -159,21 +159,27 @@ class FusedStep:
         if self._grad_table is None:
             columns = [np.ascontiguousarray(self._host_table[:, c]) for c in (G_ADDR, G_FMT)]
             one = np.array([1.0], np.float32).view(np.uint32)
+            on_device = None
             if self.device == "cuda":
                 from ._numba_cuda_compat import import_numba_cuda
 
                 cuda = import_numba_cuda()
-                columns = [cuda.to_device(a, stream=self.stream) for a in columns]
+                on_device = [cuda.to_device(a, stream=self.stream) for a in columns]
+                on_device = (*on_device, self.starts)
                 one = cuda.to_device(one, stream=self.stream)
-            self._grad_table = (*columns, self.starts, one)
+            self._grad_table = (*columns, self._host_starts, one), on_device
+        (addresses, formats, starts, one), on_device = self._grad_table
         unscale_and_check(
-            *self._grad_table,
+            addresses,
+            formats,
+            starts,
+            one,
             found,
             False,
             self.device,
             total=self.total,
             stream=self.stream,
-            on_device=self.device == "cuda",
+            device_table=on_device,
         )
 
     def run(self, inv_scale, found, k0, k1, *, negated=False) -> None:

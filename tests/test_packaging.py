@@ -102,7 +102,6 @@ kernels = {
     "_round_nearest_general": (u32, u16, f32, i64, i64, i64, i64, i64, b, i64),
     "_to_float32_vec4": (u64, u64, f32, i64, i64, i64, i64, i64, b),
     "_to_float32_general": (u16, u32, f32, i64, i64, i64, i64, i64, b, i64),
-    "_unscale_and_check": (t.int64[::1], t.int64[::1], t.int64[::1], u32, u32, b),
     "_update_scale": (u32, u32, u32, u32, t.Tuple((f32, f32, i64, i64, f32, f32))),
 }
 i64a, f64a, f32a, i32 = t.int64[:, ::1], t.float64[:, ::1], t.float32[:, ::1], t.int32[::1]
@@ -120,9 +119,14 @@ steps = {
     "_optim_step_adamw": (E.ADAMW, E.STOCHASTIC, E.F32, E.STATE1_ALL, (E.BF16, E.BF16)),
     "_optim_step_sgd_mixed": (E.SGD, E.KAHAN, E.BF16, E.STATE1_SOME, (-1, -1)),
 }
-for name, sig in [*kernels.items(), *blocks.items(), *steps.items()]:
+# and the unscale kernel per gradient format (-1: mixed)
+unscale_sig = (t.int64[::1], t.int64[::1], t.int64[::1], u32, u32, b)
+unscales = {"_unscale_and_check": -1, "_unscale_and_check_fp32": E.F32}
+for name, sig in [*kernels.items(), *blocks.items(), *steps.items(), *unscales.items()]:
     if name in steps:
         kernel, sig = _cuda._make_step(*sig), step_sig
+    elif name in unscales:
+        kernel, sig = _cuda._make_unscale(sig), unscale_sig
     else:
         kernel = getattr(_blocks_cuda if name in blocks else _cuda, name)
     ptx, _ = compile_ptx(kernel.py_func, sig, cc=(9, 0))
@@ -147,4 +151,4 @@ def test_cuda_kernels_compile_to_ptx_with_8_byte_accesses():
     assert lines["_to_float32_vec4"] == "ld.global.u64 st.global.u64"
     assert "fma.rn.f32" in lines["_stochastic_add_general"]
     assert not any(".local" in ops for ops in lines.values())
-    assert len(lines) == 15 and lines["_unscale_and_check"] and lines["_update_scale"]  # all built
+    assert len(lines) == 16 and lines["_unscale_and_check"] and lines["_update_scale"]  # all built
