@@ -8,16 +8,16 @@ Prints per row the time, the bandwidth and the fraction of the bandwidth of a co
 ``optax.adamw`` + ``optax.apply_updates`` on the same bf16 params, then whether the JAX bits
 equal srround's Numba CUDA kernels on the same inputs.
 
-``--probe DIR``: where the fused step's time goes. The same step again with one part of its
-work swapped for a cheaper stand-in (not srround's bits: a measurement only): no random bits,
-float32 conversions for the exact roundings (``_lax.narrow``), float32 arithmetic for the exact
-fma/division/square root, float64 widening without the CPU's subnormal handling, several at
-once; and the random bits with one Threefry block per four elements (a layout XLA may share
-between four elements). Then ``optax.adamw`` + srround ``apply_updates`` the same way (no
-random bits, per-four blocks, a plain float32 sum for the exact one: what ships on CUDA,
-where XLA adds as IEEE does). Each row says whether its parameters' bits equal the shipped
-version's (random inputs, subnormal weights and gradients among them), its count of fusions
-and its compile time. Writes each variant's optimized HLO to DIR."""
+``--probe DIR``: where the fused step's time goes. The same step again with one part of its work
+swapped for a cheaper stand-in (not srround's bits: a measurement only): no random bits, float32
+conversions for the exact roundings (``_lax.narrow``), float32 arithmetic for the exact
+fma/division/square root, several at once; and the random bits with one Threefry block per four
+elements (a layout XLA may share between four elements). Then ``optax.adamw`` + srround
+``apply_updates`` the same way (no random bits, per-four blocks, a plain float32 sum for the
+exact one: what ships on CUDA, where XLA adds as IEEE does). Each row says whether its
+parameters' bits equal the shipped version's (random inputs, subnormal weights and gradients
+among them), its count of fusions and its compile time. Writes each variant's optimized HLO to
+DIR."""
 
 from __future__ import annotations
 
@@ -94,7 +94,6 @@ def _probe(directory, tx, otx, params, row, x, key, cast, base):
             (_lax, "_random16"),
             (optim, "narrow"),
             (_lax, "narrow"),
-            (optim, "_wide"),
             (optim, "_fma"),
             (optim, "div"),
             (optim, "sqrt"),
@@ -109,9 +108,6 @@ def _probe(directory, tx, otx, params, row, x, key, cast, base):
         with jax.enable_x64(True):
             return jnp.asarray(v, jnp.float64).astype(jnp.float32)
 
-    def widened(v, exact):
-        return v.astype(jnp.float64)
-
     def fma32(a, b, c, exact=None):
         return jnp.asarray(a, jnp.float32) * b + c
 
@@ -124,7 +120,6 @@ def _probe(directory, tx, otx, params, row, x, key, cast, base):
     fused = {
         "no random bits": {"_random16": no_bits},
         "Threefry block per 4 elements": blocks,
-        "plain float64 widening": {"_wide": widened},
         "narrow by conversion": {"narrow": converted},
         "float32 fma, div, sqrt": f32_math,
         "all but the bits": {"narrow": converted, **f32_math},
