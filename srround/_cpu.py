@@ -19,9 +19,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from llvmlite import ir
-from numba import carray, get_num_threads, njit, prange, set_num_threads, types
-from numba.extending import intrinsic
+from numba import carray, get_num_threads, njit, prange, set_num_threads
 
 from . import _config, _threads
 from ._elements import (
@@ -63,7 +61,7 @@ from ._formats import (
     FORMATS,
     BufferCode,
 )
-from ._rng import _KS_PARITY, MASK32
+from ._rng import MASK32, threefry2x32_i32
 from ._scalar import add_exact_f32, bits_to_f32, decode, encode_nearest, encode_stochastic
 from ._state8 import STATE_BLOCK, STREAM_WORDS, update_block8
 from ._tensor_list import find_tensor, typed_pointer
@@ -109,43 +107,12 @@ def _block_range(n, offset):
     return first, ((offset + n - 1) >> 2) - first + 1
 
 
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # of even and odd groups of four rounds
-
-
-@intrinsic
-def _threefry2x32_i32(typingctx, k0, k1, c0, c1):
-    """``_rng.threefry2x32`` emitted as LLVM ``i32`` arithmetic (low 32 bits of each argument).
-
-    The same function as ``_rng.threefry2x32`` (the algorithm in that module's docstring, round
-    for round), but Numba computes on 64-bit integers and LLVM cannot narrow them back, so the
-    generic version vectorizes 4 blocks per AVX2 register with masking; this one vectorizes 8.
-    Returns ``(x0, x1)`` as uint32.
-    """
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        k0, k1, c0, c1 = (builder.trunc(a, i32) for a in args)
-        ks = (k0, k1, builder.xor(builder.xor(k0, k1), i32(_KS_PARITY)))
-        x0, x1 = builder.add(c0, ks[0]), builder.add(c1, ks[1])
-        for g in range(5):
-            for r in _ROTATIONS[g % 2]:
-                x0 = builder.add(x0, x1)
-                x1 = builder.xor(
-                    builder.or_(builder.shl(x1, i32(r)), builder.lshr(x1, i32(32 - r))), x0
-                )
-            x0 = builder.add(x0, ks[(g + 1) % 3])
-            x1 = builder.add(builder.add(x1, ks[(g + 2) % 3]), i32(g + 1))
-        return context.make_tuple(builder, signature.return_type, (x0, x1))
-
-    return types.UniTuple(types.uint32, 2)(k0, k1, c0, c1), codegen
-
-
 @njit(forceinline=True, cache=True)
 def _fill_run(words, k0, k1, low, high):
     """Blocks ``(low + j, high)`` for ``j < words.size // 2`` into ``words[2j], words[2j+1]``
     (``low + j`` must stay below 2**32); branch-free, vectorized 8 blocks wide."""
     for j in range(words.size >> 1):
-        x0, x1 = _threefry2x32_i32(k0, k1, low + j, high)
+        x0, x1 = threefry2x32_i32(k0, k1, low + j, high)
         words[2 * j] = x0
         words[2 * j + 1] = x1
 

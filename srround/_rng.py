@@ -13,8 +13,12 @@ reference and ``jax.random``'s ``threefry_2x32`` compute the same function):
 
 The rounds are written out one by one with literal rotations: indexing a tuple of rotations at
 run time puts it in local memory on CUDA, several times slower.
-Arithmetic is done on Numba's 64-bit integers and masked to 32 bits, so the same source is exact
-under ``njit``, ``cuda.jit``, the CUDA simulator and plain Python.
+``threefry2x32`` computes on Numba's 64-bit integers masked to 32 bits, so the same source is
+exact under ``njit``, ``cuda.jit``, the CUDA simulator and plain Python: the reference.
+``threefry2x32_i32``, the same function emitted as 32-bit LLVM arithmetic (a GPU has no 64-bit
+integer unit: each 64-bit op is two or more 32-bit ones, and a rotation three shifts instead
+of one funnel shift; a CPU's vector registers hold twice the lanes), is what the kernels run
+(``random_block``).
 
 How srround uses it - the key from the seed, the counter of element ``i`` (``offset + i``),
 four 16-bit lanes per block - is the RNG contract, section 1 of ``docs/contracts.md``: element
@@ -24,7 +28,9 @@ i's 16 random bits depend only on (seed, offset + i).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 MASK32 = 0xFFFFFFFF
 _KS_PARITY = 0x1BD11BDA
@@ -83,10 +89,48 @@ def threefry2x32(k0, k1, c0, c1):
     return x0, x1
 
 
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # of even and odd groups of four rounds
+
+
+@intrinsic
+def threefry2x32_i32(typingctx, k0, k1, c0, c1):
+    """``threefry2x32`` emitted as LLVM ``i32`` arithmetic on the low 32 bits of each integer
+    argument, round for round; returns ``(x0, x1)`` as uint32. Usable inside compiled code
+    only (``njit``, ``cuda.jit``), not from plain Python."""
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+
+        def word(value):
+            width = value.type.width
+            if width > 32:
+                return builder.trunc(value, i32)
+            return builder.zext(value, i32) if width < 32 else value
+
+        k0, k1, c0, c1 = (word(a) for a in args)
+        ks = (k0, k1, builder.xor(builder.xor(k0, k1), i32(_KS_PARITY)))
+        x0, x1 = builder.add(c0, ks[0]), builder.add(c1, ks[1])
+        for g in range(5):
+            for r in _ROTATIONS[g % 2]:
+                x0 = builder.add(x0, x1)
+                x1 = builder.xor(
+                    builder.or_(builder.shl(x1, i32(r)), builder.lshr(x1, i32(32 - r))), x0
+                )
+            x0 = builder.add(x0, ks[(g + 1) % 3])
+            x1 = builder.add(builder.add(x1, ks[(g + 2) % 3]), i32(g + 1))
+        return context.make_tuple(builder, signature.return_type, (x0, x1))
+
+    if not all(isinstance(a, types.Integer) for a in (k0, k1, c0, c1)):
+        return None
+    return types.UniTuple(types.uint32, 2)(k0, k1, c0, c1), codegen
+
+
 @njit(forceinline=True, cache=True)
 def random_block(k0, k1, block):
-    """The 64 random bits of counter block ``block`` (= (offset + i) >> 2), as ``(x0, x1)``."""
-    return threefry2x32(k0, k1, block & MASK32, (block >> 32) & MASK32)
+    """The 64 random bits of counter block ``block`` (= (offset + i) >> 2), as ``(x0, x1)``
+    (int64 holding 32-bit words): ``threefry2x32`` in 32-bit arithmetic."""
+    x0, x1 = threefry2x32_i32(k0, k1, block, block >> 32)
+    return np.int64(x0), np.int64(x1)
 
 
 @njit(forceinline=True, cache=True)

@@ -124,15 +124,20 @@ def test_seed_validation():
     srround.stochastic_round(x, seed=np.uint64(2**64 - 1))
 
 
-def test_cpu_vectorized_threefry_equals_reference():
-    """The CPU backend's i32 Threefry (an LLVM intrinsic, for 8-wide AVX2) is the same function."""
+def test_i32_threefry_equals_reference():
+    """The kernels' i32 Threefry (an LLVM intrinsic: 32-bit words on a GPU, 8-wide AVX2 on a
+    CPU) and ``random_block`` are the reference function (64-bit ints, plain Python)."""
     from numba import njit
 
-    from srround._cpu import _threefry2x32_i32
+    from srround._rng import random_block, threefry2x32_i32
 
     @njit
     def run(k0, k1, c0, c1):
-        return _threefry2x32_i32(k0, k1, c0, c1)
+        return threefry2x32_i32(k0, k1, c0, c1)
+
+    for block in (0, 1, 2**32 - 1, 2**32, 2**40 + 12345, 2**62 + 7):
+        want = threefry2x32.py_func(3, 2**32 - 5, block & 0xFFFFFFFF, block >> 32)
+        assert tuple(int(v) for v in random_block(3, 2**32 - 5, block)) == want
 
     for key, counter, expected in KNOWN_ANSWERS:
         assert tuple(int(v) for v in run(*key, *counter)) == expected
