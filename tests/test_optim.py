@@ -283,6 +283,56 @@ def test_cuda_set_grad_addresses_moves_the_table_to_new_gradients(small_cuda_lau
         assert list(on_device) == [address(d) for d in grads]
 
 
+@pytest.mark.cuda
+def test_cuda_sgd_with_momentum_in_some_groups_matches_cpu(small_cuda_launch):
+    """A table where only some tensors have a momentum buffer (SGD param groups with and
+    without momentum): the CUDA step built for it reads the buffer's presence per tensor (the
+    other configurations fold it), and gives the CPU step's bits over two steps."""
+    from numba import cuda
+
+    from srround import _optim
+    from srround._elements import BF16 as BF16_CODE
+    from srround._tensor_list import address
+
+    if not cuda.is_available():
+        pytest.skip("no CUDA device and not simulated")
+    rng = np.random.default_rng(6)
+    sizes, groups = [11, 7, 9], [0, 1, 0]
+    params = [rng.standard_normal(n).astype(np.float32).astype(BF16) for n in sizes]
+    grads = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    buffers = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    # (lr, momentum, dampening, weight_decay, nesterov) per group; group 1 without momentum
+    hyper = np.array([[0.1, 0.9, 0.0, 0.01, 0.0], [0.05, 0.0, 0.0, 0.0, 0.0]])
+
+    def run(device):
+        arrays = [[a.copy() for a in x] for x in (params, grads, buffers)]
+        if device == "cuda":
+            arrays = [_to_device(x) for x in arrays]
+        ps, gs, bs = arrays
+        table = np.zeros((3, _optim.TABLE_COLUMNS), np.int64)
+        table[:, _optim.P_ADDR] = [address(p) for p in ps]
+        table[:, _optim.P_FMT] = BF16_CODE  # gradients: float32 (code 0)
+        table[:, _optim.G_ADDR] = [address(g) for g in gs]
+        table[:, _optim.S1_ADDR] = [address(b) if g == 0 else 0 for b, g in zip(bs, groups)]
+        table[:, _optim.GROUP] = groups
+        table[:, _optim.NOISE] = [0, 11, 18]
+        steps = np.zeros(3, np.uint32)
+        flags = [np.float32([1.0]).view(np.uint32), np.zeros(1, np.uint32)]
+        stream = None
+        if device == "cuda":
+            steps, flags, stream = to_cuda(steps), _to_device(flags), cuda.default_stream()
+        mode = _optim.MODES["stochastic"]
+        fused = _optim.FusedStep(_optim.SGD, mode, 0, table, sizes, steps, device, stream)
+        fused.set_hyper(hyper)
+        for _ in range(2):
+            fused.run(*flags, 5, 6)
+        if device == "cuda":
+            ps, bs = ([a.copy_to_host() for a in x] for x in (ps, bs))
+        return ps + bs
+
+    assert _same_bits(run("cuda"), run("cpu"))
+
+
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_stream_starts_pieces_equal_the_whole(opt):
     """A tensor updated in pieces (a shard's contiguous runs), each piece's ``stream_starts``
