@@ -818,6 +818,20 @@ def test_state_dict_of_another_optimizer_or_other_shapes_fails_at_load():
     assert len(other.state) == 0
 
 
+def test_non_float8_states_into_float8_states_fail_at_load():
+    """A torch.optim dict (no ``state_dtype`` of its own: the optimizer's float8 applies)
+    loaded into AdamW with float8 states: a ValueError at load naming the state, nothing
+    loaded. Before, the load went through and the first step refused it (float8 states are
+    not converted). srround's own dict carries its ``state_dtype``, which replaces the
+    constructor's (README)."""
+    source = torch.optim.AdamW(_params(torch.bfloat16), lr=1e-3)
+    _run(source, source.param_groups[0]["params"], 1)
+    opt = AdamW(_params(torch.bfloat16), lr=1e-2, seed=1, state_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"^state_dict: state\[0\]\['exp_avg'\] is torch"):
+        opt.load_state_dict(source.state_dict())
+    assert opt.param_groups[0]["lr"] == 1e-2 and len(opt.state) == 0
+
+
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_torch_optim_loads_srround_state_dict(kind):
     ours = _params(torch.float32)

@@ -1087,6 +1087,26 @@ class _FusedOptimizer(torch.optim.Optimizer):
                             value, p, f"state_dict: state[{index}][{name!r}]"
                         )
 
+    def _check_fp8_states(self, state_dict: dict, groups: list) -> None:
+        """float8 states (``state_dtype`` float8) come with the block scales of the step that
+        wrote them: a saved state of another dtype (a torch.optim or torchao dict, which take
+        this optimizer's ``state_dtype``) is a ``ValueError`` at load, before anything is
+        loaded (it was refused at the first step, after the load)."""
+        for saved, group in zip(state_dict["param_groups"], groups):
+            state_dtype = _STATE_DTYPE_OF[group["state_dtype"]]
+            if state_dtype not in _FP8_STATE_DTYPES:
+                continue
+            for index in saved["params"]:
+                for name in self._STATE_NAMES:
+                    value = state_dict["state"].get(index, {}).get(name)
+                    if isinstance(value, torch.Tensor) and value.dtype != state_dtype:
+                        raise ValueError(
+                            f"state_dict: state[{index}][{name!r}] is {value.dtype}, and"
+                            f" state_dtype={group['state_dtype']!r} takes float8 states only"
+                            " (their block scales come from the step that wrote them): load it"
+                            " into an optimizer with state_dtype='float32' or 'bfloat16'"
+                        )
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, also of a ``torch.optim`` optimizer's state dict: group
         keys it lacks (``rounding``, ``state_dtype``, ``seed``, ...) come from this optimizer's
@@ -1153,6 +1173,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                             f"{first['rounding']!r} does not use: pass rounding="
                             f"{next(k for k, v in AUX_NAMES.items() if v == name)!r}"
                         )
+        self._check_fp8_states(state_dict, groups)
         state_dict = dict(state_dict, param_groups=groups)
         # torch's load, without the hooks (their dicts emptied, then refilled in order: the
         # handles stay valid): they run here, around srround's restore
