@@ -421,8 +421,13 @@ def _tensor_constants(table, starts, hyper, steps, coefs, k, kind):
     that loop, every one would be read again per element): ``(buffers, formats, state1,
     noise start, start, end, step, coefs, group)``."""
     g = table[k, GROUP]
-    buffers = (table[k, P_ADDR], table[k, G_ADDR], table[k, S1_ADDR], table[k, S2_ADDR])
-    buffers = buffers + (table[k, AUX_ADDR],)
+    buffers = (
+        table[k, P_ADDR],
+        table[k, G_ADDR],
+        table[k, S1_ADDR],
+        table[k, S2_ADDR],
+        table[k, AUX_ADDR],
+    )
     c = (coefs[k, 0], coefs[k, 1], coefs[k, 2])
     group = group_constants(kind, hyper[g, 1], hyper[g, 2], hyper[g, 3], hyper[g, 4])
     return (
