@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
@@ -154,19 +155,38 @@ def no_overlap(buffers) -> None:
     of them is written (two read-only inputs may share memory).
 
     ``buffers``: ``(name, address, nbytes, writes)`` per buffer (empty ones are skipped; a name
-    is a string or a ``(list name, index)`` pair, spelled ``name[index]``). The ranges are
-    sorted by start once; without any overlap (the usual case) the check is one
-    vectorised pass, a sweep finds the pair only when there is one.
+    is a string or a ``(list name, index)`` pair, spelled ``name[index]``), or ``ListSpans``
+    (``list_spans``: a tensor list's buffers as arrays). The ranges are sorted by start once;
+    without any overlap (the usual case) the check is vectorised passes over arrays, and only
+    an overlap makes per-buffer entries, for a sweep that finds and names the pair.
     """
-    items = [b for b in buffers if b[2] > 0]
-    if len(items) < 2:
+    singles = [b for b in buffers if not isinstance(b, ListSpans)]
+    lists = [b for b in buffers if isinstance(b, ListSpans)]
+    starts = np.concatenate(
+        [np.fromiter((b[1] for b in singles), np.int64, len(singles))]
+        + [spans.addresses for spans in lists]
+    )
+    sizes = np.concatenate(
+        [np.fromiter((b[2] for b in singles), np.int64, len(singles))]
+        + [spans.nbytes for spans in lists]
+    )
+    nonempty = sizes > 0
+    if np.count_nonzero(nonempty) < 2:
         return
-    starts = np.fromiter((b[1] for b in items), np.int64, len(items))
-    ends = starts + np.fromiter((b[2] for b in items), np.int64, len(items))
+    starts, ends = starts[nonempty], starts[nonempty] + sizes[nonempty]
     order = np.argsort(starts, kind="stable")
     reach = np.maximum.accumulate(ends[order])
     if np.all(starts[order][1:] >= reach[:-1]):
         return
+    entries = [e for b in buffers for e in (b.entries() if isinstance(b, ListSpans) else [b])]
+    _name_an_overlap([e for e in entries if e[2] > 0])
+
+
+def _name_an_overlap(items) -> None:
+    """The sweep of ``no_overlap`` over per-buffer entries (non-empty), in argument order."""
+    starts = np.fromiter((b[1] for b in items), np.int64, len(items))
+    ends = starts + np.fromiter((b[2] for b in items), np.int64, len(items))
+    order = np.argsort(starts, kind="stable")
     furthest_any = furthest_written = None  # (end, item) reaching furthest so far
     for k in order:
         name, start, _, writes = items[k]
@@ -195,14 +215,29 @@ def _argument_order(items):
     return rank.__getitem__
 
 
+class ListSpans(NamedTuple):
+    """``no_overlap`` entries ``name[i]`` of a tensor list as arrays (``list_spans``): fields
+    0-3 as a single entry's (``name``, start ``addresses``, ``nbytes``, ``writes``), plus the
+    list indices. A list of hundreds of buffers is checked in vectorised passes; ``entries``
+    makes the per-buffer ones, only to name an overlap."""
+
+    name: str
+    addresses: np.ndarray
+    nbytes: np.ndarray
+    writes: bool
+    index: np.ndarray
+
+    def entries(self) -> list:
+        rows = zip(self.index.tolist(), self.addresses.tolist(), self.nbytes.tolist())
+        return [((self.name, i), a, n, self.writes) for i, a, n in rows]
+
+
 def list_spans(name: str, addresses, sizes, codes, widths, writes: bool, present=None):
-    """``no_overlap`` entries ``name[i]`` of a tensor list given by its table columns (named
-    ``(name, i)``: spelled only for an error); ``widths[code]``: bytes per element of a buffer
+    """``[ListSpans]`` of a tensor list given by its table columns: its buffers named
+    ``name[i]`` (spelled only for an error); ``widths[code]``: bytes per element of a buffer
     code; ``present``: the indices that hold a buffer (default: every one)."""
-    if present is None:
-        rows = zip(range(len(addresses)), addresses, sizes, codes)
-        return [((name, i), int(a), int(n) * int(widths[c]), writes) for i, a, n, c in rows]
-    return [
-        ((name, i), int(addresses[i]), int(sizes[i]) * int(widths[codes[i]]), writes)
-        for i in present
-    ]
+    index = np.arange(len(addresses)) if present is None else np.asarray(present, np.int64)
+    addresses = np.asarray(addresses, np.int64)[index]
+    codes = np.asarray(codes, np.int64)[index]
+    nbytes = np.asarray(sizes, np.int64)[index] * np.asarray(widths, np.int64)[codes]
+    return [ListSpans(name, addresses, nbytes, bool(writes), index)]
