@@ -25,8 +25,10 @@ The threads are launched right away (``numba.get_num_threads()``), so a later ch
 Fork while another thread runs a parallel kernel: TBB cannot shut its workers down before the
 fork ("Unable to join threads to shut down before fork()"), and the child's first parallel
 launch then waits forever for workers that were not copied (seen in about one fork in six).
-Every srround CPU launch is counted (``launching``); a child forked while one was running runs
-its own launches on the calling thread alone (``serial_only``), which needs no worker.
+Every srround CPU launch is counted (``launching``); a child forked while one was running, or
+within ``SETTLE_S`` after one ended (TBB's workers return to their pool after the launch has
+returned: a CI run once hung so with the count alone), runs its own launches on the calling
+thread alone (``serial_only``), which needs no worker.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.metadata
+import math
 import os
 import sys
 import threading
+import time
 
 _TBB_LIBRARY = {"win32": "tbb12.dll", "darwin": "libtbb.12.dylib"}.get(sys.platform, "libtbb.so.12")
 _TBB_MIN_INTERFACE = 12060  # what Numba's tbb layer needs (TBB 2021.6)
@@ -52,6 +56,8 @@ serial_only = False
 _active = 0  # srround CPU launches running now, in all threads
 _active_lock = threading.Lock()
 _busy_at_fork = False
+_last_end = -math.inf  # time.monotonic() when the last launch ended
+SETTLE_S = 0.1  # after a launch ends, how long a fork still counts it as running (seconds)
 
 
 class _Launching:
@@ -64,9 +70,10 @@ class _Launching:
             _active += 1
 
     def __exit__(self, *exc):
-        global _active
+        global _active, _last_end
         with _active_lock:
             _active -= 1
+            _last_end = time.monotonic()
         launch_lock.__exit__(*exc)
 
 
@@ -75,7 +82,8 @@ launching = _Launching()
 
 def _before_fork() -> None:
     global _busy_at_fork
-    _busy_at_fork = _active > 0  # the forking thread holds the GIL: no launch starts meanwhile
+    # the forking thread holds the GIL: no launch starts or ends meanwhile
+    _busy_at_fork = _active > 0 or time.monotonic() - _last_end < SETTLE_S
 
 
 def _after_fork_in_child() -> None:

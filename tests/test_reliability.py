@@ -240,12 +240,14 @@ def test_dataloader_workers_call_srround():
 
 
 def test_child_forked_during_a_launch_runs_serially():
-    """A child forked while another thread is inside an srround CPU launch runs its launches
-    on the calling thread alone (the worker pool it inherits may be unusable: TBB could not
-    shut it down for the fork), with the same bits; a child forked between launches, and the
-    parent, keep the pool."""
+    """A child forked while another thread is inside an srround CPU launch, or just after one
+    ended (``_threads.SETTLE_S``: TBB's workers are still returning to their pool; a CI run
+    hung in ``test_fork_while_other_threads_run_kernels`` with the first rule alone), runs its
+    launches on the calling thread alone (the worker pool it inherits may be unusable: TBB
+    could not shut it down for the fork), with the same bits; a child forked once the pool
+    has settled, and the parent, keep the pool."""
     code = """
-    import os, threading, numpy as np, srround
+    import os, threading, time, numpy as np, srround
     from srround import _threads
     x = np.linspace(-1, 1, 1 << 17, dtype=np.float32)
     expected = srround.stochastic_round(x, seed=5).view(np.uint16)
@@ -270,6 +272,9 @@ def test_child_forked_during_a_launch_runs_serially():
     assert forked(lambda: _threads.serial_only) == 0
     release.set()
     holder.join()
+    _threads._last_end = time.monotonic()  # a launch that has just ended
+    assert forked(lambda: _threads.serial_only) == 0
+    _threads._last_end -= _threads.SETTLE_S  # and once the pool has settled
     assert forked(lambda: not _threads.serial_only) == 0
     assert not _threads.serial_only
     print("ok")
