@@ -26,8 +26,8 @@ Fork while another thread runs a parallel kernel: TBB cannot shut its workers do
 fork ("Unable to join threads to shut down before fork()"), and the child's first parallel
 launch then waits forever for workers that were not copied (seen in about one fork in six).
 Every srround CPU launch is counted (``launching``); a child forked while one was running, or
-within ``SETTLE_S`` after one ended (TBB's workers return to their pool after the launch has
-returned: a CI run once hung so with the count alone), runs its own launches on the calling
+within ``SETTLE_S`` after one ended (TBB's workers may still be returning to their pool; the
+fork stress test hung once in CI with the count alone), runs its own launches on the calling
 thread alone (``serial_only``), which needs no worker.
 """
 
