@@ -386,6 +386,39 @@ def case_loss_scale():
         assert message in str(exc), exc
     else:
         raise AssertionError(f"no error for an axis_name without 'model': {fn(grads)}")
+    # no axis_name inside shard_map, and adjust with a per-device flag: a ValueError each
+    # (before: each "x" block had its own flag and its own next scale, with check_vma too)
+    mesh = _mesh((4,), ("x",))
+    grads = {"b": jnp.ones(8).at[5].set(jnp.inf)}
+
+    def local_flag(grads):
+        return sj.all_finite(grads)[None]
+
+    def local_adjust(grads, ls):
+        return ls.adjust(jnp.isfinite(grads["b"]).all())
+
+    checks = {
+        "tree[0]: varies over mesh axes ['x'] that axis_name=None": (
+            local_flag,
+            (grads,),
+            (P("x"),),
+            P("x"),
+        ),
+        "grads_finite: varies over mesh axes ['x'] that the loss scale does not": (
+            local_adjust,
+            (grads, ls),
+            (P("x"), P()),
+            P(),
+        ),
+    }
+    for message, (body, args, in_specs, out_specs) in checks.items():
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+        try:
+            fn.lower(*args)
+        except ValueError as exc:
+            assert message in str(exc), exc
+        else:
+            raise AssertionError(f"no error ({message})")
     print("loss_scale ok")
 
 

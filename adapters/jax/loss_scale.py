@@ -245,8 +245,17 @@ class DynamicLossScale:
 
     def adjust(self, grads_finite) -> DynamicLossScale:
         """The next loss scale after a step whose gradients were (not) all finite
-        (``grads_finite``: a bool scalar)."""
+        (``grads_finite``: a bool scalar). Inside ``shard_map``, a flag that varies over mesh
+        axes the scale does not (a per-device flag, typed so by ``check_vma``) is a
+        ``ValueError``: each device would adjust a scale of its own."""
         grads_finite = _bool_scalar(grads_finite, "grads_finite")
+        rest = sorted(_varying_axes(grads_finite) - _varying_axes(self.loss_scale))
+        if rest:
+            raise ValueError(
+                f"grads_finite: varies over mesh axes {rest} that the loss scale does not: each"
+                " device would adjust its own scale (reduce the flags over them, e.g. with"
+                " all_finite(grads, axis_name=...))"
+            )
         scale = jnp.asarray(self.loss_scale, jnp.float32)
         growth = jnp.asarray(self.growth_tracker, jnp.int32)
         overflows = jnp.asarray(self.overflow_tracker, jnp.int32)
@@ -352,21 +361,24 @@ def all_finite(tree, *, axis_name=None) -> jax.Array:
     tree). Under ``jit`` with sharded leaves the reduction is global. Inside ``shard_map`` pass
     ``axis_name`` (a mesh axis name or a tuple of them, the axes the leaves are split over):
     the local flags are combined with ``lax.pmin``, so every device returns the same value.
-    A leaf that varies over a mesh axis ``axis_name`` does not name (typed so by
-    ``shard_map``'s ``check_vma``) is a ``ValueError``: the flag would differ across it.
+    A leaf that varies over a mesh axis ``axis_name`` does not name (any axis, with
+    ``axis_name=None``; typed so by ``shard_map``'s ``check_vma``) is a ``ValueError``: the
+    flag would differ across it.
     """
     leaves = jax.tree_util.tree_leaves(tree)
     check_arrays(("tree", leaves))
-    if axis_name is not None:
+    if axis_name is None:
+        reduced = set()
+    else:
         reduced = {axis_name} if isinstance(axis_name, str) else set(axis_name)
-        for k, x in enumerate(leaves):
-            rest = sorted(_varying_axes(x) - reduced) if isinstance(x, jax.Array) else []
-            if rest:
-                raise ValueError(
-                    f"tree[{k}]: varies over mesh axes {rest} that axis_name={axis_name!r} does"
-                    " not reduce over: the devices would disagree on the flag (name every axis"
-                    " the leaves are split over)"
-                )
+    for k, x in enumerate(leaves):
+        rest = sorted(_varying_axes(x) - reduced) if isinstance(x, jax.Array) else []
+        if rest:
+            raise ValueError(
+                f"tree[{k}]: varies over mesh axes {rest} that axis_name={axis_name!r} does"
+                " not reduce over: the devices would disagree on the flag (name every axis"
+                " the leaves are split over)"
+            )
     if not leaves:
         finite = jnp.bool_(True)
     else:
