@@ -332,11 +332,11 @@ def unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor=False):
         if flags.bits.size != count:
             raise ValueError(f"found_inf: expected {count} values, got {flags.bits.size}")
     check_same_place(**{"grads[0]": first, "inv_scale": scales, "found_inf": flags})
+    table = TensorList(addresses, codes, sizes, grads)
     _validate.no_overlap(
-        _validate.list_spans("grads", addresses, sizes, codes, CODE_WIDTH, True)
+        _validate.list_spans("grads", table.addresses, table.sizes, table.formats, CODE_WIDTH, True)
         + [_span("inv_scale", scales, False), _span("found_inf", flags, True)]
     )
-    table = TensorList(addresses, codes, sizes, grads)
     if table.total:
         _loss_scale.unscale_and_check(
             table.addresses,

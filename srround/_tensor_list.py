@@ -103,6 +103,7 @@ class TensorList:
     Attributes:
         addresses, formats, starts: the table as NumPy int64 arrays (host; CUDA kernels get
             cached device copies, ``_cuda._device_table``).
+        sizes: elements per buffer (int64 array, ``starts``' differences).
         total: number of elements over all buffers.
         keepalive: the buffers, so their memory outlives the table.
     """
@@ -110,7 +111,9 @@ class TensorList:
     def __init__(self, addresses, formats, sizes, keepalive):
         self.addresses = np.asarray(addresses, np.int64)
         self.formats = np.asarray(formats, np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(np.asarray(sizes, np.int64))]).astype(np.int64)
+        self.sizes = np.asarray(sizes, np.int64)
+        self.starts = np.zeros(self.sizes.size + 1, np.int64)
+        np.cumsum(self.sizes, out=self.starts[1:])
         self.total = int(self.starts[-1])
         self.keepalive = keepalive
 

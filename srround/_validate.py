@@ -171,9 +171,12 @@ def no_overlap(buffers) -> None:
         + [spans.nbytes for spans in lists]
     )
     nonempty = sizes > 0
-    if np.count_nonzero(nonempty) < 2:
+    count = np.count_nonzero(nonempty)
+    if count < 2:
         return
-    starts, ends = starts[nonempty], starts[nonempty] + sizes[nonempty]
+    if count < sizes.size:
+        starts, sizes = starts[nonempty], sizes[nonempty]
+    ends = starts + sizes
     order = np.argsort(starts, kind="stable")
     reach = np.maximum.accumulate(ends[order])
     if np.all(starts[order][1:] >= reach[:-1]):
@@ -225,19 +228,23 @@ class ListSpans(NamedTuple):
     addresses: np.ndarray
     nbytes: np.ndarray
     writes: bool
-    index: np.ndarray
+    index: np.ndarray | None  # None: every index, in order
 
     def entries(self) -> list:
-        rows = zip(self.index.tolist(), self.addresses.tolist(), self.nbytes.tolist())
+        index = range(self.addresses.size) if self.index is None else self.index.tolist()
+        rows = zip(index, self.addresses.tolist(), self.nbytes.tolist())
         return [((self.name, i), a, n, self.writes) for i, a, n in rows]
 
 
 def list_spans(name: str, addresses, sizes, codes, widths, writes: bool, present=None):
-    """``[ListSpans]`` of a tensor list given by its table columns: its buffers named
-    ``name[i]`` (spelled only for an error); ``widths[code]``: bytes per element of a buffer
-    code; ``present``: the indices that hold a buffer (default: every one)."""
-    index = np.arange(len(addresses)) if present is None else np.asarray(present, np.int64)
-    addresses = np.asarray(addresses, np.int64)[index]
-    codes = np.asarray(codes, np.int64)[index]
-    nbytes = np.asarray(sizes, np.int64)[index] * np.asarray(widths, np.int64)[codes]
+    """``[ListSpans]`` of a tensor list given by its table columns (lists or int64 arrays):
+    its buffers named ``name[i]`` (spelled only for an error); ``widths[code]``: bytes per
+    element of a buffer code; ``present``: the indices that hold a buffer (default: every
+    one)."""
+    addresses, codes, sizes = (np.asarray(c, np.int64) for c in (addresses, codes, sizes))
+    index = None
+    if present is not None:
+        index = np.asarray(present, np.int64)
+        addresses, codes, sizes = addresses[index], codes[index], sizes[index]
+    nbytes = sizes * np.asarray(widths, np.int64)[codes]
     return [ListSpans(name, addresses, nbytes, bool(writes), index)]

@@ -44,6 +44,13 @@ def is_dtensor(t) -> bool:
     return kind is not None and isinstance(t, kind)
 
 
+def any_dtensor(tensors, kind) -> bool:
+    """Whether any of ``tensors`` is a ``kind`` (``dtensor_type()``, not None): by the set of
+    their types, a C-level pass (``isinstance`` of each tensor against DTensor costs about 70
+    ns, 14 us for a list of 200 gradients)."""
+    return any(issubclass(tp, kind) for tp in set(map(type, tensors)))
+
+
 def local(t):
     """The local piece of a DTensor, ``t._local_tensor``, eager and traced alike, else ``t``.
     Not ``to_local()``: under torch.compile its op, with FSDP2 gradients (views of a flat
@@ -60,10 +67,9 @@ def locals_of(tensors, name: str) -> list:
     if kind is None:
         return list(tensors)
     tensors = list(tensors)
-    flags = [isinstance(t, kind) for t in tensors if t is not None]
-    if not any(flags):
+    if not any_dtensor(tensors, kind):
         return tensors
-    if not all(flags):
+    if not all(isinstance(t, kind) for t in tensors if t is not None):
         i = next(i for i, t in enumerate(tensors) if t is not None and not isinstance(t, kind))
         raise ValueError(
             f"{name}[{i}]: a plain tensor in a list of DTensors; pass all DTensors (one"
@@ -251,7 +257,7 @@ def mesh_groups(tensors) -> list:
     """The process groups of every dimension of the device meshes of DTensors ``tensors``
     (deduplicated, in order)."""
     kind = dtensor_type()
-    if kind is None:
+    if kind is None or not any_dtensor(tensors, kind):
         return []
     groups, meshes = [], []
     for t in tensors:  # `is`, not id(): torch 2.11's Dynamo cannot trace id() of a mesh

@@ -259,6 +259,7 @@ _BUFFER_CODES = {
     getattr(torch, code_name(code)): code for code in CODE_DTYPES if hasattr(torch, code_name(code))
 }  # (torch has no one-per-byte fp4 dtype)
 _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
+_IS_CPU = operator.attrgetter("is_cpu")
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
@@ -276,13 +277,16 @@ def buffer_table(tensors, name: str, writes: bool = True):
             raise ValueError
         addresses = list(map(_DATA_PTR, tensors))
         sizes = list(map(_NUMEL, tensors))
-        devices = set(map(_DEVICE, tensors))
+        # all on the CPU: a flag read (torch.device objects are made per read, 2x the time)
+        devices = None if all(map(_IS_CPU, tensors)) else set(map(_DEVICE, tensors))
     except Exception:  # not a tensor, another dtype, a layout without storage
         _buffer_error(tensors, name)
         raise
     if 0 in addresses:  # an empty tensor, or a subclass without storage (a wrapper)
         for i, t in enumerate(tensors):
             _check_storage(t, f"{name}[{i}]")
+    if devices is None:
+        return addresses, sizes, codes, "cpu"
     if len(devices) > 1:
         raise ValueError(
             f"{name}: tensors on several devices ({sorted(map(str, devices))});"
