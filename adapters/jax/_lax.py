@@ -421,21 +421,39 @@ def _threefry2x32(k0, k1, c0, c1):
 
 def _element_index(shape, origin=None, global_shape=None):
     """Row-major linear index (uint32, of ``shape``) of every element of a block of ``shape``
-    at ``origin`` (per-dimension uint32 scalars, possibly traced; ``None``: zeros) in an array
+    at ``origin`` (per-dimension uint32 scalars, possibly traced; ``None``: zeros, for all
+    dimensions or for one: an origin XLA knows is 0 keeps the GPU's saving below) in an array
     of ``global_shape`` (default ``shape``). Built from ``broadcasted_iota`` in the array's own
     shape - no reshape to 1-D - so it is elementwise: XLA's SPMD partitioner gives each shard
     the global indices of its elements (any mesh, any partition spec, uneven splits), and the
-    random bits of an element depend only on its global index."""
+    random bits of an element depend only on its global index.
+
+    Where the global last dimension is a power of two the column is or-ed into the row terms
+    (their multiples: the same value as adding it). Then a GPU thread's consecutive elements
+    visibly share the bits above the lowest two, and so their Threefry block, which LLVM
+    computes once for the four elements XLA gives a thread: 1216 -> 984 SASS instructions in
+    the fused AdamW step's kernel (sm_90, bf16 weights), 384 -> 168 in ``stochastic_round``'s.
+    A sum hides it: XLA computes the row terms in a small array of their own."""
     global_shape = tuple(shape) if global_shape is None else tuple(global_shape)
-    index, stride = None, 1
-    for d in reversed(range(len(shape))):
+    if not shape:
+        return jnp.zeros((), _U32)
+    last = len(shape) - 1
+    origin = (None,) * len(shape) if origin is None else tuple(origin)
+    column = lax.broadcasted_iota(_U32, tuple(shape), last)
+    if origin[last] is not None:
+        column = column + _u(origin[last])
+    rows, stride = None, int(global_shape[last])
+    for d in reversed(range(last)):
         i = lax.broadcasted_iota(_U32, tuple(shape), d)
-        if origin is not None:
+        if origin[d] is not None:
             i = i + _u(origin[d])
-        term = i if stride == 1 else i * _U32(stride)
-        index = term if index is None else index + term
+        term = i * _U32(stride)
+        rows = term if rows is None else rows + term
         stride *= int(global_shape[d])
-    return jnp.zeros(tuple(shape), _U32) if index is None else index
+    if rows is None:
+        return column
+    width = int(global_shape[last])
+    return rows | column if width & (width - 1) == 0 else rows + column
 
 
 def _check_count(n: int, name: str = "x") -> None:

@@ -20,15 +20,16 @@ from ._lax import _element_index, _opaque, _random16, _threefry2x32, _u
 _U32 = jnp.uint32
 
 
-@functools.partial(jax.jit, static_argnames=("update", "cfg", "global_shape"))
+@functools.partial(jax.jit, static_argnames=("update", "cfg", "global_shape", "lane0"))
 def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg, global_shape):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf (``arrays[0]`` gives its shape) at
-    global element ``start = 4 start_lo + lane0`` (uint32 scalars), ``bits(stream)`` the random
-    bits of its elements: jitted with the start traced, so leaves of the same shapes and dtypes
-    are traced and lowered once. ``origin`` (traced uint32 scalars, one per dimension): where
-    the leaf's elements are in its ``global_shape`` (a block of a sharded leaf inside
-    ``shard_map``; zeros for a whole leaf, or ``global_shape`` None): its elements use the
-    counters of their global indices."""
+    global element ``start = 4 start_lo + lane0`` (``start_lo`` a traced uint32 scalar, so
+    leaves of the same shapes and dtypes are traced and lowered once; ``lane0`` in 0-3, static:
+    with 0, a GPU thread's four elements share one Threefry block, see ``_element_index``),
+    ``bits(stream)`` the random bits of its elements. ``origin`` (traced uint32 scalars or
+    ``None``, one per dimension): where the leaf's elements are in its ``global_shape`` (a
+    block of a sharded leaf inside ``shard_map``; zeros for a whole leaf, or ``global_shape``
+    None): its elements use the counters of their global indices."""
     shape = arrays[0].shape
     hi = _u(t) * _U32(4)
 
@@ -362,10 +363,11 @@ def _native_leaves(
       ``shard_map``): every leaf's loop computes its bits from the global element indices
       (``_leaf_call``), so it stays elementwise and keeps its leaf's sharding.
 
-    Compile time: the leaf starts reach the loops as runtime scalars (``_lax._opaque``), so the
-    loops of leaves with the same shapes and dtypes are one computation, which XLA's CPU
-    backend compiles once (a start folded in as a constant makes every leaf's loop a kernel of
-    its own); on one CPU device no big leaf's loop carries Threefry rounds.
+    Compile time: the leaf starts reach the loops as runtime scalars (``_lax._opaque``; their
+    first lane, 0-3, as a constant), so the loops of leaves with the same shapes and dtypes are
+    one computation, which XLA's CPU backend compiles once (a start folded in as a constant
+    makes every leaf's loop a kernel of its own); on one CPU device no big leaf's loop carries
+    Threefry rounds.
     ``layouts[k]``: ``(origin, global_shape)`` of a block of a sharded leaf inside
     ``shard_map`` (``None``: the whole leaf). Returns the per-leaf tuples."""
     if not starts:  # no leaf, or only empty ones (before: an IndexError)
@@ -374,26 +376,30 @@ def _native_leaves(
     extras = extras or [()] * len(starts)
     if all(lay is None for lay in layouts) and _on_one_cpu(columns[0]):
         return _one_cpu_leaves(update, cfg, columns, starts, k0, k1, t, extras, host_bits)
-    words = _opaque([w for s in starts for w in (s >> 2, s & 3)], (k0, k1, t))
+    words = _opaque([s >> 2 for s in starts], (k0, k1, t))
     outs = []
     for k, layout in enumerate(layouts):
         shape = columns[0][k].shape
-        origin, global_shape = layout or ((0,) * len(shape), None)
-        # a zero of the leaf's own (its start word differs from leaf to leaf) in its origin.
-        # Leaves of one shape would otherwise share the row offsets of their element indices
-        # (a small array), and XLA's GPU backend merges loops that share an operand into one
-        # kernel (sibling multi-output fusion): 8 AdamW leaves of 8.4M elements became one
-        # kernel of 152 registers a thread; one per leaf takes 48 (sm_90).
-        zero = words[2 * k] & ~words[2 * k]
+        # a zero of the leaf's own (its start word differs from leaf to leaf) in the origin of
+        # its leading dimensions. Leaves of one shape would otherwise share the row offsets of
+        # their element indices (a small array), and XLA's GPU backend merges loops that share
+        # an operand into one kernel (sibling multi-output fusion): 8 AdamW leaves of 8.4M
+        # elements became one kernel of 152 registers a thread; one per leaf takes 48 (sm_90).
+        # A whole leaf's column origin stays a known 0 (``_element_index``).
+        zero = words[k] & ~words[k]
+        if layout is None:
+            origin, global_shape = (zero,) * (len(shape) - 1) + (None,), None
+        else:
+            origin, global_shape = tuple(_u(o) + zero for o in layout[0]), layout[1]
         outs.append(
             _leaf_call(
                 tuple(c[k] for c in columns),
                 k0,
                 k1,
                 t,
-                words[2 * k],
-                words[2 * k + 1],
-                tuple(_u(o) + zero for o in origin),
+                words[k],
+                starts[k] & 3,
+                origin,
                 extras[k],
                 update=update,
                 cfg=cfg,
