@@ -213,6 +213,12 @@ def main(argv=None) -> int:
     row("copy floor: astype(bf16)", cast, 6 * n, cast)
     sr = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k))
     row("stochastic_round native (bf16)", _time(sr, x, key), 6 * n, cast)
+    # matrices: a thread's four elements share their Threefry block where the last dimension
+    # is a power of two (_lax._element_index); 11008 columns (a Llama MLP) is not one
+    for width in (4096, 11008):
+        m = x[: n // width * width].reshape(-1, width)
+        label = f"stochastic_round native (bf16), {width} columns"
+        row(label, _time(sr, m, key), 6 * m.size, cast * m.size / n)
     try:
         import optax
 
@@ -233,6 +239,12 @@ def main(argv=None) -> int:
         fused = _time(jax.jit(tx.step), grads, state, params, reps=10)
         row("srround adamw native fused (fp32 states)", fused, 22 * n, cast * 22 / 6)
         print(f"fused step bandwidth / optax step bandwidth: {base * 22 / 14 / fused:.2f}")
+        wide = [(n // 8 // 11008, 11008)] * 8
+        wide_p = [jnp.zeros(s, jnp.bfloat16) + 0.01 for s in wide]
+        wide_g = [jnp.zeros(s, jnp.float32) + 1e-3 for s in wide]
+        m = sum(p.size for p in wide_p)
+        seconds = _time(jax.jit(tx.step), wide_g, tx.init(wide_p), wide_p, reps=10)
+        row("srround adamw native fused, 11008 columns", seconds, 22 * m, cast * 22 / 6 * m / n)
         if args.probe:
             _probe(args.probe, tx, otx, params, row, x, key, cast, base)
     except ImportError as exc:
