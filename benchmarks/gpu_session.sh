@@ -19,6 +19,9 @@
 #          compared and its optimized HLO kept in the packed logs under probe/).
 #   lossscale, adapters, lowbit  bench_lossscale, bench_adapters, bench_lowbit on the GPU.
 #   compile  the torch.compile rows on the GPU (bench_optim --sections compile).
+#   kernels  what XLA's GPU compiler makes of the JAX native path on this GPU (xla_gpu_kernels:
+#          registers, SASS instructions and Threefry rotations per element of each case's
+#          largest kernel; the same as compiled on a CPU machine for a compile-only H100).
 #   profile  where the host time of a small CUDA call goes (gpu_call_profile: launch floor,
 #          srround on Numba arrays and torch tensors, cProfile).
 #   demo   the language-model demo's GPU configuration (srround demo --device cuda).
@@ -31,7 +34,7 @@
 # lowbit 17 s, compile 34 s, lossscale 15 s, adapters 24 s, profile 24 s; demo 181 s (11-26). One
 # call of about 9 minutes (the device's timeout_s=560) holds all but the demo and the whole
 # suite: `T_TESTS=150 T_MORE=45 bash benchmarks/gpu_session.sh gpu-tests jax probe round optim
-# lowbit compile lossscale adapters profile`; the demo alone: `T_MORE=230 bash
+# lowbit compile lossscale adapters profile kernels`; the demo alone: `T_MORE=230 bash
 # benchmarks/gpu_session.sh demo`.
 set -uo pipefail
 ulimit -c 0 # no core files from the SIGABRT that stops a step at its limit
@@ -40,7 +43,7 @@ out="${OUT:-gpu-out}"
 logs="$(mktemp -d)/gpu"
 mkdir -p "$out" "$logs" benchmarks/results
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-phases="${*:-tests round optim jax lossscale adapters lowbit compile profile probe demo}"
+phases="${*:-tests round optim jax lossscale adapters lowbit compile profile probe kernels demo}"
 py="${PYTHON:-python3}"  # the GPU image's python3 holds torch, JAX and CuPy
 
 pack() { tar czf "$out/gpu.tgz" -C "$(dirname "$logs")" gpu benchmarks 2>/dev/null; }
@@ -106,6 +109,14 @@ for phase in $phases; do
     compile)
         step bench_optim_compile "${T_MORE:-60}" "$py" benchmarks/bench_optim.py --device cuda \
             --quick --sections compile --json benchmarks/results/bench_optim_compile_gpu.json
+        ;;
+    kernels) # skipped where ptxas or cuobjdump is missing (they ship with the CUDA toolkit)
+        if command -v ptxas >/dev/null && command -v cuobjdump >/dev/null; then
+            step xla_gpu_kernels "${T_MORE:-60}" "$py" benchmarks/xla_gpu_kernels.py \
+                --json benchmarks/results/xla_gpu_kernels_gpu.json
+        else
+            echo "   kernels skipped: no ptxas/cuobjdump on PATH" | tee -a "$logs/steps.txt"
+        fi
         ;;
     profile)
         step gpu_call_profile "${T_MORE:-60}" "$py" benchmarks/gpu_call_profile.py \

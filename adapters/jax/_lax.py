@@ -442,18 +442,20 @@ def _element_index(shape, origin=None, global_shape=None):
     column = lax.broadcasted_iota(_U32, tuple(shape), last)
     if origin[last] is not None:
         column = column + _u(origin[last])
-    rows, stride = None, int(global_shape[last])
+    width = int(global_shape[last])
+    power_of_two = width & (width - 1) == 0
+    index, rows, stride = column, None, width
     for d in reversed(range(last)):
         i = lax.broadcasted_iota(_U32, tuple(shape), d)
         if origin[d] is not None:
             i = i + _u(origin[d])
         term = i * _U32(stride)
-        rows = term if rows is None else rows + term
+        if power_of_two:
+            rows = term if rows is None else rows + term
+        else:
+            index = index + term
         stride *= int(global_shape[d])
-    if rows is None:
-        return column
-    width = int(global_shape[last])
-    return rows | column if width & (width - 1) == 0 else rows + column
+    return index if rows is None else index | rows
 
 
 def _check_count(n: int, name: str = "x") -> None:

@@ -1,0 +1,237 @@
+"""What XLA's GPU compiler makes of srround's JAX native path, without a GPU: each case is compiled
+for a GPU (the first one, or a compile-only device described by a ``GpuTargetConfigProto`` text
+file, e.g. XLA's ``xla/backends/gpu/target_config/specs/h100_sxm.txtpb``), and the largest kernel
+of its program is assembled with ``ptxas`` and disassembled with ``cuobjdump``::
+
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/xla_gpu_kernels.py --target h100_sxm.txtpb
+
+Needs the jax-cuda12 plugin, and ``ptxas`` and ``cuobjdump`` on ``PATH`` (the CUDA toolkit, or
+the ``nvidia-cuda-nvcc`` and ``nvidia-cuda-cuobjdump`` wheels). Per case: the kernels of the
+program, the largest one's registers a thread and spilled bytes, its SASS instructions, how many
+elements a thread computes (the widest vector load: XLA's vectorization), its
+Threefry rotations (``shf.l.wrap.b32``: 20 per block) and both per element. Same-program
+baselines: ``astype(bf16)`` and ``optax.adamw`` + ``optax.apply_updates``. A static proxy, not a
+timing: the instructions a memory-bound kernel issues per byte are what a GPU run then shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _harness import add_json_argument, utc_now, write_json
+
+N = 8_372_224  # elements per case: an 8th of jax_gpu_check's 67M (2044 x 4096)
+CASES = [  # slug, what
+    ("copy_astype_bf16", "x.astype(bf16) of a float32 matrix, 4096 columns (baseline)"),
+    ("sr_vector", "stochastic_round of a float32 vector"),
+    ("sr_4096_columns", "stochastic_round of a float32 matrix, 4096 columns"),
+    ("sr_11008_columns", "stochastic_round of a float32 matrix, 11008 columns"),
+    ("optax_adamw_apply_updates", "optax.adamw + optax.apply_updates, bf16 (baseline)"),
+    ("optax_adamw_srround_apply_updates", "optax.adamw + srround apply_updates, bf16"),
+    ("adamw_fp32_states", "fused adamw, bf16 params, fp32 states, 4096 columns"),
+    ("adamw_bf16_states", "fused adamw, bf16 params, bf16 states, 4096 columns"),
+    ("adamw_fp32_states_11008", "fused adamw, bf16 params, fp32 states, 11008 columns"),
+]
+
+
+def _compile_cases(target: str | None) -> str:
+    """Compile every case for the GPU (child process: XLA_FLAGS dumps its PTX). Returns the
+    device's description and JAX's version, a line each."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from srround.adapters import jax as sj
+    from srround.adapters.jax import _leaves
+
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        if not target:
+            raise SystemExit("no GPU: pass --target FILE (a GpuTargetConfigProto text file)")
+        from jax.experimental import topologies
+
+        config = Path(target).read_text()
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology="1x1x1", target_config=config
+        )
+        device = topology.devices[0]
+        # the GPU's program where JAX's default backend is the CPU
+        _leaves._on_one_cpu = lambda leaves: False
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def matrix(width, dtype=jnp.float32):
+        return spec((N // width, width), dtype)
+
+    key = spec((), jax.random.key(0).dtype)
+
+    def adamw(width, state_dtype):
+        tx = sj.adamw(1e-4, weight_decay=1e-2, seed=0, impl="native", state_dtype=state_dtype)
+        params = [matrix(width, jnp.bfloat16)]
+        state = jax.tree_util.tree_map(
+            lambda a: spec(a.shape, a.dtype), jax.eval_shape(tx.init, params)
+        )
+        return tx.step, ([matrix(width)], state, params)
+
+    otx = optax.adamw(1e-4, weight_decay=1e-2)
+    params = [matrix(4096, jnp.bfloat16)]
+    ostate = jax.tree_util.tree_map(
+        lambda a: spec(a.shape, a.dtype), jax.eval_shape(otx.init, params)
+    )
+
+    def optax_step(p, s, g):
+        u, s = otx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def srround_apply(p, s, g):
+        u, s = otx.update(g, s, p)
+        return sj.apply_updates(p, u, jax.random.key(0), step=1), s
+
+    def round_with(x, k):
+        return sj.stochastic_round(x, seed=k)
+
+    programs = {
+        "copy_astype_bf16": (lambda x: x.astype(jnp.bfloat16), (matrix(4096),)),
+        "sr_vector": (round_with, (spec((N,), jnp.float32), key)),
+        "sr_4096_columns": (round_with, (matrix(4096), key)),
+        "sr_11008_columns": (round_with, (matrix(11008), key)),
+        "optax_adamw_apply_updates": (optax_step, (params, ostate, [matrix(4096)])),
+        "optax_adamw_srround_apply_updates": (srround_apply, (params, ostate, [matrix(4096)])),
+        "adamw_fp32_states": adamw(4096, jnp.float32),
+        "adamw_bf16_states": adamw(4096, jnp.bfloat16),
+        "adamw_fp32_states_11008": adamw(11008, jnp.float32),
+    }
+    for slug, (fn, args) in programs.items():
+
+        def named(*a, fn=fn):
+            return fn(*a)
+
+        named.__name__ = slug  # the dump's module name: jit_<slug>
+        jax.jit(named).trace(*args).lower().compile()
+    return f"{device.device_kind}\n{jax.__version__}"
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise SystemExit(f"{name} not found on PATH (the CUDA toolkit, or nvidia-cuda-* wheels)")
+    return path
+
+
+def _kernel_stats(ptx: Path, arch: str, work: Path) -> dict:
+    """Registers, spills and SASS of one PTX module (one kernel)."""
+    cubin = work / (ptx.stem + ".cubin")
+    info = subprocess.run(
+        [_tool("ptxas"), f"-arch={arch}", "-O3", "-v", str(ptx), "-o", str(cubin)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
+    sass = subprocess.run(
+        [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+    text = ptx.read_text()
+    # the widest vector load: the float32 input's, whose N elements the thread computes
+    widths = [int(w) for w in re.findall(r"ld\.global(?:\.nc)?\.v(\d)\.", text)] or [1]
+    return {
+        "kernel": re.search(r"\.entry\s+(\w+)", text).group(1),
+        "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+        "spill_bytes": sum(int(b) for b in re.findall(r"(\d+) bytes spill", info)),
+        "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M)),
+        "per_thread": max(widths),
+        "rotations": text.count("shf.l.wrap.b32"),
+    }
+
+
+def _report(dump: Path) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for slug, what in CASES:
+            ptxs = [
+                path
+                for path in sorted(dump.glob(f"module_*.jit_{slug}.*.ptx"))
+                if ".entry" in path.read_text()  # XLA also dumps empty modules
+            ]
+            if not ptxs:
+                raise SystemExit(f"{slug}: no PTX in {dump} (was it compiled for a GPU?)")
+            arch = re.search(r"\.target\s+(sm_\w+)", ptxs[0].read_text()).group(1)
+            kernels = [_kernel_stats(p, arch, Path(tmp)) for p in ptxs]
+            big = max(kernels, key=lambda k: k["sass"])
+            rows.append(
+                {
+                    "case": slug,
+                    "what": what,
+                    "kernels": len(kernels),
+                    **big,
+                    "sass_per_element": big["sass"] / big["per_thread"],
+                    "rotations_per_element": big["rotations"] / big["per_thread"],
+                }
+            )
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--target", help="GpuTargetConfigProto text file (without a GPU)")
+    p.add_argument("--child", metavar="DIR", help=argparse.SUPPRESS)
+    add_json_argument(p)
+    args = p.parse_args(argv)
+    if args.child:  # compile with XLA's dump into DIR; print the device
+        print(_compile_cases(args.target))
+        return 0
+    started = utc_now()
+    with tempfile.TemporaryDirectory() as dump:
+        env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}")
+        child = [sys.executable, __file__, "--child", dump]
+        child += ["--target", args.target] if args.target else []
+        done = subprocess.run(child, env=env, capture_output=True, text=True)
+        if done.returncode:
+            print(done.stderr[-4000:], file=sys.stderr)
+            return done.returncode
+        device, jax_version = done.stdout.strip().splitlines()[-2:]
+        rows = _report(Path(dump))
+    print(f"compiled for {device} ({'compile-only' if args.target else 'this GPU'})")
+    print(
+        f"{'case':<36} {'kernels':>7} {'regs':>5} {'spill':>5} {'SASS':>6} {'elts':>4}"
+        f" {'SASS/elt':>8} {'rot/elt':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['case']:<36} {r['kernels']:>7} {r['registers']:>5} {r['spill_bytes']:>5}"
+            f" {r['sass']:>6} {r['per_thread']:>4} {r['sass_per_element']:>8.1f}"
+            f" {r['rotations_per_element']:>7.1f}"
+        )
+    write_json(
+        args.json,
+        "xla_gpu_kernels",
+        results=rows,
+        columns=[
+            ("case", "case", ""),
+            ("kernels", "kernels", "d"),
+            ("registers", "registers", "d"),
+            ("spill_bytes", "spilled B", "d"),
+            ("sass", "SASS", "d"),
+            ("per_thread", "elements a thread", "d"),
+            ("sass_per_element", "SASS / element", ".1f"),
+            ("rotations_per_element", "rotations / element", ".1f"),
+        ],
+        baseline="astype(bf16) and optax.adamw + optax.apply_updates, compiled alike",
+        meta={"elements": N, "compile_only": bool(args.target), "jax": jax_version},
+        gpu=f"{device} (compile-only: no GPU)" if args.target else device,
+        started=started,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
