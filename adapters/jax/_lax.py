@@ -9,7 +9,8 @@ and offset:
 * ``_threefry2x32`` / ``_random16``: Threefry-2x32 with 20 rounds (``srround/_rng.py``, the
   function of ``jax.random``), the rounds unrolled; the 64-bit stream counter is a pair of
   ``uint32`` words with carry. One block feeds four consecutive elements, as in the kernels;
-  each element computes its block, so the random bits fuse into the rounding loop.
+  each element computes its block, so the random bits fuse into the rounding loop (on a GPU
+  the four elements of a thread share it where the index shows it, ``_element_index``).
 * ``_fma_bits``: ``fma(a, b, c)`` in float32 with one rounding, computed exactly in integers:
   ``jax.lax`` has no fma, XLA may or may not contract ``a * b + c``, and XLA's CPU backend (and
   TPU) flushes float32 subnormals to zero.
@@ -468,9 +469,11 @@ def _random16(k0, k1, first_lo, first_hi, lane0, index):
     ``index`` of a call (``_rng.py``'s stream): element i is lane ``(lane0 + i) & 3`` of
     Threefry block ``first + (lane0 + i) >> 2`` (``first = offset >> 2`` as traced uint32
     words, so a new offset does not recompile; ``lane0 = offset & 3``). Elementwise in i, so it
-    fuses into the rounding that consumes it: each element computes its block (4x the rounds,
-    but a materialized array of blocks would be a temporary - a pass over memory, and fresh
-    pages every call on XLA's CPU backend). An int ``index`` n means ``iota(n)``."""
+    fuses into the rounding that consumes it: each element computes its block (4x the rounds
+    where the compiler cannot share them - on a GPU it does for a thread's four elements when
+    ``lane0`` is a constant 0 and the index shows their common bits, ``_element_index`` - but a
+    materialized array of blocks would be a temporary: a pass over memory, and fresh pages
+    every call on XLA's CPU backend). An int ``index`` n means ``iota(n)``."""
     if isinstance(index, int):
         _check_count(index)
         index = lax.iota(_U32, index)
