@@ -5,13 +5,14 @@ of its program is assembled with ``ptxas`` and disassembled with ``cuobjdump``::
 
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/xla_gpu_kernels.py --target h100_sxm.txtpb
 
-Needs the jax-cuda12 plugin, and ``ptxas`` and ``cuobjdump`` on ``PATH`` (the CUDA toolkit, or
-the ``nvidia-cuda-nvcc`` and ``nvidia-cuda-cuobjdump`` wheels). Per case: the kernels of the
-program, the largest one's registers a thread and spilled bytes, its SASS instructions, how many
-elements a thread computes (the widest vector load: XLA's vectorization), its
-Threefry rotations (``shf.l.wrap.b32``: 20 per block) and both per element. Same-program
-baselines: ``astype(bf16)`` and ``optax.adamw`` + ``optax.apply_updates``. A static proxy, not a
-timing: the instructions a memory-bound kernel issues per byte are what a GPU run then shows.
+Needs the jax-cuda12 plugin and ``ptxas`` (on ``PATH`` or in an ``nvidia-*`` wheel: the CUDA
+toolkit, or the ``nvidia-cuda-nvcc`` wheel JAX's CUDA install brings); ``cuobjdump`` (the
+``nvidia-cuda-cuobjdump`` wheel) for the SASS counts, which are left out without it. Per case:
+the kernels of the program, the largest one's registers a thread and spilled bytes, its SASS
+(and PTX) instructions, how many elements a thread computes (the widest vector load: XLA's
+vectorization), its Threefry rotations (``shf.l.wrap.b32``: 20 per block) and both per
+element. Same-program baselines: ``astype(bf16)`` and ``optax.adamw`` + ``optax.apply_updates``.
+A static proxy, not a timing: what a kernel issues per element, which a GPU run then shows.
 """
 
 from __future__ import annotations
@@ -121,25 +122,37 @@ def _compile_cases(target: str | None) -> str:
     return f"{device.device_kind}\n{jax.__version__}"
 
 
-def _tool(name: str) -> str:
+def _tool(name: str) -> str | None:
+    """``name`` on ``PATH``, else in an ``nvidia-*`` wheel's ``bin`` (JAX's CUDA wheels bring
+    ``ptxas``); ``None`` where neither has it."""
     path = shutil.which(name)
     if path is None:
-        raise SystemExit(f"{name} not found on PATH (the CUDA toolkit, or nvidia-cuda-* wheels)")
+        import site
+
+        wheels = [Path(d) / "nvidia" for d in site.getsitepackages()]
+        found = [p for w in wheels for p in sorted(w.glob(f"*/bin/{name}"))]
+        path = str(found[0]) if found else None
     return path
 
 
 def _kernel_stats(ptx: Path, arch: str, work: Path) -> dict:
     """Registers, spills and SASS of one PTX module (one kernel)."""
     cubin = work / (ptx.stem + ".cubin")
+    ptxas, cuobjdump = _tool("ptxas"), _tool("cuobjdump")
+    if ptxas is None:
+        raise SystemExit("ptxas not found (the CUDA toolkit, or the nvidia-cuda-nvcc wheel)")
     info = subprocess.run(
-        [_tool("ptxas"), f"-arch={arch}", "-O3", "-v", str(ptx), "-o", str(cubin)],
+        [ptxas, f"-arch={arch}", "-O3", "-v", str(ptx), "-o", str(cubin)],
         capture_output=True,
         text=True,
         check=True,
     ).stderr
-    sass = subprocess.run(
-        [_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
-    ).stdout
+    sass = None  # without cuobjdump: registers and PTX counts only
+    if cuobjdump is not None:
+        listing = subprocess.run(
+            [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+        sass = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", listing, re.M))
     text = ptx.read_text()
     # the widest vector load: the float32 input's, whose N elements the thread computes
     widths = [int(w) for w in re.findall(r"ld\.global(?:\.nc)?\.v(\d)\.", text)] or [1]
@@ -147,7 +160,8 @@ def _kernel_stats(ptx: Path, arch: str, work: Path) -> dict:
         "kernel": re.search(r"\.entry\s+(\w+)", text).group(1),
         "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
         "spill_bytes": sum(int(b) for b in re.findall(r"(\d+) bytes spill", info)),
-        "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M)),
+        "sass": sass,
+        "ptx": len(re.findall(r"^\s+[a-z@]", text, re.M)),
         "per_thread": max(widths),
         "rotations": text.count("shf.l.wrap.b32"),
     }
@@ -166,14 +180,15 @@ def _report(dump: Path) -> list[dict]:
                 raise SystemExit(f"{slug}: no PTX in {dump} (was it compiled for a GPU?)")
             arch = re.search(r"\.target\s+(sm_\w+)", ptxs[0].read_text()).group(1)
             kernels = [_kernel_stats(p, arch, Path(tmp)) for p in ptxs]
-            big = max(kernels, key=lambda k: k["sass"])
+            big = max(kernels, key=lambda k: k["ptx"])
+            sass = big["sass"]
             rows.append(
                 {
                     "case": slug,
                     "what": what,
                     "kernels": len(kernels),
                     **big,
-                    "sass_per_element": big["sass"] / big["per_thread"],
+                    "sass_per_element": None if sass is None else sass / big["per_thread"],
                     "rotations_per_element": big["rotations"] / big["per_thread"],
                 }
             )
@@ -206,10 +221,11 @@ def main(argv=None) -> int:
         f" {'SASS/elt':>8} {'rot/elt':>7}"
     )
     for r in rows:
+        sass, per = r["sass"], r["sass_per_element"]
         print(
             f"{r['case']:<36} {r['kernels']:>7} {r['registers']:>5} {r['spill_bytes']:>5}"
-            f" {r['sass']:>6} {r['per_thread']:>4} {r['sass_per_element']:>8.1f}"
-            f" {r['rotations_per_element']:>7.1f}"
+            f" {'-' if sass is None else sass:>6} {r['per_thread']:>4}"
+            f" {'-' if per is None else f'{per:.1f}':>8} {r['rotations_per_element']:>7.1f}"
         )
     write_json(
         args.json,
@@ -221,6 +237,7 @@ def main(argv=None) -> int:
             ("registers", "registers", "d"),
             ("spill_bytes", "spilled B", "d"),
             ("sass", "SASS", "d"),
+            ("ptx", "PTX", "d"),
             ("per_thread", "elements a thread", "d"),
             ("sass_per_element", "SASS / element", ".1f"),
             ("rotations_per_element", "rotations / element", ".1f"),
