@@ -1074,9 +1074,10 @@ def test_native_leaf_kernel_draws_a_threefry_block_per_four_elements_on_a_gpu(
     ``stochastic_round`` of a matrix, state_dtype "round": 384 -> 168 instructions). With
     the column or-ed into the element index (a power-of-two last dimension, ``_element_index``)
     and the leaf's first lane a constant, LLVM computes the block once for the four: 20
-    rotations (``shf.l.wrap.b32``) a stream in the kernel's PTX, where a sum of the row and
-    column terms and a traced first lane gave 80 (fp32 states: 1216 -> 984 SASS instructions
-    on sm_90). The PTX is read from XLA's dump of a compile in a subprocess."""
+    rotations (``shf.l.wrap.b32``) a stream and four elements in the kernel's PTX (XLA's
+    vectorization read from its loads), where a sum of the row and column terms and a traced
+    first lane gave 80 (fp32 states: 1216 -> 984 SASS instructions on sm_90). The PTX is read
+    from XLA's dump of a compile in a subprocess."""
     import os
     import pathlib
 
@@ -1090,7 +1091,10 @@ def test_native_leaf_kernel_draws_a_threefry_block_per_four_elements_on_a_gpu(
     kernels = [p.read_text() for p in tmp_path.glob("*.ptx")]
     leaf = [k for k in kernels if "st.global" in k and k.count("shf.l.wrap.b32") >= 20]
     assert len(leaf) == 1, [k[:200] for k in kernels]
-    assert leaf[0].count("shf.l.wrap.b32") == 20 * streams
+    # elements a thread computes: its widest vector load (the float32 input's; 4 on sm_90)
+    per_thread = max([int(w) for w in re.findall(r"ld\.global(?:\.nc)?\.v(\d)\.", leaf[0])] or [1])
+    blocks = -(-per_thread // 4)  # consecutive elements, lane 0 first: a block per four
+    assert leaf[0].count("shf.l.wrap.b32") == 20 * streams * blocks, per_thread
 
 
 def test_fused_step_vmapped_over_an_ensemble():
