@@ -31,7 +31,8 @@
 # end within 200 s (94 %) and the gpu-tests phase's 163 tests passed or failed within 150 s but
 # pytest did not exit by then (where it hangs: the SIGABRT tracebacks of the next run); round
 # 39 s, optim over 80 s (its JAX rows compile for 5-15 s each: give it 150), jax 11 s, probe 40 s,
-# lowbit 17 s, compile 34 s, lossscale 15 s, adapters 24 s, profile 24 s; demo 181 s (11-26). One
+# lowbit 17 s, compile 34 s, lossscale 15 s, adapters 24 s, profile 24 s; demo 181 s (11-26);
+# kernels 19 s compiling for a compile-only H100 on the 2-core VM (11-27, not yet on a GPU). One
 # call of about 9 minutes (the device's timeout_s=560) holds all but the demo and the whole
 # suite: `T_TESTS=150 T_MORE=45 bash benchmarks/gpu_session.sh gpu-tests jax probe round optim
 # lowbit compile lossscale adapters profile kernels`; the demo alone: `T_MORE=230 bash
