@@ -5,14 +5,19 @@ of its program is assembled with ``ptxas`` and disassembled with ``cuobjdump``::
 
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/xla_gpu_kernels.py --target h100_sxm.txtpb
 
-Needs the jax-cuda12 plugin and ``ptxas`` (on ``PATH`` or in an ``nvidia-*`` wheel: the CUDA
-toolkit, or the ``nvidia-cuda-nvcc`` wheel JAX's CUDA install brings); ``cuobjdump`` (the
-``nvidia-cuda-cuobjdump`` wheel) for the SASS counts, which are left out without it. Per case:
-the kernels of the program, the largest one's registers a thread and spilled bytes, its SASS
-(and PTX) instructions, how many elements a thread computes (the widest vector load: XLA's
-vectorization), its Threefry rotations (``shf.l.wrap.b32``: 20 per block) and both per
-element. Same-program baselines: ``astype(bf16)`` and ``optax.adamw`` + ``optax.apply_updates``.
-A static proxy, not a timing: what a kernel issues per element, which a GPU run then shows.
+Needs JAX's CUDA plugin (``jax-cuda12-plugin`` or ``jax-cuda13-plugin``) and ``ptxas`` (on
+``PATH`` or in an ``nvidia-*`` wheel: the CUDA toolkit, or the ``nvidia-cuda-nvcc`` wheel JAX's
+CUDA install brings); ``cuobjdump`` and ``nvdisasm`` (the ``nvidia-cuda-cuobjdump`` and
+``nvidia-cuda-nvdisasm`` wheels) for the SASS counts, which are left out without them. Per
+case: the kernels of the program, the largest one's registers a thread and spilled bytes, its
+SASS (and PTX) instructions, how many elements a thread computes (the widest vector load:
+XLA's vectorization), its Threefry rotations (``shf.l.wrap.b32``: 20 per block), and per
+element: all SASS instructions, those of the main path (up to the kernel's unpredicated
+``EXIT``: without ptxas's slow-path subroutines for float64 division and square root, which
+run only for extreme operands), and of these the float32 <-> float64 conversions (``F2F``, a
+quarter of the float32 rate on an H100) and float64 ops. Same-program baselines:
+``astype(bf16)`` and ``optax.adamw`` + ``optax.apply_updates``. A static proxy, not a timing:
+what a kernel issues per element, which a GPU run then shows.
 """
 
 from __future__ import annotations
@@ -135,6 +140,25 @@ def _tool(name: str) -> str | None:
     return path
 
 
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", re.M)
+_UNPREDICATED_EXIT = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+EXIT\b", re.M)
+_FP64_OPS = {"DADD", "DMUL", "DFMA", "DSETP", "DMNMX"}
+
+
+def sass_counts(listing: str) -> dict:
+    """Instruction counts of one kernel's ``cuobjdump -sass`` listing: all of them (``sass``),
+    the main path's (``sass_main``: up to the first unpredicated ``EXIT``; after it come
+    ptxas's slow-path subroutines, e.g. float64 division and square root of extreme operands),
+    and on the main path the float32 <-> float64 conversions (``f2f``) and float64 ops."""
+    main = _SASS_LINE.findall(_UNPREDICATED_EXIT.split(listing)[0])
+    return {
+        "sass": len(_SASS_LINE.findall(listing)),
+        "sass_main": len(main),
+        "f2f": sum(op.startswith("F2F.F") and "F64" in op for op in main),
+        "fp64": sum(op.split(".")[0] in _FP64_OPS for op in main),
+    }
+
+
 def _kernel_stats(ptx: Path, arch: str, work: Path) -> dict:
     """Registers, spills and SASS of one PTX module (one kernel)."""
     cubin = work / (ptx.stem + ".cubin")
@@ -147,12 +171,12 @@ def _kernel_stats(ptx: Path, arch: str, work: Path) -> dict:
         text=True,
         check=True,
     ).stderr
-    sass = None  # without cuobjdump: registers and PTX counts only
+    counts = dict.fromkeys(("sass", "sass_main", "f2f", "fp64"))  # without cuobjdump: None
     if cuobjdump is not None:
         listing = subprocess.run(
             [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True
         ).stdout
-        sass = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", listing, re.M))
+        counts = sass_counts(listing)
     text = ptx.read_text()
     # the widest vector load: the float32 input's, whose N elements the thread computes
     widths = [int(w) for w in re.findall(r"ld\.global(?:\.nc)?\.v(\d)\.", text)] or [1]
@@ -160,7 +184,7 @@ def _kernel_stats(ptx: Path, arch: str, work: Path) -> dict:
         "kernel": re.search(r"\.entry\s+(\w+)", text).group(1),
         "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
         "spill_bytes": sum(int(b) for b in re.findall(r"(\d+) bytes spill", info)),
-        "sass": sass,
+        **counts,
         "ptx": len(re.findall(r"^\s+[a-z@]", text, re.M)),
         "per_thread": max(widths),
         "rotations": text.count("shf.l.wrap.b32"),
@@ -181,15 +205,19 @@ def _report(dump: Path) -> list[dict]:
             arch = re.search(r"\.target\s+(sm_\w+)", ptxs[0].read_text()).group(1)
             kernels = [_kernel_stats(p, arch, Path(tmp)) for p in ptxs]
             big = max(kernels, key=lambda k: k["ptx"])
-            sass = big["sass"]
+            sass, per = big["sass"], big["per_thread"]
             rows.append(
                 {
                     "case": slug,
                     "what": what,
                     "kernels": len(kernels),
                     **big,
-                    "sass_per_element": None if sass is None else sass / big["per_thread"],
-                    "rotations_per_element": big["rotations"] / big["per_thread"],
+                    "sass_per_element": None if sass is None else sass / per,
+                    **{
+                        f"{k}_per_element": None if big[k] is None else big[k] / per
+                        for k in ("sass_main", "f2f", "fp64")
+                    },
+                    "rotations_per_element": big["rotations"] / per,
                 }
             )
     return rows
@@ -218,14 +246,20 @@ def main(argv=None) -> int:
     print(f"compiled for {device} ({'compile-only' if args.target else 'this GPU'})")
     print(
         f"{'case':<36} {'kernels':>7} {'regs':>5} {'spill':>5} {'SASS':>6} {'elts':>4}"
-        f" {'SASS/elt':>8} {'rot/elt':>7}"
+        f" {'SASS/elt':>8} {'main/elt':>8} {'F2F/elt':>7} {'fp64/elt':>8} {'rot/elt':>7}"
     )
+
+    def per_element(value):
+        return f"{'-' if value is None else f'{value:.1f}':>8}"
+
     for r in rows:
-        sass, per = r["sass"], r["sass_per_element"]
         print(
             f"{r['case']:<36} {r['kernels']:>7} {r['registers']:>5} {r['spill_bytes']:>5}"
-            f" {'-' if sass is None else sass:>6} {r['per_thread']:>4}"
-            f" {'-' if per is None else f'{per:.1f}':>8} {r['rotations_per_element']:>7.1f}"
+            f" {'-' if r['sass'] is None else r['sass']:>6} {r['per_thread']:>4}"
+            + "".join(
+                per_element(r[f"{k}_per_element"]) for k in ("sass", "sass_main", "f2f", "fp64")
+            )
+            + f" {r['rotations_per_element']:>7.1f}"
         )
     write_json(
         args.json,
@@ -240,6 +274,9 @@ def main(argv=None) -> int:
             ("ptx", "PTX", "d"),
             ("per_thread", "elements a thread", "d"),
             ("sass_per_element", "SASS / element", ".1f"),
+            ("sass_main_per_element", "main-path SASS / element", ".1f"),
+            ("f2f_per_element", "float64 conversions / element", ".1f"),
+            ("fp64_per_element", "float64 ops / element", ".1f"),
             ("rotations_per_element", "rotations / element", ".1f"),
         ],
         baseline="astype(bf16) and optax.adamw + optax.apply_updates, compiled alike",

@@ -145,3 +145,26 @@ def test_bench_only_that_matches_nothing_is_an_error(capsys):
     err = capsys.readouterr().err
     assert err.startswith("srround bench: error: --only: no benchmark matches 'no_such_bench'")
     assert "bench_optim" in err  # the names to choose from
+
+
+def test_xla_gpu_kernels_counts_the_main_path_apart_from_slow_path_subroutines():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from xla_gpu_kernels import sass_counts
+    finally:
+        sys.path.remove(str(BENCH))
+    listing = """
+        /*0000*/                   LDG.E.64 R4, desc[UR4][R8.64] ;
+        /*0010*/                   F2F.F64.F32 R6, R4 ;
+        /*0020*/               @P0 EXIT ;
+        /*0030*/                   DFMA R10, -R6, R2, 1 ;
+        /*0040*/                   F2F.F32.F64 R3, R10 ;
+        /*0050*/                   F2FP.BF16.F32.PACK_AB R3, RZ, R3 ;
+        /*0060*/              @!P1 CALL.REL.NOINC 0x90 ;
+        /*0070*/                   EXIT ;
+        /*0080*/                   BRA 0x80;
+        /*0090*/                   DMUL R2, R6, 8.98846567431157953865e+307 ;
+        /*00a0*/                   RET.REL.NODEC R10 0x0 ;
+"""
+    counts = sass_counts(listing)
+    assert counts == {"sass": 11, "sass_main": 7, "f2f": 2, "fp64": 1}
