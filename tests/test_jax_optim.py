@@ -966,6 +966,48 @@ def _gpu_to_compile_for():
     return topology.devices[0]
 
 
+def test_bias_correction_powers_are_the_kernels_for_every_int32_step():
+    """``_power64`` (the bias corrections' ``beta ** t``), unrolled over the exponent's bits,
+    gives the bits of the kernels' repeated squaring (``_optim._power``) for any step count an
+    int32 holds, the largest included."""
+    from srround.adapters.jax.optim import _power64
+
+    steps = [0, 1, 2, 3, 7, 1000, 12345, 2**26 - 1, 2**26, 2**26 + 1, 2**30 + 5, 2**31 - 1]
+    for base in (0.9, 0.999, 0.95, 0.5, 1.0 - 2.0**-20):
+        with jax.enable_x64(True):
+            got = jax.jit(lambda t, b=base: _power64(b, t))(jnp.asarray(steps, jnp.int32))
+        expected = [_optim._power(base, t) for t in steps]
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint64), np.asarray(expected, np.float64).view(np.uint64)
+        )
+
+
+def test_native_step_runs_no_loop_or_conditional_on_a_gpu(monkeypatch):
+    """Finding: the native AdamW step on a GPU ran two ``while`` loops (the bias corrections'
+    powers) and a conditional (the leaf starts hidden from constant folding) before its
+    leaves' kernels. On XLA's GPU backend each loop iteration is a kernel launch and a read
+    of its condition back to the host, and a conditional reads its predicate back: serial
+    host round trips in every step. Now the powers are unrolled and the starts pass through an
+    optimization barrier: the step's program is kernels only."""
+    device = _gpu_to_compile_for()
+    monkeypatch.setattr(_leaves, "_on_one_cpu", lambda leaves: False)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    params = [spec((64, 128), jnp.bfloat16), spec((128,), jnp.bfloat16)]
+    grads = [spec(p.shape, jnp.float32) for p in params]
+    for state_dtype in (jnp.float32, jnp.bfloat16):
+        tx = sj.adamw(1e-4, seed=1, impl="native", state_dtype=state_dtype)
+        state = jax.tree_util.tree_map(
+            lambda a: spec(a.shape, a.dtype), jax.eval_shape(tx.init, params)
+        )
+        hlo = jax.jit(tx.step).trace(grads, state, params).lower().compile().as_text()
+        entry = hlo[hlo.index("\nENTRY") :]
+        assert " while(" not in entry and " conditional(" not in entry
+
+
 def test_narrowed_values_stay_narrowed_on_a_gpu():
     """A float32 rounding (``_lax.narrow``) widened again survives XLA's GPU compiler, which
     drops a bare float64 -> float32 -> float64 conversion pair (excess precision: the float32

@@ -486,12 +486,13 @@ def _random16(k0, k1, first_lo, first_hi, lane0, index):
 
 
 def _opaque(values, probes):
-    """Python ints ``values`` (< 2**32) as uint32 scalars XLA cannot constant-fold: the
-    outputs of a conditional whose predicate XLA cannot evaluate, as it depends on the traced
-    ``probes`` (key words, step; always true). A computation that takes such a value as a
-    parameter is the same for every value; with the values folded in as constants, each would
-    be a computation of its own (on XLA's CPU backend, a kernel of its own to compile). When
-    every probe is a constant there is nothing to hide behind: constants."""
+    """Python ints ``values`` (< 2**32) as uint32 scalars XLA cannot constant-fold: each plus a
+    zero XLA cannot evaluate (from the traced ``probes``: key words, step), through an
+    optimization barrier, so no loop fuses the sum (and its constant) in. A computation that
+    takes such a value as a parameter is the same for every value; with the values folded in
+    as constants, each would be a computation of its own (on XLA's CPU backend, a kernel of its
+    own to compile). Not a conditional, whose predicate XLA's GPU backend reads back to the
+    host. When every probe is a constant there is nothing to hide behind: constants."""
     probes = [p for p in probes if not isinstance(p, (int, np.integer))]
     if not probes:
         return tuple(np.uint32(v) for v in values)
@@ -499,8 +500,7 @@ def _opaque(values, probes):
     for p in probes:
         p = _u(p)
         zero = p & ~p if zero is None else zero | (p & ~p)
-    words = tuple(jnp.asarray(np.uint32(v)) for v in values)
-    return lax.cond(zero == 0, lambda: tuple(w + zero for w in words), lambda: words)
+    return lax.optimization_barrier(tuple(jnp.asarray(np.uint32(v)) + zero for v in values))
 
 
 def _spec_axes(spec, ndim: int, name: str):

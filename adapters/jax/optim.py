@@ -591,15 +591,18 @@ class AdamWState(NamedTuple):
 
 
 def _power64(base: float, exponent):
-    """float64 ``base ** exponent`` by repeated squaring (``_optim._power``), traced."""
-
-    def body(carry):
-        result, b, e = carry
-        result = jnp.where((e & 1) == 1, result * b, result)
-        return result, b * b, e >> 1
-
-    init = (jnp.float64(1.0), jnp.float64(base), exponent.astype(jnp.int64))
-    return lax.while_loop(lambda c: c[2] > 0, body, init)[0]
+    """float64 ``base ** exponent`` (traced integer ``exponent >= 0``) by repeated squaring,
+    the products of ``_optim._power`` in its order: the squares of ``base`` are Python floats
+    (the same float64 products), and the loop is unrolled over every bit of the exponent's
+    dtype, a select and a product a bit. No ``while_loop``: on a GPU each of its iterations
+    would be a kernel launch and a read of the condition back to the host, in series before
+    the step's loop can start."""
+    exponent = jnp.asarray(exponent)
+    result, square = jnp.float64(1.0), float(base)
+    for k in range(jnp.iinfo(exponent.dtype).bits - 1):
+        result = jnp.where((exponent >> k) & 1 == 1, result * square, result)
+        square *= square
+    return result
 
 
 def _coefs(t, lr, b1: float, b2: float, wd: float):
