@@ -6,7 +6,10 @@ and the fused step, bits equal to the Numba CUDA kernels). Run by ``gpu_session.
 Prints per row the time, the bandwidth and the fraction of the bandwidth of a copy
 (``x.astype(bfloat16)``, 6 B per element), the fused step's bandwidth over that of
 ``optax.adamw`` + ``optax.apply_updates`` on the same bf16 params, then whether the JAX bits
-equal srround's Numba CUDA kernels on the same inputs.
+equal srround's Numba CUDA kernels on the same inputs. A row's bytes are those of its
+program's input and output arrays (``_traffic``: the step with float32 gradients and states,
+24 B per element), and its time is per call with calls dispatched back to back, as a training
+loop issues them (``_time``).
 
 ``--probe DIR``: where the fused step's time goes. The same step again with one part of its work
 swapped for a cheaper stand-in (not srround's bits: a measurement only): no random bits, float32
@@ -22,6 +25,7 @@ DIR."""
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -30,20 +34,42 @@ from _harness import add_json_argument, utc_now, write_json
 
 
 def _time(fn, *args, reps=20, warmup_s=0.3):
-    """Median seconds per call, after ``warmup_s`` of calls (an idle GPU's clocks ramp up over
-    tens of milliseconds: a first row timed cold read 4.5x slow on an H100)."""
+    """Median seconds per call over ``reps`` batches of calls dispatched back to back, one wait
+    at the end of a batch (a batch lasts about 20 ms): the device's time per call. A call
+    followed by a wait of its own also times the dispatch and the wait, which on an H100 are a
+    large part of a 67M-element copy's 0.25 ms (and a small one of a 1.5 ms step), so a ratio
+    of two such times is biased toward the longer call. Calls after ``warmup_s`` of warm-up
+    (an idle GPU's clocks ramp up over tens of milliseconds: a first row timed cold read 4.5x
+    slow on an H100)."""
     import jax
 
     t_end = time.perf_counter() + warmup_s
+    calls = 0
     jax.block_until_ready(fn(*args))
+    started = time.perf_counter()
     while time.perf_counter() < t_end:
         jax.block_until_ready(fn(*args))
+        calls += 1
+    each = (time.perf_counter() - started) / max(calls, 1)
+    batch = max(1, min(1000, int(0.02 / max(each, 1e-6))))
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
+        for _ in range(batch):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / batch)
     return statistics.median(samples)
+
+
+def _traffic(fn, *args) -> int:
+    """Bytes a call of ``fn`` moves at least: its input arrays read and its output arrays
+    written, each once."""
+    import jax
+
+    outs = jax.eval_shape(fn, *args)
+    leaves = jax.tree_util.tree_leaves((args, outs))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves if hasattr(x, "dtype"))
 
 
 def _random16_blocks(k0, k1, first_lo, first_hi, lane0, index):
@@ -68,9 +94,9 @@ def _random16_blocks(k0, k1, first_lo, first_hi, lane0, index):
     return ((word >> ((lane & 1) << 4)) & 0xFFFF).reshape(shape)
 
 
-def _probe(directory, tx, otx, params, row, x, key, cast, base):
+def _probe(directory, tx, otx, params, row, x, key):
     """The ``--probe`` rows (see the module docstring); ``otx``: the ``optax.adamw`` of the
-    ``apply_updates`` rows, ``base``: its step with ``optax.apply_updates`` (seconds)."""
+    ``apply_updates`` rows."""
     import os
 
     import jax
@@ -130,21 +156,13 @@ def _probe(directory, tx, otx, params, row, x, key, cast, base):
         "Threefry block per 4 elements": blocks,
         "float32 sum (u + w)": {"_add": lambda u, w: u + w},
     }
-    n = sum(p.size for p in params)
     runs = [
-        ("fused step", tx.step, (grads, tx.init(params), params), fused, 22 * n, base * 22 / 14),
-        (
-            "optax + apply_updates",
-            apply_step,
-            (params, otx.init(params), grads),
-            applied,
-            14 * n,
-            base,
-        ),
+        ("fused step", tx.step, (grads, tx.init(params), params), fused),
+        ("optax + apply_updates", apply_step, (params, otx.init(params), grads), applied),
     ]
     sr = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k))
-    for what, fn_of, step_args, variants, nbytes, floor in runs:
-        reference = None
+    for what, fn_of, step_args, variants in runs:
+        nbytes, reference = _traffic(fn_of, *step_args), None
         for label, swap in [("as shipped", {})] + list(variants.items()):
             for (m, name), f in saved.items():
                 setattr(m, name, swap.get(name, f))
@@ -164,14 +182,10 @@ def _probe(directory, tx, otx, params, row, x, key, cast, base):
                     f"{text.count(', kind=k')} fusions, compiled in {compile_s:.1f} s,"
                     f" bits as shipped: {same}"
                 )
-                row(f"{what}: {label} ({note})", _time(fn, *step_args, reps=10), nbytes, floor)
+                row(f"{what}: {label} ({note})", _time(fn, *step_args, reps=10), nbytes)
                 if what == "fused step" and swap is blocks:
-                    row(
-                        "stochastic_round: Threefry block per 4",
-                        _time(sr, x, key),
-                        6 * x.size,
-                        cast,
-                    )
+                    label = "stochastic_round: Threefry block per 4"
+                    row(label, _time(sr, x, key), _traffic(sr, x, key))
             finally:
                 for (m, name), f in saved.items():
                     setattr(m, name, f)
@@ -198,27 +212,29 @@ def main(argv=None) -> int:
     x = jax.random.normal(key, (n,), jnp.float32)
     rows = []
 
-    def row(label, seconds, nbytes, floor):
-        r = {
-            "method": label,
-            "ms": seconds * 1e3,
-            "gbps": nbytes / seconds / 1e9,
-            "frac_copy": floor / seconds,
-        }
+    copy_gbps = None  # the first row's: the copy
+
+    def row(label, seconds, nbytes):
+        nonlocal copy_gbps
+        gbps = nbytes / seconds / 1e9
+        copy_gbps = copy_gbps or gbps
+        r = {"method": label, "ms": seconds * 1e3, "gbps": gbps, "frac_copy": gbps / copy_gbps}
         rows.append(r)
         pct = 100 * r["frac_copy"]
         print(f"{label:<44} {r['ms']:9.3f} ms {r['gbps']:8.1f} GB/s {pct:5.0f} % copy")
+        return gbps
 
-    cast = _time(jax.jit(lambda a: a.astype(jnp.bfloat16)), x)
-    row("copy floor: astype(bf16)", cast, 6 * n, cast)
+    def timed(label, fn, *args, reps=20):
+        return row(label, _time(fn, *args, reps=reps), _traffic(fn, *args))
+
+    timed("copy floor: astype(bf16)", jax.jit(lambda a: a.astype(jnp.bfloat16)), x)
     sr = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k))
-    row("stochastic_round native (bf16)", _time(sr, x, key), 6 * n, cast)
+    timed("stochastic_round native (bf16)", sr, x, key)
     # matrices: a thread's four elements share their Threefry block where the last dimension
     # is a power of two (_lax._element_index); 11008 columns (a Llama MLP) is not one
     for width in (4096, 11008):
         m = x[: n // width * width].reshape(-1, width)
-        label = f"stochastic_round native (bf16), {width} columns"
-        row(label, _time(sr, m, key), 6 * m.size, cast * m.size / n)
+        timed(f"stochastic_round native (bf16), {width} columns", sr, m, key)
     try:
         import optax
 
@@ -232,21 +248,20 @@ def main(argv=None) -> int:
             u, s = otx.update(g, s, p)
             return optax.apply_updates(p, u), s
 
-        base = _time(jax.jit(optax_step), params, ostate, grads, reps=10)
-        row("optax.adamw + optax.apply_updates (bf16)", base, 14 * n, cast * 14 / 6)
+        label = "optax.adamw + optax.apply_updates (bf16)"
+        base = timed(label, jax.jit(optax_step), params, ostate, grads, reps=10)
         tx = sj.adamw(1e-4, weight_decay=1e-2, seed=0)
-        state = tx.init(params)
-        fused = _time(jax.jit(tx.step), grads, state, params, reps=10)
-        row("srround adamw native fused (fp32 states)", fused, 22 * n, cast * 22 / 6)
-        print(f"fused step bandwidth / optax step bandwidth: {base * 22 / 14 / fused:.2f}")
+        step = jax.jit(tx.step)
+        label = "srround adamw native fused (fp32 states)"
+        fused = timed(label, step, grads, tx.init(params), params, reps=10)
+        print(f"fused step bandwidth / optax step bandwidth: {fused / base:.2f}")
         wide = [(n // 8 // 11008, 11008)] * 8
         wide_p = [jnp.zeros(s, jnp.bfloat16) + 0.01 for s in wide]
         wide_g = [jnp.zeros(s, jnp.float32) + 1e-3 for s in wide]
-        m = sum(p.size for p in wide_p)
-        seconds = _time(jax.jit(tx.step), wide_g, tx.init(wide_p), wide_p, reps=10)
-        row("srround adamw native fused, 11008 columns", seconds, 22 * m, cast * 22 / 6 * m / n)
+        label = "srround adamw native fused, 11008 columns"
+        timed(label, step, wide_g, tx.init(wide_p), wide_p, reps=10)
         if args.probe:
-            _probe(args.probe, tx, otx, params, row, x, key, cast, base)
+            _probe(args.probe, tx, otx, params, row, x, key)
     except ImportError as exc:
         print(f"optax rows skipped: {exc}")
     same = None
@@ -274,7 +289,7 @@ def main(argv=None) -> int:
             ["gbps", "GB/s", ".1f"],
             ["frac_copy", "of copy", "%"],
         ],
-        baseline="astype(bf16) (a copy of the same bytes); optax.adamw + optax.apply_updates",
+        baseline="astype(bf16) (a copy: 6 B per element); optax.adamw + optax.apply_updates",
         notes=[f"bits equal to the Numba CUDA kernel: {same}"],
         meta={"backend": backend, "elements": n, "bits_equal": same},
         gpu=jax.devices()[0].device_kind,
