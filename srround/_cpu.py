@@ -427,10 +427,11 @@ def _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, grou
 def _update_formats(
     kind, mode, state_fmt, cases, p_fmt, g_fmt, buffers, has_state1, j0, scale, coefs, group, noise
 ):
-    """``_update_run`` with constant formats for bf16, fp16 and fp32 tensors (parameter and
-    gradient alike; vectorized), run-time formats (scalar, not vectorized) otherwise. ``cases``:
-    which of the four loops the table needs (``format_cases``); only those are compiled."""
-    bf16, fp16, fp32, other = cases
+    """``_update_run`` with constant formats for the pairs of ``CONSTANT_FORMATS`` (parameter,
+    gradient: vectorized), run-time formats (scalar, not vectorized: several times slower)
+    otherwise. ``cases``: which of these loops the table needs (``format_cases``); only those
+    are compiled."""
+    bf16, fp16, fp32, bf16_fp32, fp16_fp32, other = cases
     if bf16 and p_fmt == BF16 and g_fmt == BF16:
         formats = (BF16, BF16, state_fmt)
         _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
@@ -439,6 +440,12 @@ def _update_formats(
         _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
     elif fp32 and p_fmt == F32 and g_fmt == F32:
         formats = (F32, F32, state_fmt)
+        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+    elif bf16_fp32 and p_fmt == BF16 and g_fmt == F32:
+        formats = (BF16, F32, state_fmt)
+        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+    elif fp16_fp32 and p_fmt == F16 and g_fmt == F32:
+        formats = (F16, F32, state_fmt)
         _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
     elif other:
         formats = (p_fmt, g_fmt, state_fmt)
@@ -537,13 +544,19 @@ def _make_step(kind, mode, state_fmt, state1, cases):
     return step
 
 
+# (parameter, gradient) formats whose step loops are compiled with constant formats: the same
+# dtype, and 16-bit parameters with float32 gradients (JAX gradients of a float32 loss scale,
+# mixed-precision recipes); other pairs run a scalar loop
+CONSTANT_FORMATS = ((BF16, BF16), (F16, F16), (F32, F32), (BF16, F32), (F16, F32))
+
+
 def format_cases(table) -> tuple:
-    """``(bf16, fp16, fp32, other)``: whether ``table`` has bf16 tensors (parameter and
-    gradient), fp16 ones, fp32 ones, and any other combination (formats that differ)."""
+    """Per pair of ``CONSTANT_FORMATS`` whether ``table`` has tensors of it, then whether it
+    has any other pair."""
     p_fmt, g_fmt = np.asarray(table)[:, P_FMT], np.asarray(table)[:, G_FMT]
-    same = [(p_fmt == f) & (g_fmt == f) for f in (BF16, F16, F32)]
-    other = ~(same[0] | same[1] | same[2])
-    return (*(bool(c.any()) for c in same), bool(other.any()))
+    pairs = [(p_fmt == p) & (g_fmt == g) for p, g in CONSTANT_FORMATS]
+    other = ~np.logical_or.reduce(pairs)
+    return (*(bool(c.any()) for c in pairs), bool(other.any()))
 
 
 _STEPS = {}
@@ -570,8 +583,8 @@ def optim_step8(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k
     of the three streams in a vectorized pass (the states' bytes decode through a table built
     once); ``inv_scale``, ``found``: uint32[1] float32 patterns; a nonzero ``found`` skips the
     step. ``mode`` and ``fmt`` are run-time values (one compiled kernel), with one branch of
-    constant formats for the common case: bf16 parameters and gradients, e4m3fn states,
-    stochastic rounding."""
+    constant formats for the common case: bf16 parameters, bf16 or float32 gradients, e4m3fn
+    states, stochastic rounding."""
     if found[0] & 0x7FFFFFFF:
         return
     for k in range(table.shape[0]):
@@ -615,6 +628,22 @@ def optim_step8(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k
         if fast and r[P_FMT] == BF16 and r[G_FMT] == BF16:  # constant formats, folded by
             # LLVM (about 4x faster)
             fixed = (row[0], BF16, row[2], BF16) + row[4:]
+            update_block8(
+                STOCHASTIC,
+                FLOAT8_E4M3FN,
+                fixed,
+                b,
+                size,
+                steps[k],
+                scale,
+                c,
+                g,
+                key,
+                address,
+                table_address,
+            )
+        elif fast and r[P_FMT] == BF16 and r[G_FMT] == F32:  # likewise (CONSTANT_FORMATS)
+            fixed = (row[0], BF16, row[2], F32) + row[4:]
             update_block8(
                 STOCHASTIC,
                 FLOAT8_E4M3FN,

@@ -124,6 +124,14 @@ def test_fp8_step_bits_equal_the_reference(dtype):
     _assert_same(_run(problem, 3), _reference(problem, dtype, 3))
 
 
+def test_fp8_step_with_float32_gradients_bits_equal_the_reference():
+    """bf16 parameters with float32 gradients take a constant-format branch of their own (as
+    bf16 gradients do): the reference's bits."""
+    params, grads, m, s, ms, vs = _problem()
+    problem = (params, [g.astype(np.float32) for g in grads], m, s, ms, vs)
+    _assert_same(_run(problem, 3), _reference(problem, E4M3, 3))
+
+
 def test_fp8_first_step_from_zero_states():
     """Zero moments under zero scales (what a new optimizer allocates) decode to 0."""
     params, grads, m, s, ms, vs = _problem()
