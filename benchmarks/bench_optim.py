@@ -459,11 +459,12 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
 
         return build
 
-    def fused_row(state_dtype, impl=None, masked=False):
+    def fused_row(state_dtype, impl=None, masked=False, grad_dtype=jnp.bfloat16):
         def build():
             if sj is None or not hasattr(sj, "adamw"):
                 raise Unavailable("srround.adapters.jax.adamw not present")
             params, grads = make(jnp.bfloat16)
+            grads = [g.astype(grad_dtype) for g in grads]
             # optax's mask, as commonly used: no weight decay on the vectors (biases, norms)
             mask = [p.ndim > 1 for p in params] if masked else None
             opt = sj.adamw(
@@ -516,6 +517,12 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
         ("srround jax.adamw fp32 states", 22, fused_row(jnp.float32)),
         ("srround jax.adamw bf16 states", 14, fused_row(jnp.bfloat16)),
         ("srround jax.adamw fp32 states, optax mask", 22, fused_row(jnp.float32, masked=True)),
+        # float32 gradients: what a loss scale's unscale gives (it promotes, as jmp's does)
+        (
+            "srround jax.adamw fp32 states, fp32 grads",
+            24,
+            fused_row(jnp.float32, grad_dtype=jnp.float32),
+        ),
         ("optax.adamw + srround apply_updates", 14, optax_row(srround_apply(), jnp.bfloat16)),
         ("optax.adamw + user jax.random.bits SR", 14, optax_row(user_sr_apply, jnp.bfloat16)),
         ("optax.adamw bf16 params (RNE)", 14, optax_row(plain, jnp.bfloat16)),
@@ -524,13 +531,13 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
         ("optax.sgd bf16 params (RNE)", 10, optax_row(plain, jnp.bfloat16, "sgd")),
     ]
     if backend == "cpu":  # the default there is the host step; elsewhere it is native
-        rows[3:3] = [
+        rows[4:4] = [
             ("srround jax.adamw native fp32 states", 22, fused_row(jnp.float32, "native")),
             ("srround jax.adamw native bf16 states", 14, fused_row(jnp.bfloat16, "native")),
         ]
         rows.insert(-1, ("srround jax.sgd native fp32 momentum", 14, fused_sgd_row("native")))
         native_apply = optax_row(srround_apply("native"), jnp.bfloat16)
-        rows.insert(6, ("optax.adamw + srround apply_updates native", 14, native_apply))
+        rows.insert(7, ("optax.adamw + srround apply_updates native", 14, native_apply))
     # on a CPU the rows are timed in turns (each keeps its buffers meanwhile): a shared machine's
     # load moves between rows timed one after the other, and so would their ratios to optax
     in_turns = backend == "cpu"
