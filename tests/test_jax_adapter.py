@@ -293,6 +293,38 @@ def test_callback_updates_aliased_operands_in_xla_buffers():
     np.testing.assert_array_equal(np.asarray(out), np.ones(1024, np.float32))
 
 
+def test_callback_views_each_buffer_once(monkeypatch):
+    """Finding: the FFI handler made a NumPy view of every operand, the aliased ones too (then
+    replaced by their results' views), and compared the addresses of every result with its
+    output: for the fused AdamW step of 196 leaves (784 operands, 588 aliased) on 2 cores,
+    56-66 ms a step, now 39 ms. A view per buffer: the function id, the other operands and
+    the results; a result the function hands back as given is not compared."""
+    from srround.adapters.jax import _ffi
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the FFI target is the CPU's")
+    views = []
+    real = _ffi._array
+    monkeypatch.setattr(_ffi, "_array", lambda *a: views.append(1) or real(*a))
+    compared = []
+    monkeypatch.setattr(_ffi, "_address", lambda a: compared.append(1) or 0)
+
+    def add(a, b, c):
+        a += b
+        c += b
+        return a, c
+
+    shape = jax.ShapeDtypeStruct((64,), jnp.float32)
+
+    def call(w, b, v):
+        return _ffi.call(add, (shape, shape), w, b, v, key="test: views", aliases={0: 0, 2: 1})
+
+    ones = jnp.ones(64, jnp.float32)
+    out = jax.jit(call, donate_argnums=(0, 2))(jnp.zeros(64), ones, jnp.zeros(64))
+    np.testing.assert_array_equal(np.asarray(out[1]), np.ones(64, np.float32))
+    assert (len(views), len(compared)) == (1 + 1 + 2, 0)  # id, b; two results
+
+
 def test_apply_updates_callback_leaves_inputs_unchanged():
     """The callback ``stochastic_add`` writes in the result's buffer: params that were not
     donated keep their bits, donated ones give the same result."""

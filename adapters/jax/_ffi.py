@@ -153,7 +153,7 @@ _ERROR_CREATE_OFFSET = 48  # XLA_FFI_Api: struct_size, extension_start, api_vers
 
 # -- the registry and the handler ---------------------------------------------------------------
 
-_FUNCTIONS: dict[int, tuple] = {}  # id -> (host function, aliases ((operand, result), ...), into)
+_FUNCTIONS: dict[int, tuple] = {}  # id -> (host function, aliases {operand: result}, into)
 _IDS_OF: dict = {}  # key -> id
 _IDS = itertools.count(1)
 _LOCK = threading.Lock()
@@ -191,12 +191,14 @@ def _address(a: np.ndarray) -> int:
 
 
 def _run(frame: _CallFrame) -> None:
-    args = [_array(frame.args.buffers[i].contents, False) for i in range(frame.args.size)]
+    buffers = frame.args.buffers
     outs = [_array(frame.rets.buffers[i].contents, True) for i in range(frame.rets.size)]
-    fn, aliases, into = _FUNCTIONS[int(args[0])]
-    args = args[1:]
-    for operand, result in aliases:  # the operand's data, in the result's (writable) buffer
-        args[operand] = outs[result]
+    fn, aliased, into = _FUNCTIONS[int(_array(buffers[0].contents, False))]
+    # an aliased operand's data is in its result's (writable) buffer: no view of its own
+    args = [
+        outs[aliased[i]] if i in aliased else _array(buffers[i + 1].contents, False)
+        for i in range(frame.args.size - 1)
+    ]
     if into:  # the function writes the results' buffers itself
         fn(*args, outs=tuple(outs))
         return
@@ -204,6 +206,8 @@ def _run(frame: _CallFrame) -> None:
     if len(outs) == 1:
         results = (results,)
     for out, result in zip(outs, results, strict=True):
+        if result is out:
+            continue  # updated in place, the view handed in
         result = np.asarray(result)
         if _address(result) == _address(out) and result.nbytes == out.nbytes:
             continue  # updated in place
@@ -282,7 +286,7 @@ def call(fn, result_shape, *args, key, aliases=None, into=False):
         ident = _IDS_OF.get((key, aliases, into))
         if ident is None:
             ident = _IDS_OF[key, aliases, into] = next(_IDS)
-            _FUNCTIONS[ident] = (fn, aliases, into)
+            _FUNCTIONS[ident] = (fn, dict(aliases), into)
     ident_arg = jnp.asarray(ident, jnp.int32)
     call = jax.ffi.ffi_call(
         TARGET,
