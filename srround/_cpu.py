@@ -83,12 +83,14 @@ _E2M1 = (FORMATS["float4_e2m1fn"].mantissa_bits, FORMATS["float4_e2m1fn"].expone
 
 def run(kernel, elements: int, *args):
     """``kernel(*args)`` for a ``prange`` kernel over ``elements`` elements; below
-    ``_config.CPU_SERIAL_BELOW`` (or in a child forked during a launch, ``_threads``) on the
-    calling thread alone (the thread count is per calling thread in Numba, and restored
-    after): a parallel region wakes and then waits for every worker thread, which on a busy
-    machine can cost a scheduler time slice."""
+    ``_config.CPU_SERIAL_BELOW`` on the calling thread alone (the thread count is per calling
+    thread in Numba, and restored after): a parallel region wakes and then waits for every
+    worker thread, which on a busy machine can cost a scheduler time slice. In a child forked
+    during a launch (``_threads.serial_only``), the kernel's serial twin."""
     with _threads.launching:  # counted, and locked where the layer needs it (``_threads``)
-        if elements >= _config.CPU_SERIAL_BELOW and not _threads.serial_only:
+        if _threads.serial_only:
+            return _serial_twin(kernel)(*args)
+        if elements >= _config.CPU_SERIAL_BELOW:
             return kernel(*args)
         threads = get_num_threads()
         set_num_threads(1)
@@ -96,6 +98,26 @@ def run(kernel, elements: int, *args):
             return kernel(*args)
         finally:
             set_num_threads(threads)
+
+
+_SERIAL_TWINS: dict = {}
+
+
+def _serial_twin(kernel):
+    """``kernel`` (a ``parallel=True`` dispatcher) compiled without ``parallel``: its ``prange``
+    loops become plain loops, the same bits, and it never calls into the threading layer,
+    whose worker pool may be unusable in a child forked while another thread ran a launch
+    (with TBB, even a region of one thread can wait there forever). Compiled on first use in
+    that process; not cached on disk, where it would share the parallel kernel's entry."""
+    twin = _SERIAL_TWINS.get(kernel)
+    if twin is None:
+        options = {
+            k: v
+            for k, v in kernel.targetoptions.items()
+            if k not in ("parallel", "cache", "nopython")
+        }
+        twin = _SERIAL_TWINS[kernel] = njit(**options)(kernel.py_func)
+    return twin
 
 
 @njit(forceinline=True, cache=True)
@@ -625,42 +647,14 @@ def optim_step8(table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k
             r[S1_SCALE],
             r[S2_SCALE],
         )
-        if fast and r[P_FMT] == BF16 and r[G_FMT] == BF16:  # constant formats, folded by
-            # LLVM (about 4x faster)
-            fixed = (row[0], BF16, row[2], BF16) + row[4:]
-            update_block8(
-                STOCHASTIC,
-                FLOAT8_E4M3FN,
-                fixed,
-                b,
-                size,
-                steps[k],
-                scale,
-                c,
-                g,
-                key,
-                address,
-                table_address,
-            )
-        elif fast and r[P_FMT] == BF16 and r[G_FMT] == F32:  # likewise (CONSTANT_FORMATS)
-            fixed = (row[0], BF16, row[2], F32) + row[4:]
-            update_block8(
-                STOCHASTIC,
-                FLOAT8_E4M3FN,
-                fixed,
-                b,
-                size,
-                steps[k],
-                scale,
-                c,
-                g,
-                key,
-                address,
-                table_address,
-            )
+        rest = (b, size, steps[k], scale, c, g, key, address, table_address)
+        # constant formats, folded by LLVM (about 4x faster): bf16 parameters with bf16 or
+        # float32 gradients (as CONSTANT_FORMATS)
+        if fast and r[P_FMT] == BF16 and r[G_FMT] == BF16:
+            update_block8(STOCHASTIC, FLOAT8_E4M3FN, (row[0], BF16, row[2], BF16) + row[4:], *rest)
+        elif fast and r[P_FMT] == BF16 and r[G_FMT] == F32:
+            update_block8(STOCHASTIC, FLOAT8_E4M3FN, (row[0], BF16, row[2], F32) + row[4:], *rest)
         else:
-            update_block8(
-                mode, fmt, row, b, size, steps[k], scale, c, g, key, address, table_address
-            )
+            update_block8(mode, fmt, row, *rest)
         words[0] = 0  # keeps the buffer alive until here (the body reads it by address)
     lut[0] = 0  # decode(0): keeps the table alive until here (read by address)

@@ -318,6 +318,22 @@ def test_fork_while_other_threads_run_kernels():
     _ok(_python(code, env={"PYTHONWARNINGS": "ignore::DeprecationWarning"}))
 
 
+def test_child_forked_during_a_launch_runs_serial_twins(monkeypatch):
+    """Finding (CI, 11-27): a child forked while another thread ran a kernel hung in its first
+    launch, though it ran it as a region of one thread: that still enters TBB, whose worker
+    pool the fork left unusable. Such a child (``serial_only``) now runs the kernels' serial
+    twins, compiled without ``parallel``, which never enter the threading layer: same bits."""
+    from srround import _cpu, _threads
+
+    x = np.linspace(-1, 1, 5000, dtype=np.float32)
+    expected = srround.stochastic_round(x, seed=5).view(np.uint16)
+    monkeypatch.setattr(_threads, "serial_only", True)
+    monkeypatch.setattr(_cpu, "_SERIAL_TWINS", {})
+    np.testing.assert_array_equal(srround.stochastic_round(x, seed=5).view(np.uint16), expected)
+    twins = list(_cpu._SERIAL_TWINS.values())
+    assert twins and not any(t.targetoptions.get("parallel") for t in twins)
+
+
 def test_nested_use_neither_deadlocks_nor_oversubscribes():
     """srround from a thread pool while torch runs intra-op work and a user's own Numba
     ``prange`` function runs in another thread, and from inside a JAX callback under ``jit``:
