@@ -454,24 +454,19 @@ def _update_formats(
     otherwise. ``cases``: which of these loops the table needs (``format_cases``); only those
     are compiled."""
     bf16, fp16, fp32, bf16_fp32, fp16_fp32, other = cases
+    rest = (buffers, has_state1, j0, scale, coefs, group, noise)
     if bf16 and p_fmt == BF16 and g_fmt == BF16:
-        formats = (BF16, BF16, state_fmt)
-        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+        _update_run(kind, mode, (BF16, BF16, state_fmt), *rest)
     elif fp16 and p_fmt == F16 and g_fmt == F16:
-        formats = (F16, F16, state_fmt)
-        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+        _update_run(kind, mode, (F16, F16, state_fmt), *rest)
     elif fp32 and p_fmt == F32 and g_fmt == F32:
-        formats = (F32, F32, state_fmt)
-        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+        _update_run(kind, mode, (F32, F32, state_fmt), *rest)
     elif bf16_fp32 and p_fmt == BF16 and g_fmt == F32:
-        formats = (BF16, F32, state_fmt)
-        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+        _update_run(kind, mode, (BF16, F32, state_fmt), *rest)
     elif fp16_fp32 and p_fmt == F16 and g_fmt == F32:
-        formats = (F16, F32, state_fmt)
-        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+        _update_run(kind, mode, (F16, F32, state_fmt), *rest)
     elif other:
-        formats = (p_fmt, g_fmt, state_fmt)
-        _update_run(kind, mode, formats, buffers, has_state1, j0, scale, coefs, group, noise)
+        _update_run(kind, mode, (p_fmt, g_fmt, state_fmt), *rest)
 
 
 @njit(forceinline=True, cache=True)
