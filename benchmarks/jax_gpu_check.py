@@ -43,14 +43,12 @@ def _time(fn, *args, reps=20, warmup_s=0.3):
     slow on an H100)."""
     import jax
 
-    t_end = time.perf_counter() + warmup_s
-    calls = 0
-    jax.block_until_ready(fn(*args))
-    started = time.perf_counter()
-    while time.perf_counter() < t_end:
+    jax.block_until_ready(fn(*args))  # compiled
+    calls, started = 0, time.perf_counter()
+    while calls == 0 or time.perf_counter() - started < warmup_s:  # at least one warm call
         jax.block_until_ready(fn(*args))
         calls += 1
-    each = (time.perf_counter() - started) / max(calls, 1)
+    each = (time.perf_counter() - started) / calls
     batch = max(1, min(1000, int(0.02 / max(each, 1e-6))))
     samples = []
     for _ in range(reps):
