@@ -49,6 +49,16 @@ def _own(adapter, name: str):
     return None if adapter.MUTABLE else getattr(adapter, name)
 
 
+def _read_only(bits):
+    """An input buffer as the kernels read it: on the CPU a read-only view of a writable NumPy
+    array (free), so each kernel has one compiled version for read-only and writable inputs
+    alike (Numba types the two apart: a second compile, ~5 s cold for a rounding kernel)."""
+    if isinstance(bits, np.ndarray) and bits.flags.writeable:
+        bits = bits.view()
+        bits.flags.writeable = False
+    return bits
+
+
 def _launch(kernel: str, view: View, *args) -> None:
     """Run ``kernel`` of the backend where ``view`` lives (CUDA on the view's stream)."""
     if view.bits.size == 0:
@@ -137,7 +147,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
     k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(
-        "stochastic_round", src, src.bits, dst.bits, 1.0, (k0, k1), offset, fmt, saturate
+        "stochastic_round", src, _read_only(src.bits), dst.bits, 1.0, (k0, k1), offset, fmt, saturate
     )
     return dst.result
 
@@ -162,7 +172,7 @@ def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
     _launch(
         "round_nearest",
         src,
-        src.bits,
+        _read_only(src.bits),
         dst.bits,
         fmt.mantissa_bits,
         fmt.exponent_bits,
@@ -192,7 +202,7 @@ def to_float32(y, *, dtype=None, out=None):
     if out is not None:
         _validate.no_overlap([_span("y", src, False), _span("out", dst, True)])
     _launch(
-        "to_float32", src, src.bits, dst.bits, fmt.mantissa_bits, fmt.exponent_bits, fmt.specials
+        "to_float32", src, _read_only(src.bits), dst.bits, fmt.mantissa_bits, fmt.exponent_bits, fmt.specials
     )
     return dst.result
 
@@ -231,7 +241,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
     k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(
-        "stochastic_add", dst, src.bits, dst.bits, alpha, (k0, k1), offset, fmt, saturate
+        "stochastic_add", dst, _read_only(src.bits), dst.bits, alpha, (k0, k1), offset, fmt, saturate
     )
     return dst.result
 

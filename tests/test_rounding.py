@@ -342,3 +342,24 @@ def test_32bit_encoder_is_the_general_path():
             for stochastic in (False, True):
                 args = (fmt.mantissa_bits, fmt.exponent_bits, saturate, fmt.specials, stochastic)
                 assert mismatches(us, bits16, *args) == 0, (name, saturate, stochastic)
+
+
+def test_read_only_and_writable_inputs_run_one_compiled_kernel():
+    """Numba types read-only and writable arrays apart: each rounding kernel took a second
+    compile (~5 s cold) once a process passed both. Inputs now reach the kernels read-only."""
+    from srround import _cpu
+
+    x = np.linspace(-1.5, 1.5, 64, dtype=np.float32)
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    w = srround.round_nearest(x, dtype="bfloat16")
+    for a in (x, frozen):
+        srround.stochastic_round(a, seed=1)
+        srround.round_nearest(a, dtype="float8_e4m3fn")
+        srround.to_float32(srround.round_nearest(a))
+        srround.stochastic_add(w, a, seed=1)
+    kernels = (_cpu.stochastic_round, _cpu.round_nearest, _cpu.to_float32, _cpu.stochastic_add)
+    for kernel in kernels:
+        assert kernel.signatures, kernel
+        for signature in kernel.signatures:
+            assert not signature[0].mutable, (kernel, signature)
