@@ -147,7 +147,15 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     offset = check_offset(offset + src.stream_offset())  # (a shard: its global position)
     k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(
-        "stochastic_round", src, _read_only(src.bits), dst.bits, 1.0, (k0, k1), offset, fmt, saturate
+        "stochastic_round",
+        src,
+        _read_only(src.bits),
+        dst.bits,
+        1.0,
+        (k0, k1),
+        offset,
+        fmt,
+        saturate,
     )
     return dst.result
 
@@ -202,7 +210,13 @@ def to_float32(y, *, dtype=None, out=None):
     if out is not None:
         _validate.no_overlap([_span("y", src, False), _span("out", dst, True)])
     _launch(
-        "to_float32", src, _read_only(src.bits), dst.bits, fmt.mantissa_bits, fmt.exponent_bits, fmt.specials
+        "to_float32",
+        src,
+        _read_only(src.bits),
+        dst.bits,
+        fmt.mantissa_bits,
+        fmt.exponent_bits,
+        fmt.specials,
     )
     return dst.result
 
@@ -241,7 +255,15 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     offset = check_offset(offset + dst.stream_offset())  # (a shard: its global position)
     k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     _launch_random(
-        "stochastic_add", dst, _read_only(src.bits), dst.bits, alpha, (k0, k1), offset, fmt, saturate
+        "stochastic_add",
+        dst,
+        _read_only(src.bits),
+        dst.bits,
+        alpha,
+        (k0, k1),
+        offset,
+        fmt,
+        saturate,
     )
     return dst.result
 
