@@ -103,6 +103,36 @@ def test_bench_adapters_smoke(tmp_path):
     assert {r["row"] for r in rows} >= {"core, raw buffers", "numpy", "torch cpu", "copy"}
 
 
+def test_apply_updates_parts_smoke(tmp_path):
+    """Every write-back row of apply_updates_parts runs, traced afresh, and lands in the JSON."""
+    pytest.importorskip("optax")
+    out = _run(
+        [
+            str(BENCH / "apply_updates_parts.py"),
+            "--quick",
+            "--params",
+            "0.02",
+            "--tensors",
+            "10",
+            "--json",
+            str(tmp_path / "p.json"),
+        ],
+        tmp_path,
+    )
+    doc = json.loads((tmp_path / "p.json").read_text())
+    rows = {r["row"]: r for r in doc["results"]}
+    assert set(rows) == {
+        "optax.apply_updates (RNE)",
+        "plain jnp SR",
+        "SR encoding",
+        "exact sum",
+        "exact sum + SR encoding",
+        "srround apply_updates",
+    }, out
+    assert rows["optax.apply_updates (RNE)"]["step_vs_optax"] == 1.0
+    assert all(r["median_s"] > 0 and r["first_s"] > 0 for r in rows.values())
+
+
 def test_results_page_from_envelopes(tmp_path):
     """benchmarks/results.py turns --json envelopes into a page naming machine, date and
     baseline, and refuses a file without them."""
