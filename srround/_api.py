@@ -7,6 +7,8 @@ for the stream and ``_scalar.py`` for the rounding rules (contracts: ``docs/cont
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import numbers
 
@@ -498,9 +500,77 @@ def _as_list(arrays, name, count=None, *, whole=False):
     return arrays
 
 
-def _fused_step(
+class StepReuse:
+    """A one-entry memory of the last fused step's table, for a caller that runs the same
+    step on the same buffers call after call (the JAX host step: one per program call site,
+    whose buffers have fixed dtypes and shapes and, with donation, the same addresses from
+    step to step). Entered with ``with reuse.active():`` around ``adamw_step``/``sgd_step``: a call
+    whose buffers (by address), stream starts and settings equal the last one's skips the
+    validation and the table build and only sets the step count, scale, hyperparameters and
+    seed; any other call validates and plans in full and becomes the entry. NumPy (CPU)
+    buffers, host ``step`` and ``inv_scale``, no ``found_inf``; other calls are not kept."""
+
+    def __init__(self):
+        self._entry = None  # (key, what _build_fused returned): replaced whole, read once
+
+    @contextlib.contextmanager
+    def active(self):
+        """Within: ``adamw_step``/``sgd_step`` calls of this thread use this memory. Several
+        threads may use one ``StepReuse`` at once (XLA runs a step's shards in parallel):
+        calls on other buffers then plan afresh, and the entry is replaced whole."""
+        token = _REUSE.set(self)
+        try:
+            yield self
+        finally:
+            _REUSE.reset(token)
+
+
+_REUSE: contextvars.ContextVar[StepReuse | None] = contextvars.ContextVar(
+    "srround_step_reuse", default=None
+)
+
+
+def _buffers(arrays) -> tuple | None:
+    """Per NumPy array of ``arrays`` what its table row depends on (address, dtype, size,
+    strides, writability; ``None`` entries as ``None``), or ``None`` when one is not a NumPy
+    array."""
+    out = []
+    for a in arrays:
+        if a is None:
+            out.append(None)
+        elif type(a) is np.ndarray:
+            info = a.__array_interface__
+            out.append((info["data"], a.dtype, a.size, info["strides"]))
+        else:
+            return None
+    return tuple(out)
+
+
+def _reuse_key(kind, params, grads, states, aux, rounding, scales, stream_starts, extra):
+    """What ``StepReuse`` compares: every buffer's address and the step's settings, or
+    ``None`` where the call is not one it keeps (arrays other than NumPy's, device scalars)."""
+    if any(v is not None and not _is_host_scalar(v) for v in extra.values()):
+        return None
+    if not isinstance(params, list) or not isinstance(grads, list):
+        return None
+    lists = [params, grads, *(a for _, a in states), aux, *(a for _, a in scales or ())]
+    key = [kind, rounding, extra["found_inf"] is None]
+    for arrays in lists:
+        if arrays is None:
+            key.append(None)
+            continue
+        if not isinstance(arrays, list):
+            return None
+        found = _buffers(arrays)
+        if found is None:
+            return None
+        key.append(found)
+    key.append(None if stream_starts is None else tuple(np.asarray(stream_starts).tolist()))
+    return tuple(key)
+
+
+def _build_fused(
     kind,
-    hyper,
     params,
     grads,
     states,
@@ -508,14 +578,14 @@ def _fused_step(
     *,
     step,
     rounding,
-    seed,
     inv_scale,
     found_inf,
     name,
     scales=None,
     stream_starts=None,
 ):
-    """Validate the buffer lists, plan (``_plan.plan_step``) and run one ``FusedStep``."""
+    """Validate the buffer lists and plan (``_plan.plan_step``) one ``FusedStep``: returns it
+    with its step counters, scale and flag buffers and the first param's view."""
     mode = _plan.check_rounding(rounding)
     if inv_scale is not None and _is_host_scalar(inv_scale):
         inv_scale = _validate.inv_scale(inv_scale)
@@ -586,6 +656,53 @@ def _fused_step(
         first.device,
         first.stream,
     )
+    return fused, steps, scales, flags, first
+
+
+def _fused_step(
+    kind, hyper, params, grads, states, aux, *, step, seed, inv_scale, found_inf, **options
+):
+    """Validate the buffer lists, plan (``_plan.plan_step``) and run one ``FusedStep``; within
+    ``with StepReuse()`` a call on the last call's buffers reuses its table."""
+    reuse = _REUSE.get()
+    key = None
+    if reuse is not None:
+        extra = {"step": step, "inv_scale": inv_scale, "found_inf": found_inf}
+        key = _reuse_key(
+            kind,
+            params,
+            grads,
+            states,
+            aux,
+            options.get("rounding"),
+            options.get("scales"),
+            options.get("stream_starts"),
+            extra,
+        )
+    entry = None if key is None else reuse._entry
+    if entry is not None and entry[0] == key:
+        fused, steps, scales, flags, first = entry[1]
+        count = steps.bits.size
+        step = _validate.integer(step, "step", low=1, high=_optim.MAX_STEPS)
+        steps.bits[:] = np.full(count, step - 1, np.int32).view(np.uint32)
+        value = 1.0 if inv_scale is None else _validate.inv_scale(inv_scale)
+        scales.bits[:] = np.float32(value).view(np.uint32)
+        flags.bits[:] = 0
+    else:
+        built = _build_fused(
+            kind,
+            params,
+            grads,
+            states,
+            aux,
+            step=step,
+            inv_scale=inv_scale,
+            found_inf=found_inf,
+            **options,
+        )
+        if reuse is not None:
+            reuse._entry = None if key is None else (key, built)
+        fused, steps, scales, flags, first = built
     _check_shard_seed(seed, first)
     k0, k1 = _key(seed)  # after the checks: a refused call draws no seed
     fused.set_hyper(np.asarray([hyper], np.float64))

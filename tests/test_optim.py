@@ -4,6 +4,8 @@ against nearest, unbiased stochastic rounding), argument errors, the CUDA gradie
 
 from __future__ import annotations
 
+import contextlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -470,3 +472,47 @@ def test_cuda_noise_at_unaligned_stream_starts_matches_cpu(small_cuda_launch):
     cuda = run(to_cuda, lambda a: a.copy_to_host())
     for a, b in zip(cuda, cpu):
         np.testing.assert_array_equal(a, b)
+
+
+def test_step_reuse_keeps_the_table_while_the_buffers_stay(monkeypatch):
+    """``StepReuse`` (the JAX host step's): a call on the last call's buffers skips the planning
+    and gives the bits of a plain call; other buffers, another step count, lr, seed or scale
+    are honoured; a rejected argument still raises on a reused table."""
+    from srround import _api, _plan
+
+    planned = []
+    plan_step = _plan.plan_step
+    monkeypatch.setattr(_plan, "plan_step", lambda *a, **k: planned.append(1) or plan_step(*a, **k))
+
+    def run(problems, context):
+        calls = [
+            (1, 1e-3, 5, 1.0, 0),
+            (2, 2e-3, 6, 0.5, 0),
+            (3, 2e-3, 6, 0.5, 1),
+            (4, 1e-3, 7, 1.0, 1),
+        ]
+        for t, lr, seed, inv_scale, which in calls:
+            p, g, m, v = problems[which]
+            with context():
+                srround.adamw_step(p, g, m, v, lr=lr, step=t, seed=seed, inv_scale=inv_scale)
+        return problems
+
+    def fresh():
+        first = _problem()
+        second = [list(first[0]), _problem(seed=1)[1], list(first[2]), list(first[3])]
+        return [first, second]  # the same params and states, other gradients from step 3
+
+    expected = run(fresh(), contextlib.nullcontext)
+    planned.clear()
+    reuse = _api.StepReuse()
+    got = run(fresh(), reuse.active)
+    assert len(planned) == 2  # steps 1 and 3 (new gradient buffers); 2 and 4 reuse
+    for e, r in zip(expected, got):
+        for a, b in zip(e, r):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+    p, g, m, v = got[1]
+    with reuse.active(), pytest.raises(ValueError, match="inv_scale"):
+        srround.adamw_step(p, g, m, v, lr=1e-3, step=5, seed=5, inv_scale=-1.0)
+    with reuse.active(), pytest.raises(ValueError, match="step"):
+        srround.adamw_step(p, g, m, v, lr=1e-3, step=0, seed=5)

@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import math
 import platform
 import sys
 
@@ -249,17 +250,17 @@ def _runs(local_shape, origin, global_shape):
     split in some dimension has a run per index of the dimensions before the last split one."""
     local_shape = tuple(int(n) for n in local_shape)
     if origin is None:
-        return [(0, int(np.prod(local_shape, dtype=np.int64)), 0)]
+        return [(0, math.prod(local_shape), 0)]
     origin = [int(o) for o in np.asarray(origin).reshape(-1)]
     ndim = len(local_shape)
     k = ndim  # dims k.. are whole (so contiguous in the global array too)
     while k > 0 and local_shape[k - 1] == global_shape[k - 1]:
         k -= 1
     if k == 0:
-        return [(0, int(np.prod(local_shape, dtype=np.int64)), 0)]
+        return [(0, math.prod(local_shape), 0)]
     k -= 1  # the last split dimension: its run is local_shape[k:] long
-    strides = [int(np.prod(global_shape[d + 1 :], dtype=np.int64)) for d in range(ndim)]
-    length = int(np.prod(local_shape[k:], dtype=np.int64))
+    strides = [math.prod(global_shape[d + 1 :]) for d in range(ndim)]
+    length = math.prod(local_shape[k:])
     runs = []
     for r, lead in enumerate(np.ndindex(*local_shape[:k])):
         start = sum((origin[d] + i) * strides[d] for d, i in enumerate(lead))

@@ -88,6 +88,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from srround import _optim, _state8, _validate
+from srround._api import StepReuse
 from srround._formats import FORMATS
 
 from ._api import _key_words, _straight_through, check_arrays
@@ -1571,6 +1572,9 @@ def _callback_step(
     tree_starts = _starts(global_shapes)
     starts = [tree_starts[i] for i in live]
     shapes_live = [global_shapes[i] for i in live]
+    # the table of the last call, kept while the buffers stay (with donation XLA hands the
+    # step the same buffers every call): about 3 ms less host work a 196-leaf step
+    reuse = StepReuse()
 
     def host(h0, h1, t_host, lr_host, scale_host, *arrays):
         arrays = list(arrays)  # params, states, aux: writable; grads, origins: read-only
@@ -1590,17 +1594,18 @@ def _callback_step(
                 for lo, size, _ in leaf_runs
             ]
 
-        host_step(
-            pieces(ps),
-            pieces(gs),
-            [pieces(st) for st in sts],
-            aux=pieces(aux) if any(has_aux) else None,
-            lr=static_lr if static_lr is not None else float(lr_host),
-            step=int(t_host),
-            seed=_seed_of(h0, h1),
-            inv_scale=float(scale_host),
-            **placed,
-        )
+        with reuse.active():
+            host_step(
+                pieces(ps),
+                pieces(gs),
+                [pieces(st) for st in sts],
+                aux=pieces(aux) if any(has_aux) else None,
+                lr=static_lr if static_lr is not None else float(lr_host),
+                step=int(t_host),
+                seed=_seed_of(h0, h1),
+                inv_scale=float(scale_host),
+                **placed,
+            )
         return tuple(ps + [x for st in sts for x in st] + [a for a in aux if a is not None])
 
     def pick(leaves):
