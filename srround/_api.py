@@ -504,11 +504,12 @@ class StepReuse:
     """A one-entry memory of the last fused step's table, for a caller that runs the same
     step on the same buffers call after call (the JAX host step: one per program call site,
     whose buffers have fixed dtypes and shapes and, with donation, the same addresses from
-    step to step). Entered with ``with reuse.active():`` around ``adamw_step``/``sgd_step``: a call
-    whose buffers (by address), stream starts and settings equal the last one's skips the
-    validation and the table build and only sets the step count, scale, hyperparameters and
-    seed; any other call validates and plans in full and becomes the entry. NumPy (CPU)
-    buffers, host ``step`` and ``inv_scale``, no ``found_inf``; other calls are not kept."""
+    step to step). Around ``adamw_step``/``sgd_step`` as ``with reuse.active():``, a call
+    whose buffers (address, dtype, size, strides, read-only flag), stream starts and settings
+    equal the last one's skips the validation and the table build and only sets the step
+    count, scale, hyperparameters and seed; any other call validates and plans in full and
+    becomes the entry. NumPy (CPU) buffers, host ``step`` and ``inv_scale``, no
+    ``found_inf``; other calls are not kept."""
 
     def __init__(self):
         self._entry = None  # (key, what _build_fused returned): replaced whole, read once
