@@ -17,6 +17,7 @@ change a bit.
 from __future__ import annotations
 
 import sys
+import types
 
 import numpy as np
 from numba import carray, get_num_threads, njit, prange, set_num_threads
@@ -107,16 +108,22 @@ def _serial_twin(kernel):
     """``kernel`` (a ``parallel=True`` dispatcher) compiled without ``parallel``: its ``prange``
     loops become plain loops, the same bits, and it never calls into the threading layer,
     whose worker pool may be unusable in a child forked while another thread ran a launch
-    (with TBB, even a region of one thread can wait there forever). Compiled on first use in
-    that process; not cached on disk, where it would share the parallel kernel's entry."""
+    (with TBB, even a region of one thread can wait there forever). Made on first use in that
+    process from a copy of the kernel's function named ``<name>__serial``, so the on-disk cache
+    keeps it apart from the parallel kernel: a forked worker loads it rather than compiling it
+    (about 2 s a kernel)."""
     twin = _SERIAL_TWINS.get(kernel)
     if twin is None:
+        func = kernel.py_func
+        copy = types.FunctionType(
+            func.__code__, func.__globals__, func.__name__, func.__defaults__, func.__closure__
+        )
+        copy.__qualname__ = func.__qualname__ + "__serial"
+        copy.__module__, copy.__doc__ = func.__module__, func.__doc__
         options = {
-            k: v
-            for k, v in kernel.targetoptions.items()
-            if k not in ("parallel", "cache", "nopython")
+            k: v for k, v in kernel.targetoptions.items() if k not in ("parallel", "nopython")
         }
-        twin = _SERIAL_TWINS[kernel] = njit(**options)(kernel.py_func)
+        twin = _SERIAL_TWINS[kernel] = njit(cache=True, **options)(copy)
     return twin
 
 

@@ -28,7 +28,7 @@ launch then waits forever for workers that were not copied (seen in about one fo
 Every srround CPU launch is counted (``launching``); a child forked while one was running, or
 within ``SETTLE_S`` after one ended (TBB's workers may still be returning to their pool; the
 fork stress test hung once in CI with the count alone), runs its launches with serial twins of
-the kernels (``serial_only``: compiled without ``parallel`` on first use there), which never
+the kernels (``serial_only``: compiled without ``parallel``, cached on disk apart), which never
 enter the threading layer: a region of one thread on the calling thread still entered TBB,
 and a child hung there once in CI (11-27).
 """

@@ -334,6 +334,29 @@ def test_child_forked_during_a_launch_runs_serial_twins(monkeypatch):
     assert twins and not any(t.targetoptions.get("parallel") for t in twins)
 
 
+def test_serial_twins_load_from_the_disk_cache(tmp_path):
+    """Finding (11-27): every forked child compiled its serial twins afresh (not cached on
+    disk), about 2 s a kernel in each DataLoader worker; 12 forks took 25-45 s. A twin is
+    cached apart from its parallel kernel: a second process loads it, and the parallel kernel
+    still loads its own entry."""
+    code = """
+    import numpy as np, srround
+    from srround import _cpu, _threads
+    x = np.linspace(-1, 1, 5000, dtype=np.float32)
+    parallel = srround.stochastic_round(x, seed=5).view(np.uint16)
+    _threads.serial_only = True
+    serial = srround.stochastic_round(x, seed=5).view(np.uint16)
+    assert np.array_equal(serial, parallel)
+    (twin,) = _cpu._SERIAL_TWINS.values()
+    print(sum(twin.stats.cache_hits.values()), sum(twin.stats.cache_misses.values()))
+    """
+    env = {"NUMBA_CACHE_DIR": str(tmp_path)}
+    first, second = _python(code, env=env), _python(code, env=env)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout.split() == ["0", "1"], first.stdout  # compiled, then written
+    assert second.stdout.split() == ["1", "0"], second.stdout  # loaded
+
+
 def test_nested_use_neither_deadlocks_nor_oversubscribes():
     """srround from a thread pool while torch runs intra-op work and a user's own Numba
     ``prange`` function runs in another thread, and from inside a JAX callback under ``jit``:
