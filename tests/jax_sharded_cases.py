@@ -71,18 +71,26 @@ def _same_sharding(out, x, what):
 _COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce")
 
 
-def _collectives(fn, *args):
-    text = jax.jit(fn).lower(*args).compile().as_text()
+def _collectives(compiled):
+    text = compiled.as_text()
     return {op: text.count(op + "(") + text.count(op + "-start(") for op in _COLLECTIVES}
 
 
-def _no_gather(fn, *args, what, reference=None):
-    """Nothing is gathered: the compiled program has no more collectives than ``reference``
-    (a plain cast under the same sharding constraints; none by default)."""
-    got = _collectives(fn, *args)
-    allowed = _collectives(reference, *args) if reference else dict.fromkeys(_COLLECTIVES, 0)
+def _without_gather(fn, *args, what, reference=None):
+    """``fn`` compiled for ``args`` (``jax.jit(fn).lower(*args).compile()``: call it to run
+    the program checked) once it is checked that nothing is gathered: the program has no more
+    collectives than ``reference`` (a plain cast under the same sharding constraints; none by
+    default)."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    got = _collectives(compiled)
+    allowed = (
+        _collectives(jax.jit(reference).lower(*args).compile())
+        if reference
+        else dict.fromkeys(_COLLECTIVES, 0)
+    )
     if any(got[op] > allowed[op] for op in _COLLECTIVES):
         raise AssertionError(f"{what}: collectives {got}, a plain cast needs {allowed}")
+    return compiled
 
 
 def _uneven(shape, spec, mesh) -> bool:
@@ -128,19 +136,17 @@ def _check_functional(x, u, w, sharding, what, impl, mesh):
     }
     for name, fn in fns.items():
         expected = jax.jit(fn)(jnp.asarray(x), KEY)
-        got = jax.jit(fn)(xs, KEY)
+        got = _without_gather(fn, xs, KEY, what=f"{name} {what}")(xs, KEY)
         _same(got, expected, f"{name} {what}")
         _same_sharding(got, xs, f"{name} {what}")
-        _no_gather(fn, xs, KEY, what=f"{name} {what}")
 
     def add(w, u, k):
         return sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3, impl=impl)
 
     expected = jax.jit(add)(w, jnp.asarray(u), KEY)
-    got = jax.jit(add)(ws, us, KEY)
+    got = _without_gather(add, ws, us, KEY, what=f"stochastic_add {what}")(ws, us, KEY)
     _same(got, expected, f"stochastic_add {what}")
     _same_sharding(got, ws, f"stochastic_add {what}")
-    _no_gather(add, ws, us, KEY, what=f"stochastic_add {what}")
 
 
 def _check_uneven(x, u, w, sharding, what, impl):
@@ -175,12 +181,12 @@ def _check_uneven(x, u, w, sharding, what, impl):
         u = jax.lax.with_sharding_constraint(u, sharding)
         return output(sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3, impl=impl))
 
-    _same(jax.jit(rnd)(x, KEY), sj.stochastic_round(x, seed=KEY, offset=5), f"uneven {what}")
-    expected = sj.stochastic_add(w, u, alpha=0.5, seed=KEY, offset=3)
-    _same(jax.jit(add)(w, u, KEY), expected, f"uneven add {what}")
     # the jit output of an uneven split is gathered at the end: no more than for a cast
     reference = functools.partial(cast, constrain_output=constrain)
-    _no_gather(rnd, x, KEY, what=f"uneven {what}", reference=reference)
+    rnd_checked = _without_gather(rnd, x, KEY, what=f"uneven {what}", reference=reference)
+    _same(rnd_checked(x, KEY), sj.stochastic_round(x, seed=KEY, offset=5), f"uneven {what}")
+    expected = sj.stochastic_add(w, u, alpha=0.5, seed=KEY, offset=3)
+    _same(jax.jit(add)(w, u, KEY), expected, f"uneven add {what}")
 
 
 def case_shard_map():
@@ -239,23 +245,23 @@ def case_optim():
             return sj.apply_updates(p, u, k, step=3)
 
         expected = jax.jit(apply)(params, updates, KEY)
-        got = jax.jit(apply)(ps, us, KEY)
+        apply_checked = _without_gather(apply, ps, us, KEY, what=f"apply_updates {what}")
+        got = apply_checked(ps, us, KEY)
         for k in params:
             _same(got[k], expected[k], f"apply_updates {k} {what}")
             _same_sharding(got[k], ps[k], f"apply_updates {k} {what}")
-        _no_gather(apply, ps, us, KEY, what=f"apply_updates {what}")
         if len(mesh.devices.flat) > 1:  # each device draws its own leaves' bits, not the tree's
-            text = jax.jit(apply).lower(ps, us, KEY).compile().as_text()
+            text = apply_checked.as_text()
             assert "u64[" not in text, f"apply_updates {what}: the whole tree's Threefry blocks"
 
         def apply_host(p, u, k):  # the callback path runs per shard too
             return sj.apply_updates(p, u, k, step=3, impl="callback")
 
-        got = jax.jit(apply_host)(ps, us, KEY)
+        what_h = f"apply_updates callback {what}"
+        got = _without_gather(apply_host, ps, us, KEY, what=what_h)(ps, us, KEY)
         for k in params:
-            _same(got[k], expected[k], f"apply_updates callback {k} {what}")
-            _same_sharding(got[k], ps[k], f"apply_updates callback {k} {what}")
-        _no_gather(apply_host, ps, us, KEY, what=f"apply_updates callback {what}")
+            _same(got[k], expected[k], f"{what_h} {k}")
+            _same_sharding(got[k], ps[k], f"{what_h} {k}")
         variants = [(jnp.float32, "native")]
         if last or index == 1:  # the callback path runs per shard too, and is the CPU default
             variants += [(jnp.float32, "callback"), (jnp.float32, None)]
@@ -267,9 +273,11 @@ def case_optim():
             state = tx.init(params)
             e_params, e_state = jax.jit(tx.step)(grads, state, params)
             s_state = tx.init(ps)  # the states take the params' shardings
-            g_params, g_state = jax.jit(tx.step)(gs, s_state, ps)
             if last or impl != "native":
-                _no_gather(tx.step, gs, s_state, ps, what=f"adamw {what_s}")
+                step = _without_gather(tx.step, gs, s_state, ps, what=f"adamw {what_s}")
+            else:
+                step = jax.jit(tx.step)
+            g_params, g_state = step(gs, s_state, ps)
             for k in params:
                 _same(g_params[k], e_params[k], f"adamw {k} {what_s}")
                 _same_sharding(g_params[k], ps[k], f"adamw {k} {what_s}")
@@ -298,8 +306,10 @@ def case_optim():
             }
             tx = sj.adamw(1e-2, seed=KEY, mask=mask)
             e_params, e_state = steps["native"](grads, tx.init(params), params)
-            g_params, g_state = steps[None](gs, tx.init(ps), ps)
-            _no_gather(steps[None], gs, tx.init(ps), ps, what=f"adamw mask {what}")
+            args = (gs, tx.init(ps), ps)
+            g_params, g_state = _without_gather(steps[None], *args, what=f"adamw mask {what}")(
+                *args
+            )
             for k in params:
                 _same(g_params[k], e_params[k], f"adamw mask {k} {what}")
                 _same(g_state.exp_avg_sq[k], e_state.exp_avg_sq[k], f"adamw mask v {k} {what}")
