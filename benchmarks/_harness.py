@@ -152,6 +152,25 @@ def measure(
     }
 
 
+@contextlib.contextmanager
+def numba_compile_timer():
+    """``with numba_compile_timer() as timer: ...``, then ``timer.seconds``: the wall time Numba
+    spent compiling inside the block, in any thread (a load from its disk cache is not a
+    compile: Numba times only ``numba:compile`` events, which a cache hit never starts)."""
+    from numba.core import event
+
+    class Timer:
+        seconds = 0.0
+
+    timer = Timer()
+
+    def record(seconds):
+        timer.seconds = seconds
+
+    with event.install_timer("numba:compile", record):
+        yield timer
+
+
 def time_in_turns(steps, reps: int) -> list[dict]:
     """``time_steps`` of several stateful steps (``(step, sync)`` pairs, each already called
     once: its first call timed by the caller) in turns: after one warm-up call each, every
