@@ -110,8 +110,7 @@ def _serial_twin(kernel):
     whose worker pool may be unusable in a child forked while another thread ran a launch
     (with TBB, even a region of one thread can wait there forever). Made on first use in that
     process from a copy of the kernel's function named ``<name>__serial``, so the on-disk cache
-    keeps it apart from the parallel kernel: a forked worker loads it rather than compiling it
-    (about 2 s a kernel)."""
+    keeps it apart from the parallel kernel: a forked worker loads it rather than compiling it."""
     twin = _SERIAL_TWINS.get(kernel)
     if twin is None:
         func = kernel.py_func
