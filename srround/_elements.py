@@ -421,8 +421,8 @@ def step_element(
 ):
     """``update_element`` for a kernel that has no random-bit buffer (CUDA): draws element
     ``j``'s noise itself, one Threefry block per element and stream (a thread per element, so
-    that a warp's loads are consecutive; README, "On a GPU": sharing a block among a thread's
-    four consecutive elements was slower).
+    that a warp's loads are consecutive; docs/performance.md, "On a GPU": sharing a block
+    among a thread's four consecutive elements was slower).
 
     Args:
         formats, buffers, has_state1, coefs, group: as ``update_element``'s.
