@@ -29,6 +29,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -159,15 +160,8 @@ def numba_compile_timer():
     compile: Numba times only ``numba:compile`` events, which a cache hit never starts)."""
     from numba.core import event
 
-    class Timer:
-        seconds = 0.0
-
-    timer = Timer()
-
-    def record(seconds):
-        timer.seconds = seconds
-
-    with event.install_timer("numba:compile", record):
+    timer = types.SimpleNamespace(seconds=0.0)
+    with event.install_timer("numba:compile", lambda seconds: setattr(timer, "seconds", seconds)):
         yield timer
 
 
