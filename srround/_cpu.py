@@ -540,7 +540,10 @@ def _make_step(kind, mode, state_fmt, state1, cases):
         for k in range(table.shape[0]):
             steps[k] += 1
             if k > 0 and steps[k] == steps[k - 1] and table[k, GROUP] == table[k - 1, GROUP]:
-                coefs[k] = coefs[k - 1]  # the common case: the same step of the same group
+                # the common case: the same step of the same group. Element by element: a
+                # row copy makes Numba compile its shape-mismatch message into every step
+                for c in range(coefs.shape[1]):
+                    coefs[k, c] = coefs[k - 1, c]
                 continue
             h = hyper[table[k, GROUP]]
             coefs[k, 0], coefs[k, 1], coefs[k, 2], coefs[k, 3] = prepare_coefs(
