@@ -541,7 +541,7 @@ def _make_step(kind, mode, state_fmt, state1, cases):
             steps[k] += 1
             if k > 0 and steps[k] == steps[k - 1] and table[k, GROUP] == table[k - 1, GROUP]:
                 # the common case: the same step of the same group. Element by element: a
-                # row copy makes Numba compile its shape-mismatch message into every step
+                # row copy compiles Numba's shape-mismatch error message into each kernel
                 for c in range(coefs.shape[1]):
                     coefs[k, c] = coefs[k - 1, c]
                 continue
