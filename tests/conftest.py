@@ -50,25 +50,6 @@ def pytest_configure(config):
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
-# The longest files of a cold run on 2 cores (1.5-4 minutes each), longest first. xdist's
-# `loadfile` hands out whole files in collection order, so a long file collected late runs on
-# one worker at the end while the other has nothing left to do.
-_LONG_FILES = (
-    "test_jax_optim.py",
-    "test_reliability.py",
-    "test_jax_sharding.py",
-    "test_optim_contract.py",
-    "test_lowbit.py",
-    "test_benchmarks_optim.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    """Collect ``_LONG_FILES`` first; every file keeps its own order of tests."""
-    rank = {name: i for i, name in enumerate(_LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 def pytest_runtest_logreport(report):
     """With ``SRROUND_FAILURE_LOG`` set (``benchmarks/gpu_session.sh``), each failure's report is
     appended to that file as it comes in, so a run stopped at its time limit still keeps its
