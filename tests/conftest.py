@@ -41,8 +41,35 @@ settings.load_profile("srround")
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
+# The longest files of a cold run on 2 cores (35 s to 4 minutes each), longest first: the tests
+# run as whole files (`--dist loadfile`), and a long file handed out last runs on one worker
+# while the other has nothing left to do
+_LONG_FILES = (
+    "test_jax_optim.py",
+    "test_reliability.py",
+    "test_jax_sharding.py",
+    "test_optim_contract.py",
+    "test_lowbit.py",
+    "test_benchmarks_optim.py",
+    "test_jax_optax.py",
+    "test_torch_compile.py",
+    "test_audit.py",
+    "test_torch_optim.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Collect ``_LONG_FILES`` first; every file keeps the order of its tests."""
+    rank = {name: i for i, name in enumerate(_LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_configure(config):
-    """JAX's persistent compilation cache under pytest's cache folder (set before JAX loads)."""
+    """JAX's persistent compilation cache under pytest's cache folder (set before JAX loads).
+    xdist hands out files in collection order (``_LONG_FILES`` first), not by their number of
+    tests (its default since 3.5; ``--no-loadscope-reorder`` from 3.8 on)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     cache = getattr(config, "cache", None)
     if cache is not None and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache.mkdir("jax-compilation-cache"))
