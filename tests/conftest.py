@@ -41,7 +41,7 @@ settings.load_profile("srround")
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
-# The longest files of a cold run on 2 cores (35 s to 4 minutes each), longest first: the tests
+# The longest files of a cold run on 2 cores (about 0.5-4 minutes each), longest first: the tests
 # run as whole files (`--dist loadfile`), and a long file handed out last runs on one worker
 # while the other has nothing left to do
 _LONG_FILES = (
@@ -67,7 +67,8 @@ def pytest_collection_modifyitems(items):
 def pytest_configure(config):
     """JAX's persistent compilation cache under pytest's cache folder (set before JAX loads).
     xdist hands out files in collection order (``_LONG_FILES`` first), not by their number of
-    tests (its default since 3.5; ``--no-loadscope-reorder`` from 3.8 on)."""
+    tests (its default since 3.5; ``--no-loadscope-reorder`` from 3.8 on, set here even over a
+    ``--loadscope-reorder`` on the command line)."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     cache = getattr(config, "cache", None)
