@@ -65,10 +65,14 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_configure(config):
-    """JAX's persistent compilation cache under pytest's cache folder (set before JAX loads).
-    xdist hands out files in collection order (``_LONG_FILES`` first), not by their number of
-    tests (its default since 3.5; ``--no-loadscope-reorder`` from 3.8 on, set here even over a
-    ``--loadscope-reorder`` on the command line)."""
+    """Two settings made before any test runs.
+
+    - xdist hands out files in collection order (``_LONG_FILES`` first), not by their number
+      of tests (its default since 3.5; ``--no-loadscope-reorder`` from 3.8 on, set here even
+      over a ``--loadscope-reorder`` on the command line).
+    - JAX's persistent compilation cache lives under pytest's cache folder (set before JAX
+      loads).
+    """
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     cache = getattr(config, "cache", None)
