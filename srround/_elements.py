@@ -34,7 +34,6 @@ from ._tensor_list import load_bits, store_bits
 F32 = int(BufferCode.FLOAT32)
 BF16 = int(BufferCode.BFLOAT16)
 F16 = int(BufferCode.FLOAT16)
-I16 = int(BufferCode.INT16)
 _MANTISSA = CODE_MANTISSA_BITS
 _EXPONENT = CODE_EXPONENT_BITS
 _WIDTH = CODE_WIDTH

@@ -148,11 +148,6 @@ CODE_DTYPES: dict[BufferCode, np.dtype] = {
 DTYPE_CODES: dict[np.dtype, BufferCode] = {dtype: code for code, dtype in CODE_DTYPES.items()}
 
 
-def code_bits_dtype(code) -> np.dtype:
-    """The unsigned integer dtype kernels view a buffer of ``code`` as."""
-    return bits_dtype(CODE_DTYPES[BufferCode(code)].itemsize)
-
-
 def code_name(code) -> str:
     """Readable name of a buffer code, for error messages (``"bfloat16"``, ``"int16"``)."""
     return str(CODE_DTYPES[BufferCode(code)])

@@ -54,7 +54,6 @@ STATE_BLOCK = 128  # elements per scale: 4 bytes of scale per 128 one-byte momen
 STREAM_WORDS = 2 * (STATE_BLOCK // 4 + 1)  # uint32 random words of one stream of one block
 #: State buffer codes that take block scales.
 FP8_CODES = (BufferCode.FLOAT8_E4M3FN, BufferCode.FLOAT8_E5M2)
-E4M3 = int(BufferCode.FLOAT8_E4M3FN)
 _ABS, _INF = 0x7FFFFFFF, 0x7F800000
 
 

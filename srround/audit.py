@@ -40,14 +40,6 @@ _DEFAULT_LR = 1e-5
 _PARALLEL_FROM = 1 << 20  # smaller tensors are counted on the calling thread
 
 
-def to_float64(x) -> np.ndarray:
-    """Any supported array (any float dtype, any device) as a float64 NumPy array (a copy)."""
-    a, kind = _flat(x, "x")
-    if kind in _SIXTEEN_BIT:
-        return _table(kind)[a]
-    return a.astype(np.float64)
-
-
 def spacing(w: np.ndarray, fmt: Format) -> np.ndarray:
     """Distance between adjacent values of ``fmt`` at each ``w`` (float64): the format's ulp,
     ``2**(max(floor(log2|w|), emin) - mantissa_bits)``; exact (frexp, powers of two)."""

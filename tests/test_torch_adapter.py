@@ -15,7 +15,6 @@ from .reference import bits, run_python  # noqa: E402
 
 FMT_NAMES = ["bfloat16", "float16"]
 TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-NP_DTYPE = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
 SPECIAL = np.array(
     [
