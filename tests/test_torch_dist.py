@@ -766,8 +766,8 @@ def test_functional_calls_on_dtensors(ranks):
         assert r["op_traces_torch_piece_offset"] is False
         for name in ("round", "add", "adamw", "sgd"):  # before: each rank drew its own seed
             assert "seed: pass a seed" in r[f"{name}_no_seed"]
-    (found0, scaled0), (found1, scaled1) = (r["unscale"] for r in _results(ranks, "functional"))
-    assert scaled0 and scaled1  # the local pieces were unscaled
+    # the local pieces were unscaled (the flags: the next test)
+    assert all(r["unscale"][1] for r in _results(ranks, "functional"))
 
 
 def test_functional_unscale_and_check_all_reduces_found_inf(ranks):
