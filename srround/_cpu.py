@@ -498,13 +498,15 @@ def _step_chunk(config, table, starts, hyper, steps, coefs, scale, k0, k1, lo, h
         if mode == STOCHASTIC and p_fmt != F32:
             offset = stream_offset(step, WEIGHT_STREAM, noise) + j0
             w_bits = _random_bits(words[0], k0, k1, offset, n)
-        if state_fmt != F32:
-            offset = stream_offset(step, STATE1_STREAM, noise) + j0
-            m_bits = _random_bits(words[1], k0, k1, offset, n)
-            offset = stream_offset(step, STATE2_STREAM, noise) + j0
-            v_bits = _random_bits(words[2], k0, k1, offset, n)
-        buffers = (row[P_ADDR], row[G_ADDR], row[S1_ADDR], row[S2_ADDR], row[AUX_ADDR])
         has_state1 = row[S1_ADDR] != 0 if state1 == STATE1_SOME else state1 == STATE1_ALL
+        if state_fmt != F32:  # the streams this tensor's states round with (SGD: one, or none)
+            if has_state1:
+                offset = stream_offset(step, STATE1_STREAM, noise) + j0
+                m_bits = _random_bits(words[1], k0, k1, offset, n)
+            if kind == ADAMW:
+                offset = stream_offset(step, STATE2_STREAM, noise) + j0
+                v_bits = _random_bits(words[2], k0, k1, offset, n)
+        buffers = (row[P_ADDR], row[G_ADDR], row[S1_ADDR], row[S2_ADDR], row[AUX_ADDR])
         _update_formats(
             kind,
             mode,
