@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Step time of srround's fused AdamW against what users run today (torch.optim, torchao, optimi,
-optax), with bf16 parameters and gradients, on a transformer-like list of tensors.
+"""Step time of srround's fused AdamW and SGD against what users run today (torch.optim,
+torchao, optimi, optax), with bf16 parameters and gradients, on a transformer-like list of
+tensors.
 
 Usage::
 
@@ -24,6 +25,9 @@ row is labelled with the bytes per parameter its step must move at least (read +
   compiles ``single_param_adam`` with ``torch.compile`` per parameter shape; that time is printed
   as ``first step`` and kept out of the median.
 * optimi ``AdamW(kahan_sum=True)``: bf16 params, states and compensation, 18 B.
+* SGD, momentum 0.9: srround ``SGD`` with float32 momentum 14 B (bf16 param 2+2, grad 2,
+  momentum 4+4) or bf16 momentum written back with SR 10 B; torch ``SGD`` (fused / foreach)
+  keeps it in the parameter dtype: 10 B.
 * fp8 states: srround ``state_dtype=torch.float8_e4m3fn`` (1-byte moments, a float32 scale per
   128 elements: 10.125 B) and torchao ``AdamWFp8(bf16_stochastic_round=True)`` (a float32
   scale per 256: 10.03 B).
@@ -46,9 +50,10 @@ parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (its
 too), ``optax.adamw`` followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding
 of the sum; its default, and on a CPU ``impl="native"`` too), plain ``optax.adamw`` on fp32
 and on bf16 params, ``optax.adamw`` with a hand-written ``jax.random.bits`` stochastic-rounding
-apply (what a user writes), and srround's fused ``sgd`` (momentum 0.9, float32 momentum) next
-to ``optax.sgd`` on bf16 params. Bytes/param there are the same nominal counts (optax keeps
-states in the parameter dtype: 14 B bf16, 28 B fp32; SGD 10 B, srround's 14 B). On a CPU its
+apply (what a user writes), and srround's fused ``sgd`` (momentum 0.9, float32 momentum, and
+bf16 momentum written back with SR) next to ``optax.sgd`` on bf16 params. Bytes/param there are
+the same nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B fp32; SGD
+10 B, srround's 14 B with float32 momentum, 10 B with bf16). On a CPU its
 rows are timed in turns (every round times one step of each row), so on a shared machine they
 see the same load and their ratios to optax hold; each row's first call is timed on its own.
 
@@ -334,7 +339,44 @@ def torch_rows(torch, device: str, quick: bool):
         return mod.AdamW(params, lr=LR, kahan_sum=True)
 
     rows.append(("optimi AdamW kahan_sum bf16", 18, torch.bfloat16, optimi, None))
+    rows += sgd_rows(torch)
     return rows, how
+
+
+def sgd_rows(torch):
+    """SGD with momentum 0.9 on bf16 params: srround's (float32 momentum, 14 B; bf16 momentum
+    written back with SR, 10 B) and torch's (momentum in the parameter dtype, 10 B)."""
+    try:
+        cls = getattr(_quiet_import("srround.adapters.torch"), "SGD", None)
+    except Unavailable:
+        cls = None
+    rows = []
+    if cls is not None:
+        for state_dtype, sname, nb in ((torch.float32, "fp32", 14), (torch.bfloat16, "bf16", 10)):
+            rows.append(
+                (
+                    f"srround SGD stochastic {sname} momentum",
+                    nb,
+                    torch.bfloat16,
+                    lambda params, sd=state_dtype: cls(
+                        params, lr=LR, momentum=0.9, state_dtype=sd, seed=SEED
+                    ),
+                    None,
+                )
+            )
+    for impl in ("fused", "foreach"):
+        rows.append(
+            (
+                f"torch SGD {impl:<7} bf16 params (RNE)",
+                10,
+                torch.bfloat16,
+                lambda params, impl=impl: torch.optim.SGD(
+                    params, lr=LR, momentum=0.9, **{impl: True}
+                ),
+                None,
+            )
+        )
+    return rows
 
 
 def run_torch(
@@ -493,11 +535,18 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
 
         return build
 
-    def fused_sgd_row(impl=None):
+    def fused_sgd_row(impl=None, accumulator_dtype=None):
         def build():
             if sj is None or not hasattr(sj, "sgd"):
                 raise Unavailable("srround.adapters.jax.sgd not present")
-            opt = sj.sgd(LR, momentum=0.9, seed=SEED, rounding="stochastic", impl=impl)
+            opt = sj.sgd(
+                LR,
+                momentum=0.9,
+                seed=SEED,
+                rounding="stochastic",
+                accumulator_dtype=accumulator_dtype,
+                impl=impl,
+            )
             params, grads = make(jnp.bfloat16)
             state = opt.init(params)
 
@@ -532,6 +581,8 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
         ("optax.adamw bf16 params (RNE)", 14, optax_row(plain, jnp.bfloat16)),
         ("optax.adamw fp32 params", 28, optax_row(plain, jnp.float32)),
         ("srround jax.sgd fp32 momentum", 14, fused_sgd_row()),
+        # optax's bytes: its momentum takes the params' dtype (here written back with SR)
+        ("srround jax.sgd bf16 momentum", 10, fused_sgd_row(accumulator_dtype=jnp.bfloat16)),
         ("optax.sgd bf16 params (RNE)", 10, optax_row(plain, jnp.bfloat16, "sgd")),
     ]
     if backend == "cpu":  # the default there is the host step; elsewhere it is native
