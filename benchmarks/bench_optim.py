@@ -12,8 +12,12 @@ Usage::
 
 What is measured
 ----------------
-One ``optimizer.step()`` over all parameters (gradients fixed, already in ``p.grad``). Every
-row is labelled with the bytes per parameter its step must move at least (read + write):
+One ``optimizer.step()`` over all parameters (gradients fixed, already in ``p.grad``). On a
+CPU the rows are timed in turns (every round times one step of each row, all rows' buffers
+kept meanwhile), so a shared machine's drifting load falls on every row alike; the rows with
+a cap on their samples (the slow compiled torchao ones) and GPU rows are timed one after the
+other. Every row is labelled with the bytes per parameter its step must move at least (read +
+write):
 
 * srround, fp32 states: 22 B (bf16 param 2+2, bf16 grad 2, fp32 m 4+4, fp32 v 4+4);
   bf16 states: 14 B. The rounding mode adds its per-parameter buffer: ``kahan`` +4 (bf16
@@ -393,29 +397,50 @@ def run_torch(
         f"\n-- torch on {device}: {n:,} params in {len(shape_list)} tensors (srround via {how}) --",
         flush=True,
     )
-    results = []
-    for label, nbytes, dtype, factory, max_reps in rows:
-        if only and not any(o in label for o in only):
-            continue
+    # on a CPU the rows are timed in turns (each keeps its buffers meanwhile), as the JAX rows:
+    # a shared machine's load drifts over a minute, and rows timed one after the other would
+    # see different machines. Rows with a cap on their samples (slow compiled ones) and GPU
+    # rows (memory) are timed on their own.
+    in_turns = not gpu
+    timed: dict[int, dict] = {}
+    turns = []  # (index, step, sync, first_s, keep-alive)
+    kept = [(i, row) for i, row in enumerate(rows) if not only or any(o in row[0] for o in only)]
+    for i, (label, nbytes, dtype, factory, max_reps) in kept:
         params = opt = None
         try:
             params = make_params(torch, shape_list, dtype, device)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 opt = factory(params)
-                r = time_steps(opt.step, sync, min(reps, max_reps or reps), batch)
+                if in_turns and max_reps is None:
+                    t0 = time.perf_counter()
+                    opt.step()
+                    turns.append((i, opt.step, sync, time.perf_counter() - t0, (params, opt)))
+                else:
+                    timed[i] = time_steps(opt.step, sync, min(reps, max_reps or reps), batch)
         except Unavailable as exc:
             notes.append(f"{device} {tensors} tensors: {label}: skipped: {exc}")
-            continue
         except Exception as exc:  # noqa: BLE001 - a row that fails here is reported, not fatal
             msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             notes.append(
                 f"{device} {tensors} tensors: {label}: failed: {type(exc).__name__}: {msg}"
             )
-            continue
         finally:
             del params, opt
-            release(device)
+            if not turns or turns[-1][0] != i:
+                release(device)
+    if turns:
+        for (i, *_, first, _), r in zip(
+            turns, time_in_turns([(step, sync) for _, step, sync, _, _ in turns], reps)
+        ):
+            timed[i] = {**r, "first_s": first}
+        turns.clear()
+        release(device)
+    results = []
+    for i, (label, nbytes, *_) in kept:
+        if i not in timed:
+            continue
+        r = timed[i]
         floor = copy_floor(device, int(nbytes * n), reps)
         gbps = nbytes * n / r["median_s"] / 1e9
         row = {
