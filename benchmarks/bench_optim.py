@@ -997,7 +997,8 @@ def main(argv=None) -> int:
         results=results,
         columns=COLUMNS,
         baseline="per device and tensor count: torch.optim.AdamW (fused/foreach, bf16 and"
-        " fp32 params), torchao and optimi rows, plain optax rows (JAX); frac_copy divides"
+        " fp32 params) and torch.optim.SGD (fused/foreach, bf16), torchao and optimi rows,"
+        " plain optax rows (JAX); CPU rows timed in turns; frac_copy divides"
         " by a same-run copy of the same bytes (CPU: Numba prange in-place word bump; GPU:"
         " torch copy_)",
         notes=notes,
