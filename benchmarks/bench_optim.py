@@ -430,10 +430,9 @@ def run_torch(
             if not turns or turns[-1][0] != i:
                 release(device)
     if turns:
-        for (i, *_, first, _), r in zip(
-            turns, time_in_turns([(step, sync) for _, step, sync, _, _ in turns], reps)
-        ):
-            timed[i] = {**r, "first_s": first}
+        in_turn = time_in_turns([(step, sync) for _, step, sync, _, _ in turns], reps)
+        for (i, _step, _sync, first_s, _alive), r in zip(turns, in_turn):
+            timed[i] = {**r, "first_s": first_s}
         turns.clear()
         release(device)
     results = []
