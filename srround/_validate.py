@@ -106,7 +106,36 @@ def adamw(lr, betas, eps, weight_decay) -> tuple[float, float, float, float, flo
     beta2 = real(betas[1], "betas[1]", low=0.0, high=1.0, high_open=True)
     eps = real(eps, "eps", low=0.0)
     weight_decay = real(weight_decay, "weight_decay", low=0.0)
+    adamw_coefficients(lr, beta1, weight_decay)
     return lr, beta1, beta2, eps, weight_decay
+
+
+def adamw_coefficients(
+    lr: float,
+    beta1: float,
+    weight_decay: float,
+    where: str = "",
+    names: tuple[str, str, str] = ("lr", "betas[0]", "weight_decay"),
+) -> None:
+    """The step's coefficients within float32: the first step's step size ``lr / (1 - beta1)``
+    (the largest of any step: the bias correction ``1 - beta1**t`` grows with t) and the decay
+    factor ``1 - lr * weight_decay``. Beyond, the step would compute ``inf * 0 = NaN`` where a
+    first moment or a weight is 0 (torch's for-each AdamW raises there; its fused one writes
+    the NaN). ``ValueError`` naming the learning rate; ``where``: a suffix for the names (a
+    param group); ``names``: the front end's names of the three arguments."""
+    lr_name, beta1_name, decay_name = names
+    # plain float arithmetic (torch.compile traces the torch optimizers' checks): float64
+    # holds both values, and float32 rounds to inf from 2**128 - 2**103 on
+    checks = (
+        (f"{lr_name} / (1 - {beta1_name})", float(lr) / (1.0 - float(beta1))),
+        (f"1 - {lr_name} * {decay_name}", 1.0 - float(lr) * float(weight_decay)),
+    )
+    for what, value in checks:
+        if abs(value) >= 2.0**128 - 2.0**103:
+            raise ValueError(
+                f"{lr_name}{where}: {what} = {value:.4g} overflows float32 (largest finite:"
+                f" {_F32_MAX:.6g}): the step would write NaN"
+            )
 
 
 def sgd(lr, momentum, dampening, weight_decay, nesterov) -> tuple[float, float, float, float, bool]:

@@ -909,6 +909,7 @@ def test_adamw_step_arguments_property():
     @settings(max_examples=150, deadline=None)
     @given(value, value, value, value, value, arrays)
     @example(0.0, 0.0, 0.0, 2.1163244541552786e-91, 0.0, [0.0])  # eps 0 in float32 (found 11-28)
+    @example(3.402823466e38, 0.5, 0.5, 0.5, 0.0, [0.0])  # step size lr / (1 - beta1) overflows
     def check(lr, beta1, beta2, eps, weight_decay, values):
         p = np.asarray(values, np.float32)
         g = (p * 0.5).astype(np.float32)
@@ -937,6 +938,45 @@ def test_adamw_step_arguments_property():
         assert np.isfinite(p).all() and np.isfinite(m).all() and np.isfinite(v).all()
 
     check()
+
+
+def test_adamw_coefficients_that_overflow_float32_are_an_error():
+    """Finding (11-28): with ``lr / (1 - betas[0])`` (the first step's step size) or
+    ``1 - lr * weight_decay`` beyond float32, the step wrote NaN where a first moment or a
+    weight was 0 (``inf * 0``), in the functional step and the torch optimizer alike (torch's
+    for-each AdamW raises there). Now a ValueError naming the learning rate, before anything
+    is written; JAX's fused ``adamw`` checks a number (not a schedule) when it is made."""
+    torch = pytest.importorskip("torch")
+    import srround.adapters.torch as sat
+
+    for kw in (
+        {"lr": 3.402823466e38, "betas": (0.5, 0.5)},
+        {"lr": 1e30, "betas": (0.0, 0.5), "weight_decay": 1e10},
+    ):
+        p = np.zeros(3, np.float32)
+        g, m, v = p.copy(), p.copy(), p.copy()
+        with pytest.raises(ValueError, match=r"^lr: .* overflows float32"):
+            srround.adamw_step(p, g, m, v, step=1, seed=0, **kw)
+        assert not (p.any() or m.any() or v.any())
+        with pytest.raises(ValueError, match=r"^lr: .* overflows float32"):
+            sat.AdamW([torch.nn.Parameter(torch.zeros(3))], seed=0, **kw)
+        param = torch.nn.Parameter(torch.zeros(3))
+        param.grad = torch.zeros(3)
+        opt = sat.AdamW([param], seed=0)
+        opt.param_groups[0].update(kw)  # edited after construction: checked at the step
+        with pytest.raises(ValueError, match=r"^lr \(param group 0\): .* overflows float32"):
+            opt.step()
+        assert not param.detach().isnan().any()
+    p = np.zeros(3, np.float32)  # the largest that fits: no error, no NaN
+    g, m, v = p.copy(), p.copy(), p.copy()
+    srround.adamw_step(p, g, m, v, lr=1.7e38, betas=(0.5, 0.5), step=1, seed=0)
+    assert np.isfinite(p).all()
+    pytest.importorskip("jax")
+    from srround.adapters import jax as sj
+
+    with pytest.raises(ValueError, match=r"^learning_rate: learning_rate / \(1 - b1\)"):
+        sj.adamw(3.402823466e38, b1=0.5, seed=0)
+    sj.adamw(lambda count: 3.402823466e38, b1=0.5, seed=0)  # a schedule: traced, unchecked
 
 
 def test_unscale_and_check_property():

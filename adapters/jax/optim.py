@@ -1363,6 +1363,10 @@ def adamw(
     eps = _static_real(eps, "eps", static, low=0.0)
     eps_root = _static_real(eps_root, "eps_root", static, low=0.0)
     weight_decay = _static_real(weight_decay, "weight_decay", static, low=0.0)
+    if not callable(learning_rate):  # a number (a schedule's values are traced: unchecked)
+        _validate.adamw_coefficients(
+            learning_rate, b1, weight_decay, names=("learning_rate", "b1", "weight_decay")
+        )
     seed = _static_seed(seed, static)
     state_dtype = _state_dtype(state_dtype, "state_dtype", fp8=True)
     mu_dtype = state_dtype if mu_dtype is None else _state_dtype(mu_dtype, "mu_dtype")

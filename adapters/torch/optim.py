@@ -1308,6 +1308,7 @@ class AdamW(_FusedOptimizer):
         for i, beta in enumerate(betas):
             if not 0.0 <= _check_hyper(beta, f"betas[{i}]", where) < 1.0:
                 raise ValueError(f"betas[{i}]{where}: expected in [0, 1), got {beta}")
+        _validate.adamw_coefficients(group["lr"], betas[0], group["weight_decay"], where)
 
     def _hyper_rows(self):
         rows = []
