@@ -945,7 +945,7 @@ def test_adamw_coefficients_that_overflow_float32_are_an_error():
     ``1 - lr * weight_decay`` beyond float32, the step wrote NaN where a first moment or a
     weight was 0 (``inf * 0``), in the functional step and the torch optimizer alike (torch's
     for-each AdamW raises there). Now a ValueError naming the learning rate, before anything
-    is written; JAX's fused ``adamw`` checks a number (not a schedule) when it is made."""
+    is written."""
     torch = pytest.importorskip("torch")
     import srround.adapters.torch as sat
 
@@ -971,12 +971,17 @@ def test_adamw_coefficients_that_overflow_float32_are_an_error():
     g, m, v = p.copy(), p.copy(), p.copy()
     srround.adamw_step(p, g, m, v, lr=1.7e38, betas=(0.5, 0.5), step=1, seed=0)
     assert np.isfinite(p).all()
+
+
+def test_jax_adamw_coefficients_that_overflow_float32_are_an_error():
+    """The same rule for JAX's fused ``adamw``, checked when it is made with a number
+    learning rate (a schedule's values are traced: not checked)."""
     pytest.importorskip("jax")
     from srround.adapters import jax as sj
 
     with pytest.raises(ValueError, match=r"^learning_rate: learning_rate / \(1 - b1\)"):
         sj.adamw(3.402823466e38, b1=0.5, seed=0)
-    sj.adamw(lambda count: 3.402823466e38, b1=0.5, seed=0)  # a schedule: traced, unchecked
+    sj.adamw(lambda count: 3.402823466e38, b1=0.5, seed=0)
 
 
 def test_unscale_and_check_property():
