@@ -123,18 +123,16 @@ def adamw_coefficients(
     first moment or a weight is 0 (torch's for-each AdamW raises there; its fused one writes
     the NaN). ``ValueError`` naming the learning rate; ``where``: a suffix for the names (a
     param group); ``names``: the front end's names of the three arguments."""
-    lr_name, beta1_name, decay_name = names
+    lr_name = names[0]
     # plain float arithmetic (torch.compile traces the torch optimizers' checks): float64
     # holds both values, and float32 rounds to inf from 2**128 - 2**103 on
-    checks = (
-        (f"{lr_name} / (1 - {beta1_name})", float(lr) / (1.0 - float(beta1))),
-        (f"1 - {lr_name} * {decay_name}", 1.0 - float(lr) * float(weight_decay)),
-    )
-    for what, value in checks:
-        if abs(value) >= 2.0**128 - 2.0**103:
+    step_size = float(lr) / (1.0 - float(beta1))
+    decay = 1.0 - float(lr) * float(weight_decay)
+    for value, what in ((step_size, "{0} / (1 - {1})"), (decay, "1 - {0} * {2}")):
+        if abs(value) >= 2.0**128 - 2.0**103:  # the names formatted on failure only
             raise ValueError(
-                f"{lr_name}{where}: {what} = {value:.4g} overflows float32 (largest finite:"
-                f" {_F32_MAX:.6g}): the step would write NaN"
+                f"{lr_name}{where}: {what.format(*names)} = {value:.4g} overflows float32"
+                f" (largest finite: {_F32_MAX:.6g}): the step would write NaN"
             )
 
 
