@@ -16,6 +16,8 @@ from typing import NamedTuple
 import numpy as np
 
 _F32_MAX = float(np.finfo(np.float32).max)
+# float64 values from here on round to inf in float32 (round to nearest even)
+F32_ROUNDS_TO_INF = 2.0**128 - 2.0**103
 
 
 def _describe(value) -> str:
@@ -125,11 +127,11 @@ def adamw_coefficients(
     param group); ``names``: the front end's names of the three arguments."""
     lr_name = names[0]
     # plain float arithmetic (torch.compile traces the torch optimizers' checks): float64
-    # holds both values, and float32 rounds to inf from 2**128 - 2**103 on
+    # holds both values
     step_size = float(lr) / (1.0 - float(beta1))
     decay = 1.0 - float(lr) * float(weight_decay)
     for value, what in ((step_size, "{0} / (1 - {1})"), (decay, "1 - {0} * {2}")):
-        if abs(value) >= 2.0**128 - 2.0**103:  # the names formatted on failure only
+        if abs(value) >= F32_ROUNDS_TO_INF:  # the names formatted on failure only
             raise ValueError(
                 f"{lr_name}{where}: {what.format(*names)} = {value:.4g} overflows float32"
                 f" (largest finite: {_F32_MAX:.6g}): the step would write NaN"

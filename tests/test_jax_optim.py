@@ -1258,6 +1258,33 @@ def test_schedule_giving_an_unusable_lr_skips_the_step(opt):
                 assert_same_bits(a, b)
 
 
+def test_schedule_whose_lr_overflows_the_adamw_coefficients_skips_the_step():
+    """Finding (11-28): a schedule's learning rate for which ``lr / (1 - b1)`` or
+    ``1 - lr * weight_decay`` is beyond float32 (the rule a number learning rate is checked
+    by when ``adamw`` is made) failed the CPU default's host call with an INTERNAL error, and
+    the native step wrote NaN where a moment or a weight was 0. Now it skips the step, as a
+    NaN or negative one does, on every impl; the largest that fits steps, with no NaN."""
+    p = {"w": jnp.array([0.0, 1.0, -1.0, 0.5], jnp.bfloat16), "b": jnp.zeros(3, jnp.float32)}
+    g = jax.tree.map(jnp.zeros_like, p)
+    f32_max = float(np.finfo(np.float32).max)
+    for impl in [None, *IMPLS]:
+        for lr, kw in (
+            (f32_max, {"b1": 0.5, "weight_decay": 0.0}),  # the step size overflows
+            (1e30, {"b1": 0.0, "weight_decay": 1e10}),  # the decay factor overflows
+        ):
+            tx = sj.adamw(
+                lambda count, lr=lr: jnp.where(count == 0, 1e-3, lr), seed=1, impl=impl, **kw
+            )
+            p1, state = tx.step(g, tx.init(p), p)
+            p2, state2 = tx.step(g, state, p1)
+            for a, b in zip(jax.tree.leaves((p2, state2)), jax.tree.leaves((p1, state))):
+                assert_same_bits(a, b)
+        tx = sj.adamw(lambda count: 1.7e38, b1=0.5, weight_decay=0.0, seed=1, impl=impl)
+        p1, state = tx.step(g, tx.init(p), p)
+        assert int(state.count) == 1
+        assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(p1))
+
+
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_fused_step_under_grad_is_a_clear_error(opt):
     """The fused step writes rounded bits and has no derivative: ``jax.grad`` through

@@ -975,7 +975,8 @@ def test_adamw_coefficients_that_overflow_float32_are_an_error():
 
 def test_jax_adamw_coefficients_that_overflow_float32_are_an_error():
     """The same rule for JAX's fused ``adamw``, checked when it is made with a number
-    learning rate (a schedule's values are traced: not checked)."""
+    learning rate (a schedule's values are known at run time: such a value skips the step,
+    ``test_jax_optim.py``)."""
     pytest.importorskip("jax")
     from srround.adapters import jax as sj
 

@@ -73,7 +73,8 @@ Implementations (``impl``):
 unchanged (``lax.cond``), the step count included, with no host synchronisation. An array
 ``inv_scale`` that is not a positive finite float32 skips the step the same way, on both
 implementations (a Python float must be one: ``ValueError``), and so does a learning rate
-given at run time (a schedule's, an injected one) that is negative, NaN or inf.
+given at run time (a schedule's, an injected one) that is negative, NaN or inf, or for which
+AdamW's ``lr / (1 - b1)`` or ``1 - lr * weight_decay`` is beyond float32.
 """
 
 from __future__ import annotations
@@ -1041,6 +1042,7 @@ def _fused(
     host,
     host_groups=None,
     host_bits=False,
+    lr_fits=None,
 ):
     """The optimizer object shared by ``adamw`` and ``sgd``.
 
@@ -1052,7 +1054,9 @@ def _fused(
     ``host(ps, gs, states, *, aux, lr, step, seed, inv_scale)``; ``host_groups(params,
     treedef) -> [(host, leaf indices), ...]``: leaves that take different host steps (optax's
     ``mask``: with and without weight decay), one host call per group; ``None``: ``host`` for
-    every leaf."""
+    every leaf; ``lr_fits(lr) -> bool`` (traced): whether a run-time learning rate (float32,
+    finite, >= 0) keeps the step's coefficients within float32 (``None``: any does); one that
+    does not skips the step."""
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding: expected one of {sorted(_ROUNDINGS)}, got {rounding!r}")
     k0, k1 = _key_words(seed)
@@ -1187,7 +1191,8 @@ def _fused(
             skip = unusable if skip is None else skip | unusable
         if callable(lr):  # a schedule's or an injected lr, known at run time: likewise
             lr_t = lr_at(state.count)
-            unusable = ~(jnp.isfinite(lr_t) & (lr_t >= 0))
+            usable = jnp.isfinite(lr_t) & (lr_t >= 0)
+            unusable = ~(usable if lr_fits is None else usable & lr_fits(lr_t))
             skip = unusable if skip is None else skip | unusable
         if skip is None:
             return compute(grads, state, params, inv_scale)
@@ -1363,7 +1368,7 @@ def adamw(
     eps = _static_real(eps, "eps", static, low=0.0)
     eps_root = _static_real(eps_root, "eps_root", static, low=0.0)
     weight_decay = _static_real(weight_decay, "weight_decay", static, low=0.0)
-    if not callable(learning_rate):  # a number (a schedule's values are traced: unchecked)
+    if not callable(learning_rate):  # a number; a schedule's values skip the step (lr_fits)
         _validate.adamw_coefficients(
             learning_rate, b1, weight_decay, names=("learning_rate", "b1", "weight_decay")
         )
@@ -1418,6 +1423,14 @@ def adamw(
 
     host, host_undecayed = host_with(wd), host_with(0.0)
 
+    def lr_fits(lr_t):
+        """``_validate.adamw_coefficients`` of a run-time learning rate, in float64 as there."""
+        with jax.enable_x64(True):
+            lr64 = lr_t.astype(jnp.float64)
+            step_size, decay = lr64 / (1.0 - b1), 1.0 - lr64 * wd
+            limit = _validate.F32_ROUNDS_TO_INF
+            return (jnp.abs(step_size) < limit) & (jnp.abs(decay) < limit)
+
     def host_groups(params, treedef):  # optax's mask: leaves outside it take no weight decay
         flags = _mask_leaves(mask, params, treedef)
         return [
@@ -1448,6 +1461,7 @@ def adamw(
         native=native,
         host=host,
         host_groups=None if mask is None else host_groups,
+        lr_fits=lr_fits,
         host_bits=impl is None and impl_ == "native",  # the default, for native-only settings
     )
 
