@@ -82,6 +82,21 @@ def integer(value, name: str, *, low: int, high: int | None = None) -> int:
     return n
 
 
+def steps_taken(count: float, name: str, max_steps: int) -> None:
+    """A step count (steps taken: the kernels add 1 before use) that can take one more step: a
+    whole number in ``[0, max_steps - 1)``, so step ``count + 1`` is in ``[1, max_steps)``.
+    Below, AdamW's bias correction ``1 - beta1**0`` is 0 (NaN weights); beyond, the noise
+    offsets leave the stream (``docs/contracts.md``, section 3)."""
+    count = float(count)
+    if 0 <= count < max_steps - 1 and count == math.floor(count):
+        return
+    shown = int(count) if math.isfinite(count) and count == math.floor(count) else count
+    raise ValueError(
+        f"{name}: {shown} steps taken; expected a whole number in [0, {max_steps - 1}) (the"
+        f" next step, counted from 1, must be below {max_steps})"
+    )
+
+
 def flag(value, name: str) -> bool:
     """A bool (Python or NumPy)."""
     if not isinstance(value, (bool, np.bool_)):

@@ -625,6 +625,28 @@ def test_adamw_step_rejects_bad_hyperparameters_before_writing(bad, error, messa
     assert p[0].tolist() == [1.0] * 6 and m[0].tolist() == [0.0] * 6 and v[0].tolist() == [0.0] * 6
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("bad", [-2, -1, 2**26 - 1, 2**31 - 1])
+def test_a_host_step_array_that_cannot_take_a_step_is_an_error(kind, bad):
+    """Finding (11-28): an int32 ``step`` array (steps taken, incremented before use) whose
+    next value was not in [1, 2**26) ran: AdamW wrote NaN weights from -1 (bias correction
+    1 - beta1**0 = 0), and past 2**26 - 1 the noise offsets left the stream (2**31 - 1
+    wrapped to a negative count). Now a ValueError naming the element, before anything is
+    written; the largest that can step, 2**26 - 2, steps."""
+    (p0, g0, m0, v0), (p, g, m, v) = (_adamw_buffers(), _adamw_buffers())
+    p, g, m, v = p0 + p, g0 + g, m0 + m, v0 + v  # two tensors: the bad count is the second's
+    states = (m, v) if kind == "adamw" else (m,)
+    step_fn = getattr(srround, f"{kind}_step")
+    steps = np.int32([3, bad])
+    with pytest.raises(ValueError, match=rf"^step\[1\]: {bad} steps taken"):
+        step_fn(p, g, *states, lr=1e-3, step=steps, seed=0)
+    assert steps.tolist() == [3, bad] and p[1].tolist() == [1.0] * 6
+    assert all(not s[1].any() for s in states)
+    steps[1] = 2**26 - 2
+    step_fn(p, g, *states, lr=1e-3, step=steps, seed=0)
+    assert steps.tolist() == [4, 2**26 - 1] and np.isfinite(p[1]).all()
+
+
 _SGD_BAD = [
     ({"lr": math.nan}, ValueError, "lr: expected a finite"),
     ({"lr": -0.1}, ValueError, "lr: expected a value"),

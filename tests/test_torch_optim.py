@@ -759,6 +759,33 @@ def test_unusable_torch_state_dict_fails_at_load_with_nothing_loaded():
         opt.load_state_dict(sd)
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("bad", [-1.0, 5.5, float("nan"), 2.0**26 - 1, 1e12])
+def test_a_step_count_that_cannot_continue_fails_at_load_with_nothing_loaded(kind, bad):
+    """Finding (11-28): a saved ``step`` that is negative, fractional, NaN or beyond the
+    kernels' range (the next step must be below 2**26) was cast to int32 silently: -1 wrote NaN
+    weights at the next AdamW step (bias correction 1 - beta1**0 = 0), 5.5 became 5 and 1e12 a
+    negative count. Now a ValueError naming the state, before anything is loaded."""
+    torch_cls, ours = {"adamw": (torch.optim.AdamW, AdamW), "sgd": (torch.optim.SGD, SGD)}[kind]
+    params = _params(torch.float32)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    torch_opt = torch_cls(params, lr=1e-3, **({"momentum": 0.9} if kind == "sgd" else {}))
+    torch_opt.step()
+    sd = torch_opt.state_dict()
+    sd["state"][1]["step"] = torch.tensor(bad, dtype=torch.float64)
+    opt = ours(_params(torch.float32), lr=1e-2, seed=1)
+    with pytest.raises(ValueError, match=r"^state_dict: state\[1\]\['step'\]: .* steps taken"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 1e-2 and len(opt.state) == 0
+    sd["state"][1]["step"] = 2**26 - 2  # the largest that can take a step (not a float32)
+    opt.load_state_dict(sd)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert int(opt.state[opt.param_groups[0]["params"][1]]["step"]) == 2**26 - 1
+
+
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_a_parameter_whose_data_changed_shape_is_a_clear_error(rounding):
     """Before: ``p.data = <another shape>`` after a step failed in the next one with a

@@ -1147,6 +1147,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     )
                 )
         self._check_state_shapes(state_dict)
+        for index, state in state_dict["state"].items():  # the value read once (a sync on CUDA)
+            if state.get("step") is not None:
+                count = float(torch.as_tensor(state["step"]).reshape(()))
+                name = f"state_dict: state[{index}]['step']"
+                _validate.steps_taken(count, name, _optim.MAX_STEPS)
         groups = [dict(self.defaults, **g) for g in state_dict["param_groups"]]
         for i, group in enumerate(groups):
             where = f" (saved param group {i})"
