@@ -79,8 +79,10 @@ def test_a_scale_that_is_not_a_number_is_a_type_error():
 
 def test_a_scale_that_is_not_positive_and_finite_is_an_error():
     """A deliberate difference (README): torch's scaler takes ``init_scale=0`` (every step
-    then skipped, the scale stuck at 0), a negative one or inf unchecked."""
-    for bad in (0.0, -1.0, float("inf"), float("nan")):
+    then skipped, the scale stuck at 0), a negative one or inf unchecked. Finding (11-28):
+    1e39 and 1e-50 were taken too and became inf and 0 in the float32 scale, from a loaded
+    state dict as well."""
+    for bad in (0.0, -1.0, float("inf"), float("nan"), 1e39, 1e-50):
         with pytest.raises(ValueError, match="^init_scale: expected a positive finite scale"):
             GradScaler("cpu", init_scale=bad)
         scaler = GradScaler("cpu")
@@ -89,6 +91,10 @@ def test_a_scale_that_is_not_positive_and_finite_is_an_error():
         scaler.scale(torch.ones(1))  # the scale exists now: update(new_scale) fills it
         with pytest.raises(ValueError, match="^new_scale: expected a positive finite scale"):
             scaler.update(bad)
+        assert scaler.get_scale() == 2.0**16
+        state = dict(torch.amp.GradScaler("cpu").state_dict(), scale=bad)
+        with pytest.raises(ValueError, match="^scale: expected a positive finite scale"):
+            scaler.load_state_dict(state)
         assert scaler.get_scale() == 2.0**16
 
 

@@ -65,7 +65,6 @@ them); they do when every rank checks the same all-reduced gradients, as under D
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import abc
 from collections.abc import Mapping
 from functools import partial
@@ -832,12 +831,16 @@ def _share_slots(owners):
 
 
 def _positive_scale(value, name):
-    """A host scale: a real number (not a bool or a string), > 0 and finite (a zero, negative
-    or inf scale would skip every step or flip the gradients' sign; torch's scaler takes it
-    unchecked)."""
+    """A host scale: a real number (not a bool or a string), > 0 and finite, also as the
+    float32 it is kept in (a zero, negative or inf scale would skip every step or flip the
+    gradients' sign; torch's scaler takes it unchecked). Plain float bounds: 1e39 rounds to
+    inf in float32, 1e-50 to 0."""
     value = _validate.number(value, name)
-    if not 0.0 < value < math.inf:
-        raise ValueError(f"{name}: expected a positive finite scale, got {value}")
+    if not 2.0**-150 < value < _validate.F32_ROUNDS_TO_INF:
+        raise ValueError(
+            f"{name}: expected a positive finite scale (also in float32, which holds it), got"
+            f" {value}"
+        )
     return value
 
 
