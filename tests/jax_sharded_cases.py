@@ -298,6 +298,25 @@ def case_optim():
             for k in params:
                 _same(m_params[k], e_params[k], f"adamw shard_map {k} {what_s}")
                 _same(m_state.exp_avg_sq[k], e_state.exp_avg_sq[k], f"shard_map v {k} {what_s}")
+            if last:  # a step that may skip (a schedule's lr, found_inf) is a lax.cond: its
+                # branches typed alike (before: the callback step's results were not varying)
+                tx_k = sj.adamw(
+                    lambda count: 1e-2,
+                    seed=KEY,
+                    state_dtype=state_dtype,
+                    shard_specs=specs,
+                    impl=impl,
+                )
+                fn = jax.shard_map(
+                    lambda g, s, p, skip, tx_k=tx_k: tx_k.step(g, s, p, found_inf=skip),
+                    mesh=mesh,
+                    in_specs=(specs, state_specs, specs, P()),
+                    out_specs=(specs, state_specs),
+                )
+                for skip, want in ((False, e_params), (True, params)):
+                    k_params, _ = jax.jit(fn)(gs, s_state, ps, jnp.bool_(skip))
+                    for k in params:
+                        _same(k_params[k], want[k], f"adamw shard_map skip={skip} {k} {what_s}")
         if last:  # optax's mask: on the CPU two host calls (inside it, outside), per shard
             mask = {k: i % 2 == 0 for i, k in enumerate(params)}
             steps = {

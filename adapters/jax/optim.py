@@ -1196,10 +1196,12 @@ def _fused(
             skip = unusable if skip is None else skip | unusable
         if skip is None:
             return compute(grads, state, params, inv_scale)
+        # inside shard_map the branches must be typed alike: the host step's results are
+        # typed as the inputs vary (a host call's carry no such type)
         return lax.cond(
             skip,
             lambda: (params, state),
-            lambda: compute(grads, state, params, inv_scale),
+            lambda: varying_as(compute(grads, state, params, inv_scale), (params, state)),
         )
 
     @jax.custom_jvp
