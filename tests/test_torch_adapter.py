@@ -366,6 +366,7 @@ def test_tensor_subclasses_without_storage_fail_clearly():
     opt.param_groups[0]["params"][0].grad = ok
     opt.param_groups[0]["params"][1].grad = wrapped
     scaler = srround.adapters.torch.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # as a training step does before unscale_
     with pytest.raises(TypeError, match=r"^grads\[1\]: a TwoTensor"):
         scaler.unscale_(opt)
 

@@ -29,10 +29,11 @@ def _model(dtype):
     return model
 
 
-def _backward(model, step):
+def _backward(model, step, scaler=None):
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
     h = model[1](model[0](x))
-    model[2](h.to(model[2].weight.dtype)).float().square().mean().backward()
+    loss = model[2](h.to(model[2].weight.dtype)).float().square().mean()
+    (loss if scaler is None else scaler.scale(loss)).backward()
 
 
 @pytest.mark.parametrize(
@@ -359,7 +360,7 @@ def test_compiled_scaler_step_and_update_match_eager():
             tail = torch.compile(tail, backend="aot_eager")
         scales = []
         for i in range(3):
-            _backward(model, i)
+            _backward(model, i, scaler)
             if i == 1:
                 model[0].bias.grad[0] = float("inf")
             tail()
@@ -435,7 +436,7 @@ def test_compiled_scaler_update_traces_fullgraph(per_tensor):
             tail = torch.compile(tail, fullgraph=True, backend="aot_eager")
         scales = []
         for i in range(3):
-            _backward(model, i)
+            _backward(model, i, scaler)
             if i == 1:
                 model[2].weight.grad[0, 0] = float("inf")
             tail()

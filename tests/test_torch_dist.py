@@ -575,6 +575,7 @@ def _warm_kernels():
     p.grad = torch.ones(4)
     opt = _adamw([p])
     scaler = GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # as a training step does before unscale_ and step
     for explicit in (False, True):
         if explicit:
             scaler.unscale_(opt)

@@ -599,6 +599,30 @@ def test_step_twice_without_update_raises():
     scaler.step(opt)  # a new iteration steps again
 
 
+@pytest.mark.parametrize("per_tensor", [False, True])
+@pytest.mark.parametrize("call", ["step", "unscale_"])
+@pytest.mark.parametrize("optimizer", ["srround", "torch"])
+def test_step_or_unscale_before_any_scale_raises(call, optimizer, per_tensor):
+    """Finding (11-28): ``step``/``unscale_`` with no ``scale()`` ever called (a backward of
+    the unscaled loss) divided the gradients by 65,536 and stepped, silently; torch's scaler
+    raises "Attempted step but _scale is None" (an AssertionError) there, as now srround's
+    does, in per-tensor mode too. Nothing is written."""
+    model = _model()
+    opt = _srround_adamw(model) if optimizer == "srround" else torch.optim.SGD(model.parameters())
+    scaler = GradScaler("cpu", per_tensor=per_tensor)
+    if per_tensor:
+        scaler.attach(model)
+    model(torch.randn(4, 8).to(next(model.parameters()).dtype)).float().sum().backward()
+    before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
+    with pytest.raises(AssertionError, match=rf"^Attempted {call} but _scale is None"):
+        getattr(scaler, call)(opt)
+    for (p0, g0), p in zip(before, model.parameters()):
+        assert torch.equal(p0, p) and torch.equal(g0, p.grad)
+    _scaled_backward(model, scaler)  # then used as it should be: no error
+    scaler.step(opt)
+    scaler.update()
+
+
 def test_update_without_inf_checks_raises():
     """Finding: update() with no step recorded silently grew the scale."""
     scaler = GradScaler("cpu", growth_interval=1)

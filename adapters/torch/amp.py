@@ -263,6 +263,7 @@ class GradScaler:
         self._scales = self._growth_trackers = self._overflow_trackers = None
         self._scale = self._growth_tracker = self._overflow_tracker = None
         self._skipped = self._last_skipped = None  # int32[1], float32[1]
+        self._scaled = False  # scale() called: unscale_/step before it are torch's error
         self._found = {}  # id(optimizer) -> float32[1] found_inf of this iteration
         self._stage = {}  # id(optimizer) -> _UNSCALED / _STEPPED this iteration
         self._slot_found = None  # per-tensor mode: float32[count + 1], flags per slot
@@ -316,6 +317,15 @@ class GradScaler:
                 self._param_index = index([attached.slot_of[id(p)] for p in attached.params])
                 self._refresh_factors()
 
+    def _require_scaled(self, call):
+        """torch's error for ``unscale_``/``step`` before any ``scale()``: the gradients came
+        from an unscaled loss, and dividing them by the scale would shrink every update."""
+        if not self._scaled:
+            raise AssertionError(
+                f"Attempted {call} but _scale is None.  This may indicate your script did not"
+                " use scaler.scale(loss or outputs) earlier in the iteration."
+            )
+
     def _require_attached(self):
         if self._per_tensor and self._attached is None:
             raise RuntimeError("GradScaler(per_tensor=True): call scaler.attach(model) first")
@@ -327,6 +337,7 @@ class GradScaler:
         if not self._enabled:
             return outputs
         self._require_attached()
+        self._scaled = True
         if isinstance(outputs, torch.Tensor):
             self._lazy_init(outputs.device)
             scale = self._scale.reshape(())
@@ -365,6 +376,7 @@ class GradScaler:
         if not self._enabled:
             return
         self._require_attached()
+        self._require_scaled("unscale_")
         stage = self._stage.get(id(optimizer))
         if stage is _UNSCALED:
             raise RuntimeError(
@@ -406,6 +418,7 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._require_scaled("step")
         stage = self._stage.get(id(optimizer))
         if stage is _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
