@@ -623,6 +623,108 @@ def test_step_or_unscale_before_any_scale_raises(call, optimizer, per_tensor):
     scaler.update()
 
 
+@pytest.mark.parametrize("explicit_unscale", [False, True])
+@pytest.mark.parametrize("optimizer", ["srround", "torch"])
+def test_step_with_no_gradients_raises_and_update_does_not_grow(optimizer, explicit_unscale):
+    """Finding (11-28, a random sequence of scaler calls run against torch's): ``step`` for
+    an optimizer none of whose parameters has a gradient (a backward forgotten, or
+    ``zero_grad()`` after it) stepped nothing but recorded an all-clear flag, so the next
+    ``update()`` grew the scale with no gradient checked. torch's scaler raises "No inf
+    checks were recorded for this optimizer." (an AssertionError) there, and then refuses the
+    ``update()``; so does srround's now."""
+    model = _model()
+    opt = _srround_adamw(model) if optimizer == "srround" else torch.optim.SGD(model.parameters())
+    scaler = GradScaler("cpu", growth_interval=1)
+    _scaled_backward(model, scaler)
+    opt.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    if explicit_unscale:
+        scaler.unscale_(opt)  # torch's records no check without gradients, and raises no error
+    with pytest.raises(AssertionError, match="^No inf checks were recorded for this optimizer"):
+        scaler.step(opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    with pytest.raises(AssertionError, match="^No inf checks were recorded prior to update"):
+        scaler.update()
+    assert scaler.get_scale() == 2.0**16
+
+
+def _scaler_calls(make_scaler, calls):
+    """Run ``calls`` (names of scaler and training operations) on a fresh one-parameter SGD
+    setup; per call ``("ok", value)`` or ``("error", type name)``, up to the first error, then
+    the scale and the parameter."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler, loss, saved, out = make_scaler(), None, None, []
+    for call in calls:
+        try:
+            value = None
+            if call == "scale":
+                loss = scaler.scale((p * 2).sum())
+                value = float(loss.detach())
+            elif call == "backward":
+                (loss if loss is not None else (p * 2).sum()).backward()
+                loss = None
+            elif call == "unscale_":
+                scaler.unscale_(opt)
+            elif call == "step":
+                value = scaler.step(opt)
+            elif call == "update":
+                scaler.update()
+            elif call == "update(512.0)":
+                scaler.update(512.0)
+            elif call == "state_dict":
+                saved = scaler.state_dict()
+                value = saved.get("scale")
+            elif call == "load_state_dict" and saved is not None:
+                scaler.load_state_dict(saved)
+            elif call == "zero_grad":
+                opt.zero_grad()
+            elif call == "inf gradient" and p.grad is not None:
+                p.grad[0] = math.inf
+            out.append(("ok", value))
+        except (AssertionError, RuntimeError, ValueError) as error:
+            out.append(("error", type(error).__name__))
+            break
+    return out, scaler.get_scale(), p.detach().tolist()
+
+
+def test_random_call_sequences_match_torchs_scaler():
+    """Random sequences of scaler calls (scale, backward, unscale_, step, update, state dicts,
+    zero_grad, an inf gradient) give torch's scaler's values, scales, parameters and errors,
+    up to and including the first error (after it, torch's state differs by design:
+    README). ``update(new_scale)`` before the first ``scale()`` is left out (srround takes
+    it as the initial scale, torch raises). Found this way (11-28): a step with no gradients
+    (then an ``update()`` grew the scale)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    names = [
+        "scale",
+        "backward",
+        "unscale_",
+        "step",
+        "update",
+        "update(512.0)",
+        "state_dict",
+        "load_state_dict",
+        "zero_grad",
+        "inf gradient",
+    ]
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.lists(st.sampled_from(names), min_size=1, max_size=9))
+    def check(calls):
+        if "update(512.0)" in calls and (
+            "scale" not in calls or calls.index("update(512.0)") < calls.index("scale")
+        ):
+            return
+        ours = _scaler_calls(lambda: GradScaler("cpu", growth_interval=2), calls)
+        theirs = _scaler_calls(lambda: torch.amp.GradScaler("cpu", growth_interval=2), calls)
+        assert ours == theirs, calls
+
+    check()
+
+
 def test_update_without_inf_checks_raises():
     """Finding: update() with no step recorded silently grew the scale."""
     scaler = GradScaler("cpu", growth_interval=1)

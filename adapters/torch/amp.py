@@ -385,6 +385,10 @@ class GradScaler:
         if stage is _STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         params = self._params_with_grads(optimizer)
+        if not params:  # torch records no check: step() and update() then raise
+            self._found.pop(id(optimizer), None)
+            self._stage[id(optimizer)] = _UNSCALED
+            return
         for p in params:  # as torch: fp16 sparse gradients are coalesced (replaced) first
             if p.grad.layout is not torch.strided and p.grad.dtype == torch.float16:
                 p.grad = p.grad.coalesce()
@@ -422,6 +426,9 @@ class GradScaler:
         stage = self._stage.get(id(optimizer))
         if stage is _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+            # torch's error: nothing to check, and an update() would grow the scale unchecked
+            raise AssertionError("No inf checks were recorded for this optimizer.")
         if getattr(optimizer, "_srround_fused", False):
             result = self._fused_step(optimizer, *args, **kwargs)
         elif getattr(optimizer, "_step_supports_amp_scaling", False):
