@@ -426,8 +426,11 @@ class GradScaler:
         stage = self._stage.get(id(optimizer))
         if stage is _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
-            # torch's error: nothing to check, and an update() would grow the scale unchecked
+        if stage is _UNSCALED:  # an unscale_() with gradients recorded a check
+            checked = id(optimizer) in self._found
+        else:  # this step checks: it needs a gradient
+            checked = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+        if not checked:  # torch's error; an update() would grow the scale unchecked
             raise AssertionError("No inf checks were recorded for this optimizer.")
         if getattr(optimizer, "_srround_fused", False):
             result = self._fused_step(optimizer, *args, **kwargs)
