@@ -645,6 +645,9 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 fn, params, state, grads = build()
+                # the inputs are made by asynchronous ops: finished before the first call is
+                # timed, which would otherwise wait for them too
+                jax.block_until_ready((params, state, grads))
                 box = {"p": params, "s": state, "t": 0}
 
                 def step(box=box, fn=fn, grads=grads):
