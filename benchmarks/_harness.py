@@ -202,8 +202,11 @@ def time_steps(step, sync, reps: int, batch: int = 1) -> dict:
     ``reps`` samples of ``batch`` calls closed by one ``sync()``.
 
     Returns seconds: ``first_s``, ``median_s`` and ``min_s`` per call, and ``host_s``, the median
-    time until a call returns without a sync (the host cost of an asynchronous launch).
+    time until a call returns without a sync (the host cost of an asynchronous launch). Work
+    still pending from the setup (asynchronous launches that made the inputs) is waited for
+    before the first call's timer starts.
     """
+    sync()
     t0 = time.perf_counter()
     step()
     sync()
