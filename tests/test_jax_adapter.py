@@ -4,6 +4,7 @@ form, any offset; the exact fma of the native stochastic_add against Numba's llv
 from __future__ import annotations
 
 import ctypes
+import re
 
 import ml_dtypes
 import numpy as np
@@ -743,3 +744,23 @@ def test_eager_calls_at_new_seeds_and_offsets_compile_nothing(impl):
         if compiled or len(_ffi._FUNCTIONS) != registered:
             failures.append((name, compiled, len(_ffi._FUNCTIONS) - registered))
     assert failures == []  # (name, programs compiled, host functions registered)
+
+
+def test_a_jax_older_than_the_adapter_needs_is_a_clear_import_error():
+    """JAX 0.8 and older lack ``jax.enable_x64`` (an ``AttributeError`` inside the first call,
+    before the check); 0.9.2 fails uneven sharded splits in its own compile. The floor is the
+    ``jax`` extra's in ``pyproject.toml``."""
+    import pathlib
+
+    import tomllib
+
+    from srround.adapters.jax import _requires
+
+    for old in ("0.6.2", "0.9.2", "0.4.38"):
+        with pytest.raises(ImportError, match=rf"needs JAX >= 0\.10, found {re.escape(old)}"):
+            _requires.check(old)
+    for new in ("0.10.0", "0.10.2", "0.12.0.1", "0.11.0.dev20261101", "1.0"):
+        _requires.check(new)
+    pyproject = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    assert "jax>=0.10" in extras["jax"]  # the same floor

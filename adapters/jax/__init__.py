@@ -12,6 +12,7 @@
   ``select_tree``: loss scaling with jmp's interface.
 """
 
+from . import _requires  # noqa: F401  (an older JAX than the adapter needs: ImportError here)
 from ._api import (
     dequantize_blocks,
     quantize_blocks,
