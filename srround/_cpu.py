@@ -35,6 +35,8 @@ from ._elements import (
     G_FMT,
     GROUP,
     NOISE,
+    NOISE_RUN,
+    NOISE_SKIP,
     P_ADDR,
     P_FMT,
     S1_ADDR,
@@ -49,6 +51,7 @@ from ._elements import (
     WEIGHT_STREAM,
     group_constants,
     prepare_coefs,
+    run_noise,
     scale_usable,
     state1_presence,
     stream_offset,
@@ -507,16 +510,18 @@ def _step_chunk(config, table, starts, hyper, steps, coefs, scale, k0, k1, lo, h
     i = lo
     k = find_tensor(starts, i)
     while i < hi:
-        end = min(hi, starts[k + 1])
-        j0, n = i - starts[k], end - i
         row = table[k]
+        end, j0, run = min(hi, starts[k + 1]), i - starts[k], row[NOISE_RUN]
+        if run:  # a piece of runs (tensor parallel): one pass per run, each its own noise
+            end = min(end, i + run - j0 % run)
+        n = end - i
         p_fmt, g_fmt = row[P_FMT], row[G_FMT]
         h = hyper[row[GROUP]]
         group = group_constants(kind, h[1], h[2], h[3], h[4])
         w_bits = words[0].view(np.uint16)[:n]
         m_bits = words[1].view(np.uint16)[:n]
         v_bits = words[2].view(np.uint16)[:n]
-        step, noise = steps[k], row[NOISE]
+        step, noise = steps[k], run_noise(row[NOISE], run, row[NOISE_SKIP], j0)
         if mode == STOCHASTIC and p_fmt != F32:
             offset = stream_offset(step, WEIGHT_STREAM, noise) + j0
             w_bits = _random_bits(words[0], k0, k1, offset, n)
@@ -544,8 +549,9 @@ def _step_chunk(config, table, starts, hyper, steps, coefs, scale, k0, k1, lo, h
             group,
             (w_bits, m_bits, v_bits),
         )
+        if end == starts[k + 1]:
+            k += 1
         i = end
-        k += 1
 
 
 def _make_step(kind, mode, state_fmt, state1, cases):

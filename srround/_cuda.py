@@ -28,6 +28,8 @@ from ._elements import (
     G_FMT,
     GROUP,
     NOISE,
+    NOISE_RUN,
+    NOISE_SKIP,
     P_ADDR,
     P_FMT,
     S1_ADDR,
@@ -38,6 +40,7 @@ from ._elements import (
     STATE1_SOME,
     group_constants,
     prepare_coefs,
+    run_noise,
     scale_usable,
     state1_presence,
     step_element,
@@ -419,7 +422,7 @@ def _tensor_constants(table, starts, hyper, steps, coefs, k, kind):
     """What the elements of tensor ``k`` share, read once per tensor a thread reaches (its
     element loop stores through raw addresses, which could alias these arrays: read inside
     that loop, every one would be read again per element): ``(buffers, formats, state1,
-    noise start, start, end, step, coefs, group)``."""
+    noise (``NOISE``, ``NOISE_RUN``, ``NOISE_SKIP``), start, end, step, coefs, group)``."""
     g = table[k, GROUP]
     buffers = (
         table[k, P_ADDR],
@@ -434,7 +437,7 @@ def _tensor_constants(table, starts, hyper, steps, coefs, k, kind):
         buffers,
         (table[k, P_FMT], table[k, G_FMT]),
         table[k, S1_ADDR] != 0,
-        table[k, NOISE],
+        (table[k, NOISE], table[k, NOISE_RUN], table[k, NOISE_SKIP]),
         starts[k],
         starts[k + 1],
         steps[k],
@@ -482,7 +485,7 @@ def _make_step(kind, mode, state_fmt, state1, formats):
                 buffers,
                 has_state1,
                 i - start,
-                noise,
+                run_noise(noise[0], noise[1], noise[2], i - start),
                 count,
                 scale_bits,
                 c,

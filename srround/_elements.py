@@ -204,6 +204,9 @@ class Column(enum.IntEnum):
     # the table's element range; a sharded tensor's: its place in the full tensor)
     S1_SCALE = 9  # float32 block scales of an fp8 first / second state (``_state8``; 0: none)
     S2_SCALE = 10
+    NOISE_RUN = 11  # a tensor whose stream is not one range (a tensor-parallel piece: rows of
+    NOISE_SKIP = 12  # a column shard): elements per run of consecutive stream positions (0: one
+    # range), and the positions skipped between two runs (``run_noise``)
 
 
 class Hyper(enum.IntEnum):
@@ -223,9 +226,21 @@ class Hyper(enum.IntEnum):
 ADAMW, SGD = int(Kind.ADAMW), int(Kind.SGD)
 STOCHASTIC, NEAREST, KAHAN, MASTER, REMAINDER = (int(m) for m in Mode)
 MODES = {mode.name.lower(): int(mode) for mode in Mode}
-P_ADDR, P_FMT, G_ADDR, G_FMT, S1_ADDR, S2_ADDR, AUX_ADDR, GROUP, NOISE, S1_SCALE, S2_SCALE = (
-    int(c) for c in Column
-)
+(
+    P_ADDR,
+    P_FMT,
+    G_ADDR,
+    G_FMT,
+    S1_ADDR,
+    S2_ADDR,
+    AUX_ADDR,
+    GROUP,
+    NOISE,
+    S1_SCALE,
+    S2_SCALE,
+    NOISE_RUN,
+    NOISE_SKIP,
+) = (int(c) for c in Column)
 TABLE_COLUMNS = len(Column)
 HYPER_COLUMNS = len(Hyper)
 COEF_COLUMNS = 4  # float32 per-tensor coefficients of a step (``prepare_coefs``)
@@ -412,6 +427,16 @@ def state1_presence(table) -> int:
     AdamW: every one): a constant of the compiled steps, where a mix tests per tensor."""
     present = np.asarray(table)[:, S1_ADDR] != 0
     return STATE1_ALL if present.all() else STATE1_SOME if present.any() else STATE1_NONE
+
+
+@njit(forceinline=True, cache=True)
+def run_noise(noise, run, skip, j):
+    """The stream start to pair with element ``j`` of a tensor whose table row has ``NOISE``,
+    ``NOISE_RUN``, ``NOISE_SKIP`` = ``noise, run, skip``: its stream position is
+    ``run_noise(...) + j``, that is ``noise + j`` plus ``skip`` for each whole run before it."""
+    if run == 0:
+        return noise
+    return noise + (j // run) * skip
 
 
 @njit(cache=True)

@@ -33,6 +33,8 @@ from ._elements import (  # noqa: F401  (re-exported: the optimizer's names)
     MODES,
     NEAREST,
     NOISE,
+    NOISE_RUN,
+    NOISE_SKIP,
     P_ADDR,
     P_FMT,
     REMAINDER,
@@ -63,18 +65,26 @@ _SIGN_BIT = 0x80000000  # of a float32 pattern
 _ONE_BITS = 0x3F800000  # 1.0f: the value a flag is set to
 
 
-def _check_disjoint_noise(noise, sizes) -> None:
+def noise_spans(table, sizes):
+    """How many stream positions each tensor's noise spans from its ``NOISE`` start: its size,
+    plus the skipped positions between its runs (``NOISE_RUN``, ``NOISE_SKIP``)."""
+    run, skip = table[:, NOISE_RUN], table[:, NOISE_SKIP]
+    runs = np.where(run > 0, -(-sizes // np.maximum(run, 1)), 1)
+    return sizes + np.maximum(runs - 1, 0) * skip
+
+
+def _check_disjoint_noise(noise, spans) -> None:
     """The tensors of one step draw disjoint ranges of the random stream (``stream_starts``):
     two that overlap would round with shared, correlated noise, which no caller intends."""
-    nonempty = np.flatnonzero(sizes > 0)
+    nonempty = np.flatnonzero(spans > 0)
     order = nonempty[np.argsort(noise[nonempty], kind="stable")]
-    ends = noise[order] + sizes[order]
+    ends = noise[order] + spans[order]
     clash = np.flatnonzero(noise[order][1:] < ends[:-1])
     if clash.size:
         i, j = order[clash[0]], order[clash[0] + 1]
         raise ValueError(
-            f"stream_starts[{j}]: params[{j}]'s noise [{noise[j]}, {noise[j] + sizes[j]})"
-            f" overlaps params[{i}]'s [{noise[i]}, {noise[i] + sizes[i]}): give each tensor its"
+            f"stream_starts[{j}]: params[{j}]'s noise [{noise[j]}, {noise[j] + spans[j]})"
+            f" overlaps params[{i}]'s [{noise[i]}, {noise[i] + spans[i]}): give each tensor its"
             " own range of the stream"
         )
 
@@ -97,9 +107,13 @@ class FusedStep:
         self.total, self._host_starts = int(starts[-1]), starts
         if self.total >= MAX_ELEMENTS:
             raise ValueError(f"params: {self.total} elements, at most {MAX_ELEMENTS - 1} per step")
-        if len(table) and int((table[:, NOISE] + np.diff(starts)).max()) > MAX_ELEMENTS:
-            raise ValueError(f"params: noise starts past {MAX_ELEMENTS} elements")
-        _check_disjoint_noise(table[:, NOISE] if len(table) else table, np.diff(starts))
+        if len(table):
+            spans = noise_spans(table, np.diff(starts))
+            if int((table[:, NOISE] + spans).max()) > MAX_ELEMENTS:
+                raise ValueError(f"params: noise starts past {MAX_ELEMENTS} elements")
+            _check_disjoint_noise(table[:, NOISE], spans)
+            if state_fmt in _state8.FP8_CODES and table[:, NOISE_RUN].any():
+                raise ValueError("params: float8 states take tensors whose noise is one range")
         self.device, self.stream, self.steps = device, stream, steps
         coefs = np.zeros((len(table), COEF_COLUMNS), np.float32)
         self._hyper_host = None

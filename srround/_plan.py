@@ -19,6 +19,8 @@ from ._elements import (
     G_FMT,
     GROUP,
     NOISE,
+    NOISE_RUN,
+    NOISE_SKIP,
     P_ADDR,
     P_FMT,
     S1_ADDR,
@@ -165,7 +167,16 @@ def _columns(
 
 
 def plan_step(
-    adapter, rounding, params, grads, states, aux, groups=None, noise=None, scales=None
+    adapter,
+    rounding,
+    params,
+    grads,
+    states,
+    aux,
+    groups=None,
+    noise=None,
+    scales=None,
+    runs=None,
 ) -> Plan:
     """Validate the buffer lists of a fused step and build its pointer table.
 
@@ -183,6 +194,8 @@ def plan_step(
         scales: ``((label, arrays or None), (label, arrays or None))``: the float32 block
             scales of fp8 states (``_state8``), one list per state; ``None`` (the default):
             the step takes no fp8 states.
+        runs: per parameter ``(run, skip)``, the table's ``NOISE_RUN`` and ``NOISE_SKIP``
+            (``_elements.run_noise``; default: every stream one range from ``noise``).
 
     Raises:
         RoundingError: an unknown mode, or parameters the mode cannot write.
@@ -251,6 +264,8 @@ def plan_step(
     if noise is None:
         noise = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]]) if count else []
     table[:, NOISE] = noise
+    if runs is not None and count:
+        table[:, NOISE_RUN], table[:, NOISE_SKIP] = np.array(runs, np.int64).reshape(count, 2).T
     state = BufferCode.FLOAT32 if state_fmt is None else BufferCode(state_fmt)
     _validate.no_overlap(spans)  # sorted once per table: shared memory between any two buffers
     return Plan(table, sizes, state, place, spans)

@@ -516,3 +516,73 @@ def test_step_reuse_keeps_the_table_while_the_buffers_stay(monkeypatch):
         srround.adamw_step(p, g, m, v, lr=1e-3, step=5, seed=5, inv_scale=-1.0)
     with reuse.active(), pytest.raises(ValueError, match="step"):
         srround.adamw_step(p, g, m, v, lr=1e-3, step=0, seed=5)
+
+
+@pytest.mark.parametrize(
+    "device, rows, cols, split",
+    [
+        ("cpu", 5, 3000, 1700),  # runs cross the CPU's 4096-element work items
+        pytest.param("cuda", 3, 7, 3, marks=pytest.mark.cuda),
+    ],
+)
+def test_noise_runs_give_a_column_piece_the_bits_of_the_whole_tensor(
+    device, rows, cols, split, small_cuda_launch
+):
+    """A table row whose noise is runs (``NOISE_RUN``, ``NOISE_SKIP``: a tensor-parallel
+    column shard, each of its rows a run of the full tensor's stream): each column piece of a
+    matrix, stepped next to a plain tensor as one rank of two would, gets the bits the whole
+    matrix gets, states included (bf16 states round with their own streams); before, a table
+    row's noise was one range."""
+    from srround import _dispatch, _optim, _plan
+    from srround._rng import split_seed
+
+    rng = np.random.default_rng(3)
+    whole = [(rng.standard_normal((rows, cols)) * s).astype(BF16) for s in (0.02, 0.01, 1e-3)]
+    whole.append((rng.random((rows, cols)) * 1e-5).astype(BF16))
+    extra = [(rng.standard_normal(11) * s).astype(BF16) for s in (0.02, 0.01, 1e-3, 1e-5)]
+    expected = [a.copy() for a in whole], [a.copy() for a in extra]
+    hyper = dict(HYPER, rounding="stochastic", seed=99)
+    for step in (1, 2):  # the matrix at stream start 0, the plain tensor's range after it
+        for arrays, start in zip(expected, (0, rows * cols)):
+            flat = ([a.reshape(-1)] for a in arrays)
+            srround.adamw_step(*flat, step=step, stream_starts=[start], **hyper)
+    on = to_cuda if device == "cuda" else (lambda a: a)
+    stream = None
+    if device == "cuda":
+        from numba import cuda
+
+        stream = cuda.default_stream()
+    lr, (b1, b2), eps, wd = HYPER["lr"], HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]
+    columns = (slice(0, split), slice(split, cols))
+    for piece, (run, skip) in zip(columns, [(split, cols - split), (cols - split, split)]):
+        host = [[np.ascontiguousarray(a[:, piece]).reshape(-1) for a in whole], extra]
+        buffers = [[on(a.copy()) for a in tensor] for tensor in host]
+        params, grads, m, v = (list(column) for column in zip(*buffers))
+        plan = _plan.plan_step(
+            _dispatch.adapter_for(params=params[0]),
+            "stochastic",
+            params,
+            grads,
+            (("states1", m), ("states2", v)),
+            None,
+            noise=[piece.start, rows * cols],
+            runs=[(run, skip), (0, 0)],
+        )
+        steps = on(np.zeros(2, np.uint32))
+        kind, mode = _optim.ADAMW, _optim.STOCHASTIC
+        fused = _optim.FusedStep(
+            kind, mode, plan.state_fmt, plan.table, plan.sizes, steps, device, stream
+        )
+        fused.set_hyper(np.array([[lr, b1, b2, eps, wd]], np.float64))
+        for _ in (1, 2):
+            one = on(np.array([1.0], np.float32).view(np.uint32))
+            fused.run(one, on(np.zeros(1, np.uint32)), *split_seed(99))
+        got = [
+            [np.asarray(b.copy_to_host() if device == "cuda" else b) for b in tensor]
+            for tensor in buffers
+        ]
+        for i in (0, 2, 3):  # params, exp_avg, exp_avg_sq (the gradient is read only)
+            want = expected[0][i][:, piece].reshape(-1)
+            assert np.array_equal(got[0][i].view(np.uint16), want.view(np.uint16))
+            assert np.array_equal(got[1][i].view(np.uint16), expected[1][i].view(np.uint16))
+        assert not np.array_equal(got[0][0], host[0][0])  # the steps moved the parameters

@@ -432,9 +432,9 @@ def _errors(rank, world, tmp):
     out["no_seed"] = error(lambda: AdamW([param(torch.ones(3))]))
     srround.manual_seed(5)  # the same generator on every rank: its seeds agree
     out["manual_seed"] = AdamW([param(torch.ones(3))]).defaults["seed"]
-    # Shard(1) of a matrix: the local piece is not one range of the full tensor
-    c = param(distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)]))
-    out["shard1"] = error(lambda: AdamW([c], seed=0))
+    # Shard(1) of a matrix: the optimizers take it, the functional calls need one range
+    c = distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)])
+    out["shard1"] = error(lambda: srround.stochastic_round(c, seed=0))
     # functional: mixed lists, DTensor input with a plain out=
     g = distribute_tensor(torch.full((4, 2), 4.0), mesh, [Shard(0)])
     out["mixed_grads"] = error(lambda: srround.unscale_and_check([g, torch.ones(2)], 0.5))
@@ -449,6 +449,139 @@ def _errors(rank, world, tmp):
     q = srround.quantize_blocks(torch.ones(4, 32), "mxfp4")
     qd = q._replace(data=distribute_tensor(q.data, mesh, [Shard(0)]))
     out["dequantize_blocks"] = error(lambda: srround.dequantize_blocks(qd))
+    return out
+
+
+# tensor parallel: pieces that are not one range of the full tensor. Uneven on 2 ranks:
+# 5 columns -> 3 + 2; (4, 1) on dim 1 -> (4, 1) + (4, 0), an empty piece
+_TP_SHAPES = (
+    ((3, 5), "Shard(1)"),  # RowwiseParallel's weight: rows of 3 and of 2 columns
+    ((2, 3, 5), "Shard(2)"),
+    ((2, 3, 4), "Shard(1)"),  # runs of 2 rows of 4, two of them
+    ((4, 1), "Shard(1)"),
+    ((6,), "Shard(0)"),
+    ((3, 4), "Replicate()"),
+)
+_TP_OPTIMIZERS = ("adamw", "amsgrad", "sgd", "compiled", "compiled_amsgrad")
+
+
+def _tp_tensors():
+    """The parameters' and the steps' gradients' full values (the same on every rank)."""
+    g = torch.Generator().manual_seed(5)
+    params = [torch.randn(shape, generator=g).to(torch.bfloat16) for shape, _ in _TP_SHAPES]
+    grads = [
+        [(torch.randn(shape, generator=g) * 0.1).to(torch.bfloat16) for shape, _ in _TP_SHAPES]
+        for _ in range(STEPS)
+    ]
+    return params, grads
+
+
+def _tp_optimizer(name, params):
+    from srround.adapters.torch import SGD
+
+    if name == "sgd":
+        return SGD(params, lr=1e-1, momentum=0.9, seed=SEED, nesterov=True)
+    if name.endswith("amsgrad"):  # (the per-tensor path: float32 states)
+        return AdamW(params, lr=1e-2, seed=SEED, amsgrad=True)
+    return AdamW(params, lr=1e-2, seed=SEED, state_dtype=torch.bfloat16)
+
+
+def _tp_train(name, distribute=None):
+    """3 steps of optimizer ``name`` on ``_tp_tensors``; ``distribute(full, placement)``: the
+    DTensor of a full value (None: plain tensors, the 1-process reference). The parameters'
+    and the first states' full values after."""
+    full, grads = _tp_tensors()
+
+    def place(t, i):
+        return t.clone() if distribute is None else distribute(t, _TP_SHAPES[i][1])
+
+    params = [torch.nn.Parameter(place(t, i)) for i, t in enumerate(full)]
+    opt = _tp_optimizer(name, params)
+
+    @torch.compile(fullgraph=True, backend="aot_eager", disable=not name.startswith("compiled"))
+    def step(opt):
+        opt.step()
+
+    for step_grads in grads:
+        for i, (p, g) in enumerate(zip(params, step_grads)):
+            p.grad = place(g, i)
+        step(opt)
+    first = "momentum_buffer" if name == "sgd" else "exp_avg"
+    return [_full(p) for p in params], [_full(opt.state[p][first]) for p in params]
+
+
+def _tp_model():
+    """A bf16 MLP for tensor parallel: ColwiseParallel, RowwiseParallel (weight Shard(1), 4
+    columns -> 2 + 2), ColwiseParallel gathered to a replicated output."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)
+    ).to(torch.bfloat16)
+
+
+def _tensor_parallel(rank, world, tmp):
+    """Optimizers on pieces that are runs of their full tensors (``_TP_SHAPES``): eager,
+    compiled, AMSGrad and SGD; a state dict saved from plain tensors loaded onto them; and a
+    real ``parallelize_module`` model trained a few steps."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = _cpu_mesh()
+    placements = {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Shard(2)": Shard(2)}
+    placements["Replicate()"] = Replicate()
+
+    def distribute(t, placement):
+        return distribute_tensor(t, mesh, [placements[placement]])
+
+    out = {name: _tp_train(name, distribute) for name in _TP_OPTIMIZERS}
+    out["local_shapes"] = [
+        tuple(distribute(t, p).to_local().shape) for t, (_, p) in zip(_tp_tensors()[0], _TP_SHAPES)
+    ]
+    # a state dict of plain tensors (1 process, 1 step) loaded onto the pieces, then 2 steps
+    full, grads = _tp_tensors()
+    plain = [torch.nn.Parameter(t.clone()) for t in full]
+    opt = _tp_optimizer("adamw", plain)
+    for p, g in zip(plain, grads[0]):
+        p.grad = g.clone()
+    opt.step()
+    sharded = [
+        torch.nn.Parameter(distribute(p.detach(), spec)) for p, (_, spec) in zip(plain, _TP_SHAPES)
+    ]
+    loaded = _tp_optimizer("adamw", sharded)
+    loaded.load_state_dict(opt.state_dict())
+    for step_grads in grads[1:]:
+        for p, q, g, (_, spec) in zip(plain, sharded, step_grads, _TP_SHAPES):
+            p.grad = g.clone()
+            q.grad = distribute(g, spec)
+        opt.step()
+        loaded.step()
+    out["loaded"] = [_full(q) for q in sharded]
+    out["continued"] = [_full(p) for p in plain]
+    # tensor parallel for real: the model's losses and parameters after 3 steps
+    model = parallelize_module(
+        _tp_model(),
+        mesh,
+        {
+            "0": ColwiseParallel(),
+            "2": RowwiseParallel(),
+            "3": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    out["model_placements"] = [str(tuple(p.placements)) for p in model.parameters()]
+    opt = _adamw(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model(_batch(step)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    out["model_losses"] = losses
+    out["model_params"] = [_full(p) for p in model.parameters()]
     return out
 
 
@@ -537,6 +670,7 @@ SCENARIOS = {
     "scaler": _scaler,
     "functional": _functional,
     "errors": _errors,
+    "tensor_parallel": _tensor_parallel,
     "full_state_dict": _full_state_dict,
     "readme": _readme,
 }
@@ -780,6 +914,54 @@ def test_functional_unscale_and_check_all_reduces_found_inf(ranks):
     assert [r["per_tensor"] for r in results] == [[0.0, 1.0], [0.0, 1.0]]  # NaN: rank 0
 
 
+@pytest.mark.parametrize("name", _TP_OPTIMIZERS)
+def test_tensor_parallel_pieces_match_one_process(ranks, name):
+    """Finding: a DTensor whose local piece is not one range of the full tensor
+    (``Shard(1)`` of a matrix, as ``RowwiseParallel`` shards; ``Shard(2)``) was a
+    ``ValueError``. Each row of such a piece is now a run of the full tensor's stream: 2 ranks
+    give the 1-process bits of parameters and states, uneven and empty pieces included, for
+    AdamW (bf16 states), AMSGrad (float32 states), SGD with Nesterov momentum, and compiled
+    steps."""
+    params, states = _tp_train(name)
+    for r in _results(ranks, "tensor_parallel"):
+        _same_bits(r[name][0], params)
+        _same_bits(r[name][1], states)
+    shapes = [r["local_shapes"] for r in _results(ranks, "tensor_parallel")]
+    assert shapes[0][0] == (3, 3) and shapes[1][0] == (3, 2)  # uneven runs
+    assert shapes[1][3] == (4, 0)  # an empty piece
+
+
+def test_tensor_parallel_loads_a_state_dict_of_plain_tensors(ranks):
+    """A state dict saved from plain tensors, loaded onto Shard(1) pieces (each rank takes
+    its columns of every state), continues with the bits of the plain run (before: a flat
+    slice of the full state, wrong for a piece of runs)."""
+    for r in _results(ranks, "tensor_parallel"):
+        _same_bits(r["loaded"], r["continued"])
+
+
+def test_parallelize_module_trains_with_rowwise_and_colwise_pieces(ranks):
+    """A real tensor-parallel model (ColwiseParallel, RowwiseParallel, a gathered output):
+    the optimizer steps its Shard(0), Shard(1) and replicated parameters (before: a
+    ValueError at the first step), both ranks hold the same full values, and the training
+    follows 1 process (not bit-identical: the row-parallel matmul sums in another order)."""
+    model = _tp_model()
+    opt = _adamw(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model(_batch(step)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    results = _results(ranks, "tensor_parallel")
+    assert "Shard(dim=1)" in results[0]["model_placements"][2]
+    _same_bits(results[0]["model_params"], results[1]["model_params"])
+    assert results[0]["model_losses"] == results[1]["model_losses"]
+    np.testing.assert_allclose(results[0]["model_losses"], losses, rtol=2e-2)
+    for got, want in zip(results[0]["model_params"], model.parameters()):
+        np.testing.assert_allclose(got, _full(want), rtol=0, atol=2e-2)
+
+
 def test_bad_distributed_input(ranks):
     assert len({r["manual_seed"] for r in _results(ranks, "errors")}) == 1
     for r in _results(ranks, "errors"):
@@ -787,6 +969,7 @@ def test_bad_distributed_input(ranks):
         assert "plain tensor in a param group of DTensors" in r["mixed_params"]
         assert "DTensor" in r["dtensor_grad"]
         assert r["dtensor_grad_nothing_written"]
+        assert "x: the local piece of this DTensor" in r["shard1"]
         assert "not one contiguous range" in r["shard1"]
         assert "seed: pass a seed" in r["no_seed"]  # before: a seed of its own per rank
         # before: loaded; the step then failed with "strides (2,), the parameter (2,)"
@@ -893,3 +1076,41 @@ def test_state_dtype_is_stored_by_name():
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     with pytest.raises(ValueError, match="state_dtype"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "state_dtype": 3})
+
+
+def test_piece_layout_keys_every_element_to_its_global_index():
+    """``_dist.piece_layout`` against every piece of small tensors: its ``(start, run,
+    skip)`` gives each element's flat index in the full tensor, and it declines (None) exactly
+    the pieces whose contiguous runs are not of one length at one spacing."""
+    from srround.adapters.torch._dist import piece_layout
+
+    rng = np.random.default_rng(0)
+    checked = declined = 0
+    for _ in range(3000):
+        shape = tuple(int(n) for n in rng.integers(1, 5, rng.integers(1, 5)))
+        local = tuple(int(rng.integers(0, n + 1)) if rng.random() < 0.4 else n for n in shape)
+        offset = tuple(int(rng.integers(0, n - m + 1)) for n, m in zip(shape, local))
+        window = tuple(slice(o, o + m) for o, m in zip(offset, local))
+        index = np.arange(np.prod(shape)).reshape(shape)[window].reshape(-1)
+        layout = piece_layout(shape, local, offset)
+        # the piece's maximal runs of consecutive global indices
+        breaks = np.flatnonzero(np.diff(index) != 1) + 1
+        starts = index[np.concatenate([[0], breaks])] if index.size else index
+        lengths = np.diff(np.concatenate([[0], breaks, [index.size]])) if index.size else index
+        uniform = len(set(lengths.tolist())) <= 1 and len(set(np.diff(starts).tolist())) <= 1
+        if layout is None:
+            assert not uniform, (shape, local, offset)
+            declined += 1
+            continue
+        start, run, skip = layout
+        j = np.arange(index.size)
+        got = start + j + (j // run) * skip if run else start + j
+        assert np.array_equal(got, index), (shape, local, offset, layout)
+        checked += 1
+    assert checked > 2000 and declined > 5
+    # the placements tensor parallel uses: a matrix's columns, FSDP2 + TP's blocks
+    assert piece_layout((6, 8), (6, 4), (0, 4)) == (4, 4, 4)
+    assert piece_layout((6, 8), (3, 4), (3, 4)) == (28, 4, 4)
+    assert piece_layout((6, 8), (3, 8), (3, 0)) == (24, 0, 0)
+    assert piece_layout((2, 3, 4), (2, 1, 2), (0, 1, 2)) == (6, 2, 10)  # one row of each
+    assert piece_layout((2, 3, 4), (2, 2, 2), (0, 1, 2)) is None  # 2 of 3 rows: uneven gaps

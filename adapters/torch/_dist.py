@@ -5,11 +5,13 @@ kernel works on its local piece (``to_local()``), and an element's place in the 
 is its place in the full, unsharded tensor, so the bits never depend on the rank, the shard
 shape or the optimizer partition:
 
-* the local piece of a DTensor must be one contiguous range of the full tensor's row-major
-  order (``Shard(0)``, as FSDP2 shards, uneven and empty pieces included; ``Replicate()``; a
-  ``Shard(d)`` whose leading dimensions are 1): its stream start is the flat index of its first
-  element, ``global row start * row size``, from ``compute_local_shape_and_global_offset``.
-  Other placements (``Shard(1)`` of a matrix, ``Partial``) raise ``ValueError``.
+* the optimizers take a local piece that is one contiguous range of the full tensor's
+  row-major order (``Shard(0)``, as FSDP2 shards, uneven and empty pieces included;
+  ``Replicate()``), or evenly spaced runs of it (``Shard(1)`` of a matrix, as
+  ``RowwiseParallel`` shards; FSDP2 + tensor parallel's ``(Shard(0), Shard(1))``): the
+  kernels' table keys each element to its flat index in the full tensor (``stream_layout``,
+  from ``compute_local_shape_and_global_offset``). The functional calls
+  (``stochastic_round``) take one range only. ``Partial`` placements raise ``ValueError``.
 * a replicated piece starts at 0 on every rank: replicas draw the same noise and never drift.
 
 Parameter identity in the optimizers (``stream_base``): parameter ``i`` of an optimizer's
@@ -85,9 +87,29 @@ def _mesh_text(t) -> str:
 def global_start(t, name: str) -> int:
     """Flat index, in the full tensor, of the first element of DTensor ``t``'s local piece
     (0 for a plain tensor). ``ValueError`` if the piece is not one contiguous range of the full
-    tensor's row-major order or a placement is ``Partial`` (pending reduction)."""
+    tensor's row-major order (``stream_layout``) or a placement is ``Partial``."""
+    start, run, _ = stream_layout(t, name)
+    if run:
+        raise ValueError(
+            f"{name}: the local piece of this DTensor ({_mesh_text(t)}, global shape"
+            f" {tuple(t.shape)}, local {tuple(t._local_tensor.shape)}) is not one contiguous"
+            " range of the full tensor; this call keys its noise to one range: shard on dim 0"
+            " (Shard(0), as FSDP2 does) or replicate"
+        )
+    return start
+
+
+def stream_layout(t, name: str) -> tuple[int, int, int]:
+    """Where DTensor ``t``'s local piece lies in the full tensor's row-major order, as
+    ``(start, run, skip)``: element ``j`` of the piece (row-major) is element
+    ``start + j + (j // run) * skip`` of the full tensor (``run`` 0: one contiguous range,
+    ``start + j``); ``(0, 0, 0)`` for a plain tensor. A ``Shard(1)`` piece of a matrix
+    (``RowwiseParallel``) is its rows: runs of the piece's width, ``skip`` the other ranks'
+    columns. ``ValueError`` for a ``Partial`` placement (pending reduction) and for a piece
+    whose runs are not evenly spaced (two dimensions split, with a larger one between or
+    before them)."""
     if not is_dtensor(t):
-        return 0
+        return 0, 0, 0
     from torch.distributed.tensor import Partial
 
     for placement in t.placements:
@@ -107,26 +129,45 @@ def global_start(t, name: str) -> int:
             f"{name}: local piece of shape {tuple(t._local_tensor.shape)}, but its placements"
             f" ({_mesh_text(t)}) give {local_shape}"
         )
-    if math.prod(local_shape) == 0:
-        return 0
-    # contiguous in the full row-major order: full extent after the last split dimension,
-    # extent 1 before it (a loop: Dynamo cannot trace max() with default=)
-    split = 0
-    for d in range(len(shape)):
-        if local_shape[d] != shape[d]:
-            split = d
-    if any(local_shape[d] != 1 for d in range(split)):
+    layout = piece_layout(shape, local_shape, offset)
+    if layout is None:
         raise ValueError(
             f"{name}: the local piece of this DTensor ({_mesh_text(t)}, global shape"
-            f" {shape}, local {local_shape}) is not one contiguous range of the full tensor,"
-            " so its elements cannot be keyed to their global positions; shard on dim 0"
-            " (Shard(0), as FSDP2 does) or replicate"
+            f" {shape}, local {local_shape}) is not evenly spaced runs of the full tensor,"
+            " so its elements cannot be keyed to their global positions; shard at most one"
+            " dimension after the first (as Shard(0), Shard(1) and FSDP2 + tensor parallel do)"
         )
+    if layout[1] and not t._local_tensor.is_contiguous():
+        raise ValueError(
+            f"{name}: a local piece of runs ({_mesh_text(t)}) must be contiguous, its strides"
+            f" are {t._local_tensor.stride()}"
+        )
+    return layout
+
+
+def piece_layout(shape, local_shape, offset) -> tuple[int, int, int] | None:
+    """``stream_layout`` of the piece of local shape ``local_shape`` at global ``offset`` of a
+    tensor of full ``shape``: ``(start, run, skip)``, or None when its runs are not evenly
+    spaced in the full tensor's row-major order. (Loops, not ``max(default=)``: Dynamo traces
+    this.)"""
+    if math.prod(local_shape) == 0:
+        return 0, 0, 0
     start, stride = 0, 1
     for d in reversed(range(len(shape))):
         start += offset[d] * stride
         stride *= shape[d]
-    return start
+    split = 0  # the last split dimension: the piece is full after it
+    for d in range(len(shape)):
+        if local_shape[d] != shape[d]:
+            split = d
+    lead = [d for d in range(split) if local_shape[d] != 1]  # what indexes the runs
+    if not lead:
+        return start, 0, 0  # one range
+    for d in range(lead[0] + 1, lead[-1] + 1):
+        if local_shape[d] != shape[d]:
+            return None
+    run = math.prod(local_shape[split:])
+    return start, run, math.prod(shape[lead[-1] + 1 :]) - run
 
 
 def _piece(shape, mesh, placements) -> tuple[tuple, tuple]:
@@ -223,7 +264,7 @@ def check_group(params, first_index: int = 0) -> bool:
                 f"params[{first_index + i}]: on device mesh {p.device_mesh}, but"
                 f" params[{first_index}] is on {mesh}; one mesh per param group"
             )
-        global_start(p, f"params[{first_index + i}]")
+        stream_layout(p, f"params[{first_index + i}]")
     return True
 
 
@@ -355,9 +396,10 @@ def shard_like(buf, p, name: str):
     if tuple(buf.shape) != tuple(p.shape):
         raise ValueError(f"{name}: shape {tuple(buf.shape)}, its parameter {tuple(p.shape)}")
     piece = p._local_tensor
-    start = global_start(p, name)
-    flat = buf.detach().reshape(-1)[start : start + piece.numel()]
-    return like_dtensor(flat.reshape(piece.shape).to(piece.device).clone(), p)
+    stream_layout(p, name)  # the placements' checks
+    local_shape, offset = _piece(tuple(p.shape), p.device_mesh, p.placements)
+    window = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+    return like_dtensor(buf.detach()[window].to(piece.device).contiguous().clone(), p)
 
 
 def cache_key(groups, params, grads):

@@ -225,8 +225,8 @@ def _fused_step(
     """The fused step over plain tensors (a DTensor parameter's local pieces); ``steps``: one
     int32[N] tensor, the N parameters' step counters (a list of 0-d counters reached the op
     as uninitialised copies in torch 2.11's inductor); ``noise``: each parameter's stream
-    start (the eager step's), ``mesh_groups``: the names of the process groups that
-    all-reduce ``found`` after ``check_grads``, one a line (FSDP2)."""
+    layout, 3 ints each (the eager step's ``_noise``), ``mesh_groups``: the names of the
+    process groups that all-reduce ``found`` after ``check_grads``, one a line (FSDP2)."""
     import numpy as np
 
     from srround import _optim

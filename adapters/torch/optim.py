@@ -312,7 +312,8 @@ def build_entry(
     """A ``_optim.FusedStep`` over ``params`` (validated by ``check_pairs``) and their
     ``grads``; ``states``: per parameter ``(state 1, state 2, aux)`` (None where absent), in the
     parameter's working layout (``_like``); ``steps``: int32[N] contiguous counter tensor;
-    ``scales``: per parameter the float32 block scales of fp8 states ``(state 1, state 2)``.
+    ``scales``: per parameter the float32 block scales of fp8 states ``(state 1, state 2)``;
+    ``noise``: 3 ints per parameter, flat: stream start, run, skip (``_dist.stream_layout``).
     Non-dense parameters work on a contiguous copy, gradients of another layout are copied
     into one of the parameter's: ``copy_in`` / ``copy_out`` pairs run around each step."""
     device = params[0].device
@@ -350,13 +351,14 @@ def build_entry(
         (("states1", flat([r[0] for r in states])), ("states2", flat([r[1] for r in states]))),
         flat(aux) if _plan.needs_aux(_plan.check_rounding(rounding)) else None,
         group_index,
-        noise,
+        None if noise is None else noise[0::3],
         None
         if scales is None
         else (
             ("exp_avg_scale", [r[0] for r in scales]),
             ("exp_avg_sq_scale", [r[1] for r in scales]),
         ),
+        None if noise is None else list(zip(noise[1::3], noise[2::3])),
     )
     fused = _optim.FusedStep(
         kind,
@@ -805,12 +807,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return rebind_grads(entry, grads)
 
     def _noise(self, params) -> list[int]:
-        """The stream start of each of ``params`` (those with gradients): keyed to the
-        parameter's identity (``_dist.stream_bases``) and the piece's place in the full
-        tensor, so a parameter without a gradient moves no other's noise."""
+        """Where the noise of each of ``params`` (those with gradients) lies in the step's
+        stream, 3 ints a parameter, flat: ``(start, run, skip)`` (``_dist.stream_layout``),
+        the start keyed to the parameter's identity (``_dist.stream_bases``) and the piece's
+        place in the full tensor, so a parameter without a gradient moves no other's noise."""
         every = list(chain.from_iterable(g["params"] for g in self.param_groups))
         bases = _dist.stream_bases(every)
-        return [bases[id(p)] + _dist.global_start(p, f"params[{i}]") for i, p in enumerate(params)]
+        noise = []
+        for i, p in enumerate(params):
+            start, run, skip = _dist.stream_layout(p, f"params[{i}]")
+            noise += [bases[id(p)] + start, run, skip]
+        return noise
 
     def _needed_states(self, group):
         return [n for n in self._STATE_NAMES if self._uses_state(group, n)]
@@ -976,7 +983,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         storage reaches a mutating op in inductor (torch 2.11) as uninitialised copies).
         Returns the ops' constant arguments:
         ``(kind, mode, state format, group index, state-1 index, aux index, hyperparameters
-        (flat), k0, k1, negate, stream starts, mesh process group names, whether they are
+        (flat), k0, k1, negate, noise (``_noise``), mesh process group names, whether they are
         DTensors)``."""
         config = self._config()
         self._find_dtensors()  # also those switched into the groups after construction
@@ -1372,8 +1379,9 @@ def amsgrad_update(
     """AdamW with AMSGrad over plain tensors (DTensors' local pieces), one tensor at a time:
     torch.optim's single-tensor AdamW math with torch ops in float32 (so fp32 parameters get
     torch's bits), then srround's write-back of the result: stochastic rounding with the fused
-    step's stream (element ``j`` of a parameter's piece with stream start ``noise[i]`` at
-    offset ``t * 2**36 + noise[i] + j``, memory order), round to nearest, or the fp32 master
+    step's stream (element ``j`` of a parameter's piece with ``noise`` ``(start, run, skip)``
+    at offset ``t * 2**36 + start + j + (j // run) * skip``, memory order), round to nearest,
+    or the fp32 master
     weight (``auxes``). Arguments as ``_init_group`` lists them; ``found_inf`` (checked and
     all-reduced over the process groups ``mesh_groups`` names first with ``check_grads``)
     nonzero: nothing changes. A NaN result (parameter, moment, maximum) is +qNaN, as the fused
@@ -1400,7 +1408,8 @@ def amsgrad_update(
     masters = dict(zip(aux_index, auxes))
     rows = np.array(hyper, np.float64).reshape(-1, _optim.HYPER_COLUMNS)
     seed = k0 | (k1 << 32)
-    for i, (piece, grad, gi, start) in enumerate(zip(params, grads, group_index, noise)):
+    layouts = zip(noise[0::3], noise[1::3], noise[2::3])
+    for i, (piece, grad, gi, layout) in enumerate(zip(params, grads, group_index, layouts)):
         lr, beta1, beta2, eps, wd = (float(v) for v in rows[gi])
         steps[0][i] += 1
         t = int(steps[0][i])
@@ -1432,9 +1441,21 @@ def amsgrad_update(
             _canonical_nan_(piece)
         else:
             flat = work.as_strided((work.numel(),), (1,))  # memory order
+            start, run, skip = layout
             offset = (t << _optim.STEP_SHIFT) + start
             fmt = "bfloat16" if piece.dtype == torch.bfloat16 else "float16"
-            rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
+            if run:  # a piece of runs (tensor parallel): one call per run, its own offset
+                runs = flat.split(run)
+                rounded = torch.cat(
+                    [
+                        srround.stochastic_round(
+                            r, dtype=fmt, seed=seed, offset=offset + k * (run + skip)
+                        )
+                        for k, r in enumerate(runs)
+                    ]
+                )
+            else:
+                rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
             piece.copy_(rounded.as_strided(work.shape, work.stride()))
 
 
