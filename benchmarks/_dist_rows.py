@@ -9,6 +9,10 @@ Each process holds half of every bf16 parameter (a transformer-like list of tens
   (reduce-scatters the gradients) + ``step``; the loss is ``sum(p.float() ** 2)``, so the
   step time is the optimizer's and FSDP2's communication, not a model's compute.
 
+Then tensor parallel's layout (rows ``TP ...``), ``opt step`` only: every matrix ``Shard(1)``
+(its local piece is rows of half the columns, as ``RowwiseParallel`` shards a weight; each row
+a run of the full tensor's random stream), the rest ``Shard(0)``, gradients set directly.
+
 The ratio srround / torch of each is the figure to compare (target: train step <= 1.2x).
 """
 
@@ -102,10 +106,45 @@ def _worker(rank, port, shape_list, reps, out_path):
             (label, nbytes, local, first, statistics.median(step), statistics.median(train))
         )
         del model, opt
+    rows += _tensor_parallel_rows(torch, shape_list, reps)
     if rank == 0:
         torch.save(rows, out_path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _tensor_parallel_rows(torch, shape_list, reps):
+    """``opt step`` of each optimizer on tensor parallel's layout (the module docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    gen = torch.Generator().manual_seed(SEED)
+    full = [(torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for s in shape_list]
+    grads = [(torch.randn(s, generator=gen) * 1e-3).to(torch.bfloat16) for s in shape_list]
+
+    def place(t):
+        return distribute_tensor(t, mesh, [Shard(1) if t.ndim == 2 else Shard(0)])
+
+    rows = []
+    for label, nbytes, factory in _optimizers(torch):
+        params = [torch.nn.Parameter(place(t)) for t in full]
+        for p, g in zip(params, grads):
+            p.grad = place(g)
+        opt = factory(params)
+        t0 = time.perf_counter()
+        opt.step()
+        first = time.perf_counter() - t0
+        opt.step()
+        step = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            opt.step()
+            step.append(time.perf_counter() - t0)
+        local = sum(p.to_local().numel() for p in params)
+        rows.append((f"TP {label}", nbytes, local, first, statistics.median(step), None))
+        del params, opt
+    return rows
 
 
 def run_dist(shape_list, reps: int, notes: list) -> list[dict]:
@@ -123,6 +162,8 @@ def run_dist(shape_list, reps: int, notes: list) -> list[dict]:
     results = []
     for label, nbytes, local, first, step_s, train_s in raw:
         for what, median in (("opt step", step_s), ("train step", train_s)):
+            if median is None:  # (tensor parallel: the optimizer step only)
+                continue
             results.append(
                 {
                     "section": "dist",
@@ -146,10 +187,14 @@ def run_dist(shape_list, reps: int, notes: list) -> list[dict]:
 def ratios(results: list[dict]) -> list[str]:
     """srround / torch fused step-time ratios of the dist rows."""
     lines = []
-    for what in ("opt step", "train step"):
-        mine = [r for r in results if "srround" in r["method"] and r["method"].endswith(what)]
-        torch_ = [r for r in results if "torch" in r["method"] and r["method"].endswith(what)]
-        if mine and torch_:
-            ratio = mine[0]["median_s"] / torch_[0]["median_s"]
-            lines.append(f"FSDP2 x2 (gloo, CPU) {what}: srround / torch fused = {ratio:.2f}")
+    for layout, tp in (("FSDP2", False), ("TP Shard(1)", True)):
+        for what in ("opt step", "train step"):
+            rows = [
+                r for r in results if r["method"].endswith(what) and ("TP" in r["method"]) == tp
+            ]
+            mine = [r for r in rows if "srround" in r["method"]]
+            torch_ = [r for r in rows if "torch" in r["method"]]
+            if mine and torch_:
+                ratio = mine[0]["median_s"] / torch_[0]["median_s"]
+                lines.append(f"{layout} x2 (gloo, CPU) {what}: srround / torch fused = {ratio:.2f}")
     return lines

@@ -225,3 +225,23 @@ def test_xla_gpu_kernels_counts_the_main_path_apart_from_slow_path_subroutines()
 """
     counts = sass_counts(listing)
     assert counts == {"sass": 11, "sass_main": 7, "f2f": 2, "fp64": 1}
+
+
+def test_dist_ratios_pair_each_layouts_rows():
+    """``_dist_rows.ratios``: the FSDP2 and the tensor-parallel (``TP ...``) rows each divide
+    srround's time by torch's of the same layout."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _dist_rows
+    finally:
+        sys.path.remove(str(BENCH))
+    rows = [
+        {"method": "srround AdamW stochastic fp32: opt step", "median_s": 1.0},
+        {"method": "torch AdamW fused bf16 (RNE): opt step", "median_s": 2.0},
+        {"method": "TP srround AdamW stochastic fp32: opt step", "median_s": 3.0},
+        {"method": "TP torch AdamW fused bf16 (RNE): opt step", "median_s": 4.0},
+    ]
+    assert _dist_rows.ratios(rows) == [
+        "FSDP2 x2 (gloo, CPU) opt step: srround / torch fused = 0.50",
+        "TP Shard(1) x2 (gloo, CPU) opt step: srround / torch fused = 0.75",
+    ]
