@@ -519,6 +519,19 @@ def _tp_model():
     ).to(torch.bfloat16)
 
 
+def _tp_model_losses(model):
+    """Train ``model`` (``_tp_model``, parallelized or not) 3 steps with AdamW; the losses."""
+    opt = _adamw(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model(_batch(step)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def _tensor_parallel(rank, world, tmp):
     """Optimizers on pieces that are runs of their full tensors (``_TP_SHAPES``): eager,
     compiled, AMSGrad and SGD; a state dict saved from plain tensors loaded onto them; and a
@@ -572,15 +585,7 @@ def _tensor_parallel(rank, world, tmp):
         },
     )
     out["model_placements"] = [str(tuple(p.placements)) for p in model.parameters()]
-    opt = _adamw(model.parameters())
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = model(_batch(step)).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    out["model_losses"] = losses
+    out["model_losses"] = _tp_model_losses(model)
     out["model_params"] = [_full(p) for p in model.parameters()]
     return out
 
@@ -945,14 +950,7 @@ def test_parallelize_module_trains_with_rowwise_and_colwise_pieces(ranks):
     ValueError at the first step), both ranks hold the same full values, and the training
     follows 1 process (not bit-identical: the row-parallel matmul sums in another order)."""
     model = _tp_model()
-    opt = _adamw(model.parameters())
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = model(_batch(step)).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = _tp_model_losses(model)
     results = _results(ranks, "tensor_parallel")
     assert "Shard(dim=1)" in results[0]["model_placements"][2]
     _same_bits(results[0]["model_params"], results[1]["model_params"])
