@@ -79,12 +79,13 @@ def _reference():
 # -- scenarios (run on every rank) -------------------------------------------------------------
 
 
-def _cpu_mesh():
-    """The ranks' 1-D mesh on the CPU. FSDP2's default mesh is on the accelerator when there is
-    one: on a GPU machine it moved the model to CUDA, where gloo's gathers crashed the ranks."""
+def _cpu_mesh(shape=None):
+    """The ranks' mesh on the CPU (default: 1-D). FSDP2's default mesh is on the accelerator
+    when there is one: on a GPU machine it moved the model to CUDA, where gloo's gathers
+    crashed the ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (dist.get_world_size(),))
+    return init_device_mesh("cpu", shape or (dist.get_world_size(),))
 
 
 def _sharded_model():
@@ -665,6 +666,53 @@ def _readme(rank, world, tmp):
     return out
 
 
+# FSDP2 + tensor parallel's placements on a 2 x 2 mesh (4 ranks): (mesh dim 0, mesh dim 1)
+# sharded tensor dimensions (None: replicated). Uneven: 7 columns -> 4 + 3, 3 rows -> 2 + 1
+_MESH2D_SHAPES = (
+    ((6, 10), (0, 1)),  # FSDP2 + RowwiseParallel's weight: blocks, rows of 5 columns
+    ((5, 7), (0, 1)),
+    ((4, 6, 5), (0, 2)),
+    ((3, 4), (1, 0)),
+    ((8,), (0, None)),
+)
+
+
+def _mesh2d(rank, world, tmp):
+    """AdamW on ``_MESH2D_SHAPES`` pieces of a 2 x 2 mesh (full values and local shapes)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = _cpu_mesh((2, 2))
+
+    def place(t, i):
+        dims = _MESH2D_SHAPES[i][1]
+        return distribute_tensor(t, mesh, [Replicate() if d is None else Shard(d) for d in dims])
+
+    return {
+        "params": _mesh2d_train(place),
+        "local_shapes": [tuple(place(t, i).to_local().shape) for i, t in enumerate(_mesh2d_full())],
+    }
+
+
+def _mesh2d_full():
+    g = torch.Generator().manual_seed(6)
+    return [torch.randn(shape, generator=g).to(torch.bfloat16) for shape, _ in _MESH2D_SHAPES]
+
+
+def _mesh2d_train(place=None):
+    """3 AdamW steps (bf16 states) on ``_MESH2D_SHAPES``; ``place(full, i)``: the DTensor of
+    tensor ``i`` (None: plain tensors). The parameters' full values after."""
+    full = _mesh2d_full()
+    put = (lambda t, i: t.clone()) if place is None else place
+    params = [torch.nn.Parameter(put(t, i)) for i, t in enumerate(full)]
+    opt = _adamw(params)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(STEPS):
+        for i, p in enumerate(params):
+            p.grad = put((torch.randn(p.shape, generator=g) * 0.1).to(torch.bfloat16), i)
+        opt.step()
+    return [_full(p) for p in params]
+
+
 SCENARIOS = {
     "fsdp": _fsdp,
     "compiled_and_amsgrad": _compiled_and_amsgrad,
@@ -676,12 +724,13 @@ SCENARIOS = {
     "functional": _functional,
     "errors": _errors,
     "tensor_parallel": _tensor_parallel,
+    "mesh2d": _mesh2d,  # 4 ranks only (``ranks4``)
     "full_state_dict": _full_state_dict,
     "readme": _readme,
 }
 
 
-def _worker(rank, world, port, tmp):
+def _worker(rank, world, port, tmp, names=None):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -689,6 +738,8 @@ def _worker(rank, world, port, tmp):
     results = {}
     try:
         for name, scenario in SCENARIOS.items():
+            if names is not None and name not in names:
+                continue
             try:
                 results[name] = scenario(rank, world, tmp)
             except Exception:  # reported by the test of this scenario
@@ -726,25 +777,35 @@ def _warm_kernels():
     srround.unscale_and_check([x], 0.5)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """Every scenario's results, one dict per rank."""
+def _spawn(tmp, world, names):
+    """Run scenarios ``names`` on ``world`` ranks: their results, one dict per rank."""
     import torch.multiprocessing as mp
 
-    _warm_kernels()
-
-    tmp = str(tmp_path_factory.mktemp("dist"))
     crash = None
     try:
-        mp.spawn(_worker, args=(WORLD, _free_port(), tmp), nprocs=WORLD)
+        mp.spawn(_worker, args=(world, _free_port(), tmp, names), nprocs=world)
     except mp.ProcessExitedException as exc:  # each scenario's test reports it (_results)
         crash = str(exc)
     ranks = []
-    for r in range(WORLD):
+    for r in range(world):
         path = os.path.join(tmp, f"rank{r}.pt")
         ranks.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
         ranks[-1]["crash"] = crash
     return ranks
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Every scenario's results but ``mesh2d``'s, one dict per rank of 2."""
+    _warm_kernels()
+    return _spawn(str(tmp_path_factory.mktemp("dist")), WORLD, set(SCENARIOS) - {"mesh2d"})
+
+
+@pytest.fixture(scope="module")
+def ranks4(tmp_path_factory):
+    """Scenario ``mesh2d`` on 4 ranks (a 2 x 2 mesh)."""
+    _warm_kernels()
+    return _spawn(str(tmp_path_factory.mktemp("dist4")), 4, {"mesh2d"})
 
 
 @pytest.fixture(scope="module")
@@ -934,6 +995,18 @@ def test_tensor_parallel_pieces_match_one_process(ranks, name):
     shapes = [r["local_shapes"] for r in _results(ranks, "tensor_parallel")]
     assert shapes[0][0] == (3, 3) and shapes[1][0] == (3, 2)  # uneven runs
     assert shapes[1][3] == (4, 0)  # an empty piece
+
+
+def test_fsdp2_with_tensor_parallel_placements_on_a_2d_mesh_match_one_process(ranks4):
+    """FSDP2 + tensor parallel's placements on a 2 x 2 mesh of 4 ranks: ``(Shard(0),
+    Shard(1))`` blocks of a matrix (uneven), ``(Shard(0), Shard(2))``, ``(Shard(1),
+    Shard(0))`` and a replicated mesh dimension give the 1-process bits (before: a
+    ``ValueError`` for every block piece)."""
+    expected = _mesh2d_train()
+    results = _results(ranks4, "mesh2d")
+    for r in results:
+        _same_bits(r["params"], expected)
+    assert [r["local_shapes"][1] for r in results] == [(3, 4), (3, 3), (2, 4), (2, 3)]
 
 
 def test_tensor_parallel_loads_a_state_dict_of_plain_tensors(ranks):
