@@ -27,6 +27,7 @@ ELSEWHERE = {
     "from jax.sharding import NamedSharding, PartitionSpec as P": "test_jax_sharding.py",
     "from torch.distributed.fsdp import fully_shard": "test_torch_dist.py",
     "from torch.distributed.optim import ZeroRedundancyOptimizer": "test_torch_dist.py",
+    "from torch.distributed.device_mesh import init_device_mesh": "test_torch_dist.py",
 }
 
 

@@ -687,10 +687,63 @@ def _mesh2d(rank, world, tmp):
         dims = _MESH2D_SHAPES[i][1]
         return distribute_tensor(t, mesh, [Replicate() if d is None else Shard(d) for d in dims])
 
-    return {
+    out = {
         "params": _mesh2d_train(place),
         "local_shapes": [tuple(place(t, i).to_local().shape) for i, t in enumerate(_mesh2d_full())],
     }
+    # the README's FSDP2 + tensor parallel example, as written, then 3 training steps
+    from torch.distributed.fsdp import fully_shard
+
+    from .readme import run
+
+    given = {"model": _MLPBlocks(), "device": "cpu", "dp": 2, "tp": 2}
+    given.update(fully_shard=fully_shard, AdamW=AdamW)
+    ns = run("from torch.distributed.device_mesh import init_device_mesh", given)
+    model = ns["model"]
+    out["readme_placements"] = [str(tuple(p.placements)) for p in model.parameters()]
+    out["readme_losses"] = _mlp_losses(model, ns["opt"])
+    out["readme_params"] = [_full(p) for p in model.parameters()]
+    return out
+
+
+class _MLP(torch.nn.Module):
+    """One block of ``_MLPBlocks``: ``x + down(tanh(up(x)))``."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _MLPBlocks(torch.nn.Module):
+    """The README's tensor-parallel model: ``blocks``, each an MLP of ``up`` and ``down``
+    (bf16; 6 hidden units: 3 per tp rank, their weights' rows 3 per dp rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_MLP() for _ in range(2))
+        self.to(torch.bfloat16)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _mlp_losses(model, opt):
+    """3 AdamW steps of ``_MLPBlocks`` (the same batches on every rank); the losses."""
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
 
 
 def _mesh2d_full():
@@ -1007,6 +1060,24 @@ def test_fsdp2_with_tensor_parallel_placements_on_a_2d_mesh_match_one_process(ra
     for r in results:
         _same_bits(r["params"], expected)
     assert [r["local_shapes"][1] for r in results] == [(3, 4), (3, 3), (2, 4), (2, 3)]
+
+
+def test_readme_tensor_parallel_example_on_a_2d_mesh(ranks4):
+    """The README's FSDP2 + tensor parallel example on a 2 x 2 mesh: ``down``'s weight is a
+    ``(Shard(0), Shard(1))`` block, the optimizer steps it (before: a ValueError), every rank
+    holds the same full values, and the training follows 1 process (not bit-identical: the
+    row-parallel matmul sums in another order)."""
+    model = _MLPBlocks()
+    losses = _mlp_losses(model, AdamW(model.parameters(), lr=1e-4, seed=0))
+    results = _results(ranks4, "mesh2d")
+    placements = results[0]["readme_placements"]
+    assert "(Shard(dim=0), Shard(dim=1))" in placements[2]  # blocks.0.down.weight
+    for r in results[1:]:
+        _same_bits(r["readme_params"], results[0]["readme_params"])
+        assert r["readme_losses"] == results[0]["readme_losses"]
+    np.testing.assert_allclose(results[0]["readme_losses"], losses, rtol=2e-2)
+    for got, want in zip(results[0]["readme_params"], model.parameters()):
+        np.testing.assert_allclose(got, _full(want), rtol=0, atol=2e-2)
 
 
 def test_tensor_parallel_loads_a_state_dict_of_plain_tensors(ranks):
