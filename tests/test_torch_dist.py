@@ -701,9 +701,22 @@ def _mesh2d(rank, world, tmp):
     ns = run("from torch.distributed.device_mesh import init_device_mesh", given)
     model = ns["model"]
     out["readme_placements"] = [str(tuple(p.placements)) for p in model.parameters()]
+    out["readme_layouts"] = [_layout_holds(p) for p in model.parameters()]
     out["readme_losses"] = _mlp_losses(model, ns["opt"])
     out["readme_params"] = [_full(p) for p in model.parameters()]
     return out
+
+
+def _layout_holds(p) -> bool:
+    """Whether the stream layout the optimizers key ``p``'s noise to (``_dist.stream_layout``)
+    names, for each element of the local piece, its own place in the full tensor."""
+    from srround.adapters.torch._dist import stream_layout
+
+    start, run, skip = stream_layout(p, "p")
+    local = p.to_local().reshape(-1)
+    j = torch.arange(local.numel())
+    index = start + j + ((j // run) * skip if run else 0)
+    return torch.equal(p.full_tensor().reshape(-1)[index], local)
 
 
 class _MLP(torch.nn.Module):
@@ -1064,14 +1077,19 @@ def test_fsdp2_with_tensor_parallel_placements_on_a_2d_mesh_match_one_process(ra
 
 def test_readme_tensor_parallel_example_on_a_2d_mesh(ranks4):
     """The README's FSDP2 + tensor parallel example on a 2 x 2 mesh: ``down``'s weight is a
-    ``(Shard(0), Shard(1))`` block, the optimizer steps it (before: a ValueError), every rank
-    holds the same full values, and the training follows 1 process (not bit-identical: the
-    row-parallel matmul sums in another order)."""
+    ``(Shard(0), Shard(1))`` block, ``up``'s a ``_StridedShard`` one; the layout each
+    parameter's noise is keyed to names every element's place in the full tensor; the
+    optimizer steps them (before: a ValueError), every rank holds the same full values, and
+    the training follows 1 process (not bit-identical: the row-parallel matmul sums in
+    another order)."""
     model = _MLPBlocks()
     losses = _mlp_losses(model, AdamW(model.parameters(), lr=1e-4, seed=0))
     results = _results(ranks4, "mesh2d")
     placements = results[0]["readme_placements"]
     assert "(Shard(dim=0), Shard(dim=1))" in placements[2]  # blocks.0.down.weight
+    assert "_StridedShard" in placements[0]  # up.weight: FSDP2 over ColwiseParallel's rows
+    # each element's noise is keyed to its own place in the full tensor, on every rank
+    assert all(all(r["readme_layouts"]) for r in results)
     for r in results[1:]:
         _same_bits(r["readme_params"], results[0]["readme_params"])
         assert r["readme_losses"] == results[0]["readme_losses"]
