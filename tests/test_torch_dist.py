@@ -521,7 +521,8 @@ def _tp_model():
 
 
 def _tp_model_losses(model):
-    """Train ``model`` (``_tp_model``, parallelized or not) 3 steps with AdamW; the losses."""
+    """Train ``model`` (``_tp_model``, parallelized or not) 3 steps with AdamW; the losses
+    and the optimizer."""
     opt = _adamw(model.parameters())
     losses = []
     for step in range(STEPS):
@@ -530,7 +531,7 @@ def _tp_model_losses(model):
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    return losses
+    return losses, opt
 
 
 def _tensor_parallel(rank, world, tmp):
@@ -575,19 +576,37 @@ def _tensor_parallel(rank, world, tmp):
         loaded.step()
     out["loaded"] = [_full(q) for q in sharded]
     out["continued"] = [_full(p) for p in plain]
+
     # tensor parallel for real: the model's losses and parameters after 3 steps
-    model = parallelize_module(
-        _tp_model(),
-        mesh,
-        {
-            "0": ColwiseParallel(),
-            "2": RowwiseParallel(),
-            "3": ColwiseParallel(output_layouts=Replicate()),
-        },
-    )
+    def parallel_model():
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        plan["3"] = ColwiseParallel(output_layouts=Replicate())
+        return parallelize_module(_tp_model(), mesh, plan)
+
+    model = parallel_model()
     out["model_placements"] = [str(tuple(p.placements)) for p in model.parameters()]
-    out["model_losses"] = _tp_model_losses(model)
+    out["model_losses"], opt = _tp_model_losses(model)
     out["model_params"] = [_full(p) for p in model.parameters()]
+    # a distributed checkpoint of it: a fresh model and optimizer loaded from it take the next
+    # step to the bits of the one that goes on
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    path = os.path.join(tmp, "dcp_tp")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    _train_step(model, opt, STEPS)
+    resumed = parallel_model()
+    resumed_opt = AdamW(resumed.parameters(), lr=1e-2, seed=0)
+    model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(
+        resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    _train_step(resumed, resumed_opt, STEPS)
+    out["dcp_continued"] = [_full(p) for p in model.parameters()]
+    out["dcp_resumed"] = [_full(p) for p in resumed.parameters()]
     return out
 
 
@@ -1098,6 +1117,15 @@ def test_readme_tensor_parallel_example_on_a_2d_mesh(ranks4):
         np.testing.assert_allclose(got, _full(want), rtol=0, atol=2e-2)
 
 
+def test_tensor_parallel_resumes_from_a_distributed_checkpoint(ranks):
+    """DCP (``get_state_dict`` / ``set_state_dict``) of the tensor-parallel model and its
+    optimizer: a fresh pair loaded from it takes the next step to the bits of the pair that
+    goes on."""
+    for r in _results(ranks, "tensor_parallel"):
+        _same_bits(r["dcp_resumed"], r["dcp_continued"])
+        assert not np.array_equal(r["dcp_continued"][2], r["model_params"][2])
+
+
 def test_tensor_parallel_loads_a_state_dict_of_plain_tensors(ranks):
     """A state dict saved from plain tensors, loaded onto Shard(1) pieces (each rank takes
     its columns of every state), continues with the bits of the plain run (before: a flat
@@ -1112,7 +1140,7 @@ def test_parallelize_module_trains_with_rowwise_and_colwise_pieces(ranks):
     ValueError at the first step), both ranks hold the same full values, and the training
     follows 1 process (not bit-identical: the row-parallel matmul sums in another order)."""
     model = _tp_model()
-    losses = _tp_model_losses(model)
+    losses, _ = _tp_model_losses(model)
     results = _results(ranks, "tensor_parallel")
     assert "Shard(dim=1)" in results[0]["model_placements"][2]
     _same_bits(results[0]["model_params"], results[1]["model_params"])
