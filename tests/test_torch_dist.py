@@ -1302,3 +1302,38 @@ def test_piece_layout_keys_every_element_to_its_global_index():
     assert piece_layout((6, 8), (3, 8), (3, 0)) == (24, 0, 0)
     assert piece_layout((2, 3, 4), (2, 1, 2), (0, 1, 2)) == (6, 2, 10)  # one row of each
     assert piece_layout((2, 3, 4), (2, 2, 2), (0, 1, 2)) is None  # 2 of 3 rows: uneven gaps
+
+
+def test_amsgrad_write_back_of_a_piece_of_runs_in_batches(monkeypatch):
+    """The AMSGrad path's stochastic write-back of a column piece (``_round_runs``: rows
+    padded to the stream's spacing, a batch of rows a call) gives the whole matrix's bits in
+    its columns, whatever the batch; before, one call per row (2048 rows of 2048 columns:
+    121 ms a step against 39 ms for one range, now 42 ms)."""
+    from srround import _optim
+    from srround.adapters.torch import optim
+
+    rows, cols, split = 7, 10, 6
+    g = torch.Generator().manual_seed(0)
+    full = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+    grad = (torch.randn(rows, cols, generator=g) * 1e-3).to(torch.bfloat16)
+    hyper = [1e-2, 0.9, 0.999, 1e-8, 0.01]
+
+    def step(p, gr, noise):
+        states = [torch.zeros(p.shape) for _ in range(3)]
+        steps = [torch.zeros(1, dtype=torch.int32)]
+        mode = _optim.STOCHASTIC
+        for _ in range(2):
+            optim.amsgrad_update(
+                [p], [gr], states[:1], states[1:2], [], steps, states[2:], None, None, None,
+                False, mode, 0, [0], [0], [], hyper, SEED, 0, False, noise, "",
+            )  # fmt: skip
+        return p
+
+    expected = step(full.clone(), grad, [0, 0, 0])
+    for padded in (cols, 3 * cols, 1 << 22):  # batches of 1, 3 and all rows
+        monkeypatch.setattr(optim, "_PADDED_ELEMENTS", padded)
+        for columns in (slice(0, split), slice(split, cols)):
+            width = columns.stop - columns.start
+            piece = full[:, columns].contiguous()
+            got = step(piece, grad[:, columns].contiguous(), [columns.start, width, cols - width])
+            assert torch.equal(got.view(torch.int16), expected[:, columns].view(torch.int16))
