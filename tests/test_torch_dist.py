@@ -436,6 +436,13 @@ def _errors(rank, world, tmp):
     # Shard(1) of a matrix: the optimizers take it, the functional calls need one range
     c = distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)])
     out["shard1"] = error(lambda: srround.stochastic_round(c, seed=0))
+    # ... a piece of runs must be row-major (its rows are the runs): a transposed local piece
+    from torch.distributed.tensor import DTensor
+
+    local = torch.ones(3, 4).t()  # (4, 3), strides (1, 4)
+    shape, stride = (4, 3 * world), (3 * world, 1)
+    t = DTensor.from_local(local, mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
+    out["strided_piece"] = error(lambda: AdamW([param(t)], seed=0))
     # functional: mixed lists, DTensor input with a plain out=
     g = distribute_tensor(torch.full((4, 2), 4.0), mesh, [Shard(0)])
     out["mixed_grads"] = error(lambda: srround.unscale_and_check([g, torch.ones(2)], 0.5))
@@ -1159,6 +1166,8 @@ def test_bad_distributed_input(ranks):
         assert r["dtensor_grad_nothing_written"]
         assert "x: the local piece of this DTensor" in r["shard1"]
         assert "not one contiguous range" in r["shard1"]
+        assert "params[0]: a local piece of runs" in r["strided_piece"]
+        assert "must be contiguous" in r["strided_piece"]
         assert "seed: pass a seed" in r["no_seed"]  # before: a seed of its own per rank
         # before: loaded; the step then failed with "strides (2,), the parameter (2,)"
         assert "state[0]['exp_avg']: placed as" in r["state_placement_load"]
