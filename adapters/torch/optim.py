@@ -1381,10 +1381,9 @@ def amsgrad_update(
     torch's bits), then srround's write-back of the result: stochastic rounding with the fused
     step's stream (element ``j`` of a parameter's piece with ``noise`` ``(start, run, skip)``
     at offset ``t * 2**36 + start + j + (j // run) * skip``, memory order), round to nearest,
-    or the fp32 master
-    weight (``auxes``). Arguments as ``_init_group`` lists them; ``found_inf`` (checked and
-    all-reduced over the process groups ``mesh_groups`` names first with ``check_grads``)
-    nonzero: nothing changes. A NaN result (parameter, moment, maximum) is +qNaN, as the fused
+    or the fp32 master weight (``auxes``). Arguments as ``_init_group`` lists them;
+    ``found_inf`` (checked and all-reduced over the process groups ``mesh_groups`` names first
+    with ``check_grads``) nonzero: nothing changes. A NaN result (parameter, moment, maximum) is +qNaN, as the fused
     step writes it. Reads the step counts and ``found_inf`` on the host. Also the custom op
     ``srround::amsgrad_step`` (``_ops.py``)."""
     import srround
