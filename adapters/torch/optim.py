@@ -1383,9 +1383,9 @@ def amsgrad_update(
     at offset ``t * 2**36 + start + j + (j // run) * skip``, memory order), round to nearest,
     or the fp32 master weight (``auxes``). Arguments as ``_init_group`` lists them;
     ``found_inf`` (checked and all-reduced over the process groups ``mesh_groups`` names first
-    with ``check_grads``) nonzero: nothing changes. A NaN result (parameter, moment, maximum) is +qNaN, as the fused
-    step writes it. Reads the step counts and ``found_inf`` on the host. Also the custom op
-    ``srround::amsgrad_step`` (``_ops.py``)."""
+    with ``check_grads``) nonzero: nothing changes. A NaN result (parameter, moment, maximum)
+    is +qNaN, as the fused step writes it. Reads the step counts and ``found_inf`` on the host.
+    Also the custom op ``srround::amsgrad_step`` (``_ops.py``)."""
     import srround
 
     from .amp import unscale_grads
