@@ -614,6 +614,21 @@ def _tensor_parallel(rank, world, tmp):
     _train_step(resumed, resumed_opt, STEPS)
     out["dcp_continued"] = [_full(p) for p in model.parameters()]
     out["dcp_resumed"] = [_full(p) for p in resumed.parameters()]
+    # GradScaler on it (float32), an inf in rank 1's piece of the Shard(1) weight's gradient
+    # at the second step: the flag is all-reduced, both ranks skip and back off
+    model = parallel_model().float()
+    opt, scaler = AdamW(model.parameters(), lr=1e-2, seed=SEED), GradScaler("cpu", init_scale=16.0)
+    scales = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(model(_batch(step, torch.float32)).pow(2).mean()).backward()
+        if step == 1 and rank == 1:
+            model[2].weight.grad.to_local()[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    out["scaler_scales"] = scales
+    out["scaler_params"] = [_full(p) for p in model.parameters()]
     return out
 
 
@@ -1122,6 +1137,15 @@ def test_readme_tensor_parallel_example_on_a_2d_mesh(ranks4):
     np.testing.assert_allclose(results[0]["readme_losses"], losses, rtol=2e-2)
     for got, want in zip(results[0]["readme_params"], model.parameters()):
         np.testing.assert_allclose(got, _full(want), rtol=0, atol=2e-2)
+
+
+def test_grad_scaler_on_tensor_parallel_gradients_agrees_across_ranks(ranks):
+    """``GradScaler`` on a tensor-parallel model: an inf in one rank's piece of a
+    ``Shard(1)`` gradient skips the step on both ranks and backs the scale off on both."""
+    results = _results(ranks, "tensor_parallel")
+    for r in results:
+        assert r["scaler_scales"] == [16.0, 8.0, 8.0]
+    _same_bits(results[0]["scaler_params"], results[1]["scaler_params"])
 
 
 def test_tensor_parallel_resumes_from_a_distributed_checkpoint(ranks):
