@@ -100,8 +100,6 @@ def _sharded_model():
 
 
 def _fsdp(rank, world, tmp):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import DTensor
 
     model = _sharded_model()
@@ -119,24 +117,35 @@ def _fsdp(rank, world, tmp):
         and state.placements == p.placements
         and state.device_mesh == p.device_mesh,
     }
-    # distributed checkpoint: save, go on one step; a fresh model and optimizer loaded from
-    # the checkpoint take the same step to the same bits
+    out["continued"], out["resumed"] = _checkpoint_round_trip(
+        model,
+        opt,
+        _sharded_model(),
+        lambda ps: AdamW(ps, lr=1e-2, seed=0, state_dtype=torch.bfloat16),
+        os.path.join(tmp, "dcp"),
+    )
+    return out
+
+
+def _checkpoint_round_trip(model, opt, fresh, make_opt, path):
+    """Distributed checkpoint: save ``model`` and ``opt`` (DCP's ``get_state_dict``), go on
+    one step; ``fresh`` (a model built as ``model`` was) and ``make_opt(its parameters)``
+    loaded from the checkpoint take the same step. The full parameters of both after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_sd, optim_sd = get_state_dict(model, opt)
-    path = os.path.join(tmp, "dcp")
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     _train_step(model, opt, STEPS)
-    resumed = _sharded_model()
-    resumed_opt = AdamW(resumed.parameters(), lr=1e-2, seed=0, state_dtype=torch.bfloat16)
-    model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
+    fresh_opt = make_opt(fresh.parameters())
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=path)
     set_state_dict(
-        resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+        fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
     )
-    _train_step(resumed, resumed_opt, STEPS)
-    out["continued"] = [_full(q) for q in model.parameters()]
-    out["resumed"] = [_full(q) for q in resumed.parameters()]
-    return out
+    _train_step(fresh, fresh_opt, STEPS)
+    return [_full(q) for q in model.parameters()], [_full(q) for q in fresh.parameters()]
 
 
 def _amsgrad(params):
@@ -596,24 +605,13 @@ def _tensor_parallel(rank, world, tmp):
     out["model_params"] = [_full(p) for p in model.parameters()]
     # a distributed checkpoint of it: a fresh model and optimizer loaded from it take the next
     # step to the bits of the one that goes on
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, opt)
-    path = os.path.join(tmp, "dcp_tp")
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    _train_step(model, opt, STEPS)
-    resumed = parallel_model()
-    resumed_opt = AdamW(resumed.parameters(), lr=1e-2, seed=0)
-    model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
-    loaded = {"model": model_sd, "optim": optim_sd}
-    dcp.load(loaded, checkpoint_id=path)
-    set_state_dict(
-        resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    out["dcp_continued"], out["dcp_resumed"] = _checkpoint_round_trip(
+        model,
+        opt,
+        parallel_model(),
+        lambda ps: AdamW(ps, lr=1e-2, seed=0),
+        os.path.join(tmp, "dcp_tp"),
     )
-    _train_step(resumed, resumed_opt, STEPS)
-    out["dcp_continued"] = [_full(p) for p in model.parameters()]
-    out["dcp_resumed"] = [_full(p) for p in resumed.parameters()]
     # GradScaler on it (float32), an inf in rank 1's piece of the Shard(1) weight's gradient
     # at the second step: the flag is all-reduced, both ranks skip and back off
     model = parallel_model().float()
