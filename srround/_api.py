@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import numbers
 
 import numpy as np
@@ -89,7 +90,11 @@ def check_fp4_codes(view: View, fmt, name: str) -> None:
 
 def _launch_random(kernel, view, src_bits, dst_bits, alpha, key, offset, fmt, saturate) -> None:
     """``_launch`` of a random kernel (``_cpu.stochastic_round``/``stochastic_add`` and their
-    CUDA twins) with the key, the stream offset and the target format's constants."""
+    CUDA twins) with the key, the stream offset and the target format's constants; a view of
+    runs (``View.runs``) through ``_launch_runs``."""
+    if view.runs[0]:
+        _launch_runs(kernel, view, src_bits, dst_bits, alpha, key, offset, fmt, saturate)
+        return
     _launch(
         kernel,
         view,
@@ -103,6 +108,49 @@ def _launch_random(kernel, view, src_bits, dst_bits, alpha, key, offset, fmt, sa
         saturate,
         fmt.specials,
     )
+
+
+_PADDED_ELEMENTS = 1 << 22  # the most elements _launch_runs rounds in one launch
+
+
+def _launch_runs(kernel, view, src_bits, dst_bits, alpha, key, offset, fmt, saturate) -> None:
+    """``_launch_random`` of a piece of runs (``View.runs``; ``offset``: its first element's
+    position): its rows placed in rows as wide as the stream's distance between them (the
+    skipped positions' inputs unset, their results dropped), a batch of rows a launch."""
+    run, skip = view.runs
+    width = run + skip
+    rows = src_bits.size // run
+    batch = max(1, _PADDED_ELEMENTS // width)
+    if view.device == "cpu":
+        empty, stream = np.empty, None
+    else:
+        from ._numba_cuda_compat import import_numba_cuda
+
+        cuda, stream = import_numba_cuda(), view.stream
+        empty = functools.partial(cuda.device_array, stream=stream)
+    src_rows, dst_rows = src_bits.reshape(rows, run), dst_bits.reshape(rows, run)
+
+    def put(target, key, value):  # a device copy on the stream (NumPy, the simulator: [] =)
+        setitem = getattr(target, "setitem", None)
+        if stream is None or setitem is None:
+            target[key] = value
+        else:
+            setitem(key, value, stream=stream)
+
+    batch = min(batch, rows)
+    src_buffer = empty((batch, width), dtype=src_bits.dtype)  # reused: one page-in
+    dst_buffer = empty((batch, width), dtype=dst_bits.dtype)
+    for r0 in range(0, rows, batch):
+        r1 = min(rows, r0 + batch)
+        src, dst = src_buffer[: r1 - r0], dst_buffer[: r1 - r0]
+        put(src, (slice(None), slice(0, run)), src_rows[r0:r1])
+        if kernel == "stochastic_add":  # it reads the narrow values it updates
+            put(dst, (slice(None), slice(0, run)), dst_rows[r0:r1])
+        padded = dataclasses.replace(view, bits=dst.reshape(-1), runs=(0, 0))
+        at = offset + r0 * width
+        args = (_read_only(src.reshape(-1)), dst.reshape(-1), alpha, key, at, fmt, saturate)
+        _launch_random(kernel, padded, *args)
+        put(dst_rows, slice(r0, r1), dst[:, :run])
 
 
 def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, overflow="inf"):

@@ -58,6 +58,9 @@ class View:
             single position (raised by ``stream_offset`` only where noise is drawn); ``None``
             in a view describing another buffer (shape, device) rather than this array.
         sharded: the local piece of a sharded array (a torch DTensor), ``result`` the whole.
+        runs: ``(run, skip)``: a piece that is evenly spaced runs of its full array (a
+            tensor-parallel ``Shard(1)`` piece: its rows): element ``j`` is at stream position
+            ``offset + j + (j // run) * skip``; ``(0, 0)``: one range.
     """
 
     bits: Any
@@ -68,6 +71,7 @@ class View:
     device_id: int | None = None
     offset: Any = 0
     sharded: bool = False
+    runs: tuple = (0, 0)
 
     def stream_offset(self) -> int:
         """``offset`` (raising the exception it holds, if any)."""

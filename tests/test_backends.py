@@ -141,3 +141,45 @@ def test_small_cpu_calls_run_on_one_thread_with_the_same_bits(monkeypatch):
         assert numba.get_num_threads() == threads
     assert asked and set(asked[::2]) == {1} and set(asked[1::2]) == {threads}
     assert all(np.array_equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("kernel", ["stochastic_round", "stochastic_add"])
+def test_a_view_of_runs_gets_the_whole_arrays_bits(device, kernel, monkeypatch, small_cuda_launch):
+    """A view whose elements are evenly spaced runs of a larger array's stream (``View.runs``:
+    a tensor-parallel ``Shard(1)`` piece, its rows) through ``_api._launch_runs``: each column
+    piece of a matrix gets the whole matrix's bits, for batches of 1, 2 and all rows (rows
+    padded to the stream's spacing, a batch a launch); CPU, and CUDA (the simulator in CI)."""
+    from srround import _api
+    from srround._dispatch import View
+    from srround._formats import get_format
+    from srround._rng import split_seed
+
+    rows, cols, offset, alpha = 5, 7, 11, 1e-3
+    x = _inputs(rows * cols).reshape(rows, cols)
+    w = (np.linspace(-1, 1, rows * cols, dtype=np.float32) * 3).astype(ml_dtypes.bfloat16)
+    w = w.reshape(rows, cols)
+    if kernel == "stochastic_round":
+        expected = bits(srround.stochastic_round(x.reshape(-1), seed=5, offset=offset))
+    else:
+        whole = w.reshape(-1).copy()
+        srround.stochastic_add(whole, x.reshape(-1), alpha=alpha, seed=5, offset=offset)
+        expected = bits(whole)
+    expected = expected.reshape(rows, cols)
+    stream = None
+    if device == "cuda":
+        from numba import cuda
+
+        stream = cuda.default_stream()
+    on = to_cuda if device == "cuda" else np.ascontiguousarray
+    for padded in (cols, 2 * cols, 1 << 22):
+        monkeypatch.setattr(_api, "_PADDED_ELEMENTS", padded)
+        for lo, hi in ((0, 3), (3, cols)):
+            src = on(x[:, lo:hi].reshape(-1).view(np.uint32))
+            dst = on(w[:, lo:hi].reshape(-1).view(np.uint16))
+            view = View(dst, device, (rows, hi - lo), None, stream, runs=(hi - lo, cols - hi + lo))
+            key = split_seed(5)
+            fmt = get_format("bfloat16")
+            _api._launch_random(kernel, view, src, dst, alpha, key, offset + lo, fmt, False)
+            got = dst.copy_to_host() if device == "cuda" else dst
+            assert np.array_equal(got.reshape(rows, hi - lo), expected[:, lo:hi]), (padded, lo)

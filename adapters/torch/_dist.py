@@ -5,13 +5,14 @@ kernel works on its local piece (``to_local()``), and an element's place in the 
 is its place in the full, unsharded tensor, so the bits never depend on the rank, the shard
 shape or the optimizer partition:
 
-* the optimizers take a local piece that is one contiguous range of the full tensor's
-  row-major order (``Shard(0)``, as FSDP2 shards, uneven and empty pieces included;
-  ``Replicate()``), or evenly spaced runs of it (``Shard(1)`` of a matrix, as
-  ``RowwiseParallel`` shards; FSDP2 + tensor parallel's ``(Shard(0), Shard(1))``): the
-  kernels' table keys each element to its flat index in the full tensor (``stream_layout``,
-  from ``compute_local_shape_and_global_offset``). The functional calls
-  (``stochastic_round``) take one range only. ``Partial`` placements raise ``ValueError``.
+* a local piece is one contiguous range of the full tensor's row-major order (``Shard(0)``,
+  as FSDP2 shards, uneven and empty pieces included; ``Replicate()``), or evenly spaced runs
+  of it (``Shard(1)`` of a matrix, as ``RowwiseParallel`` shards; FSDP2 + tensor parallel's
+  ``(Shard(0), Shard(1))``), and each element is keyed to its flat index in the full tensor
+  (``stream_layout``, from ``compute_local_shape_and_global_offset``): the optimizers' table
+  holds a piece's runs; the functional calls round a piece of runs as rows padded to the
+  stream's spacing (``round_runs``; ``srround._api._launch_runs``). ``Partial`` placements
+  raise ``ValueError``.
 * a replicated piece starts at 0 on every rank: replicas draw the same noise and never drift.
 
 Parameter identity in the optimizers (``stream_base``): parameter ``i`` of an optimizer's
@@ -84,21 +85,6 @@ def _mesh_text(t) -> str:
     return f"{t.device_mesh} {tuple(t.placements)}"
 
 
-def global_start(t, name: str) -> int:
-    """Flat index, in the full tensor, of the first element of DTensor ``t``'s local piece
-    (0 for a plain tensor). ``ValueError`` if the piece is not one contiguous range of the full
-    tensor's row-major order (``stream_layout``) or a placement is ``Partial``."""
-    start, run, _ = stream_layout(t, name)
-    if run:
-        raise ValueError(
-            f"{name}: the local piece of this DTensor ({_mesh_text(t)}, global shape"
-            f" {tuple(t.shape)}, local {tuple(t._local_tensor.shape)}) is not one contiguous"
-            " range of the full tensor; this call keys its noise to one range: shard on dim 0"
-            " (Shard(0), as FSDP2 does) or replicate"
-        )
-    return start
-
-
 def stream_layout(t, name: str) -> tuple[int, int, int]:
     """Where DTensor ``t``'s local piece lies in the full tensor's row-major order, as
     ``(start, run, skip)``: element ``j`` of the piece (row-major) is element
@@ -168,6 +154,29 @@ def piece_layout(shape, local_shape, offset) -> tuple[int, int, int] | None:
             return None
     run = math.prod(local_shape[split:])
     return start, run, math.prod(shape[lead[-1] + 1 :]) - run
+
+
+PADDED_ELEMENTS = 1 << 22  # the most elements round_runs rounds in one call
+
+
+def round_runs(flat, runs, round_flat, dtype, offset):
+    """Stochastic rounding of float32 ``flat`` (1-D) whose element ``j`` is at stream position
+    ``offset + j + (j // run) * skip`` (``runs``: ``(run, skip)``, ``stream_layout``'s):
+    ``round_flat(x, at)`` (a one-range call: ``x[i]`` at position ``at + i``) of its runs
+    placed in rows as wide as the stream's distance between them (the skipped positions zero,
+    their results dropped), a batch of rows a call; the ``dtype`` result, 1-D."""
+    run, skip = runs
+    rows, width = flat.view(-1, run), run + skip
+    batch = max(1, PADDED_ELEMENTS // width)
+    out = torch.empty(rows.shape, dtype=dtype, device=flat.device)
+    for r0 in range(0, rows.shape[0], batch):
+        block = rows[r0 : r0 + batch]
+        padded = block.new_zeros(block.shape[0], width)
+        padded[:, :run] = block
+        out[r0 : r0 + batch] = round_flat(padded.view(-1), offset + r0 * width).view(-1, width)[
+            :, :run
+        ]
+    return out.view(-1)
 
 
 def _piece(shape, mesh, placements) -> tuple[tuple, tuple]:

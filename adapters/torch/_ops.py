@@ -90,7 +90,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed, offset=0, overflow="inf"):
     a seed drawn inside a compiled function would be a constant of the graph. As the eager
     call, records no autograd graph: the result never requires grad. A DTensor ``x`` gives a
     DTensor placed as ``x`` whose full value is the call on the full tensor (its local piece
-    rounded at its global stream start, ``_dist.global_start``)."""
+    rounded at its global stream positions, ``_dist.stream_layout``)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if dtype not in _DTYPES:
@@ -101,15 +101,20 @@ def stochastic_round(x, *, dtype="bfloat16", seed, offset=0, overflow="inf"):
     if not isinstance(offset, torch.SymInt):  # compiled, a dynamic offset: the op checks it
         offset = check_offset(offset, "offset")
     if _dist.is_dtensor(x):
-        piece = torch.ops.srround.stochastic_round(
-            _dist.local(x.detach()),
-            dtype,
-            k0,
-            k1,
-            offset + _dist.global_start(x, "x"),
-            overflow == "saturate",
-        )
-        return _dist.like_dtensor(piece, x)
+        start, run, skip = _dist.stream_layout(x, "x")
+        piece = _dist.local(x.detach())
+
+        def round_flat(flat, at):
+            op = torch.ops.srround.stochastic_round
+            return op(flat, dtype, k0, k1, at, overflow == "saturate")
+
+        if run:  # a piece of runs (tensor parallel's Shard(1)): rows at their stream places
+            flat = piece.contiguous().view(-1)
+            rounded = _dist.round_runs(
+                flat, (run, skip), round_flat, _DTYPES[dtype], offset + start
+            )
+            return _dist.like_dtensor(rounded.view(piece.shape), x)
+        return _dist.like_dtensor(round_flat(piece, offset + start), x)
     return torch.ops.srround.stochastic_round(
         x.detach(), dtype, k0, k1, offset, overflow == "saturate"
     )

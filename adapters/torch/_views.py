@@ -154,12 +154,13 @@ def _cuda_view(t, flat, bits_dtype, name: str) -> View:
 def _view(t, narrow: bool, name: str) -> View:
     """Zero-copy flat bit view of contiguous ``t``: unsigned words of its element width (fp32
     as uint32, bf16/fp16 as uint16). A DTensor: a view of its local piece, with the piece's
-    place in the full tensor as the view's stream offset (``_dist.py``) and the DTensor as the
-    result."""
+    place in the full tensor as the view's stream offset and runs (``_dist.stream_layout``)
+    and the DTensor as the result."""
     if _dist.is_dtensor(t):
         view = _view(t._local_tensor, narrow, name)
         try:
-            view.offset = _dist.global_start(t, name)
+            start, run, skip = _dist.stream_layout(t, name)
+            view.offset, view.runs = start, (run, skip)
         except ValueError as error:  # only an error where noise is drawn
             view.offset = error
         view.result = t

@@ -1444,33 +1444,16 @@ def amsgrad_update(
             offset = (t << _optim.STEP_SHIFT) + start
             fmt = "bfloat16" if piece.dtype == torch.bfloat16 else "float16"
             if run:  # a piece of runs (tensor parallel): rows at their places in the stream
-                rounded = _round_runs(flat, run, skip, fmt, seed, offset)
+                rounded = _dist.round_runs(
+                    flat,
+                    (run, skip),
+                    lambda x, at: srround.stochastic_round(x, dtype=fmt, seed=seed, offset=at),
+                    getattr(torch, fmt),
+                    offset,
+                )
             else:
                 rounded = srround.stochastic_round(flat, dtype=fmt, seed=seed, offset=offset)
             piece.copy_(rounded.as_strided(work.shape, work.stride()))
-
-
-_PADDED_ELEMENTS = 1 << 22  # the most elements _round_runs rounds in one call
-
-
-def _round_runs(flat, run, skip, fmt, seed, offset):
-    """``srround.stochastic_round`` of float32 ``flat`` whose element ``j`` is at stream
-    position ``offset + j + (j // run) * skip``: its runs placed in rows as wide as the
-    stream's distance between them (the skipped positions zero, their results dropped), a
-    batch of rows in one call (few calls, at most ``skip / run`` extra elements each)."""
-    import srround
-
-    rows, width = flat.view(-1, run), run + skip
-    batch = max(1, _PADDED_ELEMENTS // width)
-    out = torch.empty(rows.shape, dtype=getattr(torch, fmt), device=flat.device)
-    for r0 in range(0, rows.shape[0], batch):
-        block = rows[r0 : r0 + batch]
-        padded = block.new_zeros(block.shape[0], width)
-        padded[:, :run] = block
-        at = offset + r0 * width
-        rounded = srround.stochastic_round(padded.view(-1), dtype=fmt, seed=seed, offset=at)
-        out[r0 : r0 + batch] = rounded.view(-1, width)[:, :run]
-    return out.view(-1)
 
 
 def _fp8_step(opt, inv_scale, found_inf, check_grads, grad_scale):
