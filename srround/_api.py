@@ -120,14 +120,18 @@ def _launch_runs(kernel, view, src_bits, dst_bits, alpha, key, offset, fmt, satu
     run, skip = view.runs
     width = run + skip
     rows = src_bits.size // run
-    batch = max(1, _PADDED_ELEMENTS // width)
+    batch = min(rows, max(1, _PADDED_ELEMENTS // width))
     if view.device == "cpu":
-        empty, stream = np.empty, None
+        empty, zeros, stream = np.empty, np.zeros, None
     else:
         from ._numba_cuda_compat import import_numba_cuda
 
         cuda, stream = import_numba_cuda(), view.stream
         empty = functools.partial(cuda.device_array, stream=stream)
+
+        def zeros(shape, dtype):
+            return cuda.to_device(np.zeros(shape, dtype), stream=stream)
+
     src_rows, dst_rows = src_bits.reshape(rows, run), dst_bits.reshape(rows, run)
 
     def put(target, key, value):  # a device copy on the stream (NumPy, the simulator: [] =)
@@ -137,9 +141,9 @@ def _launch_runs(kernel, view, src_bits, dst_bits, alpha, key, offset, fmt, satu
         else:
             setitem(key, value, stream=stream)
 
-    batch = min(batch, rows)
     src_buffer = empty((batch, width), dtype=src_bits.dtype)  # reused: one page-in
-    dst_buffer = empty((batch, width), dtype=dst_bits.dtype)
+    # stochastic_add reads the narrow values: the skipped ones valid codes (fp4: < 16)
+    dst_buffer = (zeros if kernel == "stochastic_add" else empty)((batch, width), dst_bits.dtype)
     for r0 in range(0, rows, batch):
         r1 = min(rows, r0 + batch)
         src, dst = src_buffer[: r1 - r0], dst_buffer[: r1 - r0]
