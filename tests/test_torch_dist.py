@@ -481,12 +481,13 @@ _TP_SHAPES = (
 _TP_OPTIMIZERS = ("adamw", "amsgrad", "sgd", "compiled", "compiled_amsgrad")
 
 
-def _tp_tensors():
-    """The parameters' and the steps' gradients' full values (the same on every rank)."""
+def _tp_tensors(shapes=_TP_SHAPES):
+    """The parameters' and the steps' gradients' full values (the same on every rank) of
+    ``shapes`` (``(shape, placement)`` pairs)."""
     g = torch.Generator().manual_seed(5)
-    params = [torch.randn(shape, generator=g).to(torch.bfloat16) for shape, _ in _TP_SHAPES]
+    params = [torch.randn(shape, generator=g).to(torch.bfloat16) for shape, _ in shapes]
     grads = [
-        [(torch.randn(shape, generator=g) * 0.1).to(torch.bfloat16) for shape, _ in _TP_SHAPES]
+        [(torch.randn(shape, generator=g) * 0.1).to(torch.bfloat16) for shape, _ in shapes]
         for _ in range(STEPS)
     ]
     return params, grads
@@ -502,14 +503,14 @@ def _tp_optimizer(name, params):
     return AdamW(params, lr=1e-2, seed=SEED, state_dtype=torch.bfloat16)
 
 
-def _tp_train(name, distribute=None):
-    """3 steps of optimizer ``name`` on ``_tp_tensors``; ``distribute(full, placement)``: the
-    DTensor of a full value (None: plain tensors, the 1-process reference). The parameters'
-    and the first states' full values after."""
-    full, grads = _tp_tensors()
+def _tp_train(name, distribute=None, shapes=_TP_SHAPES):
+    """3 steps of optimizer ``name`` on ``_tp_tensors(shapes)``; ``distribute(full,
+    placement)``: the DTensor of a full value (None: plain tensors, the 1-process reference).
+    The parameters' and the first states' full values after."""
+    full, grads = _tp_tensors(shapes)
 
     def place(t, i):
-        return t.clone() if distribute is None else distribute(t, _TP_SHAPES[i][1])
+        return t.clone() if distribute is None else distribute(t, shapes[i][1])
 
     params = [torch.nn.Parameter(place(t, i)) for i, t in enumerate(full)]
     opt = _tp_optimizer(name, params)
@@ -716,18 +717,21 @@ _MESH2D_SHAPES = (
 
 
 def _mesh2d(rank, world, tmp):
-    """AdamW on ``_MESH2D_SHAPES`` pieces of a 2 x 2 mesh (full values and local shapes)."""
+    """AdamW (``_tp_train``) on ``_MESH2D_SHAPES`` pieces of a 2 x 2 mesh (full values and
+    local shapes)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = _cpu_mesh((2, 2))
 
-    def place(t, i):
-        dims = _MESH2D_SHAPES[i][1]
+    def place(t, dims):
         return distribute_tensor(t, mesh, [Replicate() if d is None else Shard(d) for d in dims])
 
+    full = _tp_tensors(_MESH2D_SHAPES)[0]
     out = {
-        "params": _mesh2d_train(place),
-        "local_shapes": [tuple(place(t, i).to_local().shape) for i, t in enumerate(_mesh2d_full())],
+        "params": _tp_train("adamw", place, _MESH2D_SHAPES)[0],
+        "local_shapes": [
+            tuple(place(t, dims).to_local().shape) for t, (_, dims) in zip(full, _MESH2D_SHAPES)
+        ],
     }
     # the README's FSDP2 + tensor parallel example, as written, then 3 training steps
     from torch.distributed.fsdp import fully_shard
@@ -795,26 +799,6 @@ def _mlp_losses(model, opt):
         opt.step()
         losses.append(float(loss.detach()))
     return losses
-
-
-def _mesh2d_full():
-    g = torch.Generator().manual_seed(6)
-    return [torch.randn(shape, generator=g).to(torch.bfloat16) for shape, _ in _MESH2D_SHAPES]
-
-
-def _mesh2d_train(place=None):
-    """3 AdamW steps (bf16 states) on ``_MESH2D_SHAPES``; ``place(full, i)``: the DTensor of
-    tensor ``i`` (None: plain tensors). The parameters' full values after."""
-    full = _mesh2d_full()
-    put = (lambda t, i: t.clone()) if place is None else place
-    params = [torch.nn.Parameter(put(t, i)) for i, t in enumerate(full)]
-    opt = _adamw(params)
-    g = torch.Generator().manual_seed(7)
-    for _ in range(STEPS):
-        for i, p in enumerate(params):
-            p.grad = put((torch.randn(p.shape, generator=g) * 0.1).to(torch.bfloat16), i)
-        opt.step()
-    return [_full(p) for p in params]
 
 
 SCENARIOS = {
@@ -1106,7 +1090,7 @@ def test_fsdp2_with_tensor_parallel_placements_on_a_2d_mesh_match_one_process(ra
     Shard(1))`` blocks of a matrix (uneven), ``(Shard(0), Shard(2))``, ``(Shard(1),
     Shard(0))`` and a replicated mesh dimension give the 1-process bits (before: a
     ``ValueError`` for every block piece)."""
-    expected = _mesh2d_train()
+    expected = _tp_train("adamw", shapes=_MESH2D_SHAPES)[0]
     results = _results(ranks4, "mesh2d")
     for r in results:
         _same_bits(r["params"], expected)

@@ -173,9 +173,8 @@ def round_runs(flat, runs, round_flat, dtype, offset):
         block = rows[r0 : r0 + batch]
         padded = block.new_zeros(block.shape[0], width)
         padded[:, :run] = block
-        out[r0 : r0 + batch] = round_flat(padded.view(-1), offset + r0 * width).view(-1, width)[
-            :, :run
-        ]
+        rounded = round_flat(padded.view(-1), offset + r0 * width)
+        out[r0 : r0 + batch] = rounded.view(-1, width)[:, :run]
     return out.view(-1)
 
 
@@ -408,7 +407,8 @@ def shard_like(buf, p, name: str):
     stream_layout(p, name)  # the placements' checks
     local_shape, offset = _piece(tuple(p.shape), p.device_mesh, p.placements)
     window = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
-    return like_dtensor(buf.detach()[window].to(piece.device).contiguous().clone(), p)
+    values = buf.detach()[window].to(piece.device)
+    return like_dtensor(values.clone(memory_format=torch.contiguous_format), p)
 
 
 def cache_key(groups, params, grads):
