@@ -111,6 +111,28 @@ def test_stochastic_round_matches_numpy_path(impl, fmt, overflow):
     np.testing.assert_array_equal(_bits(got), _bits(expected))
 
 
+@pytest.mark.parametrize("offset", [0, 8, 5])
+@pytest.mark.parametrize("width", [12, 16, 7])
+def test_native_stochastic_round_of_matrices_matches_numpy_path(width, offset):
+    """The native path's stream positions from a matrix's rows and columns apart (a last
+    dimension that is a multiple of 4 but no power of two, a stream starting at lane 0:
+    ``_stream_position``) and its bfloat16 rounding as one add (every high half of fp32 with
+    low halves around the rounding threshold, NaNs and infinities included) give the Numba
+    kernels' bits, for ``stochastic_add`` too."""
+    highs = np.arange(1 << 16, dtype=np.uint32) << 16
+    lows = np.array([0, 1, 0x7FFF, 0x8000, 0xFFFF, 0x1234], np.uint32)
+    x = (highs[:, None] | lows[None, :]).reshape(-1)
+    x = x[: x.size // width * width].view(np.float32).reshape(-1, width)
+    expected = srround.stochastic_round(x, seed=11, offset=offset)
+    fn = jax.jit(lambda a: sj.stochastic_round(a, seed=11, offset=offset, impl="native"))
+    np.testing.assert_array_equal(_bits(fn(jnp.asarray(x))), _bits(expected))
+    w = (x.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+    u = np.full(x.shape, 2.0**-9, np.float32)
+    expected = srround.stochastic_add(w.copy(), u, seed=11, offset=offset)
+    got = jax.jit(lambda a, b: sj.stochastic_add(a, b, seed=11, offset=offset, impl="native"))
+    np.testing.assert_array_equal(_bits(got(jnp.asarray(w), jnp.asarray(u))), _bits(expected))
+
+
 @pytest.mark.parametrize("overflow", ["inf", "saturate"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("impl", IMPLS)
