@@ -14,10 +14,9 @@ loop issues them (``_time``).
 ``--probe DIR``: where the fused step's time goes. The same step again with one part of its work
 swapped for a cheaper stand-in (not srround's bits: a measurement only): no random bits, float32
 conversions for the exact roundings (``_lax.narrow``), float32 arithmetic for the exact
-fma/division/square root, several at once; and the random bits with one Threefry block per four
-elements (a layout XLA may share between four elements). Then ``optax.adamw`` + srround
-``apply_updates`` the same way (no random bits, per-four blocks, a plain float32 sum for the
-exact one: what ships on CUDA, where XLA adds as IEEE does). Each row says whether its
+fma/division/square root, several at once. Then ``optax.adamw`` + srround ``apply_updates`` the
+same way (no random bits, a plain float32 sum for the exact one: what ships on CUDA, where XLA
+adds as IEEE does). Each row says whether its
 parameters' bits equal the shipped version's (random inputs, subnormal weights and gradients
 among them), its count of fusions and its compile time. Writes each variant's optimized HLO to
 DIR."""
@@ -70,29 +69,7 @@ def _traffic(fn, *args) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves if hasattr(x, "dtype"))
 
 
-def _random16_blocks(k0, k1, first_lo, first_hi, lane0, index):
-    """``_lax._random16`` for leaves whose last dimension is a multiple of 4 and whose elements
-    start at a multiple of 4 in the stream (``lane0`` 0): one Threefry block per row of four,
-    broadcast to its four lanes."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    from srround.adapters.jax import _lax
-
-    if isinstance(index, int):
-        index = lax.iota(jnp.uint32, index)
-    shape = index.shape
-    quads = index.reshape(shape[:-1] + (shape[-1] // 4, 4))
-    j = quads[..., 0] >> 2
-    c_lo = first_lo + j
-    c_hi = first_hi + (c_lo < j).astype(jnp.uint32)
-    x0, x1 = _lax._threefry2x32(k0, k1, c_lo, c_hi)
-    lane = lax.broadcasted_iota(jnp.uint32, quads.shape, quads.ndim - 1)
-    word = jnp.where(lane < 2, x0[..., None], x1[..., None])
-    return ((word >> ((lane & 1) << 4)) & 0xFFFF).reshape(shape)
-
-
-def _probe(directory, tx, otx, params, row, x, key):
+def _probe(directory, tx, otx, params, row, key):
     """The ``--probe`` rows (see the module docstring); ``otx``: the ``optax.adamw`` of the
     ``apply_updates`` rows."""
     import os
@@ -140,10 +117,8 @@ def _probe(directory, tx, otx, params, row, x, key):
         return sj.apply_updates(p, u, key, step=1), s
 
     f32_math = {"_fma": fma32, "div": jnp.divide, "sqrt": jnp.sqrt}
-    blocks = {"_random16": _random16_blocks}
     fused = {
         "no random bits": {"_random16": no_bits},
-        "Threefry block per 4 elements": blocks,
         "narrow by conversion": {"narrow": converted},
         "float32 fma, div, sqrt": f32_math,
         "all but the bits": {"narrow": converted, **f32_math},
@@ -151,14 +126,12 @@ def _probe(directory, tx, otx, params, row, x, key):
     }
     applied = {
         "no random bits": {"_random16": no_bits},
-        "Threefry block per 4 elements": blocks,
         "float32 sum (u + w)": {"_add": lambda u, w: u + w},
     }
     runs = [
         ("fused step", tx.step, (grads, tx.init(params), params), fused),
         ("optax + apply_updates", apply_step, (params, otx.init(params), grads), applied),
     ]
-    sr = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k))
     for what, fn_of, step_args, variants in runs:
         nbytes, reference = _traffic(fn_of, *step_args), None
         for label, swap in [("as shipped", {})] + list(variants.items()):
@@ -181,9 +154,6 @@ def _probe(directory, tx, otx, params, row, x, key):
                     f" bits as shipped: {same}"
                 )
                 row(f"{what}: {label} ({note})", _time(fn, *step_args, reps=10), nbytes)
-                if what == "fused step" and swap is blocks:
-                    label = "stochastic_round: Threefry block per 4"
-                    row(label, _time(sr, x, key), _traffic(sr, x, key))
             finally:
                 for (m, name), f in saved.items():
                     setattr(m, name, f)
@@ -259,7 +229,7 @@ def main(argv=None) -> int:
         label = "srround adamw native fused, 11008 columns"
         timed(label, step, wide_g, tx.init(wide_p), wide_p, reps=10)
         if args.probe:
-            _probe(args.probe, tx, otx, params, row, x, key)
+            _probe(args.probe, tx, otx, params, row, key)
     except ImportError as exc:
         print(f"optax rows skipped: {exc}")
     same = None

@@ -1,9 +1,10 @@
 """What XLA's GPU compiler makes of srround's JAX native path, without a GPU: each case is compiled
 for a GPU (the first one, or a compile-only device described by a ``GpuTargetConfigProto`` text
-file, e.g. XLA's ``xla/backends/gpu/target_config/specs/h100_sxm.txtpb``), and the largest kernel
+file: ``benchmarks/h100_sxm.txtpb``, from XLA's specs), and the largest kernel
 of its program is assembled with ``ptxas`` and disassembled with ``cuobjdump``::
 
-    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/xla_gpu_kernels.py --target h100_sxm.txtpb
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/xla_gpu_kernels.py \
+        --target benchmarks/h100_sxm.txtpb
 
 Needs JAX's CUDA plugin (``jax-cuda12-plugin`` or ``jax-cuda13-plugin``) and ``ptxas`` (on
 ``PATH`` or in an ``nvidia-*`` wheel: the CUDA toolkit, or the ``nvidia-cuda-nvcc`` wheel JAX's
@@ -200,8 +201,11 @@ def _report(dump: Path) -> list[dict]:
                 for path in sorted(dump.glob(f"module_*.jit_{slug}.*.ptx"))
                 if ".entry" in path.read_text()  # XLA also dumps empty modules
             ]
-            if not ptxs:
-                raise SystemExit(f"{slug}: no PTX in {dump} (was it compiled for a GPU?)")
+            if not ptxs:  # JAX 0.11.2 on an H200 dumped HLO and MLIR only, no LLVM or PTX
+                raise SystemExit(
+                    f"{slug}: no PTX in {dump} (was it compiled for a GPU? XLA on a real GPU"
+                    " may dump none: compile for a compile-only one, --target FILE)"
+                )
             arch = re.search(r"\.target\s+(sm_\w+)", ptxs[0].read_text()).group(1)
             kernels = [_kernel_stats(p, arch, Path(tmp)) for p in ptxs]
             big = max(kernels, key=lambda k: k["ptx"])

@@ -798,8 +798,9 @@ def test_blocks_cuda_empty_and_tiny_nvfp4(small_cuda_launch, monkeypatch):
 
     def garbage(shape, dtype):  # new device arrays hold all-ones bytes: unwritten ones show
         out = allocate(shape, dtype=dtype)
-        if out.size:
-            out.copy_to_device(np.full(out.nbytes, 0xFF, np.uint8).view(dtype).reshape(shape))
+        if out.size:  # through an unsigned view: numba cannot copy float8 host arrays over
+            words = out.view(np.dtype(f"u{np.dtype(dtype).itemsize}"))
+            words.copy_to_device(np.full(words.shape, 0xFF, words.dtype))
         return out
 
     monkeypatch.setattr(cuda, "device_array", garbage)
