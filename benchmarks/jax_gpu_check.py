@@ -16,10 +16,9 @@ swapped for a cheaper stand-in (not srround's bits: a measurement only): no rand
 conversions for the exact roundings (``_lax.narrow``), float32 arithmetic for the exact
 fma/division/square root, several at once. Then ``optax.adamw`` + srround ``apply_updates`` the
 same way (no random bits, a plain float32 sum for the exact one: what ships on CUDA, where XLA
-adds as IEEE does). Each row says whether its
-parameters' bits equal the shipped version's (random inputs, subnormal weights and gradients
-among them), its count of fusions and its compile time. Writes each variant's optimized HLO to
-DIR."""
+adds as IEEE does). Each row says whether its parameters' bits equal the shipped version's
+(random inputs, subnormal weights and gradients among them), its count of fusions and its
+compile time. Writes each variant's optimized HLO to DIR."""
 
 from __future__ import annotations
 

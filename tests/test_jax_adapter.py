@@ -114,11 +114,11 @@ def test_stochastic_round_matches_numpy_path(impl, fmt, overflow):
 @pytest.mark.parametrize("offset", [0, 8, 5])
 @pytest.mark.parametrize("width", [12, 16, 7])
 def test_native_stochastic_round_of_matrices_matches_numpy_path(width, offset):
-    """The native path's stream positions from a matrix's rows and columns apart (a last
-    dimension that is a multiple of 4 but no power of two, a stream starting at lane 0:
-    ``_stream_position``) and its bfloat16 rounding as one add (every high half of fp32 with
-    low halves around the rounding threshold, NaNs and infinities included) give the Numba
-    kernels' bits, for ``stochastic_add`` too."""
+    """The native path's bfloat16 stochastic rounding as one add (``_lax._encode``): every high
+    half of fp32 with low halves around the rounding threshold, NaNs and infinities included,
+    in matrices whose last dimension is a multiple of 4, a power of two or odd, from the first
+    lane of a Threefry block or not, gives the Numba kernels' bits, for ``stochastic_add``
+    too."""
     highs = np.arange(1 << 16, dtype=np.uint32) << 16
     lows = np.array([0, 1, 0x7FFF, 0x8000, 0xFFFF, 0x1234], np.uint32)
     x = (highs[:, None] | lows[None, :]).reshape(-1)

@@ -135,8 +135,8 @@ def _encode(u, fmt: Format, saturate: bool, bits16=None):
         if bits16 is not None and not saturate:
             # the low half plus 0xFFFF - bits16 carries into the kept bits exactly when
             # bits16 < low (the rule below); finite values and infinities keep their sign.
-            # Half the integer ops of the rule's steps: on an H200, stochastic_round of 67M
-            # elements went from 73 % to 93 % of a copy's bandwidth (benchmarks/RESULTS.md)
+            # Half the integer ops of the rule's steps, which bound a GPU's time
+            # (docs/performance.md, "On a GPU (one H200, 2026-11-28)")
             rounded = (u + (bits16 ^ 0xFFFF)) >> 16
             return jnp.where(a > 0x7F800000, ((u >> 16) & 0x8000) | 0x7FC0, rounded)
         low = a & 0xFFFF
