@@ -1,6 +1,6 @@
 """Sharded checks of the JAX adapter on 8 forced CPU devices, run in a subprocess by
 ``tests/test_jax_sharding.py`` (``XLA_FLAGS`` must be set before jax is imported):
-``python -m tests.jax_sharded_cases CASE``. Each case compares the sharded results (``jit``
+``python -m tests.jax_sharded_cases CASE [CASE ...]``. Each case compares the sharded results (``jit``
 with ``NamedSharding``, and ``shard_map``) bit for bit with the unsharded call and checks that
 output shardings equal input shardings."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import traceback
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -130,12 +131,16 @@ def _check_functional(x, u, w, sharding, what, impl, mesh):
         return
     xs, us, ws = (jax.device_put(a, sharding) for a in (jnp.asarray(x), u, w))
     fns = {
-        "stochastic_round": lambda a, k: sj.stochastic_round(a, seed=k, offset=5, impl=impl),
-        "round_nearest": lambda a, k: sj.round_nearest(a, dtype="float16", impl=impl),
-        "to_float32": lambda a, k: sj.to_float32(a.astype(jnp.bfloat16), impl=impl),
+        "stochastic_round": lambda a, k, impl=None: sj.stochastic_round(
+            a, seed=k, offset=5, impl=impl
+        ),
+        "round_nearest": lambda a, k, impl=None: sj.round_nearest(a, dtype="float16", impl=impl),
+        "to_float32": lambda a, k, impl=None: sj.to_float32(a.astype(jnp.bfloat16), impl=impl),
     }
     for name, fn in fns.items():
-        expected = jax.jit(fn)(jnp.asarray(x), KEY)
+        # the unsharded bits: the eager call (each impl's equal to it, tests/test_jax_adapter.py)
+        expected = fn(jnp.asarray(x), KEY)
+        fn = functools.partial(fn, impl=impl)
         got = _without_gather(fn, xs, KEY, what=f"{name} {what}")(xs, KEY)
         _same(got, expected, f"{name} {what}")
         _same_sharding(got, xs, f"{name} {what}")
@@ -143,7 +148,7 @@ def _check_functional(x, u, w, sharding, what, impl, mesh):
     def add(w, u, k):
         return sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3, impl=impl)
 
-    expected = jax.jit(add)(w, jnp.asarray(u), KEY)
+    expected = sj.stochastic_add(w, jnp.asarray(u), alpha=0.5, seed=KEY, offset=3)
     got = _without_gather(add, ws, us, KEY, what=f"stochastic_add {what}")(ws, us, KEY)
     _same(got, expected, f"stochastic_add {what}")
     _same_sharding(got, ws, f"stochastic_add {what}")
@@ -267,11 +272,15 @@ def case_optim():
             variants += [(jnp.float32, "callback"), (jnp.float32, None)]
         if last:
             variants += [(jnp.bfloat16, "native"), (jnp.bfloat16, "callback")]
+        expected_steps = {}  # per state dtype: the unsharded step (every impl's bits equal)
         for state_dtype, impl in variants:
             what_s = f"{impl} {what}"
             tx = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype, impl=impl)
             state = tx.init(params)
-            e_params, e_state = jax.jit(tx.step)(grads, state, params)
+            if state_dtype not in expected_steps:
+                ref = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype, impl="callback")
+                expected_steps[state_dtype] = jax.jit(ref.step)(grads, ref.init(params), params)
+            e_params, e_state = expected_steps[state_dtype]
             s_state = tx.init(ps)  # the states take the params' shardings
             if last or impl != "native":
                 step = _without_gather(tx.step, gs, s_state, ps, what=f"adamw {what_s}")
@@ -613,7 +622,14 @@ def case_explicit():
 def case_readme():
     """The README's sharded training step ("JAX at scale") runs as written on a 2 x 4 mesh:
     its outputs keep the inputs' shardings, and its shard_map optimizer (``shard_specs``)
-    gives the bits of the jitted step."""
+    gives the bits of the jitted step. The README sets its mesh for the process
+    (``jax.set_mesh``); the case runs inside a ``jax.set_mesh(None)`` block, whose exit gives
+    the cases after it no mesh again."""
+    with jax.set_mesh(None):
+        _readme()
+
+
+def _readme():
     import srround
 
     from .readme import run
@@ -766,6 +782,16 @@ def case_flax():
 
 
 if __name__ == "__main__":
+    # every case named, in one process (its imports and compilations shared); a failed case
+    # prints its traceback between markers and the next one runs, the exit status is 1
     assert len(jax.devices()) == 8, jax.devices()
+    failed = False
     for name in sys.argv[1:]:
-        globals()[f"case_{name}"]()
+        print(f"=== {name}", flush=True)
+        try:
+            globals()[f"case_{name}"]()
+        except Exception:
+            failed = True
+            traceback.print_exc(file=sys.stdout)
+            print(f"{name} FAILED", flush=True)
+    sys.exit(1 if failed else 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 
 import pytest
 
@@ -18,28 +19,44 @@ pytest.importorskip("jax")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "functional",
-        "shard_map",
-        "optim",
-        "loss_scale",
-        "errors",
-        "explicit",
-        "readme",
-        "missing_specs",
-    ],
-)
-def test_sharded_equals_unsharded(case):
+CASES = [
+    "functional",
+    "shard_map",
+    "optim",
+    "loss_scale",
+    "errors",
+    "explicit",
+    "readme",
+    "missing_specs",
+]
+
+
+def _run_cases(cases) -> dict[str, str]:
+    """``cases`` in one subprocess (imports and compilations shared: about 5 s a process);
+    each case's output by name (a case that did not finish: what it printed)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    run = run_python(["-m", "tests.jax_sharded_cases", case], env=env, cwd=ROOT)
-    assert f"{case} ok" in run.stdout
+    run = run_python(["-m", "tests.jax_sharded_cases", *cases], env=env, cwd=ROOT, check=False)
+    parts = re.split(r"^=== (\w+)\n", run.stdout, flags=re.M)
+    outputs = dict(zip(parts[1::2], parts[2::2]))
+    tail = f"\nexit status {run.returncode}; stderr:\n{run.stderr[-4000:]}"
+    return {case: outputs.get(case, "(not reached)") + tail for case in cases}
+
+
+@pytest.fixture(scope="module")
+def case_outputs():
+    return _run_cases(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_equals_unsharded(case, case_outputs):
+    output = case_outputs[case]
+    assert f"{case} ok" in output, output
 
 
 def test_flax_nnx_sharded():
     """flax.nnx's sharded training (``tests/jax_sharded_cases.py`` case ``flax``)."""
     pytest.importorskip("flax")
-    test_sharded_equals_unsharded("flax")
+    output = _run_cases(["flax"])["flax"]
+    assert "flax ok" in output, output
