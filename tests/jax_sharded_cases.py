@@ -1,8 +1,8 @@
 """Sharded checks of the JAX adapter on 8 forced CPU devices, run in a subprocess by
 ``tests/test_jax_sharding.py`` (``XLA_FLAGS`` must be set before jax is imported):
-``python -m tests.jax_sharded_cases CASE [CASE ...]``. Each case compares the sharded results (``jit``
-with ``NamedSharding``, and ``shard_map``) bit for bit with the unsharded call and checks that
-output shardings equal input shardings."""
+``python -m tests.jax_sharded_cases CASE [CASE ...]``. Each case compares the sharded results
+(``jit`` with ``NamedSharding``, and ``shard_map``) bit for bit with the unsharded call and
+checks that output shardings equal input shardings."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ CASES = [
 
 
 def _run_cases(cases) -> dict[str, str]:
-    """``cases`` in one subprocess (imports and compilations shared: about 5 s a process);
-    each case's output by name (a case that did not finish: what it printed)."""
+    """``cases`` in one subprocess (its imports and compilations shared); each case's output
+    by name (a case that did not finish: what it printed), with the exit status and stderr."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env.pop("NUMBA_ENABLE_CUDASIM", None)
