@@ -48,12 +48,14 @@ _LONG_FILES = (
     "test_jax_optim.py",
     "test_reliability.py",
     "test_jax_sharding.py",
+    "test_benchmarks_optim.py",
     "test_optim_contract.py",
     "test_lowbit.py",
-    "test_benchmarks_optim.py",
     "test_jax_optax.py",
-    "test_torch_compile.py",
+    "test_torch_dist.py",
     "test_audit.py",
+    "test_packaging.py",
+    "test_torch_compile.py",
     "test_torch_optim.py",
 )
 
