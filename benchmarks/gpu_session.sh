@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a real GPU (the lent GPU machine: torch, JAX, CuPy, numba and numba-cuda
 # preinstalled, no registry). Run from the repository root:
-#     bash benchmarks/gpu_session.sh [PHASE ...]   # default: every phase below, in this order
+#     bash benchmarks/gpu_session.sh [PHASE ...]   # default: every phase below but kernels
 # Logs, JUnit XML and the benchmarks' JSON are packed after every step into ${OUT:-gpu-out}/gpu.tgz
 # (one file, so that a run stopped at its time limit still returns what it did). Every step has
 # its own time limit (seconds, environment variables T_TESTS, T_BENCH, T_OPTIM, T_MORE,
@@ -19,9 +19,14 @@
 #          compared and its optimized HLO kept in the packed logs under probe/).
 #   lossscale, adapters, lowbit  bench_lossscale, bench_adapters, bench_lowbit on the GPU.
 #   compile  the torch.compile rows on the GPU (bench_optim --sections compile).
-#   kernels  what XLA's GPU compiler makes of the JAX native path on this GPU (xla_gpu_kernels:
-#          registers, SASS instructions and Threefry rotations per element of each case's
-#          largest kernel; the same as compiled on a CPU machine for a compile-only H100).
+#   kernels  what XLA's GPU compiler makes of the JAX native path (xla_gpu_kernels: registers,
+#          SASS instructions and Threefry rotations per element of each case's largest kernel,
+#          compiled for the compile-only H100 of benchmarks/h100_sxm.txtpb). Not a default
+#          phase: it needs a JAX whose XLA dumps PTX, and JAX 0.11.2 on the H200 dumped none
+#          (2026-11-28, twice; it compiled for the real GPU then, as the script preferred a
+#          present GPU to --target, which it no longer does; untried since). Without PTX the
+#          step ends with rc=1 and a message naming JAX's version: no counts, no JSON. The CPU
+#          VM's JAX 0.10.2 dumps PTX for the compile-only H100: run it there.
 #   profile  where the host time of a small CUDA call goes (gpu_call_profile: launch floor,
 #          srround on Numba arrays and torch tensors, cProfile).
 #   demo   the language-model demo's GPU configuration (srround demo --device cuda).
@@ -33,12 +38,15 @@
 # 39 s, optim over 80 s (its JAX rows compile for 5-15 s each: give it 150), jax 11 s, probe 40 s,
 # lowbit 17 s, compile 34 s, lossscale 15 s, adapters 24 s, profile 24 s; demo 181 s (11-26);
 # kernels 19 s compiling for a compile-only H100 on the 2-core VM (11-27, not yet on a GPU).
-# Seen on one H200 (2026-11-28): gpu-tests 123 s, pytest exiting by itself; jax 16 s, probe 36 s,
-# round 34 s, optim 114 s, lowbit 14 s, compile 24 s, lossscale 13 s, adapters 17 s, profile
-# 12 s; the whole call below 428 s, the machine's start about 30 s. One
-# call of about 9 minutes (the device's timeout_s=560) holds all but the demo and the whole
-# suite: `T_TESTS=150 T_MORE=45 bash benchmarks/gpu_session.sh gpu-tests jax probe round optim
-# lowbit compile lossscale adapters profile kernels`; the demo alone: `T_MORE=230 bash
+# Seen on one H200 (2026-11-28, afternoon): gpu-tests 123 s, pytest exiting by itself; jax 16 s,
+# probe 36 s, round 34 s, optim 114 s, lowbit 14 s, compile 24 s, lossscale 13 s, adapters 17 s,
+# profile 12 s; the whole call below 428 s, the machine's start about 30 s. Evening (same
+# phases, kernels included): gpu-tests 131 s (pytest's own 127 s, exiting by itself), jax 15 s,
+# probe 35 s, round 38 s, optim 138 s, lowbit 15 s, compile 31 s, lossscale 15 s, adapters
+# 24 s, profile 19 s, kernels rc=1 in 9 s (no PTX, above); the whole call 488 s. One call of
+# about 9 minutes (the device's timeout_s=560) holds all but the demo and the whole suite:
+# `T_TESTS=150 T_MORE=45 bash benchmarks/gpu_session.sh gpu-tests jax probe round optim lowbit
+# compile lossscale adapters profile`; the demo alone: `T_MORE=230 bash
 # benchmarks/gpu_session.sh demo`.
 set -uo pipefail
 ulimit -c 0 # no core files from the SIGABRT that stops a step at its limit
@@ -47,7 +55,7 @@ out="${OUT:-gpu-out}"
 logs="$(mktemp -d)/gpu"
 mkdir -p "$out" "$logs" benchmarks/results
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-phases="${*:-tests round optim jax lossscale adapters lowbit compile profile probe kernels demo}"
+phases="${*:-tests round optim jax lossscale adapters lowbit compile profile probe demo}"
 py="${PYTHON:-python3}"  # the GPU image's python3 holds torch, JAX and CuPy
 
 pack() { tar czf "$out/gpu.tgz" -C "$(dirname "$logs")" gpu benchmarks 2>/dev/null; }
@@ -114,8 +122,8 @@ for phase in $phases; do
         step bench_optim_compile "${T_MORE:-60}" "$py" benchmarks/bench_optim.py --device cuda \
             --quick --sections compile --json benchmarks/results/bench_optim_compile_gpu.json
         ;;
-    kernels) # ptxas from PATH or JAX's nvidia wheels; without cuobjdump, no SASS counts. For a
-        # compile-only H100: JAX 0.11.2 on the H200 dumped no PTX for the real GPU (2026-11-28)
+    kernels) # ptxas from PATH or JAX's nvidia wheels; without cuobjdump, no SASS counts;
+        # without PTX in XLA's dump (JAX 0.11.2 on the H200), rc=1: see the phase list above
         step xla_gpu_kernels "${T_MORE:-60}" env JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 "$py" \
             benchmarks/xla_gpu_kernels.py --target benchmarks/h100_sxm.txtpb \
             --json benchmarks/results/xla_gpu_kernels_gpu.json

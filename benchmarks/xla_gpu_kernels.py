@@ -19,6 +19,12 @@ run only for extreme operands), and of these the float32 <-> float64 conversions
 quarter of the float32 rate on an H100) and float64 ops. Same-program baselines:
 ``astype(bf16)`` and ``optax.adamw`` + ``optax.apply_updates``. A static proxy, not a timing:
 what a kernel issues per element, which a GPU run then shows.
+
+With ``--target`` the cases are compiled for that compile-only device even where a GPU is
+present. The counts need a JAX whose XLA writes the kernels' PTX to its dump (``--xla_dump_to``):
+JAX 0.10.2 does for the compile-only H100 on a CPU machine; JAX 0.11.2 on an H200 (2026-11-28)
+wrote none for the real GPU, only HLO and MLIR. Where the dump holds no PTX the script says so,
+with JAX's version and what the dump held, and exits with status 1: no counts, no JSON.
 """
 
 from __future__ import annotations
@@ -58,11 +64,12 @@ def _compile_cases(target: str | None) -> str:
     from srround.adapters import jax as sj
     from srround.adapters.jax import _leaves
 
-    try:
-        device = jax.devices("gpu")[0]
-    except RuntimeError:
-        if not target:
+    if not target:
+        try:
+            device = jax.devices("gpu")[0]
+        except RuntimeError:
             raise SystemExit("no GPU: pass --target FILE (a GpuTargetConfigProto text file)")
+    else:  # the compile-only device, also where a GPU is present
         from jax.experimental import topologies
 
         config = Path(target).read_text()
@@ -192,6 +199,23 @@ def _kernel_stats(ptx: Path, arch: str, work: Path) -> dict:
     }
 
 
+class NoPtx(Exception):
+    """XLA's dump holds no PTX kernel of a case (JAX 0.11.2 on an H200: HLO and MLIR only)."""
+
+
+def no_ptx_message(slug: str, dump: Path, jax_version: str, device: str, target) -> str:
+    """Why there are no counts: the case, the JAX, the device, what the dump held."""
+    held = sorted({"".join(p.suffixes[-1:]) or p.name for p in dump.rglob("*") if p.is_file()})
+    where = f"the compile-only {device} of {target}" if target else f"this GPU ({device})"
+    return (
+        f"xla_gpu_kernels: no counts: XLA (JAX {jax_version}) wrote no PTX kernel of {slug}"
+        f" to its dump, compiling for {where}; the dump held {', '.join(held) or 'nothing'}."
+        " The static counts need a JAX whose XLA dumps PTX: JAX 0.10.2 does, on a CPU machine"
+        " with the compile-only target (JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python"
+        " benchmarks/xla_gpu_kernels.py --target benchmarks/h100_sxm.txtpb)."
+    )
+
+
 def _report(dump: Path) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,11 +225,8 @@ def _report(dump: Path) -> list[dict]:
                 for path in sorted(dump.glob(f"module_*.jit_{slug}.*.ptx"))
                 if ".entry" in path.read_text()  # XLA also dumps empty modules
             ]
-            if not ptxs:  # JAX 0.11.2 on an H200 dumped HLO and MLIR only, no LLVM or PTX
-                raise SystemExit(
-                    f"{slug}: no PTX in {dump} (was it compiled for a GPU? XLA on a real GPU"
-                    " may dump none: compile for a compile-only one, --target FILE)"
-                )
+            if not ptxs:
+                raise NoPtx(slug)
             arch = re.search(r"\.target\s+(sm_\w+)", ptxs[0].read_text()).group(1)
             kernels = [_kernel_stats(p, arch, Path(tmp)) for p in ptxs]
             big = max(kernels, key=lambda k: k["ptx"])
@@ -246,7 +267,14 @@ def main(argv=None) -> int:
             print(done.stderr[-4000:], file=sys.stderr)
             return done.returncode
         device, jax_version = done.stdout.strip().splitlines()[-2:]
-        rows = _report(Path(dump))
+        try:
+            rows = _report(Path(dump))
+        except NoPtx as e:
+            print(
+                no_ptx_message(str(e), Path(dump), jax_version, device, args.target),
+                file=sys.stderr,
+            )
+            return 1  # a missing measurement: the GPU session's step shows rc=1
     print(f"compiled for {device} ({'compile-only' if args.target else 'this GPU'})")
     print(
         f"{'case':<36} {'kernels':>7} {'regs':>5} {'spill':>5} {'SASS':>6} {'elts':>4}"

@@ -227,6 +227,23 @@ def test_xla_gpu_kernels_counts_the_main_path_apart_from_slow_path_subroutines()
     assert counts == {"sass": 11, "sass_main": 7, "f2f": 2, "fp64": 1}
 
 
+def test_xla_gpu_kernels_without_ptx_in_the_dump_names_jax_and_what_the_dump_held(tmp_path):
+    """JAX 0.11.2 on an H200 wrote HLO and MLIR to XLA's dump, no PTX: the script's message
+    names the case, JAX's version, the device and the dump's file kinds."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from xla_gpu_kernels import NoPtx, _report, no_ptx_message
+    finally:
+        sys.path.remove(str(BENCH))
+    (tmp_path / "module_0001.jit_copy_astype_bf16.sm_9.0_gpu_after_optimizations.txt").touch()
+    (tmp_path / "module_0001.jit_copy_astype_bf16.mlir").touch()
+    with pytest.raises(NoPtx) as raised:
+        _report(tmp_path)
+    message = no_ptx_message(str(raised.value), tmp_path, "0.11.2", "NVIDIA H200", None)
+    assert "JAX 0.11.2" in message and "copy_astype_bf16" in message
+    assert "this GPU (NVIDIA H200)" in message and ".mlir, .txt" in message
+
+
 def test_dist_ratios_pair_each_layouts_rows():
     """``_dist_rows.ratios``: the FSDP2 and the tensor-parallel (``TP ...``) rows each divide
     srround's time by torch's of the same layout."""
