@@ -23,6 +23,8 @@ float ops give NaNs whose sign and payload depend on the device.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -178,6 +180,35 @@ def _encode(u, fmt: Format, saturate: bool, bits16=None):
     return jnp.where(a >= 0x7F800000, special, sign | magnitude)
 
 
+_KERNEL_OPS = contextvars.ContextVar("srround_kernel_ops", default=None)
+
+
+@contextlib.contextmanager
+def kernel_ops(ops):
+    """Within: ``ops`` (``fma``, ``div``, ``sqrt``, ``add`` of float32 arrays, each rounded
+    once, as the kernels, and ``clz`` of uint32 arrays) replace the XLA path's ops (``div``,
+    ``sqrt``, ``_clz`` here, ``optim._fma`` and ``optim._add``): set while a Pallas kernel's
+    body is traced (``_pallas``); ``None`` keeps the XLA path's."""
+    token = _KERNEL_OPS.set(ops)
+    try:
+        yield
+    finally:
+        _KERNEL_OPS.reset(token)
+
+
+def exact_ops():
+    """The exact ops of the kernel being traced (``kernel_ops``), or ``None``."""
+    return _KERNEL_OPS.get()
+
+
+def _clz(x):
+    """Leading zeros of uint32 ``x`` (``lax.clz``; inside a Pallas kernel its ``clz``: Triton
+    has none of its own)."""
+    if (ops := exact_ops()) is not None:
+        return ops.clz(x)
+    return lax.clz(x)
+
+
 def _decode(h, fmt: Format):
     """Narrow patterns (uint32) -> exact fp32 patterns, NaN payloads kept (``_scalar.decode``)."""
     mb, eb = fmt.mantissa_bits, fmt.exponent_bits
@@ -188,7 +219,7 @@ def _decode(h, fmt: Format):
     normal = _u(biased - bias + 127) << 23 | (frac << (23 - mb))
     special = 0x7F800000 | (frac << (23 - mb))
     # subnormal: frac * 2**(1 - bias - mb); leading bit p of frac, exponent p + 1 - bias - mb
-    p = 31 - lax.clz(frac).astype(jnp.int32)
+    p = 31 - _clz(frac).astype(jnp.int32)
     exponent = p + 1 - bias - mb
     lead_free = frac - (_U32(1) << _u(jnp.maximum(p, 0)))
     sub = _u(exponent + 127) << 23 | (lead_free << _u(jnp.clip(23 - p, 0, 31)))
@@ -389,6 +420,8 @@ def div(a, b):
     quotients) the quotient is taken as ``|a| / (-b if a's sign bit is set else b)``, the
     same value and sign, which no rewrite matches. Elementwise operands are left as they
     are: an elementwise divisor the simplifier cannot see through keeps the division."""
+    if (ops := exact_ops()) is not None:
+        return ops.div(a, b)
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     if a.ndim == 0 or b.ndim == 0:
         negative = (lax.bitcast_convert_type(a, _U32) >> 31) == 1
@@ -400,6 +433,8 @@ def div(a, b):
 
 def sqrt(x):
     """Correctly rounded ``sqrt`` of a float32 array on every backend (as ``div``)."""
+    if (ops := exact_ops()) is not None:
+        return ops.sqrt(x)
     x = jnp.asarray(x, jnp.float32)
     return lax.platform_dependent(
         x, cpu=jnp.sqrt, tpu=jnp.sqrt, default=_wide_then_narrow(jnp.sqrt)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _pallas
 from ._callback import random_lanes
 from ._lax import _element_index, _opaque, _random16, _threefry2x32, _u
 
@@ -391,9 +392,13 @@ def _native_leaves(
             origin, global_shape = (zero,) * (len(shape) - 1) + (None,), None
         else:
             origin, global_shape = tuple(_u(o) + zero for o in layout[0]), layout[1]
+        arrays = tuple(c[k] for c in columns)
+        call = _leaf_call
+        if _pallas.takes(update, arrays, layout, starts[k] & 3):
+            call = functools.partial(_pallas.leaf_call, _leaf_call)
         outs.append(
-            _leaf_call(
-                tuple(c[k] for c in columns),
+            call(
+                arrays,
                 k0,
                 k1,
                 t,

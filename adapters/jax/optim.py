@@ -114,11 +114,13 @@ from ._lax import (
     canonical_nan,
     div,
     element_value,
+    exact_ops,
     mul_bits,
     narrow,
     sqrt,
 )
 from ._leaves import _native_leaves
+from ._pallas import elementwise
 
 __all__ = [
     "ADAMW_STATIC_ARGS",
@@ -198,7 +200,9 @@ def _add(u, w):
     subnormals included (the bits of ``_fma(1, u, w)``), a NaN as +qNaN. XLA's GPU backend
     adds float32 as IEEE does (``add.rn.f32``: subnormals kept, as ``xla_gpu_ftz`` is off by
     default), so on CUDA it is one add; elsewhere (XLA's CPU backend and TPUs flush
-    subnormals) ``_add_flushing``."""
+    subnormals) ``_add_flushing``; inside a Pallas kernel its ``add``."""
+    if (ops := exact_ops()) is not None:
+        return ops.add(u, w)
     return lax.platform_dependent(u, w, cuda=_add_ieee, default=_add_flushing)
 
 
@@ -243,7 +247,10 @@ def _fma(a, b, c, exact=(True, True, True)):
     srround's arithmetic. Needs IEEE float64 (CPU, GPU). ``exact``: per operand, as
     ``_wide``. Each operand is read once (an expensive producer, such as a division, read
     twice would be materialized by XLA's CPU fusion); the result's last op takes several
-    arrays, so XLA writes it once for all its users."""
+    arrays, so XLA writes it once for all its users. Inside a Pallas kernel: its ``fma``
+    (``_lax.kernel_ops``)."""
+    if (ops := exact_ops()) is not None:
+        return ops.fma(a, b, c)
     with jax.enable_x64(True):
         a, b, c = (_wide(jnp.asarray(v, jnp.float32), e) for v, e in zip((a, b, c), exact))
         p = a * b
@@ -716,6 +723,7 @@ def _read_leaf(mode, p, g, a, inv_scale):
     return aux_bits, old, g
 
 
+@elementwise
 def _update(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     """The AdamW update of one leaf: ``bits(stream)`` gives the random bits of its elements;
     ``cfg`` = (rounding, (mu dtype, nu dtype), constants, variant). Returns (p, m, v, aux)."""
@@ -803,6 +811,7 @@ def _write_back(mode, p, a, aux_bits, old, new, bits):
     return _narrow_out(written, p.dtype), a
 
 
+@elementwise
 def _sgd_update(cfg, p, g, b, a, bits, coefs, inv_scale):
     """``_optim.sgd_math`` (dampening 0, no weight decay: optax's ``sgd``) of one leaf, the
     same float32 operations: ``buf = g`` at step 1 else ``fma(1, g, buf * momentum)``;
