@@ -6,23 +6,26 @@ and the fused step, bits equal to the Numba CUDA kernels). Run by ``gpu_session.
 Prints per row the time, the bandwidth and the fraction of the bandwidth of a copy
 (``x.astype(bfloat16)``, 6 B per element), the fused step's bandwidth over that of
 ``optax.adamw`` + ``optax.apply_updates`` on the same bf16 params, then whether the JAX bits
-equal srround's Numba CUDA kernels on the same inputs. A row's bytes are those of its
-program's input and output arrays (``_traffic``: the step with float32 gradients and states,
-24 B per element), and its time is per call with calls dispatched back to back, as a training
-loop issues them (``_time``).
+equal srround's Numba CUDA kernels on the same inputs. The fused step runs as shipped: on one
+GPU its leaves are Pallas kernels (``adapters/jax/_pallas.py``); the rows "XLA path only" time
+it without them, and the bits of both are compared (``_fused_bits_equal``). A row's bytes are
+those of its program's input and output arrays (``_traffic``: the step with float32 gradients
+and states, 24 B per element), and its time is per call with calls dispatched back to back, as a
+training loop issues them (``_time``).
 
-``--probe DIR``: where the fused step's time goes. The same step again with one part of its work
-swapped for a cheaper stand-in (not srround's bits: a measurement only): no random bits, float32
-conversions for the exact roundings (``_lax.narrow``), float32 arithmetic for the exact
-fma/division/square root, several at once. Then ``optax.adamw`` + srround ``apply_updates`` the
-same way (no random bits, a plain float32 sum for the exact one: what ships on CUDA, where XLA
-adds as IEEE does). Each row says whether its parameters' bits equal the shipped version's
-(random inputs, subnormal weights and gradients among them), its count of fusions and its
-compile time. Writes each variant's optimized HLO to DIR."""
+``--probe DIR``: where the XLA path's fused step's time goes. The same step again with one part
+of its work swapped for a cheaper stand-in (not srround's bits: a measurement only): no random
+bits, float32 conversions for the exact roundings (``_lax.narrow``), float32 arithmetic for the
+exact fma/division/square root, several at once. Then ``optax.adamw`` + srround
+``apply_updates`` the same way (no random bits, a plain float32 sum for the exact one: what
+ships on CUDA, where XLA adds as IEEE does). Each row says whether its parameters' bits equal
+the shipped version's (random inputs, subnormal weights and gradients among them), its count of
+fusions and its compile time. Writes each variant's optimized HLO to DIR."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import sys
@@ -159,6 +162,58 @@ def _probe(directory, tx, otx, params, row, key):
                 jax.clear_caches()
 
 
+@contextlib.contextmanager
+def _pallas_mode(mode):
+    """``srround.adapters.jax._pallas.MODE`` within (JAX's caches cleared on entry and exit)."""
+    import jax
+
+    from srround.adapters.jax import _pallas
+
+    saved, _pallas.MODE = _pallas.MODE, mode
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _pallas.MODE = saved
+        jax.clear_caches()
+
+
+def _fused_bits_equal(*txs) -> bool:
+    """Whether two steps of each fused optimizer give the same bits with the Pallas kernels as
+    on the XLA path alone: random leaves (a partial last block among them), subnormal weights
+    and gradients, infinities and a NaN."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    shapes = [(37, 64), (4096, 256), (1000,)]
+    params, grads = [], []
+    for shape in shapes:
+        p = (rng.normal(size=shape) * 0.02).astype(np.float32)
+        g = (rng.normal(size=shape) * 1e-3).astype(np.float32)
+        p.reshape(-1)[::89], g.reshape(-1)[::97] = 1e-39, 3e-39
+        g.reshape(-1)[5:8] = [np.inf, np.nan, -np.inf]
+        params.append(jnp.asarray(p, jnp.bfloat16))
+        grads.append(jnp.asarray(g))
+
+    def two_steps(tx):
+        step = jax.jit(lambda g, s, p: tx.step(g, s, p))
+        first = step(grads, tx.init(params), params)
+        return jax.tree.leaves((first, step(grads, first[1], first[0])))
+
+    for tx in txs:
+        with _pallas_mode("on"):
+            kernels = two_steps(tx)
+        with _pallas_mode("off"):
+            xla = two_steps(tx)
+        for a, b in zip(kernels, xla):
+            a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
+            if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+                return False
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--params", type=float, default=268.0, help="millions of elements")
@@ -178,6 +233,7 @@ def main(argv=None) -> int:
     key = jax.random.key(0)
     x = jax.random.normal(key, (n,), jnp.float32)
     rows = []
+    fused_same = None
 
     copy_gbps = None  # the first row's: the copy
 
@@ -227,8 +283,20 @@ def main(argv=None) -> int:
         wide_g = [jnp.zeros(s, jnp.float32) + 1e-3 for s in wide]
         label = "srround adamw native fused, 11008 columns"
         timed(label, step, wide_g, tx.init(wide_p), wide_p, reps=10)
+        tx16 = sj.adamw(1e-4, weight_decay=1e-2, seed=0, state_dtype=jnp.bfloat16)
+        step16 = jax.jit(tx16.step)
+        timed("srround adamw native fused (bf16 states)", step16, grads, tx16.init(params), params)
+        with _pallas_mode("off"):  # the XLA path's kernels only, the same bits
+            xla_step = jax.jit(lambda g, s, p: tx.step(g, s, p))
+            timed("the same, XLA path only (fp32 states)", xla_step, grads, tx.init(params), params)
+            xla_step16 = jax.jit(lambda g, s, p: tx16.step(g, s, p))
+            label = "the same, XLA path only (bf16 states)"
+            timed(label, xla_step16, grads, tx16.init(params), params)
+        fused_same = _fused_bits_equal(tx, tx16)
+        print(f"fused step bits equal to the XLA path's: {fused_same}")
         if args.probe:
-            _probe(args.probe, tx, otx, params, row, key)
+            with _pallas_mode("off"):  # the XLA path's work, part by part
+                _probe(args.probe, tx, otx, params, row, key)
     except ImportError as exc:
         print(f"optax rows skipped: {exc}")
     same = None
@@ -257,8 +325,11 @@ def main(argv=None) -> int:
             ["frac_copy", "of copy", "%"],
         ],
         baseline="astype(bf16) (a copy: 6 B per element); optax.adamw + optax.apply_updates",
-        notes=[f"bits equal to the Numba CUDA kernel: {same}"],
-        meta={"backend": backend, "elements": n, "bits_equal": same},
+        notes=[
+            f"bits equal to the Numba CUDA kernel: {same}",
+            f"fused step (Pallas kernels) bits equal to the XLA path's: {fused_same}",
+        ],
+        meta={"backend": backend, "elements": n, "bits_equal": same, "fused_same": fused_same},
         gpu=jax.devices()[0].device_kind,
         started=started,
     )

@@ -21,7 +21,7 @@ from jax import lax
 import srround
 from srround import _optim
 from srround.adapters import jax as sj
-from srround.adapters.jax import _lax, _leaves
+from srround.adapters.jax import _lax, _leaves, _pallas
 
 from .reference import (
     assert_same_bits,
@@ -1034,8 +1034,11 @@ def test_native_step_is_a_kernel_per_leaf_on_a_gpu(monkeypatch):
     registers a thread, against 48 for a leaf's own kernel). Whether XLA merges depends on its
     cost model, which sees the key (seed 0 merged, others not): several seeds."""
     device = _gpu_to_compile_for()
-    # the GPU's program, also where JAX's default backend is the CPU (a compile-only device)
+    # the GPU's program, also where JAX's default backend is the CPU (a compile-only device);
+    # XLA's kernels, not the Pallas ones (tests/test_jax_pallas.py)
     monkeypatch.setattr(_leaves, "_on_one_cpu", lambda leaves: False)
+    monkeypatch.setattr(_pallas, "MODE", "off")
+    jax.clear_caches()
     for seed in (0, 1, SEED):
         assert _leaf_kernel_outputs(device, seed) == [3] * 8  # params, exp_avg, exp_avg_sq
 
@@ -1130,6 +1133,7 @@ def test_native_leaf_kernel_draws_a_threefry_block_per_four_elements_on_a_gpu(
     _gpu_to_compile_for()  # skips without a GPU or a compile-only one
     root = pathlib.Path(__file__).resolve().parent.parent
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}", PYTHONPATH=str(root))
+    env["SRROUND_JAX_PALLAS"] = "off"  # XLA's kernels, not the Pallas ones
     target = os.environ.get("SRROUND_XLA_GPU_TARGET", "")
     run_python(["-c", NATIVE_STEP_PTX, state_dtype, target], env=env, cwd=tmp_path)
     kernels = [p.read_text() for p in tmp_path.rglob("*.ptx")]

@@ -2,30 +2,35 @@
 
 XLA's GPU backend has no fma, and divides and takes square roots of float32 approximately
 (``div.full.f32``, ``sqrt.approx.f32``), so the XLA path (``_lax``, ``optim._fma``) takes
-srround's correctly rounded fma, division and square root in float64 and rounds them back: about
-half of the fused AdamW step's instructions on a GPU. Here a leaf's update runs as one Pallas
-kernel - the same code (``optim._update``, ``optim._sgd_update``), traced inside the kernel -
-in which those ops are the GPU's own correctly rounded instructions (``fma.rn.f32``,
-``div.rn.f32``, ``sqrt.rn.f32``, inline PTX: what the Numba CUDA kernels run) and a row of four
-elements draws one Threefry block. The bits are the XLA path's (tests: Pallas' interpreter on
-the CPU against the XLA path, and on a GPU ``tests/test_jax_pallas.py``; measured in
-``benchmarks/jax_gpu_check.py``).
+srround's correctly rounded fma, division and square root in float64 and rounds them back:
+about half of the fused AdamW step's instructions on a GPU. Here a leaf's update runs as one
+Pallas kernel - the same code (``optim._update``, ``optim._sgd_update``), traced inside the
+kernel - in which those ops are the GPU's own correctly rounded instructions (``fma.rn.f32``,
+``div.rn.f32``, ``sqrt.rn.f32``, inline PTX: what the Numba CUDA kernels run), and a row of four
+elements draws one Threefry block. The bits are the XLA path's (``tests/test_jax_pallas.py``:
+Pallas' interpreter on the CPU, the compiled kernels on a GPU; ``benchmarks/jax_gpu_check.py``).
 
 Where (``takes``): a whole leaf (not a block inside ``shard_map``) of an elementwise update
-(``elementwise``) with a multiple of four elements, in a process with one GPU and no other
-device: a Pallas call does not partition, and under ``jit`` over several devices XLA would
-gather a sharded leaf into it. Everywhere else, and on other GPUs than NVIDIA's
+(``elementwise``) with a multiple of four elements, in a process whose JAX backend is one GPU:
+a Pallas call does not partition, and under ``jit`` over several devices XLA would gather a
+sharded leaf into it. Everywhere else, and on GPUs other than NVIDIA's
 (``lax.platform_dependent``), the XLA path runs.
 
-``MODE``: ``"auto"`` (above), ``"off"`` (the XLA path everywhere: benchmarks compare the two),
-``"on"`` (the kernels whenever the program is lowered for CUDA, any device count: compiling
-for a compile-only GPU), ``"interpret"`` (Pallas' interpreter on any platform, with the XLA
-path's exact ops: tests of the kernel's indexing, masks and random bits without a GPU).
+``MODE`` (the environment variable ``SRROUND_JAX_PALLAS`` at import, default ``"auto"``; to
+change it later set the attribute and call ``jax.clear_caches()``):
+
+* ``"auto"``: as above;
+* ``"off"``: the XLA path everywhere (the benchmark times both);
+* ``"on"``: the kernels wherever the program is lowered for CUDA, any device count (compiling
+  for a compile-only GPU);
+* ``"interpret"``: Pallas' interpreter on any platform, with the XLA path's exact ops (tests of
+  the kernel's indexing, masks, scalar words and random bits without a GPU).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +39,10 @@ from jax import lax
 
 from . import _lax
 
-MODE = "auto"
+MODES = ("auto", "off", "on", "interpret")
+MODE = os.environ.get("SRROUND_JAX_PALLAS", "auto")
+if MODE not in MODES:
+    raise ValueError(f"SRROUND_JAX_PALLAS: expected one of {', '.join(MODES)}, got {MODE!r}")
 ROWS = 256  # rows of four elements per program (1024 elements; H200: 85 % of copy, 128: 87 %)
 WARPS = 4
 _QNAN = np.uint32(0x7FC00000).view(np.float32)

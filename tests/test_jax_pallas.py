@@ -1,0 +1,182 @@
+"""The fused step's Pallas kernels on CUDA (``adapters/jax/_pallas.py``): the XLA path's bits,
+checked without a GPU through Pallas' interpreter (the kernel's indexing, masks, scalar words
+and random bits; the exact ops are then the XLA path's), compiled for a GPU (the inline PTX
+and every update's ops lower to Triton), and on a GPU against the XLA path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("jax.experimental.pallas.triton")
+import jax.numpy as jnp
+
+from srround.adapters import jax as sj
+from srround.adapters.jax import _leaves, _pallas
+
+from .test_jax_optim import _gpu_to_compile_for
+
+# a partial last block (592 rows of four, 256 per program), one partial block, a 3-d leaf, and
+# a size that is not a multiple of four (the XLA path)
+SHAPES = [(37, 64), (1000,), (3, 5, 8), (13,)]
+KERNEL_LEAVES = 3
+
+# (optimizer, options, param dtype, grad dtype): in the interpreter (CASES) both state dtypes,
+# fp16 and bf16 params, bf16 grads, nesterov and eps_root, optax's mask, the kahan weight mode
+# and SGD; on a GPU (GPU_CASES) also every other weight mode, fp32 params, SGD without momentum
+CASES = {
+    "adamw_bf16_states_nesterov": (
+        "adamw",
+        {"state_dtype": jnp.bfloat16, "nesterov": True, "eps_root": 1e-12},
+        jnp.bfloat16,
+        jnp.bfloat16,
+    ),
+    "adamw_fp16_kahan_mask": (
+        "adamw",
+        {"rounding": "kahan", "mask": lambda p: [True, False, True, False]},
+        jnp.float16,
+        jnp.float32,
+    ),
+    "sgd_nesterov_bf16_momentum": (
+        "sgd",
+        {"momentum": 0.9, "nesterov": True, "accumulator_dtype": jnp.bfloat16},
+        jnp.bfloat16,
+        jnp.float32,
+    ),
+}
+GPU_CASES = {
+    **CASES,
+    **{
+        f"adamw_{mode}": ("adamw", {"rounding": mode}, jnp.bfloat16, jnp.float32)
+        for mode in ("stochastic", "nearest", "master", "kahan", "remainder")
+    },
+    "adamw_fp16_stochastic": ("adamw", {}, jnp.float16, jnp.float32),
+    "adamw_fp32": ("adamw", {}, jnp.float32, jnp.float32),
+    "sgd_momentum": ("sgd", {"momentum": 0.9}, jnp.float16, jnp.bfloat16),
+    "sgd": ("sgd", {}, jnp.bfloat16, jnp.float32),
+}
+
+
+@pytest.fixture
+def pallas_mode(monkeypatch):
+    """``set(mode)``: ``_pallas.MODE`` for the next traces (JAX's caches cleared), the generic
+    leaf path (the one of GPUs) on the CPU too."""
+    monkeypatch.setattr(_leaves, "_on_one_cpu", lambda leaves: False)
+
+    def set_mode(mode):
+        monkeypatch.setattr(_pallas, "MODE", mode)
+        jax.clear_caches()
+
+    yield set_mode
+    jax.clear_caches()
+
+
+def _optimizer(name, options, impl="native"):
+    if name == "adamw":
+        return sj.adamw(1e-3, weight_decay=1e-2, seed=7, impl=impl, **options)
+    return sj.sgd(1e-2, seed=7, impl=impl, **options)
+
+
+def _inputs(p_dtype, g_dtype, seed=0):
+    """Params and grads of ``SHAPES``: subnormal weights and gradients, infinities and a NaN."""
+    rng = np.random.default_rng(seed)
+    params, grads = [], []
+    for shape in SHAPES:
+        p = (rng.normal(size=shape) * 0.02).astype(np.float32)
+        g = (rng.normal(size=shape) * 1e-3).astype(np.float32)
+        p.reshape(-1)[::89] = 1e-39
+        g.reshape(-1)[::97] = 3e-39
+        g.reshape(-1)[5:8] = [np.inf, np.nan, -np.inf]
+        params.append(jnp.asarray(p, p_dtype))
+        grads.append(jnp.asarray(g, g_dtype))
+    return params, grads
+
+
+def _two_steps(tx, params, grads):
+    step = jax.jit(lambda g, s, p: tx.step(g, s, p, inv_scale=0.5))
+    first = step(grads, tx.init(params), params)
+    return first, step(grads, first[1], first[0])
+
+
+def _assert_same_bits(expected, got):
+    for k, (e, g) in enumerate(zip(jax.tree.leaves(expected), jax.tree.leaves(got))):
+        e, g = np.atleast_1d(np.asarray(e)), np.atleast_1d(np.asarray(g))
+        assert e.dtype == g.dtype and e.shape == g.shape, k
+        differ = np.flatnonzero(e.view(np.uint8) != g.view(np.uint8))
+        assert differ.size == 0, f"leaf {k}: bytes {differ[:8]} of {e.nbytes} differ"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernels_give_the_xla_paths_bits_in_the_interpreter(pallas_mode, case):
+    """Two steps (with ``inv_scale``) through the kernels in Pallas' interpreter equal the XLA
+    path's bits, params, states and aux buffers; three of the four leaves run as kernels."""
+    name, options, p_dtype, g_dtype = CASES[case]
+    tx = _optimizer(name, options)
+    params, grads = _inputs(p_dtype, g_dtype)
+    pallas_mode("off")
+    expected = _two_steps(tx, params, grads)
+    pallas_mode("interpret")
+    jaxpr = str(jax.make_jaxpr(lambda g, s, p: tx.step(g, s, p))(grads, tx.init(params), params))
+    assert jaxpr.count("pallas_call") == KERNEL_LEAVES
+    _assert_same_bits(expected, _two_steps(tx, params, grads))
+
+
+def test_only_whole_elementwise_leaves_of_a_one_gpu_process_take_a_kernel(monkeypatch):
+    """``takes``: a whole leaf (no ``shard_map`` block) of an update marked elementwise, four
+    elements a row from lane 0; with ``MODE="auto"`` only where JAX's backend is one GPU."""
+    from srround.adapters.jax import optim
+
+    leaf = (jnp.zeros((8, 4)), jnp.zeros((8, 4)), None)
+    monkeypatch.setattr(_pallas, "MODE", "on")
+    assert _pallas.takes(optim._update, leaf, None, 0)
+    assert _pallas.takes(optim._sgd_update, leaf, None, 0)
+    assert not _pallas.takes(optim._update8, leaf, None, 0)  # blocks of 32: not elementwise
+    assert not _pallas.takes(optim._apply_update, leaf, None, 0)  # after optax's XLA update
+    assert not _pallas.takes(optim._update, leaf, ((0, 0), (16, 4)), 0)  # a shard_map block
+    assert not _pallas.takes(optim._update, leaf, None, 2)
+    assert not _pallas.takes(optim._update, (jnp.zeros(6), jnp.zeros(6), None), None, 0)
+    assert not _pallas.takes(optim._update, (jnp.zeros(8), jnp.zeros((2, 4)), None), None, 0)
+    monkeypatch.setattr(_pallas, "MODE", "auto")
+    one_gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
+    assert _pallas.takes(optim._update, leaf, None, 0) == one_gpu
+    monkeypatch.setattr(_pallas, "MODE", "off")
+    assert not _pallas.takes(optim._update, leaf, None, 0)
+
+
+def test_kernels_compile_for_a_gpu(pallas_mode):
+    """Every case's step compiles for a GPU (a compile-only H100 without one: see
+    ``_gpu_to_compile_for``) with its three kernels: Triton takes the inline PTX and every op
+    of the updates (a leading-zero count, which Triton lacks, is PTX's ``clz``)."""
+    device = _gpu_to_compile_for()
+    pallas_mode("on")
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def spec(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    for name, options, p_dtype, g_dtype in GPU_CASES.values():
+        tx = _optimizer(name, options)
+        params = [jax.ShapeDtypeStruct(s, p_dtype, sharding=sharding) for s in SHAPES]
+        grads = [jax.ShapeDtypeStruct(s, g_dtype, sharding=sharding) for s in SHAPES]
+        state = jax.tree.map(spec, jax.eval_shape(tx.init, params))
+        step = jax.jit(lambda g, s, p, tx=tx: tx.step(g, s, p))
+        hlo = step.trace(grads, state, params).lower().compile().as_text()
+        assert hlo.count("__gpu$xla.gpu.triton") == KERNEL_LEAVES, (name, options)
+
+
+def test_kernels_give_the_xla_paths_bits_on_a_gpu(pallas_mode):
+    """On a GPU, every case: the kernels (the GPU's own fma, division, square root) give the
+    XLA path's bits (float64 emulation of them), two steps."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    for case, (name, options, p_dtype, g_dtype) in sorted(GPU_CASES.items()):
+        tx = _optimizer(name, options)
+        params, grads = _inputs(p_dtype, g_dtype)
+        pallas_mode("off")
+        expected = _two_steps(tx, params, grads)
+        pallas_mode("on")
+        try:
+            _assert_same_bits(expected, _two_steps(tx, params, grads))
+        except AssertionError as exc:
+            raise AssertionError(f"{case}: {exc}") from None
