@@ -124,7 +124,8 @@ def test_kernels_give_the_xla_paths_bits_in_the_interpreter(pallas_mode, case):
 
 def test_only_whole_elementwise_leaves_of_a_one_gpu_process_take_a_kernel(monkeypatch):
     """``takes``: a whole leaf (no ``shard_map`` block) of an update marked elementwise, four
-    elements a row from lane 0; with ``MODE="auto"`` only where JAX's backend is one GPU."""
+    elements a row from lane 0, where Pallas' Triton backend imports; with ``MODE="auto"``
+    only where JAX's backend is one GPU."""
     from srround.adapters.jax import optim
 
     leaf = (jnp.zeros((8, 4)), jnp.zeros((8, 4)), None)
@@ -141,6 +142,9 @@ def test_only_whole_elementwise_leaves_of_a_one_gpu_process_take_a_kernel(monkey
     one_gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
     assert _pallas.takes(optim._update, leaf, None, 0) == one_gpu
     monkeypatch.setattr(_pallas, "MODE", "off")
+    assert not _pallas.takes(optim._update, leaf, None, 0)
+    monkeypatch.setattr(_pallas, "MODE", "on")
+    monkeypatch.setattr(_pallas, "_has_triton", lambda: False)  # a jaxlib without Triton
     assert not _pallas.takes(optim._update, leaf, None, 0)
 
 

@@ -56,6 +56,17 @@ def elementwise(update):
     return update
 
 
+@functools.cache
+def _has_triton() -> bool:
+    """Whether this JAX has Pallas' Triton backend (a jaxlib built without it keeps the XLA
+    path rather than failing at the first step)."""
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def takes(update, arrays, layout, lane0) -> bool:
     """Whether a leaf's update (``arrays``: its buffers, ``None`` where absent; ``layout``:
     ``None`` for a whole leaf; ``lane0``: its first lane) runs as a Pallas kernel where the
@@ -63,6 +74,8 @@ def takes(update, arrays, layout, lane0) -> bool:
     if MODE == "off" or not getattr(update, "srround_elementwise", False):
         return False
     if MODE == "auto" and (jax.default_backend() != "gpu" or jax.device_count() != 1):
+        return False
+    if not _has_triton():
         return False
     p = arrays[0]
     return (
