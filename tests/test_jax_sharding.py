@@ -28,6 +28,7 @@ CASES = [
     "explicit",
     "readme",
     "missing_specs",
+    "pallas",
 ]
 
 

@@ -169,7 +169,7 @@ def _shard_index(entry, mesh):
     return index
 
 
-def _per_shard(body, leaf_of, *args, result_leaves=(0,)):
+def _per_shard(body, leaf_of, *args, result_leaves=(0,), platform="cpu", default=None):
     """``body(*args, origins)`` run on each shard under ``jit``: on a mesh with explicit axes
     through ``shard_map`` (each leaf's spec from its type); else by XLA's partitioner on the
     CPU (``custom_partitioning`` around the FFI call), and on the whole arrays elsewhere.
@@ -177,7 +177,9 @@ def _per_shard(body, leaf_of, *args, result_leaves=(0,)):
     ``leaf_of[i]``: the leaf of operand ``i`` (a leaf's operands take the sharding of its first
     one), or ``None`` for a replicated scalar. ``result_leaves``: the leaf of each result (one
     result: an array, else a tuple). ``origins``: per leaf, the shard's first element in the
-    global array (uint32 scalars, one per dimension), or ``None`` for the whole arrays."""
+    global array (uint32 scalars, one per dimension), or ``None`` for the whole arrays.
+    ``platform``: where XLA's partitioner runs ``body`` per shard; elsewhere ``default(*args)``
+    (``None``: ``body`` on the whole arrays)."""
     leaves = sorted({j for j in leaf_of if j is not None})
     first = {j: leaf_of.index(j) for j in leaves}
     if all(args[first[j]].ndim == 0 for j in leaves):
@@ -239,7 +241,8 @@ def _per_shard(body, leaf_of, *args, result_leaves=(0,)):
     # vmapped: one call per example (custom_partitioning has no batching rule)
     @jax.custom_batching.sequential_vmap
     def call(*a):
-        return lax.platform_dependent(*a, cpu=whole, default=lambda *b: body(*b, None))
+        other = default or (lambda *b: body(*b, None))
+        return lax.platform_dependent(*a, **{platform: whole}, default=other)
 
     return call(*args)
 

@@ -394,7 +394,7 @@ def _native_leaves(
             origin, global_shape = tuple(_u(o) + zero for o in layout[0]), layout[1]
         arrays = tuple(c[k] for c in columns)
         call = _leaf_call
-        if _pallas.takes(update, arrays, layout, starts[k] & 3):
+        if _pallas.takes(update, arrays):
             call = functools.partial(_pallas.leaf_call, _leaf_call)
         outs.append(
             call(

@@ -10,27 +10,31 @@ kernel - in which those ops are the GPU's own correctly rounded instructions (``
 elements draws one Threefry block. The bits are the XLA path's (``tests/test_jax_pallas.py``:
 Pallas' interpreter on the CPU, the compiled kernels on a GPU; ``benchmarks/jax_gpu_check.py``).
 
-Where (``takes``): a whole leaf (not a block inside ``shard_map``) of an elementwise update
-(``elementwise``) with a multiple of four elements, in a process whose JAX backend is one GPU:
-a Pallas call does not partition, and under ``jit`` over several devices XLA would gather a
-sharded leaf into it. Everywhere else, and on GPUs other than NVIDIA's
-(``lax.platform_dependent``), the XLA path runs.
+Where (``takes``, ``leaf_call``): a leaf of an elementwise update (``elementwise``) with a
+multiple of four elements, where JAX's backend is a GPU. A Pallas call does not partition, so
+under ``jit`` over several devices each shard of a leaf is a kernel of its own
+(``custom_partitioning``, the callback path's ``_per_shard``: nothing is gathered), as is a
+block inside ``shard_map``, at its global position when its elements are one run of the leaf
+(only the first dimension split); a block split otherwise takes the XLA path with its origin.
+On GPUs other than NVIDIA's (``lax.platform_dependent``) the XLA path runs.
 
 ``MODE`` (the environment variable ``SRROUND_JAX_PALLAS`` at import, default ``"auto"``; to
 change it later set the attribute and call ``jax.clear_caches()``):
 
 * ``"auto"``: as above;
 * ``"off"``: the XLA path everywhere (the benchmark times both);
-* ``"on"``: the kernels wherever the program is lowered for CUDA, any device count (compiling
-  for a compile-only GPU);
-* ``"interpret"``: Pallas' interpreter on any platform, with the XLA path's exact ops (tests of
-  the kernel's indexing, masks, scalar words and random bits without a GPU).
+* ``"on"``: the kernels wherever the program is lowered for CUDA, whatever JAX's default
+  backend (compiling for a compile-only GPU);
+* ``"interpret"``: Pallas' interpreter on any platform (under ``jit`` over several devices:
+  each CPU shard), with the XLA path's exact ops (tests of the kernel's indexing, masks,
+  scalar words, random bits and shards without a GPU).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +42,7 @@ import numpy as np
 from jax import lax
 
 from . import _lax
+from ._callback import _per_shard
 
 MODES = ("auto", "off", "on", "interpret")
 MODE = os.environ.get("SRROUND_JAX_PALLAS", "auto")
@@ -67,21 +72,18 @@ def _has_triton() -> bool:
     return True
 
 
-def takes(update, arrays, layout, lane0) -> bool:
-    """Whether a leaf's update (``arrays``: its buffers, ``None`` where absent; ``layout``:
-    ``None`` for a whole leaf; ``lane0``: its first lane) runs as a Pallas kernel where the
-    program runs on CUDA."""
+def takes(update, arrays) -> bool:
+    """Whether a leaf's update (``arrays``: its buffers, ``None`` where absent) runs as Pallas
+    kernels where the program runs on CUDA (``leaf_call``)."""
     if MODE == "off" or not getattr(update, "srround_elementwise", False):
         return False
-    if MODE == "auto" and (jax.default_backend() != "gpu" or jax.device_count() != 1):
+    if MODE == "auto" and jax.default_backend() != "gpu":
         return False
     if not _has_triton():
         return False
     p = arrays[0]
     return (
-        layout is None
-        and lane0 == 0
-        and p.size % 4 == 0
+        p.size % 4 == 0
         and p.size > 0
         and all(x is None or (hasattr(x, "shape") and x.shape == p.shape) for x in arrays)
     )
@@ -155,71 +157,181 @@ def _from_word(w, dtype):
 def leaf_call(
     xla_call, arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg, global_shape
 ):
-    """``xla_call``'s leaf update (``_leaves._leaf_call``, same arguments) as a Pallas kernel
-    where the program runs on CUDA, ``xla_call`` elsewhere (``MODE``)."""
-    args = (arrays, k0, k1, t, start_lo, lane0, origin, extra)
-    kw = {"update": update, "cfg": cfg, "global_shape": global_shape}
+    """``xla_call``'s leaf update (``_leaves._leaf_call``, same arguments) as Pallas kernels
+    where the program runs on CUDA, ``xla_call`` elsewhere (``MODE``). A block inside
+    ``shard_map`` (``global_shape`` given) and, under ``jit`` over several devices, each
+    shard of a leaf (XLA's partitioner, ``custom_partitioning``) is one kernel over its
+    elements when they are one run of the leaf (only the first dimension split), at its
+    global position; any other block takes the XLA path with its origin (the same bits)."""
+    kw = {"update": update, "cfg": cfg}
+    n_arrays = len(arrays)
     present = [i for i, x in enumerate(arrays) if x is not None]
-    scalars, tree = jax.tree_util.tree_flatten((k0, k1, start_lo, _lax._u(t) * np.uint32(4), extra))
+    scalars, tree = jax.tree_util.tree_flatten((k0, k1, t, start_lo, extra))
     dynamic = [i for i, v in enumerate(scalars) if isinstance(v, jax.Array)]
     if any(scalars[i].size != 1 or _word_dtype(scalars[i].dtype) is None for i in dynamic):
-        return xla_call(*args, **kw)
-    kernel = _kernel(
+        return xla_call(
+            arrays, k0, k1, t, start_lo, lane0, origin, extra, global_shape=global_shape, **kw
+        )
+    dtypes = [jnp.dtype(scalars[i].dtype) for i in dynamic]
+    n_words = len(dynamic)
+    shape = tuple(arrays[0].shape if global_shape is None else global_shape)  # the leaf's
+    out_shapes = jax.eval_shape(
+        lambda *xs: xla_call(
+            xs, k0, k1, t, start_lo, lane0, origin, extra, global_shape=global_shape, **kw
+        ),
+        *arrays,
+    )
+    outs = [i for i, o in enumerate(out_shapes) if o is not None]
+    leaf = _Leaf(
         update,
         cfg,
         tree,
         tuple(scalars),
         tuple(dynamic),
         tuple(present),
-        len(arrays),
-        xla_call,
-        args,
-        kw,
+        n_arrays,
+        tuple(outs),
+        tuple(out_shapes[i].dtype for i in outs),
     )
+    single = len(outs) == 1
 
-    def on_xla(*_):
-        return xla_call(*args, **kw)
+    def unpack(words):
+        values = list(scalars)
+        for slot, (i, dtype) in enumerate(zip(dynamic, dtypes)):
+            values[i] = _from_word(words[slot], dtype)
+        return jax.tree_util.tree_unflatten(tree, values)
 
-    words = [_as_word(scalars[i]) for i in dynamic]
-    words = jnp.stack(words + [jnp.uint32(0)] * (_width(len(words)) - len(words)))
-    blocks = [arrays[i].reshape(-1, 4) for i in present]
-    if MODE == "interpret":
-        return kernel(words, *blocks)
-    return lax.platform_dependent(words, *blocks, cuda=kernel, default=on_xla)
+    def on_xla(operands, block_origin):
+        k0, k1, t, start_lo, extra = unpack(operands[:n_words])
+        full = [None] * n_arrays
+        for i, x in zip(present, operands[n_words:]):
+            full[i] = x
+        at = None if block_origin is None else tuple(block_origin)  # None: the whole leaf
+        got = xla_call(
+            tuple(full),
+            k0,
+            k1,
+            t,
+            start_lo,
+            lane0,
+            at,
+            extra,
+            global_shape=None if at is None else shape,
+            **kw,
+        )
+        got = tuple(got[i] for i in outs)
+        return got[0] if single else got
+
+    def on_kernel(operands, block_origin):
+        local = operands[n_words:]
+        block = local[0].shape
+        size = int(np.prod(block))
+        if block_origin is not None and (tuple(block[1:]) != shape[1:] or size % 4):
+            return on_xla(operands, block_origin)  # not one run of the leaf
+        row_offset = jnp.uint32(0)
+        if block_origin is not None and block:
+            run = int(np.prod(shape[1:]))  # a row of the leaf; the block starts at origin[0]
+            row_offset = (_lax._u(block_origin[0]) * np.uint32(run)) >> 2
+        words = list(operands[:n_words]) + [row_offset]
+        words = jnp.stack(words + [jnp.uint32(0)] * (_width(len(words)) - len(words)))
+        mat = getattr(jax.typeof(local[0]), "manual_axis_type", None)
+        call = _kernel(leaf, size // 4, lane0, mat)
+        got = tuple(r.reshape(block) for r in call(words, *(x.reshape(-1, 4) for x in local)))
+        return got[0] if single else got
+
+    def per_block(*operands_and_origins):
+        *operands, origins = operands_and_origins
+        block_origin = None if origins is None else origins[0]
+        if MODE == "interpret":
+            return on_kernel(operands, block_origin)
+        return lax.platform_dependent(
+            *operands,
+            cuda=lambda *o: on_kernel(o, block_origin),
+            default=lambda *o: on_xla(o, block_origin),
+        )
+
+    operands = [_as_word(scalars[i]) for i in dynamic] + [arrays[i] for i in present]
+    if global_shape is not None:  # a block inside shard_map: its origin in the leaf
+        got = per_block(*operands, {0: list(origin)})
+    elif jax.device_count() == 1:
+        got = per_block(*operands, None)
+    else:  # each shard where XLA's partitioner splits the leaf
+        leaf_of = [None] * n_words + [0] * len(present)
+        got = _per_shard(
+            per_block,
+            leaf_of,
+            *operands,
+            result_leaves=(0,) * len(outs),
+            platform="cpu" if MODE == "interpret" else "cuda",
+            default=lambda *o: on_xla(o, None),
+        )
+    got = (got,) if single else tuple(got)
+    result = [None] * len(out_shapes)
+    for i, r in zip(outs, got):
+        result[i] = r
+    return tuple(result)
 
 
-def _kernel(update, cfg, tree, scalars, dynamic, present, n_arrays, xla_call, args, kw):
-    """The Pallas call of one leaf: ``(words, *blocks) -> outputs`` (the leaf update's tuple,
-    ``None`` where the update gives ``None``)."""
+class _Leaf(NamedTuple):
+    """What a leaf's kernel computes: ``update(cfg, *arrays, bits, *extra)``, the arrays
+    ``present`` of ``n_arrays`` given, its outputs ``outs`` (``out_dtypes``); ``(k0, k1, t,
+    start_lo, extra)`` flattened (``tree``) into ``scalars``, those at ``dynamic`` passed to
+    the kernel as uint32 words."""
+
+    update: Any
+    cfg: Any
+    tree: Any
+    scalars: tuple
+    dynamic: tuple
+    present: tuple
+    n_arrays: int
+    outs: tuple
+    out_dtypes: tuple
+
+
+def _kernel(leaf: _Leaf, quads: int, lane0: int, mat):
+    """The Pallas call over ``quads`` rows of four elements of ``leaf``: ``(words, *blocks) ->
+    outputs``. ``words``: the dynamic scalars as uint32 words, then the block's first row in
+    the leaf. A row's elements draw from one Threefry block where
+    the leaf starts at lane ``lane0`` 0, else from two (each computes both). ``mat``: the
+    blocks' manual axis type inside ``shard_map`` (the outputs vary as they do), or ``None``."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    update, cfg, tree, scalars, dynamic, present, n_arrays, outs, out_dtypes = leaf
     interpret = MODE == "interpret"
-    shape = args[0][0].shape
-    quads = int(np.prod(shape)) // 4
-    out_shapes = jax.eval_shape(lambda *xs: xla_call(xs, *args[1:], **kw), *args[0])
-    outs = [i for i, s in enumerate(out_shapes) if s is not None]
     dtypes = [jnp.dtype(scalars[i].dtype) for i in dynamic]
 
     def body(w_ref, *refs):
         values = list(scalars)
         for slot, (i, dtype) in enumerate(zip(dynamic, dtypes)):
             values[i] = _from_word(w_ref[slot], dtype)
-        k0, k1, first_lo, first_hi, extra = jax.tree_util.tree_unflatten(tree, values)
-        row = pl.program_id(0).astype(jnp.uint32) * np.uint32(ROWS)
-        row = row + lax.broadcasted_iota(jnp.uint32, (ROWS, 1), 0)  # its Threefry block
-        valid = jnp.broadcast_to(row < np.uint32(quads), (ROWS, 4))
+        k0, k1, t, first_lo, extra = jax.tree_util.tree_unflatten(tree, values)
+        first_hi = _lax._u(t) * np.uint32(4)  # _leaves._leaf_call's counter
+        local = pl.program_id(0).astype(jnp.uint32) * np.uint32(ROWS)
+        local = local + lax.broadcasted_iota(jnp.uint32, (ROWS, 1), 0)
+        valid = jnp.broadcast_to(local < np.uint32(quads), (ROWS, 4))
+        row = local + w_ref[len(dynamic)]  # each row of four: its first element's block
         lane = lax.broadcasted_iota(jnp.uint32, (1, 4), 1)
         inputs = [None] * n_arrays
         for ref, i in zip(refs, present):
             inputs[i] = plgpu.load(ref, mask=valid, other=0)
 
-        def bits(stream):  # _lax._random16 with lane0 = 0 and index 4 row + lane
-            c_lo = first_lo + row
-            c_hi = first_hi + np.uint32(stream) + (c_lo < row).astype(jnp.uint32)
-            x0, x1 = _lax._threefry2x32(k0, k1, c_lo, c_hi)
-            r = (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
-            return jnp.broadcast_to(r, (ROWS, 4))
+        def block_bits(stream, j):  # the Threefry block j of the leaf's stream
+            c_lo = first_lo + j
+            c_hi = first_hi + np.uint32(stream) + (c_lo < j).astype(jnp.uint32)
+            return _lax._threefry2x32(k0, k1, c_lo, c_hi)
+
+        def lanes(x0, x1, lane):
+            return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
+
+        def bits(stream):  # _lax._random16 of the elements 4 row + lane (after lane0)
+            if lane0 == 0:  # a row is one block
+                return jnp.broadcast_to(lanes(*block_bits(stream, row), lane), (ROWS, 4))
+            at = lane + np.uint32(lane0)  # a row's elements in blocks row and row + 1
+            here = lanes(*block_bits(stream, row), at & 3)
+            next_ = lanes(*block_bits(stream, row + np.uint32(1)), at & 3)
+            return jnp.where(at >= 4, next_, here)
 
         with _lax.kernel_ops(None if interpret else _Exact()):
             result = update(cfg, *inputs, bits, *extra)
@@ -227,22 +339,19 @@ def _kernel(update, cfg, tree, scalars, dynamic, present, n_arrays, xla_call, ar
             plgpu.store(ref, result[i].astype(ref.dtype), mask=valid)
 
     block = pl.BlockSpec((ROWS, 4), lambda i: (i, 0))
-    call = pl.pallas_call(
+    return pl.pallas_call(
         body,
         grid=(pl.cdiv(quads, ROWS),),
-        in_specs=[pl.BlockSpec((_width(len(dynamic)),), lambda i: (0,))] + [block] * len(present),
+        in_specs=[pl.BlockSpec((_width(len(dynamic) + 1),), lambda i: (0,))]
+        + [block] * len(present),
         out_specs=[block] * len(outs),
-        out_shape=[jax.ShapeDtypeStruct((quads, 4), out_shapes[i].dtype) for i in outs],
+        out_shape=[
+            jax.ShapeDtypeStruct(
+                (quads, 4), d, **({} if mat is None else {"manual_axis_type": mat})
+            )
+            for d in out_dtypes
+        ],
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=WARPS),
         interpret=interpret,
         name="srround_leaf_update",
     )
-
-    def run(words, *blocks):
-        got = call(words, *blocks)
-        result = [None] * len(out_shapes)
-        for i, r in zip(outs, got):
-            result[i] = r.reshape(shape)
-        return tuple(result)
-
-    return run
