@@ -231,6 +231,23 @@ def _tree(mesh_shape, names, arrays, seed=0):
     return params, grads, specs
 
 
+def _placed(mesh, specs, *trees):
+    """Each tree's leaves put on ``mesh`` with their ``specs``."""
+    put = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    return [{k: jax.device_put(v, put[k]) for k, v in tree.items()} for tree in trees]
+
+
+def _in_shard_map(step, mesh, specs, state_specs, **kw):
+    """A fused ``step(grads, state, params)`` inside ``shard_map`` (params, grads: ``specs``)."""
+    return jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(specs, state_specs, specs),
+        out_specs=(specs, state_specs),
+        **kw,
+    )
+
+
 def case_optim():
     for index, (mesh_shape, names, arrays) in enumerate(EVEN):
         last = index == len(EVEN) - 1  # the 2-D mesh: every variant there, the basics elsewhere
@@ -297,12 +314,7 @@ def case_optim():
             # inside shard_map with shard_specs
             tx_s = sj.adamw(1e-2, seed=KEY, state_dtype=state_dtype, shard_specs=specs, impl=impl)
             state_specs = type(state)(P(), specs, specs, specs)
-            fn = jax.shard_map(
-                tx_s.step,
-                mesh=mesh,
-                in_specs=(specs, state_specs, specs),
-                out_specs=(specs, state_specs),
-            )
+            fn = _in_shard_map(tx_s.step, mesh, specs, state_specs)
             m_params, m_state = jax.jit(fn)(gs, s_state, ps)
             for k in params:
                 _same(m_params[k], e_params[k], f"adamw shard_map {k} {what_s}")
@@ -403,9 +415,7 @@ def case_pallas():
             mesh = _mesh(mesh_shape, names)
             arrays = [(shape, spec) for shape, spec in arrays if np.prod(shape) % 4 == 0]
             params, grads, specs = _tree(mesh_shape, names, arrays, seed=5)
-            put = {k: NamedSharding(mesh, s) for k, s in specs.items()}
-            ps = {k: jax.device_put(v, put[k]) for k, v in params.items()}
-            gs = {k: jax.device_put(v, put[k]) for k, v in grads.items()}
+            ps, gs = _placed(mesh, specs, params, grads)
             what = f"pallas mesh {mesh_shape} {list(specs.values())}"
             txs = [sj.adamw(1e-2, seed=KEY, impl="native")]
             if mesh_shape == (2, 4):
@@ -452,9 +462,7 @@ def case_pallas():
         arrays = [((16, 8), P(("x", "y"))), ((8, 8), P("x", "y")), ((4, 6), P())]
         mesh = _mesh(mesh_shape, names)
         params, grads, specs = _tree(mesh_shape, names, arrays, seed=5)
-        put = {k: NamedSharding(mesh, s) for k, s in specs.items()}
-        ps = {k: jax.device_put(v, put[k]) for k, v in params.items()}
-        gs = {k: jax.device_put(v, put[k]) for k, v in grads.items()}
+        ps, gs = _placed(mesh, specs, params, grads)
         ref = sj.adamw(1e-2, seed=KEY, impl="callback")
         e_params, e_state = jax.jit(ref.step)(grads, ref.init(params), params)
         tx = sj.adamw(1e-2, seed=KEY, shard_specs=specs, impl="native")
@@ -462,13 +470,7 @@ def case_pallas():
         # check_vma=False: Pallas' interpreter (JAX 0.10) evaluates a kernel's indexing with
         # the blocks' varying axes and rejects it ("requires varying manual axes to match");
         # a compiled kernel is lowered without that check
-        fn = jax.shard_map(
-            tx.step,
-            mesh=mesh,
-            in_specs=(specs, state_specs, specs),
-            out_specs=(specs, state_specs),
-            check_vma=False,
-        )
+        fn = _in_shard_map(tx.step, mesh, specs, state_specs, check_vma=False)
         s_state = tx.init(ps)
         assert "pallas_call" in str(jax.make_jaxpr(fn)(gs, s_state, ps)), "shard_map: no kernel"
         m_params, m_state = jax.jit(fn)(gs, s_state, ps)
