@@ -185,10 +185,10 @@ _KERNEL_OPS = contextvars.ContextVar("srround_kernel_ops", default=None)
 
 @contextlib.contextmanager
 def kernel_ops(ops):
-    """Within: ``ops`` (``fma``, ``div``, ``sqrt``, ``add`` of float32 arrays, each rounded
-    once, as the kernels, and ``clz`` of uint32 arrays) replace the XLA path's ops (``div``,
-    ``sqrt``, ``_clz`` here, ``optim._fma`` and ``optim._add``): set while a Pallas kernel's
-    body is traced (``_pallas``); ``None`` keeps the XLA path's."""
+    """Within: ``ops`` (``fma``, ``div``, ``sqrt`` of float32 arrays, each rounded once, as
+    the kernels, and ``clz`` of uint32 arrays) replace the XLA path's ops (``div``, ``sqrt``,
+    ``_clz`` here, ``optim._fma``): set while a Pallas kernel's body is traced (``_pallas``);
+    ``None`` keeps the XLA path's."""
     token = _KERNEL_OPS.set(ops)
     try:
         yield

@@ -127,9 +127,6 @@ class _Exact:
     def sqrt(self, x):
         return self._ptx("sqrt.rn.f32 $0, $1;", x)
 
-    def add(self, a, b):
-        return self._ptx("add.rn.f32 $0, $1, $2;", a, b)
-
 
 def _word_dtype(dtype):
     """``dtype`` if a scalar of it passes as one uint32 word (4 bytes, or a bool), else None."""

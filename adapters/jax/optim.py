@@ -200,9 +200,7 @@ def _add(u, w):
     subnormals included (the bits of ``_fma(1, u, w)``), a NaN as +qNaN. XLA's GPU backend
     adds float32 as IEEE does (``add.rn.f32``: subnormals kept, as ``xla_gpu_ftz`` is off by
     default), so on CUDA it is one add; elsewhere (XLA's CPU backend and TPUs flush
-    subnormals) ``_add_flushing``; inside a Pallas kernel its ``add``."""
-    if (ops := exact_ops()) is not None:
-        return ops.add(u, w)
+    subnormals) ``_add_flushing``."""
     return lax.platform_dependent(u, w, cuda=_add_ieee, default=_add_flushing)
 
 
