@@ -43,11 +43,15 @@
 # profile 12 s; the whole call below 428 s, the machine's start about 30 s. Evening (same
 # phases, kernels included): gpu-tests 131 s (pytest's own 127 s, exiting by itself), jax 15 s,
 # probe 35 s, round 38 s, optim 138 s, lowbit 15 s, compile 31 s, lossscale 15 s, adapters
-# 24 s, profile 19 s, kernels rc=1 in 9 s (no PTX, above); the whole call 488 s. One call of
-# about 9 minutes (the device's timeout_s=560) holds all but the demo and the whole suite:
-# `T_TESTS=150 T_MORE=45 bash benchmarks/gpu_session.sh gpu-tests jax probe round optim lowbit
-# compile lossscale adapters profile`; the demo alone: `T_MORE=230 bash
-# benchmarks/gpu_session.sh demo`.
+# 24 s, profile 19 s, kernels rc=1 in 9 s (no PTX, above); the whole call 488 s. Since then
+# gpu-tests holds the Pallas kernels' tests (tests/test_jax_pallas.py: 12 cases compiled, and
+# twice run; not yet timed on a GPU, estimated 60-90 s more) and jax also times the XLA path
+# alone and compares the kernels' bits with it. One call of about 9 minutes (the device's
+# timeout_s=560) holds all but the demo, the whole suite, probe and compile (the XLA path's
+# ablation and the torch.compile rows, measured twice):
+# `T_TESTS=240 T_MORE=45 bash benchmarks/gpu_session.sh gpu-tests jax round optim lowbit
+# lossscale adapters profile`; the demo alone: `T_MORE=230 bash benchmarks/gpu_session.sh
+# demo`.
 set -uo pipefail
 ulimit -c 0 # no core files from the SIGABRT that stops a step at its limit
 export PYTHONFAULTHANDLER=1
