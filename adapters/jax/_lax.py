@@ -520,11 +520,20 @@ def _random16(k0, k1, first_lo, first_hi, lane0, index):
         _check_count(index)
         index = lax.iota(_U32, index)
     i = index + _u(lane0)
-    j = i >> 2
+    return _lane16(*_threefry_block(k0, k1, first_lo, first_hi, i >> 2), i)
+
+
+def _threefry_block(k0, k1, first_lo, first_hi, j):
+    """The two output words of Threefry block ``first + j`` of a stream (``first`` as uint32
+    words ``first_lo``, ``first_hi``; ``j`` uint32)."""
     c_lo = first_lo + j
     c_hi = first_hi + (c_lo < j).astype(_U32)  # carry into the high counter word
-    x0, x1 = _threefry2x32(k0, k1, c_lo, c_hi)
-    return (jnp.where((i & 2) == 0, x0, x1) >> ((i & 1) << 4)) & 0xFFFF
+    return _threefry2x32(k0, k1, c_lo, c_hi)
+
+
+def _lane16(x0, x1, lane):
+    """Lane ``lane & 3`` (16 bits, uint32) of a Threefry block's output words."""
+    return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
 
 
 def _opaque(values, probes):

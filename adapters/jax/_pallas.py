@@ -169,7 +169,6 @@ def leaf_call(
         return xla_call(
             arrays, k0, k1, t, start_lo, lane0, origin, extra, global_shape=global_shape, **kw
         )
-    dtypes = [jnp.dtype(scalars[i].dtype) for i in dynamic]
     n_words = len(dynamic)
     shape = tuple(arrays[0].shape if global_shape is None else global_shape)  # the leaf's
     out_shapes = jax.eval_shape(
@@ -192,14 +191,8 @@ def leaf_call(
     )
     single = len(outs) == 1
 
-    def unpack(words):
-        values = list(scalars)
-        for slot, (i, dtype) in enumerate(zip(dynamic, dtypes)):
-            values[i] = _from_word(words[slot], dtype)
-        return jax.tree_util.tree_unflatten(tree, values)
-
     def on_xla(operands, block_origin):
-        k0, k1, t, start_lo, extra = unpack(operands[:n_words])
+        k0, k1, t, start_lo, extra = _unpack(leaf, lambda slot: operands[slot])
         full = [None] * n_arrays
         for i, x in zip(present, operands[n_words:]):
             full[i] = x
@@ -286,6 +279,15 @@ class _Leaf(NamedTuple):
     out_dtypes: tuple
 
 
+def _unpack(leaf: _Leaf, word):
+    """``(k0, k1, t, start_lo, extra)`` of ``leaf``, its dynamic scalars from ``word(slot)``
+    (uint32 words in ``leaf.dynamic``'s order)."""
+    values = list(leaf.scalars)
+    for slot, i in enumerate(leaf.dynamic):
+        values[i] = _from_word(word(slot), jnp.dtype(leaf.scalars[i].dtype))
+    return jax.tree_util.tree_unflatten(leaf.tree, values)
+
+
 def _kernel(leaf: _Leaf, quads: int, lane0: int, mat):
     """The Pallas call over ``quads`` rows of four elements of ``leaf``: ``(words, *blocks) ->
     outputs``. ``words``: the dynamic scalars as uint32 words, then the block's first row in
@@ -295,15 +297,11 @@ def _kernel(leaf: _Leaf, quads: int, lane0: int, mat):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    update, cfg, tree, scalars, dynamic, present, n_arrays, outs, out_dtypes = leaf
+    update, cfg, _, _, dynamic, present, n_arrays, outs, out_dtypes = leaf
     interpret = MODE == "interpret"
-    dtypes = [jnp.dtype(scalars[i].dtype) for i in dynamic]
 
     def body(w_ref, *refs):
-        values = list(scalars)
-        for slot, (i, dtype) in enumerate(zip(dynamic, dtypes)):
-            values[i] = _from_word(w_ref[slot], dtype)
-        k0, k1, t, first_lo, extra = jax.tree_util.tree_unflatten(tree, values)
+        k0, k1, t, first_lo, extra = _unpack(leaf, lambda slot: w_ref[slot])
         first_hi = _lax._u(t) * np.uint32(4)  # _leaves._leaf_call's counter
         local = pl.program_id(0).astype(jnp.uint32) * np.uint32(ROWS)
         local = local + lax.broadcasted_iota(jnp.uint32, (ROWS, 1), 0)
@@ -314,21 +312,16 @@ def _kernel(leaf: _Leaf, quads: int, lane0: int, mat):
         for ref, i in zip(refs, present):
             inputs[i] = plgpu.load(ref, mask=valid, other=0)
 
-        def block_bits(stream, j):  # the Threefry block j of the leaf's stream
-            c_lo = first_lo + j
-            c_hi = first_hi + np.uint32(stream) + (c_lo < j).astype(jnp.uint32)
-            return _lax._threefry2x32(k0, k1, c_lo, c_hi)
-
-        def lanes(x0, x1, lane):
-            return (jnp.where((lane & 2) == 0, x0, x1) >> ((lane & 1) << 4)) & 0xFFFF
+        def threefry(stream, j):  # the leaf's Threefry block j of the stream: two words
+            return _lax._threefry_block(k0, k1, first_lo, first_hi + np.uint32(stream), j)
 
         def bits(stream):  # _lax._random16 of the elements 4 row + lane (after lane0)
             if lane0 == 0:  # a row is one block
-                return jnp.broadcast_to(lanes(*block_bits(stream, row), lane), (ROWS, 4))
+                return jnp.broadcast_to(_lax._lane16(*threefry(stream, row), lane), (ROWS, 4))
             at = lane + np.uint32(lane0)  # a row's elements in blocks row and row + 1
-            here = lanes(*block_bits(stream, row), at & 3)
-            next_ = lanes(*block_bits(stream, row + np.uint32(1)), at & 3)
-            return jnp.where(at >= 4, next_, here)
+            here = _lax._lane16(*threefry(stream, row), at)
+            after = _lax._lane16(*threefry(stream, row + np.uint32(1)), at)
+            return jnp.where(at >= 4, after, here)
 
         with _lax.kernel_ops(None if interpret else _Exact()):
             result = update(cfg, *inputs, bits, *extra)
