@@ -116,8 +116,8 @@ def test_stochastic_round_matches_numpy_path(impl, fmt, overflow):
 def test_native_stochastic_round_of_matrices_matches_numpy_path(width, offset):
     """The native path's bfloat16 stochastic rounding as one add (``_lax._encode``): every high
     half of fp32 with low halves around the rounding threshold, NaNs and infinities included,
-    in matrices whose last dimension is a multiple of 4, a power of two or odd, from the first
-    lane of a Threefry block or not, gives the Numba kernels' bits, for ``stochastic_add``
+    in matrices (and 3-D arrays) whose last dimension is a multiple of 4, a power of two or odd,
+    from the first lane of a Threefry block or not, gives the Numba kernels' bits, for ``stochastic_add``
     too."""
     highs = np.arange(1 << 16, dtype=np.uint32) << 16
     lows = np.array([0, 1, 0x7FFF, 0x8000, 0xFFFF, 0x1234], np.uint32)
@@ -126,6 +126,10 @@ def test_native_stochastic_round_of_matrices_matches_numpy_path(width, offset):
     expected = srround.stochastic_round(x, seed=11, offset=offset)
     fn = jax.jit(lambda a: sj.stochastic_round(a, seed=11, offset=offset, impl="native"))
     np.testing.assert_array_equal(_bits(fn(jnp.asarray(x))), _bits(expected))
+    cube = x[: x.shape[0] // 3 * 3].reshape(-1, 3, width)  # row terms of two dimensions
+    np.testing.assert_array_equal(
+        _bits(fn(jnp.asarray(cube))), _bits(expected[: x.shape[0] // 3 * 3].reshape(cube.shape))
+    )
     w = (x.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
     u = np.full(x.shape, 2.0**-9, np.float32)
     expected = srround.stochastic_add(w.copy(), u, seed=11, offset=offset)
