@@ -215,10 +215,34 @@ def _fused_bits_equal(*txs) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _pallas_tiles(rows, warps):
+    """The Pallas kernels' ``ROWS`` (rows of four elements a program) and ``WARPS`` within
+    (JAX's caches cleared on entry and exit)."""
+    import jax
+
+    from srround.adapters.jax import _pallas
+
+    saved = _pallas.ROWS, _pallas.WARPS
+    _pallas.ROWS, _pallas.WARPS = rows, warps
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _pallas.ROWS, _pallas.WARPS = saved
+        jax.clear_caches()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--params", type=float, default=268.0, help="millions of elements")
     p.add_argument("--probe", metavar="DIR", help="ablate the fused step, HLO into DIR")
+    p.add_argument(
+        "--tiles",
+        metavar="R:W,...",
+        help="also time the fused step's Pallas kernels with R rows of four a program and W"
+        " warps (e.g. 128:4,256:8), each with its bits compared to the XLA path's",
+    )
     add_json_argument(p)
     args = p.parse_args(argv)
     started = utc_now()
@@ -295,6 +319,14 @@ def main(argv=None) -> int:
             timed(label, xla_step16, grads, tx16.init(params), params)
         fused_same = _fused_bits_equal(tx, tx16)
         print(f"fused step bits equal to the XLA path's: {fused_same}")
+        for tile in (args.tiles or "").split(",") if args.tiles else ():
+            r, w = (int(v) for v in tile.split(":"))
+            with _pallas_tiles(r, w):
+                what = f"Pallas {r} rows, {w} warps"
+                timed(f"{what}, fp32 states", jax.jit(tx.step), grads, tx.init(params), params)
+                step16 = jax.jit(tx16.step)
+                timed(f"{what}, bf16 states", step16, grads, tx16.init(params), params)
+                print(f"{what}: bits equal to the XLA path's: {_fused_bits_equal(tx, tx16)}")
         if args.probe:
             with _pallas_mode("off"):  # the XLA path's work, part by part
                 _probe(args.probe, tx, otx, params, row, key)

@@ -501,42 +501,6 @@ def _element_index(shape, origin=None, global_shape=None):
     return index if rows is None else index | rows
 
 
-def _block_and_lane(shape, origin, global_shape):
-    """Threefry block (from the call's first) and lane of every element of a block of
-    ``shape`` at ``origin`` in an array of ``global_shape`` whose last dimension is a multiple
-    of four (arguments as ``_element_index``'s): ``index >> 2`` as the row terms' block
-    multiples plus ``column >> 2``, and ``column & 3``. The same values as ``_element_index``'s
-    index, but a GPU thread's four consecutive elements visibly share their block for any such
-    width: 11008 columns, 19 -> 4.75 Threefry rotations per element in ``stochastic_round``'s
-    kernel (sm_90; ``benchmarks/xla_gpu_kernels.py``)."""
-    last = len(shape) - 1
-    origin = (None,) * len(shape) if origin is None else tuple(origin)
-    column = lax.broadcasted_iota(_U32, tuple(shape), last)
-    if origin[last] is not None:
-        column = column + _u(origin[last])
-    block, stride = column >> 2, int(global_shape[last]) // 4
-    for d in reversed(range(last)):
-        i = lax.broadcasted_iota(_U32, tuple(shape), d)
-        if origin[d] is not None:
-            i = i + _u(origin[d])
-        block = block + i * _U32(stride)
-        stride *= int(global_shape[d])
-    return block, column
-
-
-def _random16_of(k0, k1, first_lo, first_hi, lane0, shape, origin=None, global_shape=None):
-    """``_random16`` of the elements of a block of ``shape`` at ``origin`` in an array of
-    ``global_shape`` (``_element_index``'s arguments): through ``_block_and_lane`` where the
-    call starts at lane 0 and the global last dimension is a multiple of four."""
-    global_shape = tuple(shape) if global_shape is None else tuple(global_shape)
-    width = int(global_shape[-1]) if shape else 0
-    if lane0 == 0 and width % 4 == 0 and width & (width - 1):
-        block, lane = _block_and_lane(shape, origin, global_shape)
-        return _lane16(*_threefry_block(k0, k1, first_lo, first_hi, block), lane)
-    index = _element_index(shape, origin, global_shape)
-    return _random16(k0, k1, first_lo, first_hi, lane0, index)
-
-
 def _check_count(n: int, name: str = "x") -> None:
     if n > (1 << 32) - 4:
         raise ValueError(f"{name}: {n} elements in one call, at most 2**32 - 4 are supported")
@@ -684,8 +648,8 @@ def _native_stochastic_round(
     x, k0, k1, first_lo, first_hi, origin, *, lane0, fmt_name, saturate, global_shape
 ):
     fmt = FORMATS[fmt_name]
-    bits16 = _random16_of(k0, k1, first_lo, first_hi, lane0, x.shape, origin, global_shape)
-    y = _encode(_bits(x, _U32), fmt, saturate, bits16)
+    index = _element_index(x.shape, origin, global_shape)
+    y = _encode(_bits(x, _U32), fmt, saturate, _random16(k0, k1, first_lo, first_hi, lane0, index))
     return _to_narrow(y, fmt, x.shape)
 
 
@@ -707,11 +671,12 @@ def _native_stochastic_add(
     w, u, alpha, k0, k1, first_lo, first_hi, origin, *, lane0, fmt_name, saturate, global_shape
 ):
     fmt = FORMATS[fmt_name]
+    index = _element_index(w.shape, origin, global_shape)
     wb = _bits(w, jnp.dtype(fmt.bits_dtype)).astype(_U32)
     ub = _bits(u, _U32)
     ab = lax.bitcast_convert_type(jnp.asarray(alpha, jnp.float32), _U32)
     total = _fma_bits(ab, ub, _decode(wb, fmt))
-    bits16 = _random16_of(k0, k1, first_lo, first_hi, lane0, w.shape, origin, global_shape)
+    bits16 = _random16(k0, k1, first_lo, first_hi, lane0, index)
     out = _encode(total, fmt, saturate, bits16)
     return lax.bitcast_convert_type(out.astype(jnp.dtype(fmt.bits_dtype)), w.dtype).reshape(w.shape)
 

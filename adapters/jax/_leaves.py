@@ -16,7 +16,7 @@ from jax import lax
 
 from . import _pallas
 from ._callback import random_lanes
-from ._lax import _opaque, _random16, _random16_of, _threefry2x32, _u
+from ._lax import _element_index, _opaque, _random16, _threefry2x32, _u
 
 _U32 = jnp.uint32
 
@@ -35,7 +35,8 @@ def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg
     hi = _u(t) * _U32(4)
 
     def bits(stream):
-        return _random16_of(k0, k1, start_lo, hi + _U32(stream), lane0, shape, origin, global_shape)
+        index = _element_index(shape, origin, global_shape)
+        return _random16(k0, k1, start_lo, hi + _U32(stream), lane0, index)
 
     return update(cfg, *arrays, bits, *extra)
 
