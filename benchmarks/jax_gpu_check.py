@@ -6,12 +6,13 @@ and the fused step, bits equal to the Numba CUDA kernels). Run by ``gpu_session.
 Prints per row the time, the bandwidth and the fraction of the bandwidth of a copy
 (``x.astype(bfloat16)``, 6 B per element), the fused step's bandwidth over that of
 ``optax.adamw`` + ``optax.apply_updates`` on the same bf16 params, then whether the JAX bits
-equal srround's Numba CUDA kernels on the same inputs. The fused step runs as shipped: on one
-GPU its leaves are Pallas kernels (``adapters/jax/_pallas.py``); the rows "XLA path only" time
-it without them, and the bits of both are compared (``_fused_bits_equal``). A row's bytes are
-those of its program's input and output arrays (``_traffic``: the step with float32 gradients
-and states, 24 B per element), and its time is per call with calls dispatched back to back, as a
-training loop issues them (``_time``).
+equal srround's Numba CUDA kernels on the same inputs. ``stochastic_round`` and the fused step
+run as shipped: on one GPU they are Pallas kernels (``adapters/jax/_pallas.py``); the rows "XLA
+path only" time them without, and the fused step's bits of both are compared
+(``_fused_bits_equal``; ``stochastic_round``'s kernels against the Numba CUDA kernels). A
+row's bytes are those of its program's input and output arrays (``_traffic``: the step with
+float32 gradients and states, 24 B per element), and its time is per call with calls dispatched
+back to back, as a training loop issues them (``_time``).
 
 ``--probe DIR``: where the XLA path's fused step's time goes. The same step again with one part
 of its work swapped for a cheaper stand-in (not srround's bits: a measurement only): no random
@@ -283,6 +284,11 @@ def main(argv=None) -> int:
     for width in (4096, 11008):
         m = x[: n // width * width].reshape(-1, width)
         timed(f"stochastic_round native (bf16), {width} columns", sr, m, key)
+    with _pallas_mode("off"):  # the XLA path's rounding, the same bits
+        sr_xla = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k))
+        timed("stochastic_round, XLA path only", sr_xla, x, key)
+        m = x[: n // 11008 * 11008].reshape(-1, 11008)
+        timed("stochastic_round, XLA path only, 11008 columns", sr_xla, m, key)
     try:
         import optax
 
@@ -339,11 +345,17 @@ def main(argv=None) -> int:
         import srround
 
         if cuda.is_available():
-            small = np.asarray(x[: 1 << 20])
-            ours = np.asarray(sj.stochastic_round(jnp.asarray(small), seed=123, offset=5))
-            dev = srround.stochastic_round(cuda.to_device(small), seed=123, offset=5)
-            kernel = dev.copy_to_host() if hasattr(dev, "copy_to_host") else np.asarray(dev)
-            same = bool(np.array_equal(ours.view(np.uint16), np.asarray(kernel).view(np.uint16)))
+            same = True
+            for small, offset in [  # from lane 1 of a Threefry block, and 11008 columns
+                (np.asarray(x[: 1 << 20]), 5),
+                (np.asarray(x[: 95 * 11008]).reshape(95, 11008), 0),
+            ]:
+                ours = np.asarray(sj.stochastic_round(jnp.asarray(small), seed=123, offset=offset))
+                dev = srround.stochastic_round(cuda.to_device(small), seed=123, offset=offset)
+                kernel = dev.copy_to_host() if hasattr(dev, "copy_to_host") else np.asarray(dev)
+                same &= bool(
+                    np.array_equal(ours.view(np.uint16), np.asarray(kernel).view(np.uint16))
+                )
             print(f"bits equal to the Numba CUDA kernel: {same}")
     except Exception as exc:  # noqa: BLE001 - a report, not a test
         print(f"bit check skipped: {type(exc).__name__}: {exc}")

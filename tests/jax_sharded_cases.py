@@ -410,6 +410,32 @@ def case_optim():
     print("optim ok")
 
 
+def _pallas_rounds(mesh, arrays, what):
+    """``stochastic_round``'s kernels: under ``jit`` each shard a kernel, inside ``shard_map``
+    each block; the unsharded bits (the callback path's), from lane 0 and lane 1."""
+    for i, (shape, spec) in enumerate(arrays):
+        x = jnp.asarray(_data(shape, 30 + i))
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        for offset in (0, 5):
+            expected = sj.stochastic_round(x, seed=KEY, offset=offset, impl="callback")
+
+            def rnd(a, k, offset=offset):
+                return sj.stochastic_round(a, seed=k, offset=offset)
+
+            assert "pallas_call" in str(jax.make_jaxpr(rnd)(xs, KEY)), f"{what} round: no kernel"
+            got = _without_gather(rnd, xs, KEY, what=f"{what} round")(xs, KEY)
+            _same(got, expected, f"{what} round {shape} {spec} offset {offset}")
+            _same_sharding(got, xs, f"{what} round {shape}")
+
+            def block(a, k, spec=spec, offset=offset):
+                return sj.stochastic_round(a, seed=k, offset=offset, shard_spec=spec)
+
+            smap = jax.shard_map(
+                block, mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=False
+            )
+            _same(jax.jit(smap)(xs, KEY), expected, f"{what} round shard_map {shape} {spec}")
+
+
 def case_pallas():
     """The fused steps' Pallas kernels (``_pallas``, in Pallas' interpreter on the CPU
     devices) under ``jit`` over several devices: each shard a kernel of its own at its global
@@ -447,6 +473,7 @@ def case_pallas():
                     _same_sharding(g_params[k], ps[k], f"{what} {k}")
                 for got, want in zip(jax.tree.leaves(g_state), jax.tree.leaves(e_state)):
                     _same(got, want, f"{what} state")
+            _pallas_rounds(mesh, arrays, what)
         # an uneven split inside jit (10 rows over 4 devices: padded shards of 3 rows)
         mesh = _mesh((4,), ("x",))
         params, grads, _ = _tree((4,), ("x",), [((10, 4), P("x"))], seed=6)

@@ -1,9 +1,12 @@
-"""The fused step's Pallas kernels on CUDA (``adapters/jax/_pallas.py``): the XLA path's bits,
-checked without a GPU through Pallas' interpreter (the kernel's indexing, masks, scalar words
-and random bits; the exact ops are then the XLA path's), compiled for a GPU (the inline PTX
-and every update's ops lower to Triton), and on a GPU against the XLA path."""
+"""The Pallas kernels on CUDA of the fused step and ``stochastic_round``
+(``adapters/jax/_pallas.py``): the XLA path's bits, checked without a GPU through Pallas'
+interpreter (the kernel's indexing, masks, scalar words and random bits; the exact ops are then
+the XLA path's), compiled for a GPU (the inline PTX and every update's ops lower to Triton), and
+on a GPU against the XLA path."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ import jax.numpy as jnp
 
 from srround.adapters import jax as sj
 from srround.adapters.jax import _leaves, _pallas
+from srround.adapters.jax._api import _rounding_update
 
 from .test_jax_optim import _gpu_to_compile_for
 
@@ -137,6 +141,7 @@ def test_only_elementwise_leaves_of_rows_of_four_take_a_kernel(monkeypatch):
     assert not _pallas.takes(optim._apply_update, leaf)  # after optax's XLA update
     assert not _pallas.takes(optim._update, (jnp.zeros(6), jnp.zeros(6), None))
     assert not _pallas.takes(optim._update, (jnp.zeros(8), jnp.zeros((2, 4)), None))
+    assert _pallas.takes(_rounding_update, (jnp.zeros((3, 4)),))  # stochastic_round's
     monkeypatch.setattr(_pallas, "MODE", "auto")
     assert _pallas.takes(optim._update, leaf) == (jax.default_backend() == "gpu")
     monkeypatch.setattr(_pallas, "MODE", "off")
@@ -182,3 +187,90 @@ def test_kernels_give_the_xla_paths_bits_on_a_gpu(pallas_mode):
             _assert_same_bits(expected, _two_steps(tx, params, grads))
         except AssertionError as exc:
             raise AssertionError(f"{case}: {exc}") from None
+
+
+# stochastic_round's kernels: a partial last block, a 3-d array, 11008-like rows (20 columns),
+# offsets from lane 0, lane 1 and a stream position past 2**34 (the counters' high word 1)
+ROUND_SHAPES = [(37, 64), (3, 5, 8), (7, 20)]
+ROUND_OFFSETS = [0, 5, 2**34 + 6]
+
+
+def _round_input(shape, seed=0):
+    """float32 values of every magnitude, bf16/fp16 overflows, subnormals, infinities, a NaN."""
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=shape) * 10.0 ** rng.integers(-44, 38, shape)).astype(np.float32)
+    x.reshape(-1)[:6] = [np.inf, np.nan, -0.0, 3e38, -1e-42, 65520.0]
+    return jnp.asarray(x)
+
+
+def _rounded(x, dtype, offset):
+    return jax.jit(lambda v: sj.stochastic_round(v, dtype=dtype, seed=3, offset=offset))(x)
+
+
+def _rounded_rows(x, keys, dtype):
+    """Each row of ``x`` rounded with its key (``vmap``), and the straight-through gradient."""
+    rows = jax.jit(jax.vmap(lambda r, k: sj.stochastic_round(r, dtype=dtype, seed=k, offset=1)))
+    grad = jax.grad(lambda v: sj.stochastic_round(v, dtype=dtype, seed=3).astype(float).sum())
+    return rows(x, keys), jax.jit(grad)(x)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_stochastic_round_kernels_give_the_xla_paths_bits_in_the_interpreter(pallas_mode, dtype):
+    """``stochastic_round`` through a Pallas kernel (the interpreter) equals the XLA path's
+    bits, under ``vmap`` with a key a row and its gradient too; fp8 and arrays not of rows of
+    four keep the XLA path."""
+    for shape in ROUND_SHAPES:
+        x = _round_input(shape)
+        for offset in ROUND_OFFSETS:
+            pallas_mode("off")
+            expected = _rounded(x, dtype, offset)
+            pallas_mode("interpret")
+            fn = functools.partial(sj.stochastic_round, dtype=dtype, seed=3, offset=offset)
+            assert str(jax.make_jaxpr(fn)(x)).count("pallas_call") == 1
+            _assert_same_bits(expected, _rounded(x, dtype, offset))
+    rows, keys = _round_input((3, 40)), jax.random.split(jax.random.key(1), 3)
+    pallas_mode("off")
+    expected = _rounded_rows(rows, keys, dtype)
+    pallas_mode("interpret")
+    _assert_same_bits(expected, _rounded_rows(rows, keys, dtype))
+    for x, dtype in [(_round_input((8,)), "float8_e4m3fn"), (_round_input((7,)), "bfloat16")]:
+        assert "pallas_call" not in str(
+            jax.make_jaxpr(lambda v: sj.stochastic_round(v, dtype=dtype, seed=3))(x)
+        )
+
+
+def test_stochastic_round_kernels_compile_for_a_gpu(pallas_mode):
+    """``stochastic_round``'s kernel compiles for a GPU (a compile-only H100 without one), bf16
+    and fp16, from lane 0 and from lane 1."""
+    device = _gpu_to_compile_for()
+    pallas_mode("on")
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    x = jax.ShapeDtypeStruct((64, 11008), jnp.float32, sharding=sharding)
+    for dtype in ("bfloat16", "float16"):
+        for offset in (0, 5):
+            fn = jax.jit(
+                lambda v, d=dtype, o=offset: sj.stochastic_round(v, dtype=d, seed=3, offset=o)
+            )
+            hlo = fn.trace(x).lower().compile().as_text()
+            assert hlo.count("__gpu$xla.gpu.triton") == 1, (dtype, offset)
+
+
+def test_stochastic_round_kernels_give_the_xla_paths_bits_on_a_gpu(pallas_mode):
+    """On a GPU: ``stochastic_round``'s kernels equal the XLA path's bits (and so the Numba
+    kernels', ``test_jax_adapter.py``), 11008 columns among the shapes, ``vmap`` and the
+    gradient too."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rows, keys = _round_input((3, 40)), jax.random.split(jax.random.key(1), 3)
+    for dtype in ("bfloat16", "float16"):
+        for shape in [*ROUND_SHAPES, (33, 11008)]:
+            x = _round_input(shape)
+            for offset in ROUND_OFFSETS:
+                pallas_mode("off")
+                expected = _rounded(x, dtype, offset)
+                pallas_mode("on")
+                _assert_same_bits(expected, _rounded(x, dtype, offset))
+        pallas_mode("off")
+        expected = _rounded_rows(rows, keys, dtype)
+        pallas_mode("on")
+        _assert_same_bits(expected, _rounded_rows(rows, keys, dtype))

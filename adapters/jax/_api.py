@@ -45,8 +45,8 @@ from srround._formats import (
 )
 from srround._rng import check_offset, check_seed, next_seed, split_seed
 
-from . import _callback, _lax
-from ._lax import _JNP_DTYPES, _u
+from . import _callback, _lax, _leaves, _pallas
+from ._lax import _JNP_DTYPES, _U32, _u
 
 MUTABLE = False  # the adapter protocol of srround._dispatch: the functional API is here
 IMPLS = ("native", "callback")
@@ -288,6 +288,42 @@ def _native_stream(native, arrays, stream, fmt: Format, saturate: bool):
     )
 
 
+@_pallas.elementwise
+def _rounding_update(cfg, x, bits):
+    """``stochastic_round``'s elements as a leaf update (``_leaves._leaf_call``, the Pallas
+    kernels): ``cfg = (format name, saturate)``; stream 0's bits."""
+    fmt_name, saturate = cfg
+    fmt = FORMATS[fmt_name]
+    return (
+        _lax._to_narrow(_lax._encode(_lax._bits(x, _U32), fmt, saturate, bits(0)), fmt, x.shape),
+    )
+
+
+def _round_in_kernels(x, stream, fmt: Format, saturate: bool):
+    """``stochastic_round``'s native path as Pallas kernels where ``_pallas`` takes it (a GPU,
+    bf16 or fp16, a multiple of four elements; the same bits: the leaf update above at the
+    stream position ``stream``, ``_native_stream``'s), else ``None``."""
+    k0, k1, offset, origin, global_shape = stream
+    if fmt.name not in ("bfloat16", "float16") or not _pallas.takes(_rounding_update, (x,)):
+        return None
+    first_lo, first_hi = _lax._first_block(offset)
+    (y,) = _pallas.leaf_call(
+        _leaves._leaf_call,
+        (x,),
+        _u(k0),
+        _u(k1),
+        first_hi,
+        first_lo,
+        offset & 3,
+        origin,
+        (),
+        update=_rounding_update,
+        cfg=(fmt.name, saturate),
+        global_shape=None if origin is None else global_shape,
+    )
+    return y
+
+
 def stochastic_round(
     x,
     *,
@@ -336,6 +372,9 @@ def stochastic_round(
             if x.size == 0:
                 return jnp.zeros(x.shape, _lax.result_dtype(fmt))
             stream = (k0, k1, offset, origin, global_shape)
+            y = _round_in_kernels(x, stream, fmt, saturate)
+            if y is not None:
+                return y
             return _native_stream(_lax._native_stochastic_round, (x,), stream, fmt, saturate)
 
         return _callback.stochastic_round(

@@ -22,17 +22,17 @@ _U32 = jnp.uint32
 
 
 @functools.partial(jax.jit, static_argnames=("update", "cfg", "global_shape", "lane0"))
-def _leaf_call(arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg, global_shape):
+def _leaf_call(arrays, k0, k1, hi, start_lo, lane0, origin, extra, *, update, cfg, global_shape):
     """``update(cfg, *arrays, bits, *extra)`` of one leaf (``arrays[0]`` gives its shape) at
     global element ``start = 4 start_lo + lane0`` (``start_lo`` a traced uint32 scalar, so
     leaves of the same shapes and dtypes are traced and lowered once; ``lane0`` in 0-3, static:
     with 0, a GPU thread's four elements share one Threefry block, see ``_element_index``),
-    ``bits(stream)`` the random bits of its elements. ``origin`` (traced uint32 scalars or
+    ``bits(stream)`` the random bits of its elements: counters whose high word is ``hi +
+    stream`` (``hi``: a traced uint32, ``4 t`` at step ``t``). ``origin`` (traced uint32 scalars or
     ``None``, one per dimension): where the leaf's elements are in its ``global_shape`` (a
     block of a sharded leaf inside ``shard_map``; zeros for a whole leaf, or ``global_shape``
     None): its elements use the counters of their global indices."""
     shape = arrays[0].shape
-    hi = _u(t) * _U32(4)
 
     def bits(stream):
         index = _element_index(shape, origin, global_shape)
@@ -401,7 +401,7 @@ def _native_leaves(
                 arrays,
                 k0,
                 k1,
-                t,
+                _u(t) * _U32(4),
                 words[k],
                 starts[k] & 3,
                 origin,

@@ -152,7 +152,7 @@ def _from_word(w, dtype):
 
 @functools.partial(jax.jit, static_argnames=("xla_call", "lane0", "update", "cfg", "global_shape"))
 def leaf_call(
-    xla_call, arrays, k0, k1, t, start_lo, lane0, origin, extra, *, update, cfg, global_shape
+    xla_call, arrays, k0, k1, hi, start_lo, lane0, origin, extra, *, update, cfg, global_shape
 ):
     """``xla_call``'s leaf update (``_leaves._leaf_call``, same arguments) as Pallas kernels
     where the program runs on CUDA, ``xla_call`` elsewhere (``MODE``). A block inside
@@ -163,17 +163,17 @@ def leaf_call(
     kw = {"update": update, "cfg": cfg}
     n_arrays = len(arrays)
     present = [i for i, x in enumerate(arrays) if x is not None]
-    scalars, tree = jax.tree_util.tree_flatten((k0, k1, t, start_lo, extra))
+    scalars, tree = jax.tree_util.tree_flatten((k0, k1, hi, start_lo, extra))
     dynamic = [i for i, v in enumerate(scalars) if isinstance(v, jax.Array)]
     if any(scalars[i].size != 1 or _word_dtype(scalars[i].dtype) is None for i in dynamic):
         return xla_call(
-            arrays, k0, k1, t, start_lo, lane0, origin, extra, global_shape=global_shape, **kw
+            arrays, k0, k1, hi, start_lo, lane0, origin, extra, global_shape=global_shape, **kw
         )
     n_words = len(dynamic)
     shape = tuple(arrays[0].shape if global_shape is None else global_shape)  # the leaf's
     out_shapes = jax.eval_shape(
         lambda *xs: xla_call(
-            xs, k0, k1, t, start_lo, lane0, origin, extra, global_shape=global_shape, **kw
+            xs, k0, k1, hi, start_lo, lane0, origin, extra, global_shape=global_shape, **kw
         ),
         *arrays,
     )
@@ -192,7 +192,7 @@ def leaf_call(
     single = len(outs) == 1
 
     def on_xla(operands, block_origin):
-        k0, k1, t, start_lo, extra = _unpack(leaf, lambda slot: operands[slot])
+        k0, k1, hi, start_lo, extra = _unpack(leaf, lambda slot: operands[slot])
         full = [None] * n_arrays
         for i, x in zip(present, operands[n_words:]):
             full[i] = x
@@ -201,7 +201,7 @@ def leaf_call(
             tuple(full),
             k0,
             k1,
-            t,
+            hi,
             start_lo,
             lane0,
             at,
@@ -264,7 +264,7 @@ def leaf_call(
 
 class _Leaf(NamedTuple):
     """What a leaf's kernel computes: ``update(cfg, *arrays, bits, *extra)``, the arrays
-    ``present`` of ``n_arrays`` given, its outputs ``outs`` (``out_dtypes``); ``(k0, k1, t,
+    ``present`` of ``n_arrays`` given, its outputs ``outs`` (``out_dtypes``); ``(k0, k1, hi,
     start_lo, extra)`` flattened (``tree``) into ``scalars``, those at ``dynamic`` passed to
     the kernel as uint32 words."""
 
@@ -280,7 +280,7 @@ class _Leaf(NamedTuple):
 
 
 def _unpack(leaf: _Leaf, word):
-    """``(k0, k1, t, start_lo, extra)`` of ``leaf``, its dynamic scalars from ``word(slot)``
+    """``(k0, k1, hi, start_lo, extra)`` of ``leaf``, its dynamic scalars from ``word(slot)``
     (uint32 words in ``leaf.dynamic``'s order)."""
     values = list(leaf.scalars)
     for slot, i in enumerate(leaf.dynamic):
@@ -301,8 +301,7 @@ def _kernel(leaf: _Leaf, quads: int, lane0: int, mat):
     interpret = MODE == "interpret"
 
     def body(w_ref, *refs):
-        k0, k1, t, first_lo, extra = _unpack(leaf, lambda slot: w_ref[slot])
-        first_hi = _lax._u(t) * np.uint32(4)  # _leaves._leaf_call's counter
+        k0, k1, first_hi, first_lo, extra = _unpack(leaf, lambda slot: w_ref[slot])
         local = pl.program_id(0).astype(jnp.uint32) * np.uint32(ROWS)
         local = local + lax.broadcasted_iota(jnp.uint32, (ROWS, 1), 0)
         valid = jnp.broadcast_to(local < np.uint32(quads), (ROWS, 4))
