@@ -44,11 +44,13 @@
 # phases, kernels included): gpu-tests 131 s (pytest's own 127 s, exiting by itself), jax 15 s,
 # probe 35 s, round 38 s, optim 138 s, lowbit 15 s, compile 31 s, lossscale 15 s, adapters
 # 24 s, profile 19 s, kernels rc=1 in 9 s (no PTX, above); the whole call 488 s. Since then
-# gpu-tests holds the Pallas kernels' tests (tests/test_jax_pallas.py: 12 cases compiled, and
-# twice run; not yet timed on a GPU, estimated 60-90 s more) and jax also times the XLA path
-# alone and compares the kernels' bits with it. One call of about 9 minutes (the device's
-# timeout_s=560) holds all but the demo, the whole suite, probe and compile (the XLA path's
-# ablation and the torch.compile rows, measured twice):
+# gpu-tests holds the Pallas kernels' tests (tests/test_jax_pallas.py) and jax also times the
+# XLA path alone and compares the kernels' bits with it. Night (fc7d458, that call): gpu-tests
+# 133 s (171 passed), jax 35 s, round 28 s, optim 108 s, lowbit 14 s, lossscale 13 s, adapters
+# 18 s, profile 15 s: 377 s in all; kernels rc=1 in 14 s (no PTX with --target either). Since
+# then stochastic_round runs Pallas kernels too (their GPU tests are in gpu-tests; jax times
+# them against the XLA path and checks 11008 columns against the Numba CUDA kernels). One call
+# of about 7 minutes holds all but the demo, the whole suite, probe and compile:
 # `T_TESTS=240 T_MORE=45 bash benchmarks/gpu_session.sh gpu-tests jax round optim lowbit
 # lossscale adapters profile`; the demo alone: `T_MORE=230 bash benchmarks/gpu_session.sh
 # demo`.

@@ -1,4 +1,4 @@
-"""The native fused step's leaves as Pallas (Triton) kernels on a CUDA GPU.
+"""The native fused step's leaves and ``stochastic_round`` as Pallas (Triton) kernels on a CUDA GPU.
 
 XLA's GPU backend has no fma, and divides and takes square roots of float32 approximately
 (``div.full.f32``, ``sqrt.approx.f32``), so the XLA path (``_lax``, ``optim._fma``) takes
@@ -9,6 +9,10 @@ kernel - in which those ops are the GPU's own correctly rounded instructions (``
 ``div.rn.f32``, ``sqrt.rn.f32``, inline PTX: what the Numba CUDA kernels run), and a row of four
 elements draws one Threefry block. The bits are the XLA path's (``tests/test_jax_pallas.py``:
 Pallas' interpreter on the CPU, the compiled kernels on a GPU; ``benchmarks/jax_gpu_check.py``).
+
+``stochastic_round`` to bf16 or fp16 runs the same kernels, its rounding as a leaf update
+(``_api._rounding_update``; on rows whose length is not a power of two the XLA path computes a
+Threefry block for each element, ``docs/performance.md``).
 
 Where (``takes``, ``leaf_call``): a leaf of an elementwise update (``elementwise``) with a
 multiple of four elements, where JAX's backend is a GPU. A Pallas call does not partition, so
@@ -48,7 +52,7 @@ MODES = ("auto", "off", "on", "interpret")
 MODE = os.environ.get("SRROUND_JAX_PALLAS", "auto")
 if MODE not in MODES:
     raise ValueError(f"SRROUND_JAX_PALLAS: expected one of {', '.join(MODES)}, got {MODE!r}")
-ROWS = 256  # rows of four elements per program (1024 elements; H200: 85 % of copy, 128: 87 %)
+ROWS = 256  # rows of four elements per program (1024; the tile sweep: docs/performance.md)
 WARPS = 4
 _QNAN = np.uint32(0x7FC00000).view(np.float32)
 
