@@ -1,4 +1,4 @@
-"""The native fused step's leaves and ``stochastic_round`` as Pallas (Triton) kernels on a CUDA GPU.
+"""The fused step's leaves and ``stochastic_round`` as Pallas (Triton) kernels on CUDA GPUs.
 
 XLA's GPU backend has no fma, and divides and takes square roots of float32 approximately
 (``div.full.f32``, ``sqrt.approx.f32``), so the XLA path (``_lax``, ``optim._fma``) takes
