@@ -284,11 +284,17 @@ def main(argv=None) -> int:
     for width in (4096, 11008):
         m = x[: n // width * width].reshape(-1, width)
         timed(f"stochastic_round native (bf16), {width} columns", sr, m, key)
+    w = x.astype(jnp.bfloat16)
+    add = jax.jit(lambda a, b, k: sj.stochastic_add(a, b, alpha=0.5, seed=k))
+    timed("stochastic_add native (bf16)", add, w, x, key)
     with _pallas_mode("off"):  # the XLA path's rounding, the same bits
         sr_xla = jax.jit(lambda a, k: sj.stochastic_round(a, seed=k))
         timed("stochastic_round, XLA path only", sr_xla, x, key)
         m = x[: n // 11008 * 11008].reshape(-1, 11008)
         timed("stochastic_round, XLA path only, 11008 columns", sr_xla, m, key)
+        add_xla = jax.jit(lambda a, b, k: sj.stochastic_add(a, b, alpha=0.5, seed=k))
+        timed("stochastic_add, XLA path only", add_xla, w, x, key)
+    del w
     try:
         import optax
 
@@ -340,6 +346,7 @@ def main(argv=None) -> int:
         print(f"optax rows skipped: {exc}")
     same = None
     try:
+        import ml_dtypes
         from numba import cuda
 
         import srround
@@ -356,7 +363,20 @@ def main(argv=None) -> int:
                 same &= bool(
                     np.array_equal(ours.view(np.uint16), np.asarray(kernel).view(np.uint16))
                 )
-            print(f"bits equal to the Numba CUDA kernel: {same}")
+                w16 = small.astype(ml_dtypes.bfloat16)  # stochastic_add's kernels too
+                ours = np.asarray(
+                    sj.stochastic_add(
+                        jnp.asarray(w16), jnp.asarray(small), alpha=0.5, seed=9, offset=offset
+                    )
+                )
+                dev = cuda.to_device(w16)
+                srround.stochastic_add(dev, cuda.to_device(small), alpha=0.5, seed=9, offset=offset)
+                same &= bool(
+                    np.array_equal(ours.view(np.uint16), dev.copy_to_host().view(np.uint16))
+                )
+            print(
+                f"bits equal to the Numba CUDA kernels (stochastic_round, stochastic_add): {same}"
+            )
     except Exception as exc:  # noqa: BLE001 - a report, not a test
         print(f"bit check skipped: {type(exc).__name__}: {exc}")
     write_json(

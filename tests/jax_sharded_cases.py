@@ -412,7 +412,8 @@ def case_optim():
 
 def _pallas_rounds(mesh, arrays, what):
     """``stochastic_round``'s kernels: under ``jit`` each shard a kernel, inside ``shard_map``
-    each block; the unsharded bits (the callback path's), from lane 0 and lane 1."""
+    each block; the unsharded bits (the callback path's), from lane 0 and lane 1; and
+    ``stochastic_add``'s under ``jit``."""
     for i, (shape, spec) in enumerate(arrays):
         x = jnp.asarray(_data(shape, 30 + i))
         xs = jax.device_put(x, NamedSharding(mesh, spec))
@@ -434,6 +435,17 @@ def _pallas_rounds(mesh, arrays, what):
                 block, mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=False
             )
             _same(jax.jit(smap)(xs, KEY), expected, f"{what} round shard_map {shape} {spec}")
+        w, u = x.astype(jnp.bfloat16), jnp.asarray(_data(shape, 40 + i)) * np.float32(1e-2)
+        ws, us = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (w, u))
+        expected = sj.stochastic_add(w, u, alpha=0.5, seed=KEY, offset=5, impl="callback")
+
+        def add(w, u, k):
+            return sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=5)
+
+        assert "pallas_call" in str(jax.make_jaxpr(add)(ws, us, KEY)), f"{what} add: no kernel"
+        got = _without_gather(add, ws, us, KEY, what=f"{what} add")(ws, us, KEY)
+        _same(got, expected, f"{what} add {shape} {spec}")
+        _same_sharding(got, ws, f"{what} add {shape}")
 
 
 def case_pallas():

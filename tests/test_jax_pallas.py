@@ -14,6 +14,7 @@ import pytest
 jax = pytest.importorskip("jax")
 pytest.importorskip("jax.experimental.pallas.triton")
 import jax.numpy as jnp
+from jax import lax
 
 from srround.adapters import jax as sj
 from srround.adapters.jax import _leaves, _pallas
@@ -207,6 +208,26 @@ def _rounded(x, dtype, offset):
     return jax.jit(lambda v: sj.stochastic_round(v, dtype=dtype, seed=3, offset=offset))(x)
 
 
+def _added(w, u, offset, alpha=0.75):
+    """``stochastic_add`` with a Python alpha and with a traced one."""
+    fn = jax.jit(
+        lambda a, b, al: (
+            sj.stochastic_add(a, b, alpha=alpha, seed=3, offset=offset),
+            sj.stochastic_add(a, b, alpha=al, seed=4, offset=offset),
+        )
+    )
+    return fn(w, u, jnp.float32(-3.0))
+
+
+def _add_inputs(shape, dtype):
+    """Weights of ``dtype`` (subnormals, infinities, a NaN among them) and float32 updates
+    that move some weights by less than an ulp, overflow others, and cancel one exactly."""
+    w = _round_input(shape).astype(dtype)
+    u = _round_input(shape, seed=1) * np.float32(1e-3)
+    u = u.at[(0,) * len(shape)].set(-w.reshape(-1)[0].astype(jnp.float32) / 0.75)
+    return w, u
+
+
 def _rounded_rows(x, keys, dtype):
     """Each row of ``x`` rounded with its key (``vmap``), and the straight-through gradient."""
     rows = jax.jit(jax.vmap(lambda r, k: sj.stochastic_round(r, dtype=dtype, seed=k, offset=1)))
@@ -239,9 +260,27 @@ def test_stochastic_round_kernels_give_the_xla_paths_bits_in_the_interpreter(pal
         )
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_stochastic_add_kernels_give_the_xla_paths_bits_in_the_interpreter(pallas_mode, dtype):
+    """``stochastic_add`` through a Pallas kernel (the interpreter) equals the XLA path's bits,
+    with a Python alpha and a traced one; uint16 patterns keep the XLA path."""
+    for shape in ROUND_SHAPES:
+        w, u = _add_inputs(shape, dtype)
+        for offset in ROUND_OFFSETS:
+            pallas_mode("off")
+            expected = _added(w, u, offset)
+            pallas_mode("interpret")
+            jaxpr = str(jax.make_jaxpr(lambda a, b: sj.stochastic_add(a, b, seed=3))(w, u))
+            assert jaxpr.count("pallas_call") == 1
+            _assert_same_bits(expected, _added(w, u, offset))
+    patterns = lax.bitcast_convert_type(w, jnp.uint16)
+    fn = functools.partial(sj.stochastic_add, seed=3, dtype=dtype)
+    assert "pallas_call" not in str(jax.make_jaxpr(fn)(patterns, u))
+
+
 def test_stochastic_round_kernels_compile_for_a_gpu(pallas_mode):
-    """``stochastic_round``'s kernel compiles for a GPU (a compile-only H100 without one), bf16
-    and fp16, from lane 0 and from lane 1."""
+    """``stochastic_round``'s and ``stochastic_add``'s kernels compile for a GPU (a compile-only
+    H100 without one; the latter's fma is PTX's), bf16 and fp16, from lane 0 and from lane 1."""
     device = _gpu_to_compile_for()
     pallas_mode("on")
     sharding = jax.sharding.SingleDeviceSharding(device)
@@ -253,23 +292,30 @@ def test_stochastic_round_kernels_compile_for_a_gpu(pallas_mode):
             )
             hlo = fn.trace(x).lower().compile().as_text()
             assert hlo.count("__gpu$xla.gpu.triton") == 1, (dtype, offset)
+            w = jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=sharding)
+            add = jax.jit(
+                lambda a, b, o=offset: sj.stochastic_add(a, b, alpha=0.5, seed=3, offset=o)
+            )
+            hlo = add.trace(w, x).lower().compile().as_text()
+            assert hlo.count("__gpu$xla.gpu.triton") == 1, ("add", dtype, offset)
 
 
 def test_stochastic_round_kernels_give_the_xla_paths_bits_on_a_gpu(pallas_mode):
-    """On a GPU: ``stochastic_round``'s kernels equal the XLA path's bits (and so the Numba
-    kernels', ``test_jax_adapter.py``), 11008 columns among the shapes, ``vmap`` and the
-    gradient too."""
+    """On a GPU: ``stochastic_round``'s and ``stochastic_add``'s kernels equal the XLA path's
+    bits (and so the Numba kernels', ``test_jax_adapter.py``), 11008 columns among the shapes,
+    ``vmap`` and the gradient of ``stochastic_round`` too."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     rows, keys = _round_input((3, 40)), jax.random.split(jax.random.key(1), 3)
     for dtype in ("bfloat16", "float16"):
         for shape in [*ROUND_SHAPES, (33, 11008)]:
             x = _round_input(shape)
+            w, u = _add_inputs(shape, dtype)
             for offset in ROUND_OFFSETS:
                 pallas_mode("off")
-                expected = _rounded(x, dtype, offset)
+                expected = _rounded(x, dtype, offset), _added(w, u, offset)
                 pallas_mode("on")
-                _assert_same_bits(expected, _rounded(x, dtype, offset))
+                _assert_same_bits(expected, (_rounded(x, dtype, offset), _added(w, u, offset)))
         pallas_mode("off")
         expected = _rounded_rows(rows, keys, dtype)
         pallas_mode("on")

@@ -299,25 +299,43 @@ def _rounding_update(cfg, x, bits):
     )
 
 
-def _round_in_kernels(x, stream, fmt: Format, saturate: bool):
-    """``stochastic_round``'s native path as Pallas kernels where ``_pallas`` takes it (a GPU,
-    bf16 or fp16, a multiple of four elements; the same bits: the leaf update above at the
-    stream position ``stream``, ``_native_stream``'s), else ``None``."""
+@_pallas.elementwise
+def _adding_update(cfg, w, u, bits, alpha):
+    """``stochastic_add``'s elements as a leaf update (``_rounding_update``'s ``cfg``): the
+    exact ``fma(alpha, u, w)``, inside a kernel the GPU's own (``_lax.exact_ops``: the same
+    bits, a NaN as +qNaN), then rounded with stream 0's bits."""
+    fmt_name, saturate = cfg
+    fmt = FORMATS[fmt_name]
+    wide = _lax._decode(_lax._bits(w, jnp.dtype(fmt.bits_dtype)).astype(_U32), fmt)
+    alpha = jnp.asarray(alpha, jnp.float32)
+    if (ops := _lax.exact_ops()) is not None:
+        total = _lax._bits(ops.fma(alpha, u, _lax._f32(wide)), _U32)
+    else:
+        total = _lax._fma_bits(_lax._bits(alpha, _U32), _lax._bits(u, _U32), wide)
+    out = _lax._encode(total, fmt, saturate, bits(0)).astype(jnp.dtype(fmt.bits_dtype))
+    return (lax.bitcast_convert_type(out, w.dtype),)
+
+
+def _in_kernels(update, arrays, extra, stream, fmt: Format, saturate: bool):
+    """The native path of ``stochastic_round`` / ``stochastic_add`` (``update``: the leaf
+    update above, of ``arrays`` and the scalars ``extra``) as Pallas kernels where ``_pallas``
+    takes it (a GPU, bf16 or fp16, a multiple of four elements; the same bits at the stream
+    position ``stream``, ``_native_stream``'s), else ``None``."""
     k0, k1, offset, origin, global_shape = stream
-    if fmt.name not in ("bfloat16", "float16") or not _pallas.takes(_rounding_update, (x,)):
+    if fmt.name not in ("bfloat16", "float16") or not _pallas.takes(update, arrays):
         return None
     first_lo, first_hi = _lax._first_block(offset)
     (y,) = _pallas.leaf_call(
         _leaves._leaf_call,
-        (x,),
+        arrays,
         _u(k0),
         _u(k1),
         first_hi,
         first_lo,
         offset & 3,
         origin,
-        (),
-        update=_rounding_update,
+        extra,
+        update=update,
         cfg=(fmt.name, saturate),
         global_shape=None if origin is None else global_shape,
     )
@@ -372,7 +390,7 @@ def stochastic_round(
             if x.size == 0:
                 return jnp.zeros(x.shape, _lax.result_dtype(fmt))
             stream = (k0, k1, offset, origin, global_shape)
-            y = _round_in_kernels(x, stream, fmt, saturate)
+            y = _in_kernels(_rounding_update, (x,), (), stream, fmt, saturate)
             if y is not None:
                 return y
             return _native_stream(_lax._native_stochastic_round, (x,), stream, fmt, saturate)
@@ -488,6 +506,10 @@ def stochastic_add(
             if w.size == 0:
                 return w
             stream = (k0, k1, offset, origin, global_shape)
+            if jnp.issubdtype(w.dtype, jnp.floating):  # not uint16 patterns or fp4 codes
+                y = _in_kernels(_adding_update, (w, u), (alpha,), stream, fmt, saturate)
+                if y is not None:
+                    return y
             return _native_stream(_lax._native_stochastic_add, (w, u, alpha), stream, fmt, saturate)
         return _callback.stochastic_add(
             w,

@@ -1,4 +1,4 @@
-"""The fused step's leaves and ``stochastic_round`` as Pallas (Triton) kernels on CUDA GPUs.
+"""The fused step's leaves, ``stochastic_round`` and ``stochastic_add`` as Pallas kernels on CUDA.
 
 XLA's GPU backend has no fma, and divides and takes square roots of float32 approximately
 (``div.full.f32``, ``sqrt.approx.f32``), so the XLA path (``_lax``, ``optim._fma``) takes
@@ -10,9 +10,10 @@ kernel - in which those ops are the GPU's own correctly rounded instructions (``
 elements draws one Threefry block. The bits are the XLA path's (``tests/test_jax_pallas.py``:
 Pallas' interpreter on the CPU, the compiled kernels on a GPU; ``benchmarks/jax_gpu_check.py``).
 
-``stochastic_round`` to bf16 or fp16 runs the same kernels, its rounding as a leaf update
-(``_api._rounding_update``; on rows whose length is not a power of two the XLA path computes a
-Threefry block for each element, ``docs/performance.md``).
+``stochastic_round`` and ``stochastic_add`` to bf16 or fp16 run the same kernels, each as a
+leaf update (``_api._rounding_update``, ``_api._adding_update``: on rows whose length is not a
+power of two the XLA path computes a Threefry block for each element, and its exact fma is
+integer work, ``docs/performance.md``).
 
 Where (``takes``, ``leaf_call``): a leaf of an elementwise update (``elementwise``) with a
 multiple of four elements, where JAX's backend is a GPU. A Pallas call does not partition, so
