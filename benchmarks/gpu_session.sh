@@ -48,8 +48,9 @@
 # XLA path alone and compares the kernels' bits with it. Night (fc7d458, that call): gpu-tests
 # 133 s (171 passed), jax 35 s, round 28 s, optim 108 s, lowbit 14 s, lossscale 13 s, adapters
 # 18 s, profile 15 s: 377 s in all; kernels rc=1 in 14 s (no PTX with --target either). Since
-# then stochastic_round runs Pallas kernels too (their GPU tests are in gpu-tests; jax times
-# them against the XLA path and checks 11008 columns against the Numba CUDA kernels). One call
+# then stochastic_round and stochastic_add run Pallas kernels too (their GPU tests are in
+# gpu-tests; jax times them against the XLA path and checks their bits, 11008 columns among
+# them, against the Numba CUDA kernels). One call
 # of about 7 minutes holds all but the demo, the whole suite, probe and compile:
 # `T_TESTS=240 T_MORE=45 bash benchmarks/gpu_session.sh gpu-tests jax round optim lowbit
 # lossscale adapters profile`; the demo alone: `T_MORE=230 bash benchmarks/gpu_session.sh
