@@ -18,7 +18,7 @@ from jax import lax
 
 from srround.adapters import jax as sj
 from srround.adapters.jax import _leaves, _pallas
-from srround.adapters.jax._api import _rounding_update
+from srround.adapters.jax._api import _adding_update, _rounding_update
 
 from .test_jax_optim import _gpu_to_compile_for
 
@@ -143,6 +143,7 @@ def test_only_elementwise_leaves_of_rows_of_four_take_a_kernel(monkeypatch):
     assert not _pallas.takes(optim._update, (jnp.zeros(6), jnp.zeros(6), None))
     assert not _pallas.takes(optim._update, (jnp.zeros(8), jnp.zeros((2, 4)), None))
     assert _pallas.takes(_rounding_update, (jnp.zeros((3, 4)),))  # stochastic_round's
+    assert _pallas.takes(_adding_update, (jnp.zeros((3, 4)), jnp.zeros((3, 4))))
     monkeypatch.setattr(_pallas, "MODE", "auto")
     assert _pallas.takes(optim._update, leaf) == (jax.default_backend() == "gpu")
     monkeypatch.setattr(_pallas, "MODE", "off")
@@ -190,8 +191,9 @@ def test_kernels_give_the_xla_paths_bits_on_a_gpu(pallas_mode):
             raise AssertionError(f"{case}: {exc}") from None
 
 
-# stochastic_round's kernels: a partial last block, a 3-d array, 11008-like rows (20 columns),
-# offsets from lane 0, lane 1 and a stream position past 2**34 (the counters' high word 1)
+# stochastic_round's and stochastic_add's kernels: a partial last block, a 3-d array, rows of 20
+# columns (not a power of two, as 11008), offsets from lane 0, lane 1 and a stream position
+# past 2**34 (the counters' high word 1)
 ROUND_SHAPES = [(37, 64), (3, 5, 8), (7, 20)]
 ROUND_OFFSETS = [0, 5, 2**34 + 6]
 
@@ -231,7 +233,7 @@ def _add_inputs(shape, dtype):
 def _rounded_rows(x, keys, dtype):
     """Each row of ``x`` rounded with its key (``vmap``), and the straight-through gradient."""
     rows = jax.jit(jax.vmap(lambda r, k: sj.stochastic_round(r, dtype=dtype, seed=k, offset=1)))
-    grad = jax.grad(lambda v: sj.stochastic_round(v, dtype=dtype, seed=3).astype(float).sum())
+    grad = jax.grad(lambda v: sj.stochastic_round(v, dtype=dtype, seed=3).astype(jnp.float32).sum())
     return rows(x, keys), jax.jit(grad)(x)
 
 
@@ -278,7 +280,7 @@ def test_stochastic_add_kernels_give_the_xla_paths_bits_in_the_interpreter(palla
     assert "pallas_call" not in str(jax.make_jaxpr(fn)(patterns, u))
 
 
-def test_stochastic_round_kernels_compile_for_a_gpu(pallas_mode):
+def test_round_and_add_kernels_compile_for_a_gpu(pallas_mode):
     """``stochastic_round``'s and ``stochastic_add``'s kernels compile for a GPU (a compile-only
     H100 without one; the latter's fma is PTX's), bf16 and fp16, from lane 0 and from lane 1."""
     device = _gpu_to_compile_for()
@@ -300,7 +302,7 @@ def test_stochastic_round_kernels_compile_for_a_gpu(pallas_mode):
             assert hlo.count("__gpu$xla.gpu.triton") == 1, ("add", dtype, offset)
 
 
-def test_stochastic_round_kernels_give_the_xla_paths_bits_on_a_gpu(pallas_mode):
+def test_round_and_add_kernels_give_the_xla_paths_bits_on_a_gpu(pallas_mode):
     """On a GPU: ``stochastic_round``'s and ``stochastic_add``'s kernels equal the XLA path's
     bits (and so the Numba kernels', ``test_jax_adapter.py``), 11008 columns among the shapes,
     ``vmap`` and the gradient of ``stochastic_round`` too."""
