@@ -301,19 +301,10 @@ def _rounding_update(cfg, x, bits):
 
 @_pallas.elementwise
 def _adding_update(cfg, w, u, bits, alpha):
-    """``stochastic_add``'s elements as a leaf update (``_rounding_update``'s ``cfg``): the
-    exact ``fma(alpha, u, w)``, inside a kernel the GPU's own (``_lax.exact_ops``: the same
-    bits, a NaN as +qNaN), then rounded with stream 0's bits."""
+    """``stochastic_add``'s elements as a leaf update (``_rounding_update``'s ``cfg``;
+    ``_lax.stochastic_sum`` with stream 0's bits)."""
     fmt_name, saturate = cfg
-    fmt = FORMATS[fmt_name]
-    wide = _lax._decode(_lax._bits(w, jnp.dtype(fmt.bits_dtype)).astype(_U32), fmt)
-    alpha = jnp.asarray(alpha, jnp.float32)
-    if (ops := _lax.exact_ops()) is not None:
-        total = _lax._bits(ops.fma(alpha, u, _lax._f32(wide)), _U32)
-    else:
-        total = _lax._fma_bits(_lax._bits(alpha, _U32), _lax._bits(u, _U32), wide)
-    out = _lax._encode(total, fmt, saturate, bits(0)).astype(jnp.dtype(fmt.bits_dtype))
-    return (lax.bitcast_convert_type(out, w.dtype),)
+    return (_lax.stochastic_sum(w, u, alpha, FORMATS[fmt_name], saturate, bits(0)),)
 
 
 def _in_kernels(update, arrays, extra, stream, fmt: Format, saturate: bool):

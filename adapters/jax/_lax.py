@@ -670,15 +670,25 @@ def _native_to_float32(y, *, fmt_name):
 def _native_stochastic_add(
     w, u, alpha, k0, k1, first_lo, first_hi, origin, *, lane0, fmt_name, saturate, global_shape
 ):
-    fmt = FORMATS[fmt_name]
     index = _element_index(w.shape, origin, global_shape)
-    wb = _bits(w, jnp.dtype(fmt.bits_dtype)).astype(_U32)
-    ub = _bits(u, _U32)
-    ab = lax.bitcast_convert_type(jnp.asarray(alpha, jnp.float32), _U32)
-    total = _fma_bits(ab, ub, _decode(wb, fmt))
     bits16 = _random16(k0, k1, first_lo, first_hi, lane0, index)
-    out = _encode(total, fmt, saturate, bits16)
-    return lax.bitcast_convert_type(out.astype(jnp.dtype(fmt.bits_dtype)), w.dtype).reshape(w.shape)
+    return stochastic_sum(w, u, alpha, FORMATS[fmt_name], saturate, bits16)
+
+
+def stochastic_sum(w, u, alpha, fmt: Format, saturate: bool, bits16):
+    """``SR(fma(alpha, u, w))`` in ``w``'s dtype (``fmt`` values or their patterns), ``u``
+    float32, ``alpha`` a float32 scalar, rounded with ``bits16``: the exact fma in integers
+    (``_fma_bits``), inside a Pallas kernel the GPU's own (``exact_ops``: the same bits, a NaN
+    as +qNaN)."""
+    patterns = jnp.dtype(fmt.bits_dtype)
+    wide = _decode(_bits(w, patterns).astype(_U32), fmt)
+    alpha = jnp.asarray(alpha, jnp.float32)
+    if (ops := exact_ops()) is not None:
+        total = _bits(ops.fma(alpha, u, _f32(wide)), _U32)
+    else:
+        total = _fma_bits(_bits(alpha, _U32), _bits(u, _U32), wide)
+    out = _encode(total, fmt, saturate, bits16).astype(patterns)
+    return lax.bitcast_convert_type(out, w.dtype)
 
 
 # -- block-scaled formats (``srround/_block_kernels.py``, the same steps on arrays) -----------
