@@ -17,6 +17,8 @@ torch = pytest.importorskip("torch")
 import srround  # noqa: E402
 import srround.adapters.torch as st  # noqa: E402
 
+from .reference import run_python  # noqa: E402
+
 
 def _bits(t):
     return t.detach().view(torch.int16 if t.element_size() == 2 else torch.int32)
@@ -550,3 +552,45 @@ def test_compiled_step_with_float8_states_runs_eagerly_at_a_graph_break():
     with pytest.raises(Exception, match="float8 states are not supported inside torch.compile"):
         torch.compile(opt.step, fullgraph=True, backend="aot_eager")()
     torch._dynamo.reset()
+
+
+def test_importing_the_adapter_leaves_dynamo_to_the_first_compile():
+    """``import srround.adapters.torch`` imported Dynamo (about 2 s of 5 on the 2-core CI
+    machine) to give it srround's rules. Now Dynamo gets them when it is imported: in a fresh
+    process the adapter's import leaves Dynamo out, and the first torch.compile still traces
+    ``unscale_and_check`` fullgraph, breaks the graph at a generic call, refuses float8 states
+    with the reason, and takes a DTensor piece as a constant."""
+    code = """
+import sys
+import torch
+import srround
+import srround.adapters.torch as st
+assert "torch._dynamo" not in sys.modules, "Dynamo imported"
+
+@torch.compile(fullgraph=True, backend="aot_eager")
+def unscale(grads):
+    return srround.unscale_and_check(grads, 0.5)
+
+grads = [torch.full((3,), 2.0)]
+assert float(unscale(grads)) == 0.0 and torch.equal(grads[0], torch.ones(3))
+
+@torch.compile(backend="aot_eager")
+def generic(x):
+    return srround.stochastic_round(x * 2, seed=1, offset=3).float() + 1
+
+x = torch.randn(16)
+assert torch.equal(generic(x), srround.stochastic_round(x * 2, seed=1, offset=3).float() + 1)
+p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+p.grad = torch.ones(4, dtype=torch.bfloat16)
+opt = st.AdamW([p], lr=1e-2, state_dtype=torch.float8_e4m3fn, seed=1)
+try:
+    torch.compile(opt.step, fullgraph=True, backend="aot_eager")()
+    raise AssertionError("fullgraph with float8 states: no error")
+except Exception as exc:
+    assert "float8 states are not supported inside torch.compile" in str(exc), exc
+from srround.adapters.torch import _dist
+assert getattr(_dist._static_piece, "_dynamo_marked_constant", False)
+print("ok")
+"""
+    run = run_python(["-c", code], env=None, cwd=None)
+    assert run.stdout.strip().endswith("ok"), run.stdout

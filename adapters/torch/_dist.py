@@ -30,6 +30,7 @@ import math
 import sys
 
 import torch
+import wrapt
 
 __all__ = ["assign_stream_offsets"]
 
@@ -186,7 +187,17 @@ def _piece(shape, mesh, placements) -> tuple[tuple, tuple]:
     return tuple(local_shape), tuple(offset)
 
 
-_static_piece = torch.compiler.assume_constant_result(_piece)
+# ``_piece`` as a constant of a compiled graph, marked when Dynamo is imported (importing
+# Dynamo takes seconds; ``_ops._tell_dynamo``'s hook)
+_static_piece = _piece
+
+
+def _mark_piece_constant(dynamo) -> None:
+    global _static_piece
+    _static_piece = dynamo.assume_constant_result(_piece)
+
+
+wrapt.register_post_import_hook(_mark_piece_constant, "torch._dynamo")
 
 
 def assign_stream_offsets(params) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import wrapt
 from torch import Tensor
 
 import srround
@@ -40,23 +41,6 @@ from srround._rng import check_offset, check_seed, split_seed
 from . import _dist
 from .amp import update_scale
 from .optim import _TRACED, amsgrad_update, build_entry, rebind_grads, run_entry
-
-# Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
-# fullgraph=False), nor into srround's functions (it traced ``np.float32(x)`` as a 0-d array,
-# which Numba refused: ``GradScaler.update()`` in a compiled function died): an srround call
-# that is not one of these ops (``srround.update_scale``, ``srround.stochastic_round(tensor)``)
-# is one graph break (its file skipped) that runs eagerly with Dynamo off in all it calls
-with contextlib.suppress(Exception):  # private hooks: without them, use the ops below
-    for _module in ("numba", "srround._api", "srround._blocks"):
-        torch._dynamo.trace_rules.add(_module)
-with contextlib.suppress(Exception):  # a newer private hook (without it: the files above only)
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-    for _name in srround.__all__:
-        _code = getattr(getattr(srround, _name), "__code__", None)
-        if _code is not None:
-            set_code_exec_strategy(_code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # fused_step: buffers' addresses -> entry, one per set of parameters; a table keeps the
@@ -182,10 +166,42 @@ def _traceable_unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor
     return found_inf
 
 
-# the eager call, run at a graph break (its checks raise the errors naming the argument)
-_eager_unscale_and_check = torch._dynamo.disable(srround.unscale_and_check)
-with contextlib.suppress(ValueError):  # registered already: this module was reloaded
-    torch.compiler.substitute_in_graph(srround.unscale_and_check)(_traceable_unscale_and_check)
+# the eager call, run at a graph break (its checks raise the errors naming the argument):
+# Dynamo's ``disable`` of it once Dynamo is imported (``_tell_dynamo``)
+_eager_unscale_and_check = srround.unscale_and_check
+
+
+def _tell_dynamo(dynamo) -> None:
+    """srround's rules for torch.compile, given to Dynamo when it is imported (torch.compile
+    imports it; a post-import hook, so importing this adapter does not import Dynamo, about
+    2 s of an import's 5 on a 2-core CPU):
+
+    - Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
+      fullgraph=False), nor into srround's functions (it traced ``np.float32(x)`` as a 0-d
+      array, which Numba refused: ``GradScaler.update()`` in a compiled function died): an
+      srround call that is not one of these ops (``srround.update_scale``,
+      ``srround.stochastic_round(tensor)``) is one graph break (its file skipped) that runs
+      eagerly with Dynamo off in all it calls;
+    - ``srround.unscale_and_check`` on torch tensors traces as ``_traceable_unscale_and_check``.
+    """
+    global _eager_unscale_and_check
+    with contextlib.suppress(Exception):  # private hooks: without them, use the ops below
+        for module in ("numba", "srround._api", "srround._blocks"):
+            dynamo.trace_rules.add(module)
+    with contextlib.suppress(Exception):  # a newer private hook (without it: the files above)
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        for name in srround.__all__:
+            code = getattr(getattr(srround, name), "__code__", None)
+            if code is not None:
+                set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    _eager_unscale_and_check = dynamo.disable(srround.unscale_and_check)
+    with contextlib.suppress(ValueError):  # registered already: this module was reloaded
+        dynamo.substitute_in_graph(srround.unscale_and_check)(_traceable_unscale_and_check)
+
+
+wrapt.register_post_import_hook(_tell_dynamo, "torch._dynamo")
 
 
 # GradScaler.update()'s srround.update_scale

@@ -66,6 +66,7 @@ from itertools import chain
 
 import numpy as np
 import torch
+import wrapt
 
 from srround import _optim, _plan, _state8, _validate
 from srround._rng import check_seed, manually_seeded, next_seed, split_seed
@@ -1464,13 +1465,22 @@ def _fp8_step(opt, inv_scale, found_inf, check_grads, grad_scale):
 
 # float8 states under torch.compile (no custom op for them yet): the eager step at a graph
 # break, Dynamo off in all it calls (before: Dynamo compiled its callees and died, or with
-# fullgraph=True said "Observed exception"); fullgraph=True: Dynamo's error gives the reason
-_eager_fp8_step = torch._dynamo.disable(
-    _fp8_step,
-    reason="state_dtype: float8 states are not supported inside torch.compile yet: their step"
-    " runs eagerly at a graph break (with fullgraph=True, call opt.step() outside the"
-    " compiled function)",
-)
+# fullgraph=True said "Observed exception"); fullgraph=True: Dynamo's error gives the reason.
+# Dynamo's ``disable`` of it is made when Dynamo is imported (``_ops._tell_dynamo``'s hook)
+_eager_fp8_step = _fp8_step
+
+
+def _disable_dynamo_in_fp8_step(dynamo) -> None:
+    global _eager_fp8_step
+    _eager_fp8_step = dynamo.disable(
+        _fp8_step,
+        reason="state_dtype: float8 states are not supported inside torch.compile yet: their"
+        " step runs eagerly at a graph break (with fullgraph=True, call opt.step() outside the"
+        " compiled function)",
+    )
+
+
+wrapt.register_post_import_hook(_disable_dynamo_in_fp8_step, "torch._dynamo")
 
 
 class SGD(_FusedOptimizer):
