@@ -124,60 +124,65 @@ def case_functional():
         mesh = _mesh(mesh_shape, names)
         for i, (shape, spec) in enumerate(arrays):
             what = f"mesh {mesh_shape} array {shape} {spec}"
-            x = _data(shape, i)
-            u = _data(shape, i + 50) * np.float32(1e-2)
-            w = jnp.asarray(x).astype(jnp.bfloat16)
+            x = jnp.asarray(_data(shape, i))
+            u = jnp.asarray(_data(shape, i + 50) * np.float32(1e-2))
+            w = x.astype(jnp.bfloat16)
+            # the unsharded bits: the unsharded call (each impl's equal to it,
+            # tests/test_jax_adapter.py)
+            expected = jax.jit(_functional(None))(x, w, u, KEY)
             sharding = NamedSharding(mesh, spec)
+            check = _check_uneven if _uneven(shape, spec, mesh) else _check_functional
             for impl in ("native", "callback"):
-                _check_functional(x, u, w, sharding, f"{impl} {what}", impl, mesh)
+                check((x, w, u), expected, sharding, f"{impl} {what}", impl)
     print("functional ok")
 
 
-def _check_functional(x, u, w, sharding, what, impl, mesh):
-    """The functional calls under jit on ``sharding``: the unsharded bits, the input's
-    sharding, no collectives (the callback path too: it runs per shard)."""
-    if _uneven(x.shape, sharding.spec, mesh):
-        _check_uneven(x, u, w, sharding, what, impl)
-        return
-    xs, us, ws = (jax.device_put(a, sharding) for a in (jnp.asarray(x), u, w))
-    fns = {
-        "stochastic_round": lambda a, k, impl=None: sj.stochastic_round(
-            a, seed=k, offset=5, impl=impl
-        ),
-        "round_nearest": lambda a, k, impl=None: sj.round_nearest(a, dtype="float16", impl=impl),
-        "to_float32": lambda a, k, impl=None: sj.to_float32(a.astype(jnp.bfloat16), impl=impl),
-    }
-    for name, fn in fns.items():
-        # the unsharded bits: the eager call (each impl's equal to it, tests/test_jax_adapter.py)
-        expected = fn(jnp.asarray(x), KEY)
-        fn = functools.partial(fn, impl=impl)
-        got = _without_gather(fn, xs, KEY, what=f"{name} {what}")(xs, KEY)
-        _same(got, expected, f"{name} {what}")
-        _same_sharding(got, xs, f"{name} {what}")
-
-    def add(w, u, k):
-        return sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3, impl=impl)
-
-    expected = sj.stochastic_add(w, jnp.asarray(u), alpha=0.5, seed=KEY, offset=3)
-    got = _without_gather(add, ws, us, KEY, what=f"stochastic_add {what}")(ws, us, KEY)
-    _same(got, expected, f"stochastic_add {what}")
-    _same_sharding(got, ws, f"stochastic_add {what}")
+_FUNCTIONAL = ("stochastic_round", "round_nearest", "to_float32", "stochastic_add")
 
 
-def _check_uneven(x, u, w, sharding, what, impl):
-    """An uneven split (padded shards) of an intermediate inside jit: the same bits, nothing
-    gathered. The outputs keep the uneven split where this JAX can return one (JAX 0.11 cannot:
-    recovering such an output sharding raises ``IndivisibleError``, for a plain cast too); else
-    they are left to XLA, which gathers them at the end, as for the cast."""
+def _functional(impl):
+    """The functional calls, one program: ``_FUNCTIONAL``'s results for ``(x, w, u, key)``
+    (``x``, ``u``: float32, ``w``: bf16 of ``x``'s shape)."""
 
-    def cast(a, k, constrain_output=True):
-        a = jax.lax.with_sharding_constraint(a, sharding)
-        out = a.astype(jnp.bfloat16)
-        return jax.lax.with_sharding_constraint(out, sharding) if constrain_output else out
+    def calls(x, w, u, k):
+        return (
+            sj.stochastic_round(x, seed=k, offset=5, impl=impl),
+            sj.round_nearest(x, dtype="float16", impl=impl),
+            sj.to_float32(x.astype(jnp.bfloat16), impl=impl),
+            sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3, impl=impl),
+        )
 
-    x, u = jnp.asarray(x), jnp.asarray(u)
+    return calls
+
+
+def _check_functional(arrays, expected, sharding, what, impl):
+    """The functional calls under jit on ``sharding`` (one program): the unsharded bits, the
+    input's sharding, no collectives (the callback path too: it runs per shard)."""
+    placed = [jax.device_put(a, sharding) for a in arrays]
+    got = _without_gather(_functional(impl), *placed, KEY, what=what)(*placed, KEY)
+    for name, g, e in zip(_FUNCTIONAL, got, expected):
+        _same(g, e, f"{name} {what}")
+        _same_sharding(g, placed[0], f"{name} {what}")
+
+
+def _check_uneven(arrays, expected, sharding, what, impl):
+    """An uneven split (padded shards) of intermediates inside jit: ``stochastic_round`` and
+    ``stochastic_add`` give the same bits and gather nothing more than a cast and an add under
+    the same constraints. The outputs keep the uneven split where this JAX can return one (JAX
+    0.11 cannot: recovering such an output sharding raises ``IndivisibleError``, for a plain
+    cast too); else they are left to XLA, which gathers them at the end, as for the cast.
+    (Checked per call: in one program XLA merges the collectives of the calls and of their
+    references differently.)"""
+
+    def constrained(a):
+        return jax.lax.with_sharding_constraint(a, sharding)
+
+    def cast(a, constrain_output=True):
+        out = constrained(a).astype(jnp.bfloat16)
+        return constrained(out) if constrain_output else out
+
     try:
-        jax.jit(cast)(x, KEY)
+        jax.jit(cast)(arrays[0])
         constrain = True
     except Exception as exc:  # noqa: BLE001 - its class, IndivisibleError, is private to JAX
         if type(exc).__name__ != "IndivisibleError":
@@ -185,23 +190,25 @@ def _check_uneven(x, u, w, sharding, what, impl):
         constrain = False
 
     def output(a):
-        return jax.lax.with_sharding_constraint(a, sharding) if constrain else a
+        return constrained(a) if constrain else a
 
-    def rnd(a, k):
-        a = jax.lax.with_sharding_constraint(a, sharding)
-        return output(sj.stochastic_round(a, seed=k, offset=5, impl=impl))
+    def rnd(x, k):
+        return output(sj.stochastic_round(constrained(x), seed=k, offset=5, impl=impl))
 
     def add(w, u, k):
-        w = jax.lax.with_sharding_constraint(w, sharding)
-        u = jax.lax.with_sharding_constraint(u, sharding)
+        w, u = constrained(w), constrained(u)
         return output(sj.stochastic_add(w, u, alpha=0.5, seed=k, offset=3, impl=impl))
 
-    # the jit output of an uneven split is gathered at the end: no more than for a cast
-    reference = functools.partial(cast, constrain_output=constrain)
-    rnd_checked = _without_gather(rnd, x, KEY, what=f"uneven {what}", reference=reference)
-    _same(rnd_checked(x, KEY), sj.stochastic_round(x, seed=KEY, offset=5), f"uneven {what}")
-    expected = sj.stochastic_add(w, u, alpha=0.5, seed=KEY, offset=3)
-    _same(jax.jit(add)(w, u, KEY), expected, f"uneven add {what}")
+    def plain_add(w, u, k):
+        return cast(constrained(w).astype(jnp.float32) + constrained(u), constrain)
+
+    x, w, u = arrays
+    checked = _without_gather(
+        rnd, x, KEY, what=f"uneven {what}", reference=lambda x, k: cast(x, constrain)
+    )
+    _same(checked(x, KEY), expected[0], f"uneven stochastic_round {what}")
+    checked = _without_gather(add, w, u, KEY, what=f"uneven add {what}", reference=plain_add)
+    _same(checked(w, u, KEY), expected[3], f"uneven stochastic_add {what}")
 
 
 def case_shard_map():
