@@ -187,8 +187,8 @@ def _piece(shape, mesh, placements) -> tuple[tuple, tuple]:
     return tuple(local_shape), tuple(offset)
 
 
-# ``_piece`` as a constant of a compiled graph, marked when Dynamo is imported (importing
-# Dynamo takes seconds; ``_ops._tell_dynamo``'s hook)
+# ``_piece`` as a constant of a compiled graph, marked when Dynamo is imported (a post-import
+# hook, as ``_ops._tell_dynamo``: importing this adapter leaves Dynamo out)
 _static_piece = _piece
 
 

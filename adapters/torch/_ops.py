@@ -173,8 +173,8 @@ _eager_unscale_and_check = srround.unscale_and_check
 
 def _tell_dynamo(dynamo) -> None:
     """srround's rules for torch.compile, given to Dynamo when it is imported (torch.compile
-    imports it; a post-import hook, so importing this adapter does not import Dynamo, about
-    2 s of an import's 5 on a 2-core CPU):
+    imports it; a post-import hook, so importing this adapter does not import Dynamo, whose
+    import takes about as long as torch's: ``docs/performance.md``):
 
     - Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
       fullgraph=False), nor into srround's functions (it traced ``np.float32(x)`` as a 0-d

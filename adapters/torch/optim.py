@@ -1466,7 +1466,8 @@ def _fp8_step(opt, inv_scale, found_inf, check_grads, grad_scale):
 # float8 states under torch.compile (no custom op for them yet): the eager step at a graph
 # break, Dynamo off in all it calls (before: Dynamo compiled its callees and died, or with
 # fullgraph=True said "Observed exception"); fullgraph=True: Dynamo's error gives the reason.
-# Dynamo's ``disable`` of it is made when Dynamo is imported (``_ops._tell_dynamo``'s hook)
+# Dynamo's ``disable`` of it is made when Dynamo is imported (a post-import hook, as
+# ``_ops._tell_dynamo``)
 _eager_fp8_step = _fp8_step
 
 
