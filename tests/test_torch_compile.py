@@ -554,19 +554,25 @@ def test_compiled_step_with_float8_states_runs_eagerly_at_a_graph_break():
     torch._dynamo.reset()
 
 
-def test_importing_the_adapter_leaves_dynamo_to_the_first_compile():
-    """``import srround.adapters.torch`` imported Dynamo (about 2 s of 5 on the 2-core CI
-    machine) to give it srround's rules. Now Dynamo gets them when it is imported: in a fresh
-    process the adapter's import leaves Dynamo out, and the first torch.compile still traces
+@pytest.mark.parametrize("wrapt", [True, False], ids=["wrapt", "no_wrapt"])
+def test_importing_the_adapter_leaves_dynamo_to_the_first_compile(wrapt):
+    """``import srround.adapters.torch`` imported Dynamo (about as long as importing torch) to
+    give it srround's rules. Now Dynamo gets them when it is imported: in a fresh process the
+    adapter's import leaves Dynamo out, and the first torch.compile still traces
     ``unscale_and_check`` fullgraph, breaks the graph at a generic call, refuses float8 states
-    with the reason, and takes a DTensor piece as a constant."""
-    code = """
+    with the reason, and takes a DTensor piece as a constant. Without ``wrapt`` (torch
+    installed without srround's ``torch`` extra) the import brings Dynamo in at once, as
+    before, with the same rules."""
+    code = f"""
 import sys
+if not {wrapt}:
+    sys.modules["wrapt"] = None  # an import of wrapt raises ImportError
 import torch
 import srround
 import srround.adapters.torch as st
-assert "torch._dynamo" not in sys.modules, "Dynamo imported"
-
+assert ("torch._dynamo" in sys.modules) == (not {wrapt}), "Dynamo imported: " + str(not {wrapt})
+"""
+    code += """
 @torch.compile(fullgraph=True, backend="aot_eager")
 def unscale(grads):
     return srround.unscale_and_check(grads, 0.5)

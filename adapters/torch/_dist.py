@@ -30,7 +30,8 @@ import math
 import sys
 
 import torch
-import wrapt
+
+from . import _lazy_dynamo
 
 __all__ = ["assign_stream_offsets"]
 
@@ -187,8 +188,7 @@ def _piece(shape, mesh, placements) -> tuple[tuple, tuple]:
     return tuple(local_shape), tuple(offset)
 
 
-# ``_piece`` as a constant of a compiled graph, marked when Dynamo is imported (a post-import
-# hook, as ``_ops._tell_dynamo``: importing this adapter leaves Dynamo out)
+# ``_piece`` as a constant of a compiled graph, marked when Dynamo is imported (``_lazy_dynamo``)
 _static_piece = _piece
 
 
@@ -197,7 +197,7 @@ def _mark_piece_constant(dynamo) -> None:
     _static_piece = dynamo.assume_constant_result(_piece)
 
 
-wrapt.register_post_import_hook(_mark_piece_constant, "torch._dynamo")
+_lazy_dynamo.when_imported(_mark_piece_constant)
 
 
 def assign_stream_offsets(params) -> int:

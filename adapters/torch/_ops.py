@@ -32,13 +32,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import wrapt
 from torch import Tensor
 
 import srround
 from srround._rng import check_offset, check_seed, split_seed
 
-from . import _dist
+from . import _dist, _lazy_dynamo
 from .amp import update_scale
 from .optim import _TRACED, amsgrad_update, build_entry, rebind_grads, run_entry
 
@@ -167,14 +166,13 @@ def _traceable_unscale_and_check(grads, inv_scale, *, found_inf=None, per_tensor
 
 
 # the eager call, run at a graph break (its checks raise the errors naming the argument):
-# Dynamo's ``disable`` of it once Dynamo is imported (``_tell_dynamo``)
+# Dynamo's ``disable`` of it once Dynamo is imported (``_tell_dynamo``, ``_lazy_dynamo``)
 _eager_unscale_and_check = srround.unscale_and_check
 
 
 def _tell_dynamo(dynamo) -> None:
-    """srround's rules for torch.compile, given to Dynamo when it is imported (torch.compile
-    imports it; a post-import hook, so importing this adapter does not import Dynamo, whose
-    import takes about as long as torch's: ``docs/performance.md``):
+    """srround's rules for torch.compile, given to Dynamo when it is imported
+    (``_lazy_dynamo``):
 
     - Dynamo must not trace into Numba's dispatcher (it fails on its bytecode, even with
       fullgraph=False), nor into srround's functions (it traced ``np.float32(x)`` as a 0-d
@@ -201,7 +199,7 @@ def _tell_dynamo(dynamo) -> None:
         dynamo.substitute_in_graph(srround.unscale_and_check)(_traceable_unscale_and_check)
 
 
-wrapt.register_post_import_hook(_tell_dynamo, "torch._dynamo")
+_lazy_dynamo.when_imported(_tell_dynamo)
 
 
 # GradScaler.update()'s srround.update_scale

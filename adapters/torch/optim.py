@@ -66,12 +66,11 @@ from itertools import chain
 
 import numpy as np
 import torch
-import wrapt
 
 from srround import _optim, _plan, _state8, _validate
 from srround._rng import check_seed, manually_seeded, next_seed, split_seed
 
-from . import _dist, _views
+from . import _dist, _lazy_dynamo, _views
 from ._views import _BUFFER_CODES, _DATA_PTR, _check_storage, _external_stream, _view
 
 __all__ = ["SGD", "AdamW"]
@@ -1466,8 +1465,7 @@ def _fp8_step(opt, inv_scale, found_inf, check_grads, grad_scale):
 # float8 states under torch.compile (no custom op for them yet): the eager step at a graph
 # break, Dynamo off in all it calls (before: Dynamo compiled its callees and died, or with
 # fullgraph=True said "Observed exception"); fullgraph=True: Dynamo's error gives the reason.
-# Dynamo's ``disable`` of it is made when Dynamo is imported (a post-import hook, as
-# ``_ops._tell_dynamo``)
+# Dynamo's ``disable`` of it is made when Dynamo is imported (``_lazy_dynamo``)
 _eager_fp8_step = _fp8_step
 
 
@@ -1481,7 +1479,7 @@ def _disable_dynamo_in_fp8_step(dynamo) -> None:
     )
 
 
-wrapt.register_post_import_hook(_disable_dynamo_in_fp8_step, "torch._dynamo")
+_lazy_dynamo.when_imported(_disable_dynamo_in_fp8_step)
 
 
 class SGD(_FusedOptimizer):
