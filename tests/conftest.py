@@ -41,21 +41,23 @@ settings.load_profile("srround")
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
-# The longest files of a cold run on 2 cores (about 0.5-4 minutes each), longest first: the tests
-# run as whole files (`--dist loadfile`), and a long file handed out last runs on one worker
-# while the other has nothing left to do
+# The longest files of a cold run on 2 cores (0.3-6 minutes each on 11-29), longest first: the
+# tests run as whole files (`--dist loadfile`), and a long file handed out last runs on one
+# worker while the other has nothing left to do
 _LONG_FILES = (
     "test_jax_optim.py",
-    "test_reliability.py",
     "test_jax_sharding.py",
-    "test_benchmarks_optim.py",
+    "test_reliability.py",
     "test_optim_contract.py",
+    "test_benchmarks_optim.py",
     "test_lowbit.py",
-    "test_jax_optax.py",
+    "test_jax_pallas.py",
     "test_torch_dist.py",
+    "test_jax_optax.py",
     "test_audit.py",
-    "test_packaging.py",
     "test_torch_compile.py",
+    "test_jax_adapter.py",
+    "test_packaging.py",
     "test_torch_optim.py",
 )
 
