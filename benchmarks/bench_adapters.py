@@ -67,13 +67,12 @@ def _data(n: int):
 
 def _core_cpu(n):
     from srround import _cpu
-    from srround._api import _read_only
     from srround._rng import split_seed
 
     x, u, w = _data(n)
     k0, k1 = split_seed(SEED)
     # the inputs read-only, as the API passes them: the kernels users run, no second compile
-    xb, ub = _read_only(x.view(np.uint32)), _read_only(u.view(np.uint32))
+    xb, ub = _cpu.read_only(x.view(np.uint32)), _cpu.read_only(u.view(np.uint32))
     wb, out = w.view(np.uint16), np.empty(n, np.uint16)
     return {
         "stochastic_round": (

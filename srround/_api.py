@@ -52,16 +52,6 @@ def _own(adapter, name: str):
     return None if adapter.MUTABLE else getattr(adapter, name)
 
 
-def _read_only(bits):
-    """An input buffer as the kernels read it: on the CPU a read-only view of a writable NumPy
-    array (free), so each kernel has one compiled version for read-only and writable inputs
-    alike (Numba types the two apart: a second compile, ~5 s cold for a rounding kernel)."""
-    if isinstance(bits, np.ndarray) and bits.flags.writeable:
-        bits = bits.view()
-        bits.flags.writeable = False
-    return bits
-
-
 def _launch(kernel: str, view: View, *args) -> None:
     """Run ``kernel`` of the backend where ``view`` lives (CUDA on the view's stream)."""
     if view.bits.size == 0:
@@ -152,7 +142,7 @@ def _launch_runs(kernel, view, src_bits, dst_bits, alpha, key, offset, fmt, satu
             put(dst, (slice(None), slice(0, run)), dst_rows[r0:r1])
         padded = dataclasses.replace(view, bits=dst.reshape(-1), runs=(0, 0))
         at = offset + r0 * width
-        args = (_read_only(src.reshape(-1)), dst.reshape(-1), alpha, key, at, fmt, saturate)
+        args = (_cpu.read_only(src.reshape(-1)), dst.reshape(-1), alpha, key, at, fmt, saturate)
         _launch_random(kernel, padded, *args)
         put(dst_rows, slice(r0, r1), dst[:, :run])
 
@@ -203,7 +193,7 @@ def stochastic_round(x, *, dtype="bfloat16", seed=None, offset=0, out=None, over
     _launch_random(
         "stochastic_round",
         src,
-        _read_only(src.bits),
+        _cpu.read_only(src.bits),
         dst.bits,
         1.0,
         (k0, k1),
@@ -234,7 +224,7 @@ def round_nearest(x, *, dtype="bfloat16", out=None, overflow="inf"):
     _launch(
         "round_nearest",
         src,
-        _read_only(src.bits),
+        _cpu.read_only(src.bits),
         dst.bits,
         fmt.mantissa_bits,
         fmt.exponent_bits,
@@ -266,7 +256,7 @@ def to_float32(y, *, dtype=None, out=None):
     _launch(
         "to_float32",
         src,
-        _read_only(src.bits),
+        _cpu.read_only(src.bits),
         dst.bits,
         fmt.mantissa_bits,
         fmt.exponent_bits,
@@ -311,7 +301,7 @@ def stochastic_add(w, u, *, alpha=1.0, seed=None, offset=0, dtype=None, overflow
     _launch_random(
         "stochastic_add",
         dst,
-        _read_only(src.bits),
+        _cpu.read_only(src.bits),
         dst.bits,
         alpha,
         (k0, k1),

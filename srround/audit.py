@@ -62,8 +62,9 @@ def _table(kind: str) -> np.ndarray:
 
 
 def _flat(x, argument: str):
-    """``(flat NumPy array, stored format name)``: 16-bit formats as their ``uint16`` patterns,
-    fp8 widened to float32, fp32/fp64 as they are; no copy for contiguous host arrays."""
+    """``(flat read-only NumPy array, stored format name)``: 16-bit formats as their ``uint16``
+    patterns, fp8 widened to float32, fp32/fp64 as they are; no copy for contiguous host
+    arrays."""
     root = type(x).__module__.split(".", 1)[0]
     if root == "torch":  # bf16 and fp8 as ml_dtypes' arrays over the same bytes
         from ._checkpoint import torch_numpy
@@ -74,14 +75,15 @@ def _flat(x, argument: str):
     elif root == "cupy":
         x = x.get()
     a = np.asarray(x)
+    # read-only views, as the API passes inputs: one compiled kernel for either kind of array
     for kind in _SIXTEEN_BIT:
         if a.dtype == get_format(kind).numpy_dtype:
-            return a.reshape(-1).view(np.uint16), kind
+            return _cpu.read_only(a.reshape(-1).view(np.uint16)), kind
     for kind in _FP8:  # widened exactly (a float32 copy)
         if a.dtype == get_format(kind).numpy_dtype:
-            return a.reshape(-1).astype(np.float32), kind
+            return _cpu.read_only(a.reshape(-1).astype(np.float32)), kind
     if a.dtype in (np.float32, np.float64):
-        return a.reshape(-1), a.dtype.name
+        return _cpu.read_only(a.reshape(-1)), a.dtype.name
     raise TypeError(
         f"{argument}: expected a float32, float64, bfloat16, float16, float8_e4m3fn or"
         f" float8_e5m2 array, got {a.dtype}"

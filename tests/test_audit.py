@@ -51,6 +51,36 @@ def test_stagnation_counts_exactly():
     assert audit.stagnation(w, u).lost_fraction == pytest.approx(1 - moved.mean(), abs=1e-12)
 
 
+def test_read_only_and_writable_arrays_run_one_compiled_kernel():
+    """Numba types read-only and writable arrays apart: an audit of a frozen array (a
+    checkpoint's mapped tensors, JAX's host buffers) compiled each audit kernel again. The
+    audit's inputs now reach the kernels read-only, as the API's do."""
+    from srround import _audit_kernels
+
+    rng = np.random.default_rng(1)
+    w32 = rng.standard_normal(64).astype(np.float32)
+    cases = [
+        (w32.astype(ml_dtypes.bfloat16), w32 * 1e-3),
+        (w32, None),
+        (w32.astype(np.float64), None),
+    ]
+
+    def audit_all(freeze):
+        for w, u in cases:
+            w, u = w.copy(), None if u is None else u.copy()
+            for a in (w, u):
+                if a is not None:
+                    a.flags.writeable = not freeze
+            audit.audit_tensor(w, u)
+            audit.stagnation(w, u, lr=None if u is not None else 1e-3)
+
+    kernels = (_audit_kernels.pattern_counts, _audit_kernels.value_stats)
+    audit_all(freeze=False)
+    compiled = [len(k.signatures) for k in kernels]
+    audit_all(freeze=True)
+    assert [len(k.signatures) for k in kernels] == compiled
+
+
 def test_fp16_range_exact():
     r = audit.fp16_range(np.array([65519.0, 65520.0, 1.0, 2.0**-25, 2.0**-24, 2.0**-15, 0.0]))
     assert r.count == 7 and r.max_abs == 65520.0
