@@ -325,7 +325,8 @@ def quantize_blocks(x, format, *, rounding="stochastic", seed=None, offset=0, ax
     if src.device == "cpu":
         ts = 0
         if bf.two_level:  # an empty tensor's amax is 0: tensor scale 1.0, as an all-zero one's
-            ts = nv_tensor_scale(int(_cpu.run(amax_bits_cpu, size, src.bits)) if size else 0)
+            amax = int(_cpu.run(amax_bits_cpu, size, _cpu.read_only(src.bits))) if size else 0
+            ts = nv_tensor_scale(amax)
         tensor.bits[0] = ts
         if size:
             _cpu.run(  # as every CPU launch: counted, locked where the threading layer needs it

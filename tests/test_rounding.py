@@ -348,6 +348,7 @@ def test_read_only_and_writable_inputs_run_one_compiled_kernel():
     """Numba types read-only and writable arrays apart: each rounding kernel took a second
     compile (~5 s cold) once a process passed both. Inputs now reach the kernels read-only."""
     from srround import _cpu
+    from srround._block_kernels import amax_bits_cpu
 
     x = np.linspace(-1.5, 1.5, 64, dtype=np.float32)
     frozen = x.copy()
@@ -358,7 +359,9 @@ def test_read_only_and_writable_inputs_run_one_compiled_kernel():
         srround.round_nearest(a, dtype="float8_e4m3fn")
         srround.to_float32(srround.round_nearest(a))
         srround.stochastic_add(w, a, seed=1)
+        srround.quantize_blocks(a, "nvfp4", seed=1)  # its tensor scale: amax_bits_cpu
     kernels = (_cpu.stochastic_round, _cpu.round_nearest, _cpu.to_float32, _cpu.stochastic_add)
+    kernels += (amax_bits_cpu,)
     for kernel in kernels:
         assert kernel.signatures, kernel
         for signature in kernel.signatures:
