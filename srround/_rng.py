@@ -27,6 +27,8 @@ i's 16 random bits depend only on (seed, offset + i).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -162,6 +164,20 @@ def manual_seed(seed: int) -> None:
         )
     _generator = np.random.default_rng(check_seed(seed, "seed"))
     _manually_seeded = True
+
+
+def _fresh_generator_in_child() -> None:
+    """A forked child gets a copy of its parent's generator: without this, every
+    ``multiprocessing`` child or DataLoader worker drew the same ``seed=None`` seeds, the
+    parent's next ones (correlated noise). A child draws fresh entropy, unless ``manual_seed``
+    made the sequence reproducible: then it continues the parent's (call ``manual_seed`` with
+    a seed of its own in each worker, as ``worker_init_fn`` does for torch's generator)."""
+    global _generator
+    if not _manually_seeded:
+        _generator = np.random.default_rng()
+
+
+os.register_at_fork(after_in_child=_fresh_generator_in_child)
 
 
 def manually_seeded() -> bool:

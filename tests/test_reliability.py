@@ -216,6 +216,33 @@ def test_forked_child_gets_the_parents_bits(n):
     _ok(_python(_FORK.format(n=n)))
 
 
+def test_forked_children_draw_their_own_seeds():
+    """``seed=None`` in ``multiprocessing`` fork children (DataLoader workers): each child had
+    a copy of the parent's generator, so all drew the parent's next seed - the same noise in
+    every worker. A child now draws fresh entropy; after ``srround.manual_seed`` it continues
+    the parent's reproducible sequence."""
+    code = """
+    import multiprocessing as mp, numpy as np, srround
+    x = np.full(64, 1.0 + 2.0**-9, np.float32)  # up or down with probability 1/2 each
+
+    def draw(_):
+        return srround.stochastic_round(x).view(np.uint16).tobytes()
+
+    def children():
+        with mp.get_context("fork").Pool(4) as pool:
+            return pool.map(draw, range(4), chunksize=1)
+
+    draw(0)
+    assert len(set(children() + [draw(0)])) == 5
+    srround.manual_seed(5)
+    got = children()
+    srround.manual_seed(5)
+    assert got == [draw(0)] * 4
+    print("ok")
+    """
+    _ok(_python(code))
+
+
 def test_dataloader_workers_call_srround():
     """A torch DataLoader with two forked workers whose collate function rounds the batch:
     the bits the parent computes for the same batches."""
