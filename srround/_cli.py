@@ -28,6 +28,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _demo_lr(text: str) -> float:
+    """``--lr``: a finite number > 0 that both demos' AdamW (betas[0] 0.9, weight decay 0.01)
+    can take: its first step size ``lr / (1 - 0.9)`` within float32 (else the optimizer
+    refuses it once training has started)."""
+    from ._validate import adamw_coefficients
+
+    value = _positive_float(text)
+    try:
+        adamw_coefficients(value, 0.9, 0.01)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("lr: ")) from None
+    return value
+
+
 def _seed(text: str) -> int:
     try:
         value = int(text)
@@ -387,7 +401,7 @@ def main(argv=None) -> int:
     )
     demo.add_argument(
         "--lr",
-        type=_positive_float,
+        type=_demo_lr,
         help=f"AdamW learning rate (default: lm {lm.CPU_CONFIG.lr:g}, {lm.CUDA_CONFIG.lr:g} with"
         " --device cuda; linear 3e-5)",
     )

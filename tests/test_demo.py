@@ -66,6 +66,8 @@ def _cli_error(capsys, argv):
         (["--lr", "0"], "--lr"),
         (["--lr", "-0.001"], "--lr"),
         (["--lr=-1e-3"], "--lr"),
+        (["--lr", "1e38"], "--lr"),  # lr / (1 - 0.9) overflows float32: AdamW refuses it
+        (["--lr", "1e40"], "--lr"),
         (["--seed", "-1"], "--seed"),
     ],
 )
