@@ -161,7 +161,7 @@ def _ratio_bin(half_up, d):
 def _stats_rows(
     w, w_table, counts, u, u_table, lr, mantissa_bits, exponent_bits, limits, s, eh, rh, lo, hi
 ):
-    over_at, min_normal, flush_at, top_binade = limits
+    over_at, min_normal, flush_at, top_binade, target_over_at = limits
     bias = (1 << (exponent_bits - 1)) - 1
     emin = 1 - bias
     emax = bias + top_binade  # fp8 e4m3fn: the all-ones exponent holds numbers
@@ -191,9 +191,9 @@ def _stats_rows(
         n_sub += c * ((a > flush_at) & (a < min_normal))
         amin = min(amin, a if a > 0.0 else np.inf)
         amax = max(amax, a)
-        e, sp, k = _quantum(a, mantissa_bits, emin, emax, top_k)
-        if k >= top_k:  # rounds past the largest binade: inf (NaN) in the target, as a pattern
+        if a >= target_over_at:  # inf or NaN in the target (e4m3fn: 464 < a < 496 is NaN)
             continue
+        e, sp, k = _quantum(a, mantissa_bits, emin, emax, top_k)
         eh[e - emin] += c
         even = (k & 1) == 0
         half_up, half_down = _halves(e, sp, k, emin, first_k)
@@ -246,8 +246,7 @@ def value_stats(
         u_table: decode table of ``u``, or None.
         lr: update magnitude (> 0) when ``u`` is None; both directions are counted.
         mantissa_bits, exponent_bits: the target format.
-        limits: ``range_limits`` of the range format: (overflow threshold, smallest normal,
-            flush threshold, 1 if the all-ones exponent holds numbers else 0).
+        limits: ``audit_limits`` of the range format and the target.
     """
     n = w.size
     nt = stats.shape[0]
@@ -431,11 +430,11 @@ def threads() -> int:
     return get_num_threads()
 
 
-def range_limits(fmt) -> tuple:
-    """``limits`` of ``value_stats`` for the range statistics in ``fmt``: magnitudes at or above
-    the first become inf/NaN under round-to-nearest (the largest finite value plus half a
-    spacing; just above it when that tie rounds down to an even largest value, as e4m3fn's
-    464), below the second are subnormal, at or below the third round to zero."""
+def range_limits(fmt) -> tuple[float, float, float]:
+    """Three magnitudes of ``fmt``: at or above the first a value becomes inf/NaN under
+    round-to-nearest (the largest finite value plus half a spacing; just above it when that tie
+    rounds down to an even largest value, as e4m3fn's 464), below the second it is subnormal,
+    at or below the third it rounds to zero."""
     top = fmt.max_finite
     half = math.ldexp(1.0, math.frexp(top)[1] - 1 - fmt.mantissa_bits - 1)
     over = top + half
@@ -444,7 +443,14 @@ def range_limits(fmt) -> tuple:
         over = float(np.nextafter(over, np.inf))
     min_normal = math.ldexp(1.0, 1 - fmt.bias)
     flush = fmt.smallest_subnormal / 2
-    return over, min_normal, flush, 0 if fmt.specials == 0 else 1
+    return over, min_normal, flush
+
+
+def audit_limits(ranged, target) -> tuple:
+    """``limits`` of ``value_stats``: ``range_limits(ranged)`` (the range statistics), then of
+    the target: 1 if its all-ones exponent holds numbers (e4m3fn) else 0, and its overflow
+    threshold (a weight at or above it rounds to inf or NaN there: no stagnation statistics)."""
+    return (*range_limits(ranged), 0 if target.specials == 0 else 1, range_limits(target)[0])
 
 
 def new_buffers(exponent_bits: int, with_ratio: bool, rows: int):

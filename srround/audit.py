@@ -232,7 +232,7 @@ def _count(
             )
         u_table = _table(u_kind) if u_kind in _SIXTEEN_BIT else None
     rows = _k.threads() if w.size >= _PARALLEL_FROM else 1
-    limits = _k.range_limits(ranged)
+    limits = _k.audit_limits(ranged, fmt)
     kernel_lr = 1.0 if lr is None else lr
     with np.errstate(all="ignore"):
         if fmt.name in _SIXTEEN_BIT and stored in _SIXTEEN_BIT | {"float32"}:
