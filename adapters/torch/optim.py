@@ -852,9 +852,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 not sets ``found_inf`` and skips the step.
             found_inf: float32 tensor of 1 value; when nonzero the step changes nothing
                 (parameters, states, step counts), decided on the device without a sync.
-            check_grads: first set ``found_inf`` to 1 if any gradient is inf/NaN (one launch
-                over the cached table that reads the gradients and writes nothing): the loss
-                scaler's overflow check and step in one call (``GradScaler.step``).
+            check_grads: first set ``found_inf`` to 1 if any gradient as stored (scaled) is
+                inf/NaN (one launch over the cached table that reads the gradients and writes
+                nothing), as torch's fused optimizers check: the loss scaler's overflow check
+                and step in one call (``GradScaler.step``).
             grad_scale: torch's fused-optimizer protocol (``torch.amp.GradScaler`` sets the
                 ``grad_scale`` and ``found_inf`` attributes instead): the loss scale (float32
                 tensor of 1 value); the gradients are unscaled in place first, as torch's
