@@ -1584,3 +1584,51 @@ def test_master_copy_is_the_weight_of_record():
             p.fill_(9.0)
         opt.step()
         assert bool((p == 9.0).all()) is kept, mode
+
+
+def _sharing(case):
+    base = torch.zeros(4, 6)
+    return {
+        "dense_and_strided": [base[0], base[:, ::2]],  # share base[0, ::2]
+        "two_strided": [base[:, ::2], base[:, ::3]],  # share column 0
+        "expanded": [torch.ones(1, 3).expand(4, 3)],  # 4 rows over 3 elements
+    }[case]
+
+
+@pytest.mark.parametrize(
+    "case, error",
+    [
+        ("dense_and_strided", r"params\[1\]: shares memory with params\[0\]"),
+        ("two_strided", r"params\[1\]: shares memory with params\[0\]"),
+        ("expanded", r"params\[0\]: several of its elements share memory"),
+    ],
+    ids=["dense_and_strided", "two_strided", "expanded"],
+)
+def test_non_dense_parameters_sharing_memory_are_refused_before_any_write(case, error):
+    """Non-dense parameters run through a contiguous copy, and the memory check saw only the
+    copy: a row and a strided view of one matrix stepped silently with one update lost (torch
+    adds both), and an expanded parameter raised from ``copy_`` after the step had counted
+    and written its moments. Both are now refused before anything is written."""
+    params = [torch.nn.Parameter(t) for t in _sharing(case)]
+    opt = AdamW(params, lr=0.1, seed=0)
+    for p in params:
+        p.grad = torch.ones(p.shape)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=error):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert all(int(s.get("step", 0)) == 0 for s in opt.state.values())
+
+
+def test_strided_parameters_that_do_not_share_memory_step_as_torch():
+    """Interleaved columns of one matrix share no element: they step as torch's SGD steps
+    them."""
+    results = []
+    for make in (lambda ps: SGD(ps, lr=1.0, seed=0), lambda ps: torch.optim.SGD(ps, lr=1.0)):
+        base = torch.zeros(4, 6)
+        params = [torch.nn.Parameter(base[:, ::2]), torch.nn.Parameter(base[:, 1::2])]
+        opt = make(params)
+        params[0].grad, params[1].grad = torch.ones(4, 3), 2 * torch.ones(4, 3)
+        opt.step()
+        results.append(base.clone())
+    assert torch.equal(*results)

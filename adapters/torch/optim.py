@@ -181,6 +181,54 @@ def _is_dense(t) -> bool:
     return True
 
 
+def _element_bytes(t) -> np.ndarray:
+    """The byte address of every element of ``t`` (int64, flat, in ``t``'s index order)."""
+    offsets = np.int64(t.storage_offset())
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = np.add.outer(offsets, np.arange(size, dtype=np.int64) * stride)
+    return t.untyped_storage().data_ptr() + np.reshape(offsets, -1) * t.element_size()
+
+
+def check_non_dense(params) -> None:
+    """Non-dense parameters are updated through a contiguous copy (``build_entry``), so the
+    plan's memory check sees the copy: here their own elements are checked, before anything
+    is written. ``ValueError`` naming the parameter if two of its elements share memory (an
+    ``expand``-ed view: the step would write an element twice), or naming both if it shares an
+    element with another parameter (one update would be lost)."""
+    for i, p in enumerate(params):
+        if _is_dense(p) or p.numel() == 0:
+            continue
+        mine = _element_bytes(p)
+        unique = np.unique(mine)
+        if unique.size != mine.size:
+            raise ValueError(
+                f"params[{i}]: several of its elements share memory (an expanded view): the"
+                " step would write them more than once - pass a tensor that owns its elements"
+                " (.clone())"
+            )
+        size, storage = p.element_size(), p.untyped_storage().data_ptr()
+        for j, q in enumerate(params):
+            if j == i or q.numel() == 0 or q.untyped_storage().data_ptr() != storage:
+                continue
+            if _is_dense(q):  # one block of memory from its first element
+                low, high = q.data_ptr(), q.data_ptr() + q.numel() * q.element_size()
+                shared = np.any((unique < high) & (unique + size > low))
+            elif q.element_size() == size:  # elements at the same addresses
+                shared = np.intersect1d(unique, _element_bytes(q)).size > 0
+            else:  # elements of other widths: where their extents overlap
+                theirs = _element_bytes(q)
+                shared = (
+                    unique[0] < theirs.max() + q.element_size() and theirs.min() < unique[-1] + size
+                )
+            if shared:
+                first, second = sorted((i, j))
+                raise ValueError(
+                    f"params[{second}]: shares memory with params[{first}]; srround reads and"
+                    " writes buffers in one pass, so overlapping arguments give wrong results -"
+                    " pass separate buffers (e.g. a copy)"
+                )
+
+
 def _same_layout(a, b) -> bool:
     """Same shape and the same element order in memory (strides of dimensions of size > 1)."""
     return a.shape == b.shape and all(
@@ -317,6 +365,7 @@ def build_entry(
     Non-dense parameters work on a contiguous copy, gradients of another layout are copied
     into one of the parameter's: ``copy_in`` / ``copy_out`` pairs run around each step."""
     device = params[0].device
+    check_non_dense(params)
     works, grad_bufs, copy_in, copy_out = [], [], [], []
     grad_layouts = [_grad_layout(g) for g in grads]
     for i, (p, g) in enumerate(zip(params, grads)):
