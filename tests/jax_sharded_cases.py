@@ -862,6 +862,27 @@ def case_missing_specs():
                     assert message in str(exc) and "shard_specs" in str(exc), (what, exc)
                 else:
                     raise AssertionError(f"{what} {impl} {given}: no error for a missing spec")
+    # the functional calls the same (before 11-29 they rounded each block with the noise of
+    # the first: the same noise in every shard)
+    x, w = grads["w"], params["w"]
+    for impl in ("native", "callback"):
+        for given in (None, P()):
+            calls = {
+                "x": lambda x: sj.stochastic_round(x, seed=KEY, shard_spec=given, impl=impl),
+                "w": lambda w: sj.stochastic_add(
+                    w, w.astype(jnp.float32), seed=KEY, shard_spec=given, impl=impl
+                ),
+            }
+            for name, fn in calls.items():
+                spec = specs["w"]
+                smap = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)
+                try:
+                    jax.jit(smap).lower(x if name == "x" else w)
+                except ValueError as exc:
+                    message = f"{name}: inside shard_map it varies over mesh axes ['model']"
+                    assert message in str(exc) and "shard_spec" in str(exc), (name, exc)
+                else:
+                    raise AssertionError(f"{name} {impl} {given}: no error for a missing spec")
     # data parallel: replicated params, grads averaged with pmean - no spec needed
     tx = sj.adamw(1e-2, seed=KEY)
     state = tx.init(params)

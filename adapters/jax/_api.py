@@ -261,7 +261,9 @@ def _sum_tangent(diff, d):
 
 def _layout(x, shard_spec, name: str):
     """``(origin, global_shape)`` of ``x``'s elements: the whole array, or this device's block
-    inside ``shard_map`` when ``shard_spec`` (its partition spec) is given."""
+    inside ``shard_map`` when ``shard_spec`` (its partition spec) is given; an ``x`` split over
+    mesh axes ``shard_spec`` does not name is a ``ValueError`` (``_lax._check_split``)."""
+    _lax._check_split(x, shard_spec, name, "shard_spec")
     if shard_spec is None:
         origin, global_shape = None, tuple(x.shape)
     else:
@@ -356,7 +358,8 @@ def stochastic_round(
         shard_spec: inside ``shard_map`` only: the ``PartitionSpec`` of ``x`` in ``in_specs``;
             the block then rounds with the noise of its elements' global indices, so the
             result equals the unsharded call. Not needed under ``jit`` with sharded arrays
-            (the native path partitions by itself).
+            (the native path partitions by itself). An ``x`` that varies over a mesh axis
+            ``shard_spec`` does not split it over is a ``ValueError``.
 
     Returns:
         a new ``jnp.bfloat16`` / ``jnp.float16`` array of ``x``'s shape (and sharding). Under

@@ -39,7 +39,7 @@ from srround._elements import STEP_SHIFT
 from srround._formats import FORMATS
 
 from . import _ffi
-from ._lax import _u, result_dtype
+from ._lax import _u, _varying_axes, result_dtype
 
 
 class _X86Env(ctypes.Structure):  # glibc's fenv_t on x86-64: the x87 state, then MXCSR
@@ -137,13 +137,6 @@ def _callback(fn, result_shape, *args, key, aliases=None, into=False):
         return jax.pure_callback(on_host_copies, result_shape, *a, vmap_method="sequential")
 
     return lax.platform_dependent(*args, cpu=ffi, default=pure)
-
-
-def _varying_axes(x) -> frozenset:
-    """The mesh axes that ``x`` varies over inside ``shard_map`` (its type's)."""
-    t = jax.typeof(x)
-    manual = getattr(t, "manual_axis_type", None)
-    return frozenset(manual.varying if manual is not None else getattr(t, "vma", ()))
 
 
 def varying_as(results, like):

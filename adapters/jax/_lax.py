@@ -585,6 +585,28 @@ def _spec_axes(spec, ndim: int, name: str):
     return axes
 
 
+def _varying_axes(x) -> frozenset:
+    """The mesh axes that ``x`` varies over inside ``shard_map`` (its type's)."""
+    t = jax.typeof(x)
+    manual = getattr(t, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(t, "vma", ()))
+
+
+def _check_split(x, spec, name: str, spec_name: str) -> None:
+    """Inside ``shard_map`` an array whose noise follows its global elements varies over
+    exactly the mesh axes its partition spec ``spec`` splits it over (``shard_map`` types it
+    so, with ``check_vma``): one that varies over others would be rounded as a whole array,
+    with the noise of the other blocks - a ``ValueError`` naming ``name`` and ``spec_name``."""
+    split = {a for names in _spec_axes(spec, np.ndim(x), name) for a in names}
+    unsplit = sorted(_varying_axes(x) - split) if isinstance(x, jax.Array) else []
+    if unsplit:
+        raise ValueError(
+            f"{name}: inside shard_map it varies over mesh axes {unsplit}, but {spec_name}"
+            f" gives it {spec}: pass its partition spec from in_specs as {spec_name} (split"
+            " arrays need it; replicated ones need none)"
+        )
+
+
 def _shard_layout(local_shape, spec, name: str = "x"):
     """``(origin, global_shape)`` of this device's block inside ``shard_map`` for an array
     split by ``spec`` (the partition spec given in ``shard_map``'s ``in_specs``): per dimension

@@ -100,15 +100,14 @@ from ._callback import (
     _per_shard,
     _runs,
     _seed_of,
-    _varying_axes,
     stochastic_add_leaves,
     varying_as,
 )
 from ._lax import (
+    _check_split,
     _decode,
     _encode,
     _shard_layout,
-    _spec_axes,
     _u,
     block_element,
     canonical_nan,
@@ -378,14 +377,7 @@ def _layouts(leaves, specs, name="params"):
             layouts.append(None)
             global_shapes.append(None)
             continue
-        split = {a for names in _spec_axes(spec, np.ndim(x), f"{name}[{k}]") for a in names}
-        unsplit = sorted(_varying_axes(x) - split) if isinstance(x, jax.Array) else []
-        if unsplit:
-            raise ValueError(
-                f"{name}[{k}]: inside shard_map it varies over mesh axes {unsplit}, but"
-                f" shard_specs gives it {spec}: pass its partition spec from in_specs as"
-                " shard_specs (split leaves need it; replicated ones need none)"
-            )
+        _check_split(x, spec, f"{name}[{k}]", "shard_specs")
         origin, global_shape = _shard_layout(np.shape(x), spec, f"{name}[{k}]")
         layouts.append(None if origin is None else (origin, global_shape))
         global_shapes.append(global_shape)
