@@ -79,7 +79,7 @@ def test_unscaled_nan_is_the_positive_quiet_nan():
     g16 = np.array([0xFFC1, 0x3F80], np.uint16).view(jnp.bfloat16)
     for ls, nans in (
         (DynamicLossScale(jnp.float32(2.0)), 2),
-        (StaticLossScale(jnp.float32(0.0)), 3),  # inverse inf: 0 * inf
+        (StaticLossScale(jnp.float32(2.0**-149)), 3),  # inverse inf: 0 * inf
     ):
         out = jax.jit(ls.unscale)({"a": jnp.asarray(g32), "b": jnp.asarray(g16)})
         a, b = (np.asarray(out[k]).view(np.uint32) for k in ("a", "b"))
@@ -219,9 +219,19 @@ def test_jmp_static_loss_scale(cls, scale):
     assert float(loss_scale.unscale(scaled)["a"]) == 1.0
 
 
-@pytest.mark.parametrize("create", [NoOpLossScale, lambda: StaticLossScale(0)])
+# jmp's test makes StaticLossScale(0); srround refuses a scale that is not positive and finite
+@pytest.mark.parametrize("create", [NoOpLossScale, lambda: StaticLossScale(1)])
 def test_jmp_static_empty_trees(create):
     assert jax.tree_util.tree_leaves(create()) == []
+
+
+@pytest.mark.parametrize("scale", [0.0, -8.0, np.inf, np.nan])
+@pytest.mark.parametrize("cls", [StaticLossScale, DynamicLossScale])
+def test_a_scale_that_is_not_positive_and_finite_is_refused(cls, scale):
+    """A static scale of -8 unscaled gradients to their negation (training ascends), 0 to
+    inf, inf to 0, NaN to NaN, silently; the dynamic scale refused them already."""
+    with pytest.raises(ValueError, match="loss_scale: expected a positive finite scale"):
+        cls(scale)
 
 
 def test_jmp_dynamic_loss_scale_no_warnings():

@@ -296,7 +296,10 @@ class StaticLossScale:
         if isinstance(value, jax.core.Tracer):
             raise TypeError("loss_scale: StaticLossScale needs a concrete scale, got a tracer")
         if not _is_placeholder(value):
-            object.__setattr__(self, "loss_scale", np.float32(value))
+            value = np.float32(value)
+            if not 0 < value < np.inf:  # as DynamicLossScale: unscale would flip or poison
+                raise ValueError(f"loss_scale: expected a positive finite scale, got {value}")
+            object.__setattr__(self, "loss_scale", value)
 
     def tree_flatten(self):
         """Pytree protocol: (array leaves, static settings)."""
