@@ -383,6 +383,9 @@ def test_bad_optimizer_input_names_the_argument():
             tx.step([jnp.ones((5,)), g[1]], state, p)
         with pytest.raises(TypeError, match=r"^grads\[1\]: expected float32"):
             tx.step([g[0], jnp.ones((3,), jnp.int32)], state, p)
+        # a None gradient (a frozen leaf) was "shape () does not match"
+        with pytest.raises(TypeError, match=r"^grads\[0\]: expected an array like params\[0\]"):
+            tx.step([None, g[1]], state, p)
         bad = sj.sgd(lambda count: jnp.full(3, 1e-2), momentum=0.9, impl=impl)
         with pytest.raises(ValueError, match="^learning_rate: the schedule gave an array"):
             bad.step(g, bad.init(p), p)

@@ -1092,6 +1092,12 @@ def _fused(
         except (ValueError, TypeError) as exc:
             raise ValueError(f"grads: not the structure of params: {exc}") from None
         for k, (p, g) in enumerate(zip(p_leaves, g_leaves)):
+            if not hasattr(g, "dtype"):  # None (a frozen or filtered leaf), a number
+                raise TypeError(
+                    f"grads[{k}]: expected an array like params[{k}], got {type(g).__name__}"
+                    " (every parameter needs a gradient: zeros for a frozen one, or leave it"
+                    " out of params)"
+                )
             if jnp.shape(g) != jnp.shape(p):
                 raise ValueError(
                     f"grads[{k}]: shape {jnp.shape(g)} does not match params[{k}]'s shape"
