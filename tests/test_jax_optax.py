@@ -246,6 +246,10 @@ def test_inject_hyperparams_with_static_args(impl):
     # without static_args: errors that say what to do
     with pytest.raises(TypeError, match="^state_dtype: expected a dtype, got an array"):
         optax.inject_hyperparams(sj.adamw)(learning_rate=1e-2).init(params)
+    # bf16 params: optax casts the hyperparameters to bf16 (b1 0.8984, b2 1.0: "b2: expected a
+    # value in [0.0, 1.0)" before)
+    with pytest.raises(TypeError, match="^b1: a bfloat16 array.*ADAMW_STATIC_ARGS"):
+        optax.inject_hyperparams(sj.adamw)(learning_rate=1e-2).init({"w": params["w"]})
     tx = optax.inject_hyperparams(sj.adamw, static_args=("seed", "mask", "state_dtype", "mu_dtype"))
     tx = tx(learning_rate=1e-2)
     with pytest.raises(TypeError, match="^b1: a traced value.*ADAMW_STATIC_ARGS"):

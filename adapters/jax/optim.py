@@ -981,9 +981,13 @@ def _static_real(value, name: str, static_args: str, **bounds) -> float:
     """A hyperparameter the fused step takes as a host float: a real number or a concrete
     0-d array, checked (``_validate.real``). A traced one - what ``optax.inject_hyperparams``
     passes under ``jit`` unless told otherwise - is a ``TypeError`` that says so."""
-    if isinstance(value, jax.core.Tracer):
+    dtype = getattr(value, "dtype", None)
+    narrow = dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+    if isinstance(value, jax.core.Tracer) or narrow:
+        # optax.inject_hyperparams casts them to the params' dtype: b2 = 0.999 is 1.0 in bf16
+        what = "a traced value" if not narrow else f"a {dtype} array (rounded)"
         raise TypeError(
-            f"{name}: a traced value, but the fused step takes it as a host float; with"
+            f"{name}: {what}, but the fused step takes it as a host float; with"
             " optax.inject_hyperparams keep it static: static_args=srround.adapters.jax."
             f"{static_args} (only learning_rate can be injected)"
         )
