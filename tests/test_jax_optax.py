@@ -68,6 +68,27 @@ def test_adamw_float32_tracks_optax_adamw(kw):
     assert float(jnp.abs(ours["b"] - ref["b"]).max()) < 1e-6
 
 
+def test_mask_may_be_a_prefix_of_params_as_in_optax():
+    """optax's ``mask`` is a pytree like params *or a prefix of it*: one bool for a subtree
+    (before: "mask: expected a pytree of bools like params: Expected dict, got True")."""
+    params = {
+        "enc": {"w": jnp.ones((2, 3)), "b": jnp.ones(3)},
+        "dec": {"w": jnp.full((3, 2), 2.0)},
+    }
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.1), params)
+    full = {"enc": {"w": True, "b": True}, "dec": {"w": False}}
+    results = []
+    for mask in ({"enc": True, "dec": False}, full):
+        tx = sj.adamw(1e-2, weight_decay=0.5, mask=mask, seed=SEED)
+        results.append(tx.step(grads, tx.init(params), params)[0])
+    for a, b in zip(*map(jax.tree.leaves, results)):
+        assert_same_bits(a, b)
+    decayed = optax.adamw(1e-2, weight_decay=0.5, mask={"enc": True, "dec": False})
+    ref = optax.apply_updates(params, decayed.update(grads, decayed.init(params), params)[0])
+    for a, b in zip(*map(jax.tree.leaves, (results[0], ref))):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_adamw_update_then_optax_apply_updates_is_the_fused_step():
     params = [
         jnp.asarray(p)

@@ -946,14 +946,17 @@ def _check_params(leaves) -> None:
 
 def _mask_leaves(mask, params, treedef):
     """Per leaf whether weight decay applies (optax's ``mask``: a pytree of bools like
-    params, or a function of params returning one; ``None``: every leaf)."""
+    params or a prefix of it - one bool for a subtree -, or a function of params returning
+    one; ``None``: every leaf)."""
     if mask is None:
         return [True] * treedef.num_leaves
     tree = mask(params) if callable(mask) else mask
     try:
-        flags = treedef.flatten_up_to(tree)
+        flags = treedef.flatten_up_to(jax.tree.broadcast(tree, params))
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"mask: expected a pytree of bools like params: {exc}") from None
+        raise ValueError(
+            f"mask: expected a pytree of bools like params (or a prefix of it): {exc}"
+        ) from None
     for i, f in enumerate(flags):
         if not isinstance(f, (bool, np.bool_)):
             raise TypeError(f"mask[{i}]: expected a Python bool, got {type(f).__name__}")
@@ -1343,7 +1346,8 @@ def adamw(
             as optax).
         mu_dtype: dtype of the first moment, float32 or bfloat16 (default: ``state_dtype``;
             fp8 states: ``state_dtype`` only).
-        mask: as optax: a pytree of bools like params (or a function of params giving one);
+        mask: as optax: a pytree of bools like params or a prefix of it (or a function of
+            params giving one);
             weight decay applies where True (the host step: one call for the leaves inside,
             one for those outside; with fp8 states native only).
         nesterov: optax's Nesterov momentum. Native only.
