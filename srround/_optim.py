@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _cpu, _state8
+from . import _cpu, _state8, _validate
 from ._elements import (  # noqa: F401  (re-exported: the optimizer's names)
     ADAMW,
     AUX_ADDR,
@@ -204,9 +204,16 @@ class FusedStep:
         torch's ``maximize``), and it sets ``found`` to 1.0: on the CPU checked here, on CUDA
         by the prepare kernel (no host read of a device scale)."""
         sign = _SIGN_BIT if negated else 0
-        if self.device == "cpu" and not scale_usable.py_func(int(inv_scale[0]) ^ sign):
-            found[0] = _ONE_BITS
-            return
+        if self.device == "cpu":
+            if not scale_usable.py_func(int(inv_scale[0]) ^ sign):
+                found[0] = _ONE_BITS
+                return
+            # host counters are checked before each step (a GPU's are not read: a sync)
+            counts = self.steps.view(np.int32)
+            bad = np.flatnonzero((counts < 0) | (counts >= MAX_STEPS - 1))
+            if bad.size:
+                k = int(bad[0])
+                _validate.steps_taken(counts[k], f"step[{k}]", MAX_STEPS)
         args = (
             self.table,
             self.starts,

@@ -784,6 +784,13 @@ def test_a_step_count_that_cannot_continue_fails_at_load_with_nothing_loaded(kin
         p.grad = torch.ones_like(p)
     opt.step()
     assert int(opt.state[opt.param_groups[0]["params"][1]]["step"]) == 2**26 - 1
+    # one more: refused before the step (before 11-29 it ran, and the optimizer then refused
+    # to load its own state dict)
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    with pytest.raises(ValueError, match=r"^step\[1\]: 67108863 steps taken"):
+        opt.step()
+    assert int(opt.state[opt.param_groups[0]["params"][1]]["step"]) == 2**26 - 1
+    assert all(torch.equal(p, b) for p, b in zip(opt.param_groups[0]["params"], before))
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
