@@ -626,7 +626,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if p.dtype not in _PARAM_DTYPES:
                     raise TypeError(
                         f"params[{i}]{where}: expected a float32, bfloat16 or float16 parameter,"
-                        f" got {p.dtype} (float64 parameters are not supported)"
+                        f" got {p.dtype}"
+                        + (
+                            " (float64 parameters are not supported)"
+                            if p.dtype == torch.float64
+                            else ""
+                        )
                     )
             codes = [_BUFFER_CODES[p.dtype] for p in group["params"]]
             _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]))
