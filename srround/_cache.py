@@ -8,7 +8,8 @@ hash is also its source stamp: any edit to any srround source selects a fresh ca
 body can never run.
 
 Where: ``$NUMBA_CACHE_DIR/srround-<hash>/`` when ``NUMBA_CACHE_DIR`` is set; else the package's
-``__pycache__/numba-<hash>/`` when writable (older ``numba-*`` folders there are removed); else
+``__pycache__/numba-<hash>/`` when writable (other ``numba-*`` folders there are removed once
+unused for a day); else
 the user-wide Numba cache folder. Functions outside srround keep Numba's own locators.
 
 ``install()`` must run before the first ``@njit(cache=True)`` of srround is decorated
@@ -22,6 +23,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
@@ -53,11 +55,24 @@ def _writable(folder: Path) -> bool:
     return True
 
 
-def _prune(folder: Path, keep: str) -> None:
-    """Remove other ``numba-*`` caches of this checkout (best effort)."""
+# another source's cache is removed once nothing was written to it for this long: a process
+# still running the sources it was built from (a training job, when srround is upgraded or
+# edited under it) compiles new configurations into it, and failed once it was gone
+_STALE_AFTER_S = 24 * 3600
+
+
+def _last_write(folder: Path) -> float:
+    """The newest modification time of ``folder`` and anything in it."""
+    return max((p.stat().st_mtime for p in folder.rglob("*")), default=folder.stat().st_mtime)
+
+
+def _prune(folder: Path, keep: str, now: float | None = None) -> None:
+    """Remove the other ``numba-*`` caches of this checkout that are stale (``_STALE_AFTER_S``;
+    best effort)."""
+    now = time.time() if now is None else now
     with contextlib.suppress(OSError):
         for old in folder.glob(_PREFIX + "*"):
-            if old.name != keep and old.is_dir():
+            if old.name != keep and old.is_dir() and now - _last_write(old) > _STALE_AFTER_S:
                 shutil.rmtree(old, ignore_errors=True)
 
 

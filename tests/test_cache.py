@@ -64,7 +64,8 @@ def test_edited_body_in_another_module_never_runs_stale(tmp_path):
     edited = _run(copy.parent)
     assert edited["y"] == [0.0, -0.0] and str(edited["y"][1]) == "-0.0"
     assert edited["root"] != first["root"]
-    assert not Path(first["root"]).exists()  # the stale cache was removed
+    # the other sources' cache stays until unused for a day (a process may still run them)
+    assert Path(first["root"]).exists()
 
 
 def test_numba_cuda_is_set_up_once_per_process(monkeypatch):
@@ -79,3 +80,22 @@ def test_numba_cuda_is_set_up_once_per_process(monkeypatch):
     monkeypatch.setattr(_cache, "install_cuda", lambda: calls.append(1))
     assert all(import_numba_cuda() is first for _ in range(10))
     assert calls == []
+
+
+def test_another_sources_cache_is_removed_only_once_stale(tmp_path):
+    """The in-tree cache of other sources was removed by the first process of new sources:
+    a process still running the old ones (a training job while srround was upgraded or
+    edited) failed when it next compiled (FileNotFoundError on its index). Now only a cache
+    nothing was written to for a day goes."""
+    from srround import _cache
+
+    keep, recent, stale = (tmp_path / f"numba-{name}" for name in ("new", "recent", "stale"))
+    for folder in (keep, recent, stale):
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "kernel.nbi").write_bytes(b"")
+    now = (tmp_path / "numba-stale" / "sub" / "kernel.nbi").stat().st_mtime
+    day_ago = now - _cache._STALE_AFTER_S - 60
+    for path in (stale, stale / "sub", stale / "sub" / "kernel.nbi"):
+        os.utime(path, (day_ago, day_ago))
+    _cache._prune(tmp_path, keep.name, now=now)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["numba-new", "numba-recent"]
