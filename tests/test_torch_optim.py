@@ -866,6 +866,21 @@ def test_non_float8_states_into_float8_states_fail_at_load():
     assert opt.param_groups[0]["lr"] == 1e-2 and len(opt.state) == 0
 
 
+@pytest.mark.parametrize("scale", ["exp_avg_scale", "exp_avg_sq_scale"])
+def test_float8_states_without_their_scales_fail_at_load(scale):
+    """A saved float8 moment without its block scales loaded silently, and the first step
+    made zero scales: the saved codes were read as 0 (the moment lost). Now a ValueError at
+    load naming both, nothing loaded."""
+    source = AdamW(_params(torch.bfloat16), lr=1e-3, seed=1, state_dtype=torch.float8_e4m3fn)
+    _run(source, source.param_groups[0]["params"], 1)
+    saved = copy.deepcopy(source.state_dict())
+    del saved["state"][1][scale]
+    opt = AdamW(_params(torch.bfloat16), lr=1e-2, seed=1, state_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=rf"^state_dict: state\[1\] has .* but not '{scale}'"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 1e-2 and len(opt.state) == 0
+
+
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_torch_optim_loads_srround_state_dict(kind):
     ours = _params(torch.float32)

@@ -1168,6 +1168,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
                             " (their block scales come from the step that wrote them): load it"
                             " into an optimizer with state_dtype='float32' or 'bfloat16'"
                         )
+                    scale = _SCALE_NAMES.get(name)
+                    if scale and value is not None and scale not in state_dict["state"][index]:
+                        # without its scales a code decodes as 0 (a zero scale is made)
+                        raise ValueError(
+                            f"state_dict: state[{index}] has {name!r} but not {scale!r}: float8"
+                            " states are read through their block scales"
+                        )
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, also of a ``torch.optim`` optimizer's state dict: group
