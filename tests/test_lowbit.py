@@ -551,6 +551,14 @@ def test_blocks_errors_name_the_argument():
         srround.quantize_blocks(x.astype(np.float64), "nvfp4")
     with pytest.raises(TypeError, match="q: expected a QuantizedBlocks"):
         srround.dequantize_blocks((x, x, None))
+    # a scalar names x on every framework (JAX said "axis: expected an int in [0, 0)")
+    scalars = [np.float32(1.0)]
+    for name in ("torch", "jax"):
+        module = pytest.importorskip(name)
+        scalars.append(module.tensor(1.0) if name == "torch" else module.numpy.float32(1.0))
+    for scalar in scalars:
+        with pytest.raises(ValueError, match="^x: expected an array with at least one dim"):
+            srround.quantize_blocks(scalar, "mxfp4")
 
 
 def test_nvfp4_all_zero_tensor():

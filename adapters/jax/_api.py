@@ -547,10 +547,9 @@ def quantize_blocks(
         scale = "ceil" if rounding == "stochastic" else "floor"
     if scale not in _blocks.SCALE_MODES:
         raise ValueError(f"scale: expected one of {list(_blocks.SCALE_MODES)}, got {scale!r}")
-    axis = _blocks.check_axis(axis, x.ndim)
+    axis = _blocks._layout(tuple(x.shape), axis, bf.block)[0]  # errors naming x and axis
     k0, k1 = _key_words(seed) if rounding == "stochastic" else (0, 0)
     if impl == "native" and x.size:
-        _blocks._layout(tuple(x.shape), axis, bf.block)  # errors naming x and axis
         _lax._check_count(x.size)
         data, scales, tensor = _lax.native_quantize_blocks(
             x,
