@@ -624,14 +624,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 )
             for i, p in enumerate(group["params"]):
                 if p.dtype not in _PARAM_DTYPES:
+                    hint = " (float64 parameters are not supported)" * (p.dtype == torch.float64)
                     raise TypeError(
                         f"params[{i}]{where}: expected a float32, bfloat16 or float16 parameter,"
-                        f" got {p.dtype}"
-                        + (
-                            " (float64 parameters are not supported)"
-                            if p.dtype == torch.float64
-                            else ""
-                        )
+                        f" got {p.dtype}{hint}"
                     )
             codes = [_BUFFER_CODES[p.dtype] for p in group["params"]]
             _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]))
