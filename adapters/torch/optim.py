@@ -212,12 +212,12 @@ def check_non_dense(params) -> None:
                 continue
             if _is_dense(q):  # one block of memory from its first element
                 low, high = q.data_ptr(), q.data_ptr() + q.numel() * q.element_size()
-                shared = np.any((unique < high) & (unique + size > low))
+                shared = bool(np.any((unique < high) & (unique + size > low)))
             elif q.element_size() == size:  # elements at the same addresses
                 shared = np.intersect1d(unique, _element_bytes(q)).size > 0
             else:  # elements of other widths: where their extents overlap
                 theirs = _element_bytes(q)
-                shared = (
+                shared = bool(
                     unique[0] < theirs.max() + q.element_size() and theirs.min() < unique[-1] + size
                 )
             if shared:
