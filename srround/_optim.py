@@ -205,15 +205,15 @@ class FusedStep:
         by the prepare kernel (no host read of a device scale)."""
         sign = _SIGN_BIT if negated else 0
         if self.device == "cpu":
-            if not scale_usable.py_func(int(inv_scale[0]) ^ sign):
-                found[0] = _ONE_BITS
-                return
             # host counters are checked before each step (a GPU's are not read: a sync)
             counts = self.steps.view(np.int32)
             bad = np.flatnonzero((counts < 0) | (counts >= MAX_STEPS - 1))
             if bad.size:
                 k = int(bad[0])
                 _validate.steps_taken(counts[k], f"step[{k}]", MAX_STEPS)
+            if not scale_usable.py_func(int(inv_scale[0]) ^ sign):
+                found[0] = _ONE_BITS
+                return
         args = (
             self.table,
             self.starts,
