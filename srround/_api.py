@@ -497,8 +497,8 @@ def update_scale(
         ]
     )
     factors = (
-        np.float32(growth_factor),
-        np.float32(backoff_factor),
+        np.float64(growth_factor),  # float64, as torch: the product is rounded once
+        np.float64(backoff_factor),
         int(growth_interval),
         int(hysteresis),
         np.float32(min_scale),

@@ -150,19 +150,21 @@ def update_scale_one(
     max_scale,
 ):
     """The loss-scale update rule (``docs/contracts.md``) for one float32 scale (bits) and its
-    two counters; returns the new ``(scale_bits, growth, overflows)``."""
+    two counters; returns the new ``(scale_bits, growth, overflows)``. The factors are float64
+    and each product is rounded once to float32 (torch's ``_amp_update_scale_``); ``min_scale``
+    and ``max_scale`` are float32."""
     current = bits_to_f32(scale_bits)
     if (found_bits & 0x7FFFFFFF) != 0:  # any nonzero float32 flag
         growth = 0
         overflows += 1
         if overflows >= hysteresis:
-            current = max(current * backoff_factor, min_scale)
+            current = max(np.float32(np.float64(current) * backoff_factor), min_scale)
             overflows = 0
     else:
         overflows = 0
         growth += 1
         if growth == growth_interval:
-            grown = current * growth_factor
+            grown = np.float32(np.float64(current) * growth_factor)
             if math.isfinite(grown):
                 current = min(grown, max_scale)
             growth = 0

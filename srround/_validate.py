@@ -171,8 +171,10 @@ def scale_update(growth_factor, backoff_factor, growth_interval, hysteresis, min
     """``update_scale``'s factors: growth_factor >= 1 and backoff_factor in (0, 1] (torch
     GradScaler's > 1 and < 1, with 1 allowed for a static scale), int growth_interval and
     hysteresis >= 1 (int32 counters), min_scale >= 0 finite, max_scale > 0 (inf allowed),
-    min_scale <= max_scale; backoff_factor and max_scale nonzero and max_scale finite or inf
-    in float32, where they are applied. Returns the checked values, the bounds as floats."""
+    min_scale <= max_scale; max_scale nonzero and finite or inf in float32, where the bounds
+    are applied, and backoff_factor nonzero in float32 (the products are float64, rounded to
+    float32: a smaller factor zeroes a scale in a step or two). Returns the checked values,
+    the bounds as floats."""
     growth_factor = real(growth_factor, "growth_factor", low=1.0)
     backoff_factor = real(backoff_factor, "backoff_factor", low=0.0, high=1.0, low_open=True)
     if np.float32(backoff_factor) == 0:

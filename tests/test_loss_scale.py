@@ -115,17 +115,26 @@ def test_per_tensor_with_one_array_scale_shares_it(writable_backend):
     assert [float(writable_backend.get(g)[0]) for g in grads] == [4.0, 4.0, 4.0]
 
 
-def test_scale_trajectory_matches_torch_gradscaler():
+@pytest.mark.parametrize(
+    "init, growth_factor, backoff_factor", [(2.0**16, 2.0, 0.5), (3.0, 1.1, 0.9), (1e30, 1.3, 0.7)]
+)
+def test_scale_trajectory_matches_torch_gradscaler(init, growth_factor, backoff_factor):
+    """torch multiplies the float32 scale by the float64 factor and rounds once: a factor that
+    float32 cannot hold (0.9, 1.1) gave other bits when it was rounded to float32 first."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
     events = rng.random(400) < 0.08
-    scale_t, tracker_t = torch.tensor([2.0**16]), torch.zeros(1, dtype=torch.int32)
-    scale, tracker = np.float32([2.0**16]), np.zeros(1, np.int32)
+    scale_t, tracker_t = torch.tensor([init]), torch.zeros(1, dtype=torch.int32)
+    scale, tracker = np.float32([init]), np.zeros(1, np.int32)
+    factors = dict(growth_factor=growth_factor, backoff_factor=backoff_factor)
     for overflow in events:
         found = np.float32([float(overflow)])
-        torch._amp_update_scale_(scale_t, tracker_t, torch.from_numpy(found), 2.0, 0.5, 7)
-        srround.update_scale(scale, tracker, found, growth_interval=7)
-        assert scale[0] == scale_t.item() and tracker[0] == tracker_t.item()
+        torch._amp_update_scale_(
+            scale_t, tracker_t, torch.from_numpy(found), growth_factor, backoff_factor, 7
+        )
+        srround.update_scale(scale, tracker, found, growth_interval=7, **factors)
+        assert scale.view(np.uint32)[0] == scale_t.numpy().view(np.uint32)[0]
+        assert tracker[0] == tracker_t.item()
 
 
 def test_hysteresis_min_and_max():
@@ -197,8 +206,9 @@ def test_errors():
 
 
 def test_max_scale_and_backoff_must_hold_in_float32():
-    """The bound and factors are applied in float32: 1e-50 became 0 there (the next growth or
-    backoff set the scale to 0), a max_scale of 1e39 a cast-overflow warning."""
+    """The bounds are applied in float32, and a backoff factor below float32's range is
+    refused: 1e-50 became 0 there (the next backoff set the scale to 0), a max_scale of 1e39
+    a cast-overflow warning."""
     args = np.float32([8.0]), np.zeros(1, np.int32), np.float32([0.0])
     with pytest.raises(ValueError, match=r"^max_scale: 1e-50 rounds to 0 in float32"):
         srround.update_scale(*args, growth_interval=1, max_scale=1e-50)

@@ -103,7 +103,7 @@ kernels = {
     "_round_nearest_general": (u32, u16, f32, i64, i64, i64, i64, i64, b, i64),
     "_to_float32_vec4": (u64, u64, f32, i64, i64, i64, i64, i64, b),
     "_to_float32_general": (u16, u32, f32, i64, i64, i64, i64, i64, b, i64),
-    "_update_scale": (u32, u32, u32, u32, t.Tuple((f32, f32, i64, i64, f32, f32))),
+    "_update_scale": (u32, u32, u32, u32, t.Tuple((t.float64, t.float64, i64, i64, f32, f32))),
 }
 i64a, f64a, f32a, i32 = t.int64[:, ::1], t.float64[:, ::1], t.float32[:, ::1], t.int32[::1]
 # (mode, state_fmt, table, starts, bstarts, hyper, steps, coefs, inv_scale, found, k0, k1)

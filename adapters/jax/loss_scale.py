@@ -17,7 +17,10 @@ asserts). The scale itself must be a float scalar (kept as float32, the trackers
 
 ``DynamicLossScale.adjust`` is ``srround.update_scale``'s rule, so its trajectory equals
 ``torch.amp.GradScaler``'s for ``hysteresis=1`` and ``min_scale=0`` - and jmp's for
-``backoff_factor = 1 / growth_factor`` and the default ``min_scale=1`` (jmp's minimum)::
+``backoff_factor = 1 / growth_factor`` and the default ``min_scale=1`` (jmp's minimum). The
+factors are float32 here, as in jmp (JAX computes in float32): a factor that float32 cannot
+hold (1.1, 0.9) gives other bits than ``srround.update_scale`` and torch, which multiply by the
+float64 factor and round once; powers of two (the defaults) give the same bits::
 
     if not grads_finite:
         growth = 0; overflows += 1
