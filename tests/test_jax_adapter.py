@@ -790,3 +790,27 @@ def test_a_jax_older_than_the_adapter_needs_is_a_clear_import_error():
     pyproject = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     assert "jax>=0.10" in extras["jax"]  # the same floor
+
+
+def test_float64_numpy_inputs_are_refused_without_x64_too():
+    """A float64 NumPy array (or scalar) is refused as under ``jax_enable_x64``: without it
+    ``jnp.asarray`` rounded it to float32 first, so the result was rounded twice, silently
+    (1 + 2**-8 + 2**-30 gave bf16 1.0, not 1.0078125)."""
+    x = np.float64([1 + 2**-8 + 2**-30])
+    float64 = r": expected a float32 array, got float64; float64 is rejected"
+    with pytest.raises(TypeError, match="^x" + float64):
+        sj.round_nearest(x)
+    with pytest.raises(TypeError, match="^x" + float64):
+        sj.stochastic_round(x, seed=0)
+    with pytest.raises(TypeError, match="^x" + float64):
+        sj.stochastic_round(np.float64(0.5), seed=0)
+    with pytest.raises(TypeError, match="^u" + float64):
+        sj.stochastic_add(jnp.ones(1, jnp.bfloat16), x, seed=0)
+    with pytest.raises(TypeError, match=r"^w: expected a narrow float array.*got float64"):
+        sj.stochastic_add(x, jnp.ones(1, jnp.float32), seed=0)
+    with pytest.raises(TypeError, match=r"^updates\[0\]: .* got float64"):
+        sj.apply_updates({"w": jnp.ones(1, jnp.bfloat16)}, {"w": x}, 3, step=1)
+    np.testing.assert_array_equal(  # float32 NumPy arrays are taken as they are
+        np.asarray(sj.round_nearest(x.astype(np.float32))),
+        x.astype(np.float32).astype(jnp.bfloat16),
+    )

@@ -78,11 +78,25 @@ def _deleted(name: str) -> ValueError:
     )
 
 
+_FLOAT64_REFUSED = (
+    "float64 is rejected rather than rounded through float32, which would round twice - cast"
+    " with .astype(jnp.float32) if that is what you want"
+)
+
+
+def refuse_host_float64(x, name: str, expected: str = "a float32 array") -> None:
+    """``TypeError`` for a float64 NumPy array or scalar, which ``jnp.asarray`` would round to
+    float32 without ``jax_enable_x64`` (the result rounded twice, silently)."""
+    if not isinstance(x, jax.Array) and getattr(x, "dtype", None) == np.float64:
+        raise TypeError(f"{name}: expected {expected}, got float64; {_FLOAT64_REFUSED}")
+
+
 def _as_jax(x, name: str):
     if isinstance(x, jax.Array):  # includes tracers
         if not isinstance(x, jax.core.Tracer) and x.is_deleted():
             raise _deleted(name)
         return x
+    refuse_host_float64(x, name)
     try:
         return jnp.asarray(x)
     except TypeError:
@@ -140,12 +154,7 @@ def check_arrays(*named) -> None:
 def _check_float32(x, name: str):
     x = _as_jax(x, name)
     if x.dtype != jnp.float32:
-        extra = ""
-        if x.dtype == jnp.float64:
-            extra = (
-                "; float64 is rejected rather than rounded through float32, which would round"
-                " twice - cast with .astype(jnp.float32) if that is what you want"
-            )
+        extra = f"; {_FLOAT64_REFUSED}" if x.dtype == jnp.float64 else ""
         raise TypeError(f"{name}: expected a float32 array, got {x.dtype}{extra}")
     return x
 
@@ -153,6 +162,8 @@ def _check_float32(x, name: str):
 def _narrow(y, name: str, fmt: Format | None):
     """``(array, format)`` of a bf16/fp16/fp8 array (or uint16 / uint8 patterns with ``dtype=``
     given); a ``float4_e2m1fn`` array comes back as its uint8 codes (no float4 gradient)."""
+    if not isinstance(y, jax.Array) and getattr(y, "dtype", None) == np.float64:
+        raise _not_narrow(name, "float64")  # before jnp.asarray, which would make it float32
     y = _as_jax(y, name)
     if y.dtype == jnp.float4_e2m1fn:
         fp4 = FORMATS["float4_e2m1fn"]
@@ -170,9 +181,13 @@ def _narrow(y, name: str, fmt: Format | None):
             check_fp4_top(int(jnp.max(y)), name)  # traced: the callback raises at run time,
             # jax.lax reads the byte as NaN (_lax._decode)
         return y, fmt
-    raise TypeError(
+    raise _not_narrow(name, y.dtype)
+
+
+def _not_narrow(name: str, dtype) -> TypeError:
+    return TypeError(
         f"{name}: expected a narrow float array (bfloat16, float16, float8_e4m3fn, float8_e5m2,"
-        f" float4_e2m1fn, or uint16 / uint8 bit patterns with dtype= given), got {y.dtype}"
+        f" float4_e2m1fn, or uint16 / uint8 bit patterns with dtype= given), got {dtype}"
     )
 
 
@@ -471,7 +486,7 @@ def stochastic_add(
         seed, offset, overflow, impl, shard_spec: as ``stochastic_round``.
         dtype: the format of ``w`` when its dtype does not say it.
     """
-    fp4 = _as_jax(w, "w").dtype == jnp.float4_e2m1fn  # added as codes, returned as fp4
+    fp4 = getattr(w, "dtype", None) == jnp.float4_e2m1fn  # added as codes, returned as fp4
     w, fmt = _narrow(w, "w", None if dtype is None else get_format(dtype))
     u = _check_float32(u, "u")
     check_arrays(("w", w), ("u", u), ("seed", seed))

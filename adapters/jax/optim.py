@@ -92,7 +92,7 @@ from srround import _optim, _state8, _validate
 from srround._api import StepReuse
 from srround._formats import FORMATS
 
-from ._api import _key_words, _straight_through, check_arrays
+from ._api import _key_words, _straight_through, check_arrays, refuse_host_float64
 from ._callback import (
     _callback,
     _host,
@@ -469,6 +469,9 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
             continue
         if isinstance(u, (int, float)) and not isinstance(u, bool):  # float32, also under x64
             u = np.float32(u)
+        refuse_host_float64(
+            u, f"updates[{k}]", f"float32, bfloat16 or float16 for a {p.dtype} param"
+        )
         u = jnp.asarray(u)
         if not jnp.issubdtype(u.dtype, jnp.floating) or jnp.dtype(u.dtype).itemsize > 4:
             raise TypeError(
