@@ -6,6 +6,7 @@ checks that output shardings equal input shardings."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -65,7 +66,7 @@ def _mesh(shape, names):
 
 def _bits(a):
     a = np.asarray(a)
-    return a.view({4: np.uint32, 2: np.uint16}[a.dtype.itemsize])
+    return a.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.dtype.itemsize])
 
 
 def _same(got, expected, what):
@@ -767,6 +768,25 @@ def case_explicit():
                 _same_sharding(got[k], ps[k], f"apply_updates 1 x 1 {impl} {k}")
                 _same(new[k], e_params[k], f"adamw 1 x 1 {impl} {k}")
                 _same_sharding(new[k], ps[k], f"adamw 1 x 1 {impl} {k}")
+    # fp8 states (the native path, their default): a state block spans the pieces of a split
+    # leaf; explicit axes refuse the reshapes into blocks (before: a ShardingTypeError), with
+    # and without the mesh set
+    w8 = jnp.asarray(_data((36, 20), 4)).astype(jnp.bfloat16)
+    g8 = jnp.asarray(_data((36, 20), 5)).astype(jnp.bfloat16)
+    tx8 = sj.adamw(1e-2, seed=KEY, state_dtype=jnp.float8_e4m3fn)
+    e_p8, e_s8 = tx8.step({"w": g8}, tx8.init({"w": w8}), {"w": w8})
+    for in_context in (False, True):
+        what = f"fp8 states explicit, mesh set: {in_context}"
+        with jax.set_mesh(mesh) if in_context else contextlib.nullcontext():
+            p8 = {"w": jax.device_put(w8, NamedSharding(mesh, P("x", "y")))}
+            g8s = {"w": jax.device_put(g8, NamedSharding(mesh, P("x", "y")))}
+            got_p, got_s = jax.jit(tx8.step)(g8s, tx8.init(p8), p8)
+        _same(got_p["w"], e_p8["w"], what)
+        _same_sharding(got_p["w"], p8["w"], what)
+        for field in ("exp_avg", "exp_avg_sq"):
+            for part in (0, 1):  # the fp8 moments, their block scales
+                _same(getattr(got_s, field)[part]["w"], getattr(e_s8, field)[part]["w"], what)
+        _same_sharding(got_s.exp_avg[0]["w"], p8["w"], what)
     print("explicit ok")
 
 

@@ -745,10 +745,49 @@ def _state8_scale(amax, max_bits: int):
     return _u(k + 127) << 23, _u(127 - k) << 23
 
 
+def _explicit_axes(*arrays) -> tuple:
+    """The mesh axes that split any of ``arrays`` in its type (a mesh with explicit axes)."""
+    axes: list = []
+    for x in arrays:
+        if x is None:
+            continue
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
+            continue
+        for entry in sharding.spec:
+            for name in (entry,) if isinstance(entry, str) else entry or ():
+                if name not in axes:
+                    axes.append(name)
+    return tuple(axes)
+
+
 def _update8(cfg, p, g, m, v, a, bits, coefs, inv_scale):
     """One leaf of an AdamW step with fp8 states (``_state8.update_block8``): ``m``, ``v`` are
     ``(moments, float32 block scales)``, the second moment stored as ``sqrt(v)``; ``cfg`` =
-    (rounding, state format name, constants). Returns (p, m, v, aux)."""
+    (rounding, state format name, constants). Returns (p, m, v, aux). Its blocks run over
+    the flat leaf, across the pieces of a split one: on a mesh with explicit axes (which
+    refuse such reshapes) the update runs with those axes automatic (``auto_axes``: XLA moves
+    what a block needs) and each output takes its input's sharding."""
+    axes = _explicit_axes(p, g, *m, *v, a)
+    if not axes:
+        return _update8_blocks(cfg, p, g, m, v, a, bits, coefs, inv_scale)
+
+    def spec(x):
+        return None if x is None else jax.typeof(x).sharding.spec
+
+    def body(p, g, m, v, a, noise, coefs, inv_scale):  # every input an argument: automatic
+        return _update8_blocks(cfg, p, g, m, v, a, noise.__getitem__, coefs, inv_scale)
+
+    out = (spec(p), (spec(m[0]), spec(m[1])), (spec(v[0]), spec(v[1])), spec(a))
+    noise = tuple(bits(stream) for stream in range(3))  # elementwise (XLA drops unused ones)
+    with jax.sharding.use_abstract_mesh(jax.typeof(p).sharding.mesh):  # none set: the leaf's
+        update = jax.sharding.auto_axes(body, axes=axes, out_sharding=out)
+        return update(p, g, m, v, a, noise, coefs, inv_scale)
+
+
+def _update8_blocks(cfg, p, g, m, v, a, bits, coefs, inv_scale):
+    """``_update8`` on arrays whose blocks may be reshaped freely."""
     mode, fmt_name, constants = cfg
     fmt = FORMATS[fmt_name]
     n, block = p.size, _state8.STATE_BLOCK
@@ -904,11 +943,12 @@ def _state_dtype(dtype, name: str, fp8: bool = False):
 def _state_zeros(params, dtype):
     """A zero state for ``params``: a pytree like ``params`` (keeping sharded leaves'
     shardings), or for fp8 states the pair of pytrees ``(moments, float32 block scales)``
-    (``srround.STATE_BLOCK``) - two trees of arrays, not a tree of pairs: flax.nnx keeps a
-    state's leaves in variables, and turns a tuple held in one into a mapping."""
+    (``srround.STATE_BLOCK``; the moments sharded as the params, the scales unsharded) - two
+    trees of arrays, not a tree of pairs: flax.nnx keeps a state's leaves in variables, and
+    turns a tuple held in one into a mapping."""
     if dtype in _FP8_STATES:
         return (
-            jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, dtype), params),
+            jax.tree_util.tree_map(lambda p: jnp.zeros_like(p, dtype), params),
             jax.tree_util.tree_map(
                 lambda p: jnp.zeros((-(-p.size // _state8.STATE_BLOCK),), jnp.float32), params
             ),
