@@ -1654,3 +1654,22 @@ def test_strided_parameters_that_do_not_share_memory_step_as_torch():
         opt.step()
         results.append(base.clone())
     assert torch.equal(*results)
+
+
+def test_load_state_dict_refuses_a_rounding_its_params_cannot_take():
+    """A saved rounding='remainder' for fp16 parameters is refused by load_state_dict, before
+    anything is loaded, as the constructor refuses it (before: loaded, state and defaults
+    replaced, and the first step raised)."""
+    source_param = torch.nn.Parameter(torch.randn(8).bfloat16())
+    source = AdamW([source_param], rounding="remainder", seed=0)
+    source_param.grad = torch.ones_like(source_param)
+    source.step()
+    p16 = torch.nn.Parameter(torch.randn(8).half())
+    opt = AdamW([p16], rounding="stochastic", seed=0)
+    with pytest.raises(
+        ValueError, match=r"^state_dict: saved param group 0: params\[0\]: rounding='remainder'"
+    ):
+        opt.load_state_dict(source.state_dict())
+    assert opt.defaults["rounding"] == "stochastic" and not opt.state
+    p16.grad = torch.ones_like(p16)
+    opt.step()  # still the optimizer it was

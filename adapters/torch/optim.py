@@ -1243,6 +1243,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                             f"{first['rounding']!r} does not use: pass rounding="
                             f"{next(k for k, v in AUX_NAMES.items() if v == name)!r}"
                         )
+        for i, (group, own) in enumerate(zip(groups, self.param_groups)):
+            codes = [_BUFFER_CODES.get(p.dtype) for p in own["params"]]
+            try:  # the mode these parameters can take (add_param_group's check)
+                _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]))
+            except _plan.RoundingError as exc:
+                raise _plan.RoundingError(f"state_dict: saved param group {i}: {exc}") from None
         self._check_fp8_states(state_dict, groups)
         state_dict = dict(state_dict, param_groups=groups)
         # torch's load, without the hooks (their dicts emptied, then refilled in order: the
