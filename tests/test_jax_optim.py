@@ -1339,3 +1339,14 @@ def test_host_step_plans_once_while_xla_keeps_the_buffers(monkeypatch):
         q, r = plain(q, r, grads)
     for a, b in zip(p, q):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def test_apply_updates_needs_a_key():
+    """``seed=None`` is refused (the README: apply_updates needs a key): a seed drawn when the
+    function runs is drawn at trace time under jit, a constant of the program - the same
+    noise every step (before: taken)."""
+    params, updates = {"w": jnp.zeros(4, jnp.bfloat16)}, {"w": jnp.full(4, 1e-3, jnp.float32)}
+    with pytest.raises(TypeError, match=r"^seed: apply_updates needs a JAX PRNG key or an int"):
+        sj.apply_updates(params, updates, None, step=1)
+    with pytest.raises(TypeError, match=r"^seed: stochastic_write_back needs a JAX PRNG key"):
+        sj.stochastic_write_back(None)

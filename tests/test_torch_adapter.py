@@ -451,3 +451,27 @@ def test_cuda_mixed_devices_rejected():
 def test_cuda_empty_tensor():
     e = srround.stochastic_round(torch.empty(0, device="cuda"), seed=0)
     assert e.shape == (0,) and e.is_cuda and e.dtype == torch.bfloat16
+
+
+def test_in_place_writes_refuse_inference_tensors_outside_inference_mode():
+    """As torch's ``add_`` under ``no_grad``: an inference tensor is not updated in place
+    outside ``torch.inference_mode()`` (before: written with no error), and is inside it."""
+    with torch.inference_mode():
+        w = torch.zeros(4, dtype=torch.bfloat16)
+        out = torch.empty(4, dtype=torch.bfloat16)
+        found = torch.zeros(1)
+    u = torch.full((4,), 0.5)
+    message = r"an inference tensor.*outside torch.inference_mode"
+    with pytest.raises(RuntimeError, match="^w: " + message):
+        srround.stochastic_add(w, u, seed=0)
+    with pytest.raises(RuntimeError, match="^out: " + message):
+        srround.stochastic_round(u, seed=0, out=out)
+    with pytest.raises(RuntimeError, match="^growth_tracker: " + message):
+        with torch.inference_mode():
+            tracker = torch.zeros(1, dtype=torch.int32)
+        srround.update_scale(torch.ones(1), tracker, found)
+    assert not w.any()
+    with torch.inference_mode():
+        srround.stochastic_add(w, u, seed=0)
+        srround.stochastic_round(u, seed=0, out=out)
+    assert (w == 0.5).all() and (out == 0.5).all()

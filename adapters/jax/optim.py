@@ -408,9 +408,10 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
             ``jax_enable_x64``).
         seed: a JAX PRNG key or an int in [0, 2**64). With ``step=None`` pass a fresh key
             every step (``jax.random.fold_in(key, step)``): the same key gives the same noise.
-        step: ``None``, or the 1-based step (int or traced int scalar, < 2**26): leaf ``k``
-            then uses the weight stream of the fused optimizers at counter
-            ``step * 2**36 + starts[k]``, so a fixed seed gives fresh noise every step.
+        step: ``None`` (the same stream as 0), or the step (int or traced int scalar in
+            [0, 2**26); optax's ``count`` or the 1-based step alike): leaf ``k`` then uses the
+            weight stream of the fused optimizers at counter ``step * 2**36 + starts[k]``,
+            so a fixed seed gives fresh noise every step.
         impl: ``None`` (default): ``"native"``, except on one CPU device where the random
             bits come from the Numba kernels (through the FFI target) and the sums and
             rounding from ``jax.lax`` (the fastest there); ``"native"`` (``jax.lax`` only)
@@ -436,6 +437,11 @@ def apply_updates(params, updates, seed, *, step=None, impl=None, shard_specs=No
     host_bits = impl is None
     impl = _impl(impl)
     _check_step(step)
+    if seed is None:
+        raise TypeError(
+            "seed: apply_updates needs a JAX PRNG key or an int (a seed drawn here would be"
+            " drawn once under jit, a constant of the program: the same noise every step)"
+        )
 
     def is_none(x):
         return x is None
@@ -544,6 +550,8 @@ def stochastic_write_back(seed, *, impl=None, shard_specs=None):
     Raises:
         ValueError: ``update`` without ``params``; ``apply_updates``' errors.
     """
+    if seed is None:  # as apply_updates: a seed drawn here would be fixed by jit
+        raise TypeError("seed: stochastic_write_back needs a JAX PRNG key or an int")
     _key_words(seed)  # a bad seed fails here, when the transformation is made
 
     def init(params):

@@ -25,7 +25,9 @@ tensors that do not require grad (as if run under ``torch.no_grad()``), also for
 require grad. In-place calls (``stochastic_add``'s ``w``, ``out=``) on tensors that require
 grad - e.g. an ``nn.Parameter`` - behave like an in-place update under ``torch.no_grad()``: the
 data changes, no graph is recorded, and the tensor's version counter is bumped, so autograd
-still reports a tensor that a pending backward saved and that was modified since.
+still reports a tensor that a pending backward saved and that was modified since. As there,
+an inference tensor is updated only inside ``torch.inference_mode()`` (a ``RuntimeError``
+outside it, naming the argument).
 """
 
 from __future__ import annotations
@@ -182,10 +184,18 @@ def _view(t, narrow: bool, name: str) -> View:
     raise ValueError(f"{name}: is on {t.device}; srround runs on CPU and CUDA tensors only")
 
 
-def _mark_written(t) -> None:
-    """Bump ``t``'s version counter as a ``torch.no_grad()`` in-place op would."""
+def _mark_written(t, name: str) -> None:
+    """Bump ``t``'s version counter as a ``torch.no_grad()`` in-place op would; an inference
+    tensor outside ``torch.inference_mode()`` is a ``RuntimeError`` (torch's in-place ops
+    refuse it too)."""
     if not t.is_inference():
         torch.autograd.graph.increment_version(t)
+    elif not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{name}: an inference tensor (made under torch.inference_mode()), which torch does"
+            " not update in place outside torch.inference_mode(): clone it, or call inside"
+            " torch.inference_mode()"
+        )
 
 
 def source(
@@ -230,7 +240,7 @@ def target(out, name: str, like: View, fmt: Format | None) -> View:
         t.dtype, tuple(piece.shape), piece.is_contiguous(), name, like.shape, fmt, fix, _DTYPES
     )
     view = _view(t, narrow, name)
-    _mark_written(piece)
+    _mark_written(piece, name)
     return view
 
 
@@ -238,7 +248,7 @@ def inplace(w, name: str, fmt: Format | None) -> tuple[View, Format]:
     """A read-write view of a narrow tensor updated in place (``requires_grad`` allowed: the
     update acts as under ``torch.no_grad()``)."""
     view, fmt = source(w, name, fmt, narrow=True)
-    _mark_written(_dist.local(view.result))
+    _mark_written(_dist.local(view.result), name)
     return view, fmt
 
 
@@ -251,7 +261,7 @@ def counter(c, name: str, like: View) -> View:
     fix = f"{name}{_FIX}"
     check_counter(t.dtype, tuple(t.shape), t.is_contiguous(), name, like.shape, fix, _DTYPES)
     view = _view(t, False, name)
-    _mark_written(t)
+    _mark_written(t, name)
     return view
 
 
