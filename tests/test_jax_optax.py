@@ -5,6 +5,7 @@ adapted), the stochastic write-back is reachable through ``update`` + ``optax.ap
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import ml_dtypes
@@ -279,6 +280,45 @@ def test_inject_hyperparams_with_static_args(impl):
     tx = tx(learning_rate=1e-2, momentum=0.9)
     with pytest.raises(TypeError, match="^seed: a traced int.*SGD_STATIC_ARGS"):
         jax.jit(tx.update)(grads, tx.init(params), params)
+
+
+def test_inject_hyperparams_eager_updates_reuse_one_compiled_step():
+    """An eager ``update`` of ``optax.inject_hyperparams`` makes the optimizer again from
+    concrete arrays at every call: the learning rate is an argument of one compiled step
+    (before: a new optimizer traced and compiled per call, 0.3 s a step against optax.adamw's
+    15 ms), with the bits of the jitted update, a changed value included."""
+    import jax.monitoring
+
+    params = {"w": (0.1 * jax.random.normal(jax.random.key(0), (4, 8))).astype(jnp.bfloat16)}
+    grads = {"w": jnp.full((4, 8), 0.1, jnp.float32)}
+    for factory, static in ((sj.adamw, sj.ADAMW_STATIC_ARGS), (sj.sgd, sj.SGD_STATIC_ARGS)):
+        inject = functools.partial(optax.inject_hyperparams, hyperparam_dtype=jnp.float32)
+        tx = inject(factory, static_args=static)(learning_rate=1e-2, seed=SEED)
+        jitted = jax.jit(tx.update)
+        s, rs = tx.init(params), tx.init(params)
+        compiles = []
+
+        def count(name, secs, **kw):
+            if name.endswith("backend_compile_duration"):
+                compiles.append(name)
+
+        def eager_update(lr):
+            nonlocal s
+            s.hyperparams["learning_rate"] = jnp.float32(lr)
+            updates, s = tx.update(grads, s, params)
+            return updates
+
+        try:
+            for lr in (1e-2, 1e-2, 3e-3, 5e-2):  # the first calls compile, later ones reuse it
+                if lr == 3e-3:
+                    jax.monitoring.register_event_duration_secs_listener(count)
+                updates = eager_update(lr)
+                rs.hyperparams["learning_rate"] = jnp.float32(lr)
+                r_updates, rs = jitted(grads, rs, params)
+                assert_same_bits(updates["w"], r_updates["w"])
+        finally:
+            jax.monitoring.unregister_event_duration_listener(count)
+        assert compiles == [], f"{factory.__name__}: {len(compiles)} compiles after the first"
 
 
 def test_bad_input_errors():

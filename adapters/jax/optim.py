@@ -80,6 +80,7 @@ AdamW's ``lr / (1 - b1)`` or ``1 - lr * weight_decay`` is beyond float32.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -761,7 +762,7 @@ def _explicit_axes(*arrays) -> tuple:
             continue
         sharding = getattr(jax.typeof(x), "sharding", None)
         mesh = getattr(sharding, "mesh", None)
-        if mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
+        if sharding is None or mesh is None or mesh.empty or not mesh.are_all_axes_explicit:
             continue
         for entry in sharding.spec:
             for name in (entry,) if isinstance(entry, str) else entry or ():
@@ -1069,6 +1070,53 @@ def _static_seed(seed, static_args: str):
     return int(seed)
 
 
+_LR_OPTIMIZERS = 16  # optimizers kept per function by ``_lr_as_argument``
+
+
+def _lr_as_argument(make):
+    """``make`` (``adamw``, ``sgd``) taking a learning rate given as a concrete array - what
+    ``optax.inject_hyperparams`` passes to an eager ``update`` - as an argument of the compiled
+    step, not a constant of it: checked as a number is, then the optimizer of the other
+    settings is made once and kept (the ``_LR_OPTIMIZERS`` latest, by their settings), and the
+    value passed to its step, so new values reuse one compiled program (before: a new
+    optimizer, traced and compiled again, at every call). Bits as with the number."""
+    signature = inspect.signature(make)
+    kept: dict = {}
+
+    def key_of(value):
+        try:
+            hash(value)
+            return value
+        except TypeError:  # an array (a 0-d number: by value), a mask tree (by identity)
+            dtype = getattr(value, "dtype", None)
+            if dtype is not None and np.ndim(value) == 0 and jnp.issubdtype(dtype, jnp.number):
+                return ("value", str(value.dtype), value.item())
+            return ("id", id(value))
+
+    @functools.wraps(make)
+    def made(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        lr = bound.arguments["learning_rate"]
+        if not isinstance(lr, jax.Array) or isinstance(lr, jax.core.Tracer):
+            return make(*args, **kwargs)
+        make(*args, **kwargs)  # every check, the learning rate's as a number's
+        settings = {k: v for k, v in bound.arguments.items() if k != "learning_rate"}
+        key = tuple(sorted((k, key_of(v)) for k, v in settings.items()))
+        if key not in kept:
+            if len(kept) >= _LR_OPTIMIZERS:
+                kept.pop(next(iter(kept)))
+            # (the settings kept too: an identity key stays that object's)
+            kept[key] = (make(_lr_from_the_step, **settings), settings)
+        return kept[key][0].with_lr(jnp.asarray(lr, jnp.float32))
+
+    return made
+
+
+def _lr_from_the_step(count):
+    """The learning rate of ``_lr_as_argument``'s optimizers: the step's argument, never this."""
+    raise AssertionError("the learning rate is an argument of the step")
+
+
 def _learning_rate(learning_rate):
     """An optax schedule (callable) as it is; a traced scalar (``optax.inject_hyperparams``
     under ``jit``) as a constant schedule of it; else the learning rate checked: a real number
@@ -1132,7 +1180,9 @@ def _fused(
         aux = jax.tree_util.tree_unflatten(treedef, [_aux_for(rounding, p) for p in leaves])
         return state_type(jnp.zeros((), jnp.int32), *buffers, aux)
 
-    def lr_at(count):
+    def lr_at(count, lr_value):
+        if lr_value is not None:  # an argument of the compiled step (``_lr_as_argument``)
+            return jnp.asarray(lr_value, jnp.float32)
         if callable(lr):
             value = jnp.asarray(lr(count), jnp.float32)
             if value.shape != ():
@@ -1143,7 +1193,7 @@ def _fused(
             return value
         return float(lr)
 
-    def compute(grads, state, params, inv_scale):
+    def compute(grads, state, params, inv_scale, lr_value):
         p_leaves, treedef = jax.tree_util.tree_flatten(params)
         try:
             g_leaves = treedef.flatten_up_to(grads)
@@ -1175,7 +1225,7 @@ def _fused(
         specs = _leaf_specs(shard_specs, params, treedef)
         layouts, global_shapes = _layouts(p_leaves, specs)
         t = state.count + 1
-        lr_t = lr_at(state.count)
+        lr_t = lr_at(state.count, lr_value)
         if inv_scale is not None:
             inv_scale = jnp.asarray(inv_scale, jnp.float32)
 
@@ -1244,7 +1294,7 @@ def _fused(
         new_state = state_type(t, *new_states, unflat(1 + len(states)))
         return unflat(0), new_state
 
-    def step(grads, state, params, *, found_inf=None, inv_scale=None):
+    def step(grads, state, params, found_inf, inv_scale, lr_value):
         skip = None
         if found_inf is not None:
             skip = jnp.asarray(found_inf)
@@ -1252,25 +1302,25 @@ def _fused(
         if inv_scale is not None:  # both impls: an unusable scale skips, as found_inf does
             unusable = ~_scale_usable(inv_scale)
             skip = unusable if skip is None else skip | unusable
-        if callable(lr):  # a schedule's or an injected lr, known at run time: likewise
-            lr_t = lr_at(state.count)
+        if callable(lr) or lr_value is not None:  # known at run time: likewise
+            lr_t = lr_at(state.count, lr_value)
             usable = jnp.isfinite(lr_t) & (lr_t >= 0)
             unusable = ~(usable if lr_fits is None else usable & lr_fits(lr_t))
             skip = unusable if skip is None else skip | unusable
         if skip is None:
-            return compute(grads, state, params, inv_scale)
+            return compute(grads, state, params, inv_scale, lr_value)
         # inside shard_map the branches must be typed alike: the host step's results are
         # typed as the inputs vary (a host call's carry no such type)
         return lax.cond(
             skip,
             lambda: (params, state),
-            lambda: varying_as(compute(grads, state, params, inv_scale), (params, state)),
+            lambda: varying_as(compute(grads, state, params, inv_scale, lr_value), (params, state)),
         )
 
     @jax.custom_jvp
-    def fused_step(grads, state, params, found_inf, inv_scale):
+    def fused_step(grads, state, params, found_inf, inv_scale, lr_value):
         """``step``, refused under differentiation (its bit operations would give 0)."""
-        return step(grads, state, params, found_inf=found_inf, inv_scale=inv_scale)
+        return step(grads, state, params, found_inf, inv_scale, lr_value)
 
     @fused_step.defjvp
     def fused_step_jvp(primals, tangents):
@@ -1332,7 +1382,7 @@ def _fused(
             raise ValueError(f"{name}: expected a scalar, got shape {tuple(np.shape(x))}")
         return jnp.reshape(x, ())
 
-    def checked_step(grads, state, params, *, found_inf=None, inv_scale=None):
+    def checked_step(grads, state, params, *, found_inf=None, inv_scale=None, lr_value=None):
         p_leaves = jax.tree_util.tree_leaves(params)
         _check_params(p_leaves)
         check_arrays(
@@ -1346,9 +1396,9 @@ def _fused(
         found_inf, inv_scale = scalar(found_inf, "found_inf"), scalar(inv_scale, "inv_scale")
         if isinstance(inv_scale, (int, float, np.generic)):  # an array is checked in the step
             inv_scale = _validate.inv_scale(inv_scale)
-        return jitted(grads, state, params, found_inf, inv_scale)
+        return jitted(grads, state, params, found_inf, inv_scale, lr_value)
 
-    def update(updates, state, params=None, **extra_args):
+    def update(updates, state, params=None, *, lr_value=None, **extra_args):
         if params is None:
             raise ValueError(f"{kind} (srround): update needs params (the fused step writes them)")
         new_params, new_state = checked_step(
@@ -1357,14 +1407,28 @@ def _fused(
             params,
             found_inf=extra_args.get("found_inf"),
             inv_scale=extra_args.get("inv_scale"),
+            lr_value=lr_value,
         )
         return jax.tree_util.tree_map(_exact_update, new_params, params), new_state
 
-    return FusedOptimizer(
-        init, update, checked_step, dict(cfg, kind=kind, impl=impl, seed=seed, rounding=rounding)
-    )
+    def with_lr(value):
+        """This optimizer with the learning rate ``value`` (a float32 scalar array) passed to
+        its compiled step as an argument (``_lr_as_argument``)."""
+        return FusedOptimizer(
+            init,
+            functools.partial(update, lr_value=value),
+            functools.partial(checked_step, lr_value=value),
+            dict(config, lr=value),
+        )
+
+    config = dict(cfg, kind=kind, impl=impl, seed=seed, rounding=rounding)
+    step_without_lr = functools.partial(checked_step, lr_value=None)
+    tx = FusedOptimizer(init, functools.partial(update, lr_value=None), step_without_lr, config)
+    tx.with_lr = with_lr
+    return tx
 
 
+@_lr_as_argument
 def adamw(
     learning_rate,
     b1=0.9,
@@ -1547,6 +1611,7 @@ class SGDState(NamedTuple):
     aux: Any
 
 
+@_lr_as_argument
 def sgd(
     learning_rate,
     momentum=None,
