@@ -1673,3 +1673,20 @@ def test_load_state_dict_refuses_a_rounding_its_params_cannot_take():
     assert opt.defaults["rounding"] == "stochastic" and not opt.state
     p16.grad = torch.ones_like(p16)
     opt.step()  # still the optimizer it was
+
+
+@pytest.mark.parametrize("kind", [AdamW, SGD])
+def test_step_refuses_inference_tensor_params_outside_inference_mode(kind):
+    """As torch.optim (whose in-place updates raise): a parameter made under
+    torch.inference_mode() is not updated outside it (before: updated silently), and is
+    inside it."""
+    with torch.inference_mode():
+        p = torch.ones(8, dtype=torch.bfloat16)
+        p.grad = torch.full((8,), 0.5, dtype=torch.bfloat16)
+    opt = kind([p], lr=0.1, seed=0)
+    with pytest.raises(RuntimeError, match=r"^params\[0\]: an inference tensor"):
+        opt.step()
+    assert (p == 1).all()
+    with torch.inference_mode():
+        opt.step()
+    assert (p < 1).all()

@@ -306,6 +306,7 @@ class _Entry:
         "grad_addresses",
         "grad_bytes",
         "grad_layouts",
+        "inference",
         "key",
         "params",
         "state_refs",
@@ -425,6 +426,8 @@ def build_entry(
     entry.fused, entry.params, entry.device = fused, params, device
     entry.copy_in, entry.copy_out = copy_in, copy_out
     entry.written = [p for p in params if not p.is_inference()]
+    # the first inference tensor, which torch updates only inside torch.inference_mode()
+    entry.inference = next((i for i, p in enumerate(params) if p.is_inference()), None)
     entry.groups = []
     # the kernel writes through raw addresses: keep every buffer it writes alive; the
     # gradients it reads in place only watched (zero_grad() frees them: the table is stale)
@@ -498,6 +501,13 @@ def scalar_bits(value, name, entry, default_bits, negate=False):
 
 def run_entry(entry, inv_scale, found_inf, check_grads, negate, k0, k1) -> None:
     """One step of ``entry`` (copies in, the fused kernel, copies out)."""
+    if entry.inference is not None and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"params[{entry.inference}]: an inference tensor (made under"
+            " torch.inference_mode()), which torch does not update in place outside"
+            " torch.inference_mode() (torch.optim refuses it too): clone it, or step inside"
+            " torch.inference_mode()"
+        )
     fused = entry.fused
     with _on(entry.device):
         if entry.device.type == "cuda":
