@@ -76,11 +76,11 @@ def _first_bad(codes, allowed):
     return next(i for i, c in enumerate(codes) if c not in allowed)
 
 
-def _check_codes(name, codes, allowed, expected=None):
+def _check_codes(name, codes, allowed, expected=None, where=""):
     i = _first_bad(codes, allowed)
     if i is not None:
         expected = expected or _names(allowed)
-        raise TypeError(f"{name}[{i}]: expected {expected}, got {code_name(codes[i])}")
+        raise TypeError(f"{name}[{i}]{where}: expected {expected}, got {code_name(codes[i])}")
 
 
 def check_grad_codes(name, codes) -> None:
@@ -88,19 +88,21 @@ def check_grad_codes(name, codes) -> None:
     _check_codes(name, codes, FLOAT_CODES)
 
 
-def check_param_codes(codes, mode: Mode, name: str = "params") -> None:
-    """Parameter codes are float formats, and ones the weight mode can write.
+def check_param_codes(codes, mode: Mode, name: str = "params", where: str = "") -> None:
+    """Parameter codes are float formats, and ones the weight mode can write (errors name
+    ``name[i]``, then ``where``: e.g. the param group).
 
     Raises:
         TypeError: a parameter of another dtype.
         RoundingError: ``"remainder"`` with a parameter other than bfloat16 or float32.
     """
-    _check_codes(name, codes, FLOAT_CODES)
+    _check_codes(name, codes, FLOAT_CODES, where=where)
     if mode == Mode.REMAINDER:
         i = _first_bad(codes, REMAINDER_CODES)
         if i is not None:
             raise RoundingError(
-                f"{name}[{i}]: rounding='remainder' needs {_names(REMAINDER_CODES)} parameters,"
+                f"{name}[{i}]{where}: rounding='remainder' needs {_names(REMAINDER_CODES)}"
+                " parameters,"
                 f" got {code_name(codes[i])} (use 'master' or 'kahan')"
             )
 

@@ -1667,7 +1667,7 @@ def test_load_state_dict_refuses_a_rounding_its_params_cannot_take():
     p16 = torch.nn.Parameter(torch.randn(8).half())
     opt = AdamW([p16], rounding="stochastic", seed=0)
     with pytest.raises(
-        ValueError, match=r"^state_dict: saved param group 0: params\[0\]: rounding='remainder'"
+        ValueError, match=r"^params\[0\] \(saved param group 0\): rounding='remainder'"
     ):
         opt.load_state_dict(source.state_dict())
     assert opt.defaults["rounding"] == "stochastic" and not opt.state
@@ -1690,3 +1690,13 @@ def test_step_refuses_inference_tensor_params_outside_inference_mode(kind):
     with torch.inference_mode():
         opt.step()
     assert (p < 1).all()
+
+
+def test_add_param_group_rounding_error_names_the_group():
+    """A parameter the optimizer's rounding cannot write, added in a later group: the error
+    names it and its group, as the dtype errors do (before: ``params[0]`` alone)."""
+    opt = AdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))], rounding="remainder")
+    p16 = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"^params\[0\] \(param group 1\): rounding='remainder'"):
+        opt.add_param_group({"params": [p16]})
+    assert len(opt.param_groups) == 1

@@ -640,7 +640,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         f" got {p.dtype}{hint}"
                     )
             codes = [_BUFFER_CODES[p.dtype] for p in group["params"]]
-            _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]))
+            _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]), where=where)
         except Exception:
             self.param_groups.pop()
             raise
@@ -1255,10 +1255,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         )
         for i, (group, own) in enumerate(zip(groups, self.param_groups)):
             codes = [_BUFFER_CODES.get(p.dtype) for p in own["params"]]
-            try:  # the mode these parameters can take (add_param_group's check)
-                _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]))
-            except _plan.RoundingError as exc:
-                raise _plan.RoundingError(f"state_dict: saved param group {i}: {exc}") from None
+            # the mode these parameters can take (add_param_group's check)
+            where = f" (saved param group {i})"
+            _plan.check_param_codes(codes, _plan.check_rounding(group["rounding"]), where=where)
         self._check_fp8_states(state_dict, groups)
         state_dict = dict(state_dict, param_groups=groups)
         # torch's load, without the hooks (their dicts emptied, then refilled in order: the
