@@ -470,7 +470,9 @@ def test_in_place_writes_refuse_inference_tensors_outside_inference_mode():
         with torch.inference_mode():
             tracker = torch.zeros(1, dtype=torch.int32)
         srround.update_scale(torch.ones(1), tracker, found)
-    assert not w.any()
+    with pytest.raises(RuntimeError, match=r"^grads\[1\]: " + message):
+        srround.unscale_and_check([torch.ones(2), found], 0.5)
+    assert not w.any() and not found.any()
     with torch.inference_mode():
         srround.stochastic_add(w, u, seed=0)
         srround.stochastic_round(u, seed=0, out=out)

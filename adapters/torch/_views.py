@@ -184,18 +184,23 @@ def _view(t, narrow: bool, name: str) -> View:
     raise ValueError(f"{name}: is on {t.device}; srround runs on CPU and CUDA tensors only")
 
 
-def _mark_written(t, name: str) -> None:
-    """Bump ``t``'s version counter as a ``torch.no_grad()`` in-place op would; an inference
-    tensor outside ``torch.inference_mode()`` is a ``RuntimeError`` (torch's in-place ops
-    refuse it too)."""
-    if not t.is_inference():
-        torch.autograd.graph.increment_version(t)
-    elif not torch.is_inference_mode_enabled():
+def _check_writable(t, name: str) -> None:
+    """An inference tensor outside ``torch.inference_mode()`` is a ``RuntimeError``: torch's
+    in-place ops refuse it too."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
         raise RuntimeError(
             f"{name}: an inference tensor (made under torch.inference_mode()), which torch does"
             " not update in place outside torch.inference_mode(): clone it, or call inside"
             " torch.inference_mode()"
         )
+
+
+def _mark_written(t, name: str) -> None:
+    """``_check_writable``, then bump ``t``'s version counter as a ``torch.no_grad()`` in-place
+    op would."""
+    _check_writable(t, name)
+    if not t.is_inference():
+        torch.autograd.graph.increment_version(t)
 
 
 def source(
@@ -273,6 +278,7 @@ _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 _IS_CPU = operator.attrgetter("is_cpu")
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_IS_INFERENCE = torch.Tensor.is_inference
 
 
 def buffer_table(tensors, name: str, writes: bool = True):
@@ -296,6 +302,9 @@ def buffer_table(tensors, name: str, writes: bool = True):
     if 0 in addresses:  # an empty tensor, or a subclass without storage (a wrapper)
         for i, t in enumerate(tensors):
             _check_storage(t, f"{name}[{i}]")
+    if writes and any(map(_IS_INFERENCE, tensors)):
+        for i, t in enumerate(tensors):
+            _check_writable(t, f"{name}[{i}]")
     if devices is None:
         return addresses, sizes, codes, "cpu"
     if len(devices) > 1:
