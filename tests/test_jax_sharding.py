@@ -38,7 +38,9 @@ def _run_cases(cases) -> dict[str, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    run = run_python(["-m", "tests.jax_sharded_cases", *cases], env=env, cwd=ROOT, check=False)
+    # about 250 s on a quiet 2-core machine: room for a busy one (a hang still ends)
+    args = ["-m", "tests.jax_sharded_cases", *cases]
+    run = run_python(args, env=env, cwd=ROOT, check=False, timeout=1500)
     parts = re.split(r"^=== (\w+)\n", run.stdout, flags=re.M)
     outputs = dict(zip(parts[1::2], parts[2::2]))
     tail = f"\nexit status {run.returncode}; stderr:\n{run.stderr[-4000:]}"
