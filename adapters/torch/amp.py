@@ -65,6 +65,7 @@ them); they do when every rank checks the same all-reduced gradients, as under D
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import abc
 from collections.abc import Mapping
 from functools import partial
@@ -78,6 +79,8 @@ from . import _dist
 from .optim import _NAN_BITS, _canonical_nan_, _is_dense
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LAYOUT, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("layout", "dtype", "device"))
+_IS_CPU, _IS_CONTIGUOUS = operator.attrgetter("is_cpu"), torch.Tensor.is_contiguous
 _UNSCALED, _STEPPED = "unscaled", "stepped"  # per-optimizer stage of an iteration
 
 
@@ -109,6 +112,21 @@ def update_scale(
     )
 
 
+def _all_contiguous_on(grads, device) -> bool:
+    """Whether every gradient is a contiguous fp32/bf16/fp16 tensor on ``device`` (C-level
+    ``map`` calls: a model has thousands of gradients)."""
+    return (
+        all(layout is torch.strided for layout in map(_LAYOUT, grads))
+        and all(map(_IS_CONTIGUOUS, grads))
+        and all(map(_FUSED_DTYPES.__contains__, map(_DTYPE, grads)))
+        and (
+            all(map(_IS_CPU, grads))
+            if device.type == "cpu"
+            else all(d == device for d in map(_DEVICE, grads))
+        )
+    )
+
+
 def unscale_grads(grads, inv_scale, found_inf, per_tensor=False) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` (float32, 1 value)
     to 1 if any was inf/NaN. Dense fp32/bf16/fp16 gradients of ``found_inf``'s device (any
@@ -117,8 +135,12 @@ def unscale_grads(grads, inv_scale, found_inf, per_tensor=False) -> None:
     ``torch._amp_foreach_non_finite_check_and_unscale_``, per device and dtype (NaN products
     then +qNaN, as the fused kernel writes them).
     ``per_tensor``: one scale and one flag per gradient (one fused launch if all are dense)."""
+    local = _dist.locals_of(grads, "grads")  # DTensors: their local pieces
+    if local and _all_contiguous_on(local, found_inf.device):  # common: no per-tensor Python
+        srround.unscale_and_check(local, inv_scale, found_inf=found_inf, per_tensor=per_tensor)
+        return
     if per_tensor:
-        grads = _dist.locals_of(grads, "grads")
+        grads = local
         if all(g.layout is torch.strided and _is_dense(g) for g in grads):
             flat = [g.as_strided((g.numel(),), (1,)) for g in grads]
             srround.unscale_and_check(flat, inv_scale, found_inf=found_inf, per_tensor=True)
@@ -129,7 +151,7 @@ def unscale_grads(grads, inv_scale, found_inf, per_tensor=False) -> None:
     device = found_inf.device
     fused: list = []
     others: dict = {}
-    for g in _dist.locals_of(grads, "grads"):  # DTensors: their local pieces
+    for g in local:
         if g.layout is not torch.strided:
             g = g._values()  # sparse COO (fp16 ones coalesced by the caller, as torch does)
         elif g.dtype in _FUSED_DTYPES and g.device == device and _is_dense(g):
