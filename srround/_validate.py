@@ -196,18 +196,30 @@ def scale_update(growth_factor, backoff_factor, growth_interval, hysteresis, min
     return growth_factor, backoff_factor, growth_interval, hysteresis, low, high
 
 
+_FEW_BUFFERS = 8  # up to this many single buffers, ``no_overlap`` compares pairs in Python
+
+
 def no_overlap(buffers) -> None:
     """Raise ``ValueError`` naming both arguments if two buffers share memory and at least one
     of them is written (two read-only inputs may share memory).
 
     ``buffers``: ``(name, address, nbytes, writes)`` per buffer (empty ones are skipped; a name
     is a string or a ``(list name, index)`` pair, spelled ``name[index]``), or ``ListSpans``
-    (``list_spans``: a tensor list's buffers as arrays). The ranges are sorted by start once;
-    without any overlap (the usual case) the check is vectorised passes over arrays, and only
-    an overlap makes per-buffer entries, for a sweep that finds and names the pair.
+    (``list_spans``: a tensor list's buffers as arrays). A few single buffers (a call's
+    arguments) are compared pair by pair (NumPy's calls would cost more than the kernel on a
+    small array); otherwise the ranges are sorted by start once; without any overlap (the usual
+    case) the check is vectorised passes over arrays, and only an overlap makes per-buffer
+    entries, for a sweep that finds and names the pair.
     """
     singles = [b for b in buffers if not isinstance(b, ListSpans)]
     lists = [b for b in buffers if isinstance(b, ListSpans)]
+    if not lists and len(singles) <= _FEW_BUFFERS:  # a call's few arguments: pairs in Python
+        live = [b for b in singles if b[2] > 0]
+        for i, a in enumerate(live):
+            for b in live[i + 1 :]:
+                if (a[3] or b[3]) and a[1] < b[1] + b[2] and b[1] < a[1] + a[2]:
+                    _name_an_overlap(live)
+        return
     starts = np.concatenate(
         [np.fromiter((b[1] for b in singles), np.int64, len(singles))]
         + [spans.addresses for spans in lists]
