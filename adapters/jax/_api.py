@@ -218,6 +218,13 @@ def _key_words(seed):
         else:
             data = seed
         if data.shape == (2,) and data.dtype == jnp.uint32:
+            if isinstance(data, np.ndarray) or (
+                not isinstance(data, jax.core.Tracer)
+                and all(d.platform == "cpu" for d in data.devices())
+            ):  # on the host: two NumPy words, as an int seed's (two eager slices cost more
+                # than the call they feed); elsewhere no copy to the host (it would wait)
+                words = np.asarray(data)
+                return np.uint32(words[0]), np.uint32(words[1])
             return data[0], data[1]
         raise TypeError(
             f"seed: expected a PRNG key (jax.random.key / PRNGKey: uint32[2]), got"
