@@ -71,7 +71,14 @@ from srround import _optim, _plan, _state8, _validate
 from srround._rng import check_seed, manually_seeded, next_seed, split_seed
 
 from . import _dist, _lazy_dynamo, _views
-from ._views import _BUFFER_CODES, _DATA_PTR, _check_storage, _external_stream, _view
+from ._views import (
+    _BUFFER_CODES,
+    _DATA_PTR,
+    _check_storage,
+    _check_writable,
+    _external_stream,
+    _view,
+)
 
 __all__ = ["SGD", "AdamW"]
 
@@ -501,13 +508,8 @@ def scalar_bits(value, name, entry, default_bits, negate=False):
 
 def run_entry(entry, inv_scale, found_inf, check_grads, negate, k0, k1) -> None:
     """One step of ``entry`` (copies in, the fused kernel, copies out)."""
-    if entry.inference is not None and not torch.is_inference_mode_enabled():
-        raise RuntimeError(
-            f"params[{entry.inference}]: an inference tensor (made under"
-            " torch.inference_mode()), which torch does not update in place outside"
-            " torch.inference_mode() (torch.optim refuses it too): clone it, or step inside"
-            " torch.inference_mode()"
-        )
+    if entry.inference is not None:  # as torch.optim's in-place updates
+        _check_writable(entry.params[entry.inference], f"params[{entry.inference}]")
     fused = entry.fused
     with _on(entry.device):
         if entry.device.type == "cuda":
