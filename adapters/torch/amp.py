@@ -76,11 +76,11 @@ import srround
 from srround import _validate
 
 from . import _dist
+from ._views import _DEVICE, _DTYPE, _IS_CONTIGUOUS, _IS_CPU
 from .optim import _NAN_BITS, _canonical_nan_, _is_dense
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LAYOUT, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("layout", "dtype", "device"))
-_IS_CPU, _IS_CONTIGUOUS = operator.attrgetter("is_cpu"), torch.Tensor.is_contiguous
+_LAYOUT = operator.attrgetter("layout")
 _UNSCALED, _STEPPED = "unscaled", "stepped"  # per-optimizer stage of an iteration
 
 
