@@ -93,6 +93,7 @@ from srround import _optim, _state8, _validate
 from srround._api import StepReuse
 from srround._formats import FORMATS
 
+from . import _leaves
 from ._api import _key_words, _straight_through, check_arrays, refuse_host_float64
 from ._callback import (
     _callback,
@@ -108,6 +109,7 @@ from ._lax import (
     _check_split,
     _decode,
     _encode,
+    _opaque,
     _shard_layout,
     _u,
     block_element,
@@ -1701,6 +1703,30 @@ def _scale_usable(inv_scale):
     return (bits > 0) & (bits < 0x7F800000)
 
 
+def _host_units(live, columns, pack: bool) -> list[list[int]]:
+    """The leaves ``live`` of a host step call as units, each one operand per column: with
+    ``pack`` (whole leaves on one CPU device), small leaves (``_leaves._SMALL_LEAF``) of the
+    same dtypes in every column share a unit, their buffers joined; every other leaf is a
+    unit of its own. XLA's compile time grows faster than linearly with a custom call's
+    operands (``docs/performance.md``)."""
+    if not pack:
+        return [[i] for i in live]
+    p_leaves, g_leaves, s_leaves, a_leaves = columns
+    flat = [p_leaves, g_leaves, *s_leaves, a_leaves]
+    units: list[list[int]] = []
+    joined: dict[tuple, list[int]] = {}
+    for i in live:
+        if p_leaves[i].size > _leaves._SMALL_LEAF:
+            units.append([i])
+            continue
+        kind = tuple(_leaves._dtypes(col[i]) for col in flat)
+        if kind not in joined:
+            joined[kind] = []
+            units.append(joined[kind])
+        joined[kind].append(i)
+    return units
+
+
 def _callback_step(
     host_step, columns, t, lr, k0, k1, inv_scale, layouts, global_shapes, whole, leaves
 ):
@@ -1711,16 +1737,39 @@ def _callback_step(
     contiguous runs placed in the random stream at their global indices (``stream_starts``).
     ``whole``: whole leaves only (fp8 states: their blocks span a leaf). ``leaves``: the
     indices of the leaves this call updates, at their places in the whole tree's stream; the
-    others come back as they are."""
+    others come back as they are. On one CPU device small leaves reach the host joined
+    (``_host_units``), each at its own place in the stream (same bits: the step is
+    elementwise)."""
     p_leaves, g_leaves, s_leaves, a_leaves = columns
     live = [i for i in leaves if p_leaves[i].size > 0]
-    has_aux = [a_leaves[i] is not None for i in live]
+    unsharded = all(layouts[i] is None for i in live)
+    pack = not whole and unsharded and _leaves._on_one_cpu([p_leaves[i] for i in live])
+    units = _host_units(live, columns, pack)
+    has_aux = [a_leaves[u[0]] is not None for u in units]
     states = [col for col in s_leaves if any(col[i] is not None for i in live)]
-    n, ns, na = len(live), len(states), sum(has_aux)
+    n, ns, na = len(units), len(states), sum(has_aux)
     static_lr = None if not isinstance(lr, float) else lr
     tree_starts = _starts(global_shapes)
-    starts = [tree_starts[i] for i in live]
-    shapes_live = [global_shapes[i] for i in live]
+    sizes = [int(np.prod(global_shapes[i], dtype=np.int64)) for i in range(len(global_shapes))]
+    # a joined unit's runs, (buffer start, length, stream position): leaves that follow one
+    # another in the stream are one run
+    joined_runs: list[Any] = []
+    for u in units:
+        if len(u) == 1:
+            joined_runs.append(None)
+            continue
+        runs, at = [], 0
+        for i in u:
+            if runs and runs[-1][2] + runs[-1][1] == tree_starts[i]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + sizes[i], runs[-1][2])
+            else:
+                runs.append((at, sizes[i], tree_starts[i]))
+            at += sizes[i]
+        joined_runs.append(tuple(runs))
+    starts = [tree_starts[u[0]] if len(u) == 1 else 0 for u in units]
+    shapes_live = [
+        tuple(global_shapes[u[0]]) if len(u) == 1 else (sum(sizes[i] for i in u),) for u in units
+    ]
     # the table of the last call, kept while the buffers stay (with donation XLA hands the
     # step the same buffers every call): about 3 ms less host work a 196-leaf step
     reuse = StepReuse()
@@ -1732,7 +1781,10 @@ def _callback_step(
         aux_it = iter(arrays[(2 + ns) * n : (2 + ns) * n + na])
         aux = [next(aux_it) if h else None for h in has_aux]
         origins = arrays[(2 + ns) * n + na :]
-        runs = [_runs(p.shape, o, g) for p, o, g in zip(ps, origins, shapes_live)]
+        runs = [
+            _runs(p.shape, o, g) if r is None else r
+            for p, o, g, r in zip(ps, origins, shapes_live, joined_runs)
+        ]
         positions = [s + first for s, r in zip(starts, runs) for _, _, first in r]
         placed = {} if whole else {"stream_starts": positions}
 
@@ -1757,8 +1809,13 @@ def _callback_step(
             )
         return tuple(ps + [x for st in sts for x in st] + [a for a in aux if a is not None])
 
-    def pick(leaves):
-        return [leaves[i] for i in live]
+    def pick(leaves):  # per unit: its leaf, or its leaves joined (None: absent)
+        return [
+            leaves[u[0]]
+            if len(u) == 1 or leaves[u[0]] is None
+            else jnp.concatenate([leaves[i].reshape(-1) for i in u])
+            for u in units
+        ]
 
     aux_leaf = [j for j, h in enumerate(has_aux) if h]
     result_leaves = (*range(n), *(list(range(n)) * ns), *aux_leaf)
@@ -1766,7 +1823,7 @@ def _callback_step(
         pick(p_leaves)
         + pick(g_leaves)
         + [x for col in states for x in pick(col)]
-        + [a_leaves[i] for i in live if a_leaves[i] is not None]
+        + [a for a, h in zip(pick(a_leaves), has_aux) if h]
     )
     results_in = leaves_in[:n] + leaves_in[2 * n :]  # what the step writes, in result order
     scale = jnp.float32(1.0) if inv_scale is None else jnp.asarray(inv_scale, jnp.float32)
@@ -1775,7 +1832,7 @@ def _callback_step(
 
     # what the host function does: the optimizer's step and this tree's static layout
     key = ("optimizer step", host_step, n, ns, tuple(has_aux), static_lr, whole)
-    key += (tuple(starts), tuple(tuple(g) for g in shapes_live))
+    key += (tuple(starts), tuple(tuple(g) for g in shapes_live), tuple(joined_runs))
 
     def body(*operands_and_origins):
         *operands, origins = operands_and_origins
@@ -1794,26 +1851,43 @@ def _callback_step(
 
     results = []
     if n:
-        blocks = {j: layouts[i][0] for j, i in enumerate(live) if layouts[i] is not None}
+        blocks = {j: layouts[u[0]][0] for j, u in enumerate(units) if layouts[u[0]] is not None}
         if blocks:  # inside shard_map: each block's origin
             out = body(*scalars, *leaves_in, blocks)
-        elif whole:
+        elif whole or pack:
             out = body(*scalars, *leaves_in, None)
         else:
             leaf_of = (None,) * 5 + (*range(n), *range(n), *result_leaves[n:])
             out = _per_shard(body, leaf_of, *scalars, *leaves_in, result_leaves=result_leaves)
         results = [out] if len(result_leaves) == 1 else list(out)
+    # the results per leaf: a joined unit's leaves sliced out at runtime offsets (slices of
+    # one size are one kernel for XLA; at constant offsets each would be one of its own)
+    unit_of = {k: j for j, u in enumerate(units) for k in u}
+    within: dict[int, int] = {}  # a joined leaf's offset in its unit's buffer
+    for u in (u for u in units if len(u) > 1):
+        at = 0
+        for k in u:
+            within[k], at = at, at + sizes[k]
+    offset_of = dict(zip(within, _opaque(list(within.values()), (k0, k1, t)))) if within else {}
+
+    def of_leaf(result, k):
+        if k not in offset_of:
+            return result
+        piece = lax.dynamic_slice(result, (offset_of[k],), (sizes[k],))
+        return piece.reshape(p_leaves[k].shape)
+
     outs = [
         [p, *(col[k] for col in s_leaves), a] for k, (p, a) in enumerate(zip(p_leaves, a_leaves))
     ]
-    it = iter(results[(1 + ns) * n :])
+    aux_results = dict(zip(aux_leaf, results[(1 + ns) * n :]))
     state_cols = [c for c, col in enumerate(s_leaves) if any(col[i] is not None for i in live)]
-    for j, i in enumerate(live):
-        outs[i][0] = results[j]
+    for k in live:
+        j = unit_of[k]
+        outs[k][0] = of_leaf(results[j], k)
         for c_pos, c in enumerate(state_cols):
-            outs[i][1 + c] = results[(1 + c_pos) * n + j]
+            outs[k][1 + c] = of_leaf(results[(1 + c_pos) * n + j], k)
         if has_aux[j]:
-            outs[i][-1] = next(it)
+            outs[k][-1] = of_leaf(aux_results[j], k)
     return [tuple(o) for o in outs]
 
 
