@@ -1752,8 +1752,9 @@ def _callback_step(
     tree_starts = _starts(global_shapes)
     sizes = [int(np.prod(global_shapes[i], dtype=np.int64)) for i in range(len(global_shapes))]
     # a joined unit's runs, (buffer start, length, stream position): leaves that follow one
-    # another in the stream are one run
+    # another in the stream are one run; ``within``: each joined leaf's buffer start
     joined_runs: list[Any] = []
+    within: dict[int, int] = {}
     for u in units:
         if len(u) == 1:
             joined_runs.append(None)
@@ -1764,7 +1765,7 @@ def _callback_step(
                 runs[-1] = (runs[-1][0], runs[-1][1] + sizes[i], runs[-1][2])
             else:
                 runs.append((at, sizes[i], tree_starts[i]))
-            at += sizes[i]
+            within[i], at = at, at + sizes[i]
         joined_runs.append(tuple(runs))
     starts = [tree_starts[u[0]] if len(u) == 1 else 0 for u in units]
     shapes_live = [
@@ -1863,11 +1864,6 @@ def _callback_step(
     # the results per leaf: a joined unit's leaves sliced out at runtime offsets (slices of
     # one size are one kernel for XLA; at constant offsets each would be one of its own)
     unit_of = {k: j for j, u in enumerate(units) for k in u}
-    within: dict[int, int] = {}  # a joined leaf's offset in its unit's buffer
-    for u in (u for u in units if len(u) > 1):
-        at = 0
-        for k in u:
-            within[k], at = at, at + sizes[k]
     offset_of = dict(zip(within, _opaque(list(within.values()), (k0, k1, t)))) if within else {}
 
     def of_leaf(result, k):
