@@ -379,6 +379,7 @@ def stochastic_add_leaves(
     global_shapes,
     step=None,
     base=(0, 0),
+    joined=None,
 ):
     """``srround.stochastic_add`` of every leaf ``w`` with its ``u`` (same shapes, float32) in
     one host call, in place in the results' buffers (``_callback``'s ``aliases``); returns the
@@ -386,18 +387,22 @@ def stochastic_add_leaves(
     ``base + offsets[k]`` (``base``: ``offset_words``, possibly traced; ``origins[k]``: traced
     inside ``shard_map``; ``None``: each shard's under ``jit``, or the whole leaf). ``step``: a
     traced step count ``t`` whose stream, ``t * 2**STEP_SHIFT`` further on, is used
-    (``apply_updates``), or ``None``."""
+    (``apply_updates``), or ``None``. ``joined``: per leaf ``None``, or the runs ``(flat
+    start, length, stream position)`` of a whole leaf that joins several (``apply_updates``
+    on one CPU device)."""
     n = len(ws)
     names = [fmt.name for fmt in fmts]
     shapes = [tuple(w.shape) if g is None else tuple(g) for w, g in zip(ws, global_shapes)]
+    joined = [None] * n if joined is None else list(joined)
 
     def host(ah, h0, h1, th, b0, b1, *arrays):
         seed, first = _seed_of(h0, h1), (int(th) << STEP_SHIFT) + _seed_of(b0, b1)
         targets, updates, where = arrays[:n], arrays[n : 2 * n], arrays[2 * n :]
         add = _host("stochastic_add") if np.isfinite(ah) else _add_non_finite
-        for w, uh, o, shape, name, offset in zip(targets, updates, where, shapes, names, offsets):
+        leaves = zip(targets, updates, where, shapes, names, offsets, joined)
+        for w, uh, o, shape, name, offset, runs in leaves:
             flat_w, flat_u = w.reshape(-1), uh.reshape(-1)  # views: w is updated in place
-            for lo, size, start in _runs(w.shape, o, shape):
+            for lo, size, start in _runs(w.shape, o, shape) if runs is None else runs:
                 add(
                     flat_w[lo : lo + size],
                     flat_u[lo : lo + size],
@@ -426,6 +431,7 @@ def stochastic_add_leaves(
             for k, w in enumerate(local)
         ]
         key = ("stochastic_add", tuple(names), tuple(offsets), overflow, tuple(shapes))
+        key += (tuple(joined),)
         aliases = {len(scalars) + k: k for k in range(n)}
         return _callback(
             host, result[0] if n == 1 else result, *operands, *where, key=key, aliases=aliases

@@ -336,9 +336,28 @@ def _apply_narrow(ws, us, k0, k1, t, origins, *, impl, names, starts, global_sha
             )
             return [o[0] for o in outs]
         fmts = [FORMATS[name] for name in names]
-        return stochastic_add_leaves(
-            ws, us, 1.0, fmts, k0, k1, list(starts), "inf", origins, list(global_shapes), step=t
+        # on one CPU device small leaves reach the host joined (as the host step's)
+        pack = all(o is None for o in origins) and _leaves._on_one_cpu(ws)
+        units = _host_units(range(len(ws)), [ws, us], pack)
+        sizes = [w.size for w in ws]
+        joined, within = _joined_runs(units, sizes, starts)
+        outs = stochastic_add_leaves(
+            _join_units(ws, units),
+            _join_units(us, units),
+            1.0,
+            [fmts[u[0]] for u in units],
+            k0,
+            k1,
+            [starts[u[0]] if len(u) == 1 else 0 for u in units],
+            "inf",
+            [origins[u[0]] for u in units],
+            [global_shapes[u[0]] if len(u) == 1 else None for u in units],
+            step=t,
+            joined=joined,
         )
+        unit_of = {k: j for j, u in enumerate(units) for k in u}
+        of_leaf = _split_joined(within, sizes, [w.shape for w in ws], (k0, k1, t))
+        return [of_leaf(outs[unit_of[k]], k) for k in range(len(ws))]
 
     return _straight_through(
         added,
@@ -1704,27 +1723,72 @@ def _scale_usable(inv_scale):
 
 
 def _host_units(live, columns, pack: bool) -> list[list[int]]:
-    """The leaves ``live`` of a host step call as units, each one operand per column: with
-    ``pack`` (whole leaves on one CPU device), small leaves (``_leaves._SMALL_LEAF``) of the
-    same dtypes in every column share a unit, their buffers joined; every other leaf is a
-    unit of its own. XLA's compile time grows faster than linearly with a custom call's
-    operands (``docs/performance.md``)."""
+    """The leaves ``live`` of a host call as units, each one operand per column (``columns``:
+    per-leaf lists, the first the params): with ``pack`` (whole leaves on one CPU device),
+    small leaves (``_leaves._SMALL_LEAF``) of the same dtypes in every column share a unit,
+    their buffers joined; every other leaf is a unit of its own. XLA's compile time grows
+    faster than linearly with a custom call's operands (``docs/performance.md``)."""
     if not pack:
         return [[i] for i in live]
-    p_leaves, g_leaves, s_leaves, a_leaves = columns
-    flat = [p_leaves, g_leaves, *s_leaves, a_leaves]
     units: list[list[int]] = []
     joined: dict[tuple, list[int]] = {}
     for i in live:
-        if p_leaves[i].size > _leaves._SMALL_LEAF:
+        if columns[0][i].size > _leaves._SMALL_LEAF:
             units.append([i])
             continue
-        kind = tuple(_leaves._dtypes(col[i]) for col in flat)
+        kind = tuple(_leaves._dtypes(col[i]) for col in columns)
         if kind not in joined:
             joined[kind] = []
             units.append(joined[kind])
         joined[kind].append(i)
     return units
+
+
+def _joined_runs(units, sizes, stream_starts):
+    """Per unit of leaves (``_host_units``), ``None`` for a single leaf, else the runs of its
+    joined buffer as ``(buffer start, length, stream position)``, leaves that follow one
+    another in the stream merged into one run; and each joined leaf's buffer start."""
+    joined: list[Any] = []
+    within: dict[int, int] = {}
+    for u in units:
+        if len(u) == 1:
+            joined.append(None)
+            continue
+        runs: list[tuple[int, int, int]] = []
+        at = 0
+        for i in u:
+            if runs and runs[-1][2] + runs[-1][1] == stream_starts[i]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + sizes[i], runs[-1][2])
+            else:
+                runs.append((at, sizes[i], stream_starts[i]))
+            within[i], at = at, at + sizes[i]
+        joined.append(tuple(runs))
+    return joined, within
+
+
+def _join_units(leaves, units):
+    """Per unit: its leaf, or its leaves flattened and joined (``None``: absent)."""
+    return [
+        leaves[u[0]]
+        if len(u) == 1 or leaves[u[0]] is None
+        else jnp.concatenate([leaves[i].reshape(-1) for i in u])
+        for u in units
+    ]
+
+
+def _split_joined(within, sizes, shapes, probes):
+    """``of_leaf(result, k)``: leaf ``k``'s piece of its unit's ``result``, for the joined
+    leaves in ``within`` (their buffer starts) sliced out at runtime offsets (``_opaque`` of
+    ``probes``: slices of one size are one kernel for XLA; at constant offsets each would be
+    one of its own); any other leaf's result as it is."""
+    offset_of = dict(zip(within, _opaque(list(within.values()), probes))) if within else {}
+
+    def of_leaf(result, k):
+        if k not in offset_of:
+            return result
+        return lax.dynamic_slice(result, (offset_of[k],), (sizes[k],)).reshape(shapes[k])
+
+    return of_leaf
 
 
 def _callback_step(
@@ -1744,29 +1808,14 @@ def _callback_step(
     live = [i for i in leaves if p_leaves[i].size > 0]
     unsharded = all(layouts[i] is None for i in live)
     pack = not whole and unsharded and _leaves._on_one_cpu([p_leaves[i] for i in live])
-    units = _host_units(live, columns, pack)
+    units = _host_units(live, [p_leaves, g_leaves, *s_leaves, a_leaves], pack)
     has_aux = [a_leaves[u[0]] is not None for u in units]
     states = [col for col in s_leaves if any(col[i] is not None for i in live)]
     n, ns, na = len(units), len(states), sum(has_aux)
     static_lr = None if not isinstance(lr, float) else lr
     tree_starts = _starts(global_shapes)
     sizes = [int(np.prod(global_shapes[i], dtype=np.int64)) for i in range(len(global_shapes))]
-    # a joined unit's runs, (buffer start, length, stream position): leaves that follow one
-    # another in the stream are one run; ``within``: each joined leaf's buffer start
-    joined_runs: list[Any] = []
-    within: dict[int, int] = {}
-    for u in units:
-        if len(u) == 1:
-            joined_runs.append(None)
-            continue
-        runs, at = [], 0
-        for i in u:
-            if runs and runs[-1][2] + runs[-1][1] == tree_starts[i]:
-                runs[-1] = (runs[-1][0], runs[-1][1] + sizes[i], runs[-1][2])
-            else:
-                runs.append((at, sizes[i], tree_starts[i]))
-            within[i], at = at, at + sizes[i]
-        joined_runs.append(tuple(runs))
+    joined_runs, within = _joined_runs(units, sizes, tree_starts)
     starts = [tree_starts[u[0]] if len(u) == 1 else 0 for u in units]
     shapes_live = [
         tuple(global_shapes[u[0]]) if len(u) == 1 else (sum(sizes[i] for i in u),) for u in units
@@ -1810,13 +1859,8 @@ def _callback_step(
             )
         return tuple(ps + [x for st in sts for x in st] + [a for a in aux if a is not None])
 
-    def pick(leaves):  # per unit: its leaf, or its leaves joined (None: absent)
-        return [
-            leaves[u[0]]
-            if len(u) == 1 or leaves[u[0]] is None
-            else jnp.concatenate([leaves[i].reshape(-1) for i in u])
-            for u in units
-        ]
+    def pick(leaves):
+        return _join_units(leaves, units)
 
     aux_leaf = [j for j, h in enumerate(has_aux) if h]
     result_leaves = (*range(n), *(list(range(n)) * ns), *aux_leaf)
@@ -1861,17 +1905,8 @@ def _callback_step(
             leaf_of = (None,) * 5 + (*range(n), *range(n), *result_leaves[n:])
             out = _per_shard(body, leaf_of, *scalars, *leaves_in, result_leaves=result_leaves)
         results = [out] if len(result_leaves) == 1 else list(out)
-    # the results per leaf: a joined unit's leaves sliced out at runtime offsets (slices of
-    # one size are one kernel for XLA; at constant offsets each would be one of its own)
     unit_of = {k: j for j, u in enumerate(units) for k in u}
-    offset_of = dict(zip(within, _opaque(list(within.values()), (k0, k1, t)))) if within else {}
-
-    def of_leaf(result, k):
-        if k not in offset_of:
-            return result
-        piece = lax.dynamic_slice(result, (offset_of[k],), (sizes[k],))
-        return piece.reshape(p_leaves[k].shape)
-
+    of_leaf = _split_joined(within, sizes, [p.shape for p in p_leaves], (k0, k1, t))
     outs = [
         [p, *(col[k] for col in s_leaves), a] for k, (p, a) in enumerate(zip(p_leaves, a_leaves))
     ]
