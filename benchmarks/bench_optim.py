@@ -52,12 +52,13 @@ The JAX section (CPU, or the GPU when JAX sees one) times ``jit``-compiled steps
 parameter and state buffers: srround's fused ``srround.adapters.jax.adamw`` (its default
 ``impl``: on a CPU the Numba step through srround's FFI target; and, on a CPU, ``impl="native"``
 too), ``optax.adamw`` followed by ``srround.adapters.jax.apply_updates`` (stochastic rounding
-of the sum; its default, and on a CPU ``impl="native"`` too), plain ``optax.adamw`` on fp32
-and on bf16 params, ``optax.adamw`` with a hand-written ``jax.random.bits`` stochastic-rounding
-apply (what a user writes), and srround's fused ``sgd`` (momentum 0.9, float32 momentum, and
-bf16 momentum written back with SR) next to ``optax.sgd`` on bf16 params. Bytes/param there are
-the same nominal counts (optax keeps states in the parameter dtype: 14 B bf16, 28 B fp32; SGD
-10 B, srround's 14 B with float32 momentum, 10 B with bf16). On a CPU its
+of the sum; its default, and on a CPU ``impl="native"`` and ``"callback"`` too), plain
+``optax.adamw`` on fp32 and on bf16 params, ``optax.adamw`` with a hand-written
+``jax.random.bits`` stochastic-rounding apply (what a user writes), and srround's fused ``sgd``
+(momentum 0.9, float32 momentum, and bf16 momentum written back with SR) next to ``optax.sgd``
+on bf16 params. Bytes/param there are the same nominal counts (optax keeps states in the
+parameter dtype: 14 B bf16, 28 B fp32; SGD 10 B, srround's 14 B with float32 momentum, 10 B
+with bf16). On a CPU its
 rows are timed in turns (every round times one step of each row), so on a shared machine they
 see the same load and their ratios to optax hold; each row's first call is timed on its own.
 
@@ -617,6 +618,8 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
         rows.insert(-1, ("srround jax.sgd native fp32 momentum", 14, fused_sgd_row("native")))
         native_apply = optax_row(srround_apply("native"), jnp.bfloat16)
         rows.insert(7, ("optax.adamw + srround apply_updates native", 14, native_apply))
+        callback_apply = optax_row(srround_apply("callback"), jnp.bfloat16)
+        rows.insert(8, ("optax.adamw + srround apply_updates callback", 14, callback_apply))
     # on a CPU the rows are timed in turns (each keeps its buffers meanwhile): a shared machine's
     # load moves between rows timed one after the other, and so would their ratios to optax
     in_turns = backend == "cpu"
@@ -702,7 +705,7 @@ def run_jax(total: int, tensors: int, reps: int, notes: list, floor_device: str 
                 r["first_cached_vs_optax"] = warm / base["first_s"]
                 r["step_vs_optax"] = r["median_s"] / base["median_s"]
                 print(
-                    f"   {r['method']:<42} first call {r['first_vs_optax']:5.2f}x"
+                    f"   {r['method']:<46} first call {r['first_vs_optax']:5.2f}x"
                     f" ({r['first_cached_vs_optax']:5.2f}x with Numba's disk cache)"
                     f"   step {r['step_vs_optax']:5.2f}x"
                 )
@@ -767,7 +770,7 @@ def run_compile(torch, device: str, quick: bool, reps: int, notes: list) -> list
                 )
             )
             print(
-                f"{rows[-1]['method']:<42} {r['median_s'] * 1e3:9.3f} ms/step"
+                f"{rows[-1]['method']:<46} {r['median_s'] * 1e3:9.3f} ms/step"
                 f" first step {r['first_s']:7.2f} s",
                 flush=True,
             )
@@ -804,7 +807,7 @@ COLUMNS = [
 ]
 
 HEADER = (
-    f"{'method':<42} {'B/par':>5} {'ms/step':>9} {'GB/s':>8} {'% copy':>7} "
+    f"{'method':<46} {'B/par':>5} {'ms/step':>9} {'GB/s':>8} {'% copy':>7} "
     f"{'host ms':>8} {'first step':>11}"
 )
 
@@ -817,7 +820,7 @@ def print_row(r: dict, gpu: bool) -> None:
     frac = f"{100 * r['frac_copy']:6.0f}%" if "frac_copy" in r else f"{'-':>7}"
     busy = not gpu and (r.get("others_busy_cpus") or 0) > BUSY_MARK
     print(
-        f"{r['method']:<42} {r['bytes_per_param']:>5} {r['median_s'] * 1e3:9.3f} "
+        f"{r['method']:<46} {r['bytes_per_param']:>5} {r['median_s'] * 1e3:9.3f} "
         f"{r['gbps']:8.2f} {frac} {r['host_s'] * 1e3:8.3f} {r['first_s']:10.2f}s"
         f"{'  *busy {:.1f}'.format(r['others_busy_cpus']) if busy else ''}",
         flush=True,
