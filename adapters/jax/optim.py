@@ -356,7 +356,7 @@ def _apply_narrow(ws, us, k0, k1, t, origins, *, impl, names, starts, global_sha
             joined=joined,
         )
         unit_of = {k: j for j, u in enumerate(units) for k in u}
-        of_leaf = _split_joined(within, sizes, [w.shape for w in ws], (k0, k1, t))
+        of_leaf = _split_joined(within, sizes, {k: ws[k].shape for k in within}, (k0, k1, t))
         return [of_leaf(outs[unit_of[k]], k) for k in range(len(ws))]
 
     return _straight_through(
@@ -1777,10 +1777,11 @@ def _join_units(leaves, units):
 
 
 def _split_joined(within, sizes, shapes, probes):
-    """``of_leaf(result, k)``: leaf ``k``'s piece of its unit's ``result``, for the joined
-    leaves in ``within`` (their buffer starts) sliced out at runtime offsets (``_opaque`` of
-    ``probes``: slices of one size are one kernel for XLA; at constant offsets each would be
-    one of its own); any other leaf's result as it is."""
+    """``of_leaf(result, k)``: leaf ``k``'s piece (``sizes[k]`` elements, reshaped to
+    ``shapes[k]``) of its unit's ``result``, for the joined leaves in ``within`` (their buffer
+    starts) sliced out at runtime offsets (``_opaque`` of ``probes``: slices of one size are
+    one kernel for XLA; at constant offsets each would be one of its own); any other leaf's
+    result as it is."""
     offset_of = dict(zip(within, _opaque(list(within.values()), probes))) if within else {}
 
     def of_leaf(result, k):
@@ -1859,16 +1860,13 @@ def _callback_step(
             )
         return tuple(ps + [x for st in sts for x in st] + [a for a in aux if a is not None])
 
-    def pick(leaves):
-        return _join_units(leaves, units)
-
     aux_leaf = [j for j, h in enumerate(has_aux) if h]
     result_leaves = (*range(n), *(list(range(n)) * ns), *aux_leaf)
     leaves_in = (
-        pick(p_leaves)
-        + pick(g_leaves)
-        + [x for col in states for x in pick(col)]
-        + [a for a, h in zip(pick(a_leaves), has_aux) if h]
+        _join_units(p_leaves, units)
+        + _join_units(g_leaves, units)
+        + [x for col in states for x in _join_units(col, units)]
+        + [a for a, h in zip(_join_units(a_leaves, units), has_aux) if h]
     )
     results_in = leaves_in[:n] + leaves_in[2 * n :]  # what the step writes, in result order
     scale = jnp.float32(1.0) if inv_scale is None else jnp.asarray(inv_scale, jnp.float32)
@@ -1906,7 +1904,8 @@ def _callback_step(
             out = _per_shard(body, leaf_of, *scalars, *leaves_in, result_leaves=result_leaves)
         results = [out] if len(result_leaves) == 1 else list(out)
     unit_of = {k: j for j, u in enumerate(units) for k in u}
-    of_leaf = _split_joined(within, sizes, [p.shape for p in p_leaves], (k0, k1, t))
+    shapes = {k: p_leaves[k].shape for k in within}
+    of_leaf = _split_joined(within, sizes, shapes, (k0, k1, t))
     outs = [
         [p, *(col[k] for col in s_leaves), a] for k, (p, a) in enumerate(zip(p_leaves, a_leaves))
     ]
