@@ -213,15 +213,29 @@ GROUPED_DTYPES = [
 ]
 
 
-@pytest.mark.parametrize("all_bf16", [False, True])
-def test_apply_updates_callback_joins_small_leaves(all_bf16, monkeypatch):
+@pytest.mark.parametrize(
+    "all_bf16, gap, size",
+    [
+        (False, 0, 36),  # (33,) and (3,) joined, two runs
+        (False, 200, 201),  # the 165 positions between them taken in: one run
+        (True, 0, 83),  # all but (130,), stream neighbours merged: two runs
+        (True, None, 213),  # the default takes the 130 positions of (130,) in: one run
+    ],
+)
+def test_apply_updates_callback_joins_small_leaves(all_bf16, gap, size, monkeypatch):
     """``impl="callback"`` on one CPU device hands the host the small leaves of one format
     joined (one operand for their params, one for their updates), each at its own place in
-    the random stream: stream neighbours one run, leaves apart several. It took every leaf
-    as operands of its own and the host added them one by one (500 small bf16 leaves: 78 ms
-    a step against the default's 9 ms, 2-core VM). The bits of ``srround.stochastic_add``
-    per leaf."""
+    the random stream: stream neighbours one run, and leaves apart by a small gap too (its
+    positions computed and dropped: each run is a host call). It took every leaf as operands
+    of its own and the host added them one by one (500 small bf16 leaves: 76 ms a step
+    against the default's 9 ms, 2-core VM). The bits of ``srround.stochastic_add`` per
+    leaf."""
+    from srround.adapters.jax import optim
+
     monkeypatch.setattr(_leaves, "_SMALL_LEAF", 40)  # (130,) a leaf of its own, the rest small
+    if gap is not None:
+        monkeypatch.setattr(optim, "_APPLY_GAP", gap)
+    jax.clear_caches()  # the inner jitted functions read both when traced
     dtypes = [ml_dtypes.bfloat16] * len(SHAPES) if all_bf16 else MIXED
     params = [jnp.asarray(p) for p in normal_params(SHAPES, dtypes)]
     updates = [jnp.asarray(u * np.float32(1e-2)) for u in _grads(0)]
@@ -230,8 +244,6 @@ def test_apply_updates_callback_joins_small_leaves(all_bf16, monkeypatch):
     text = fn.lower(params, updates, key).as_text()
     (call,) = [line for line in text.splitlines() if "custom_call @srround_host_call" in line]
     operands = call.split(" : (")[-1].split(") -> ")[0].split(", ")
-    # the small bf16 leaves joined: (33,) and (3,) (mixed), or all but (130,) (83 elements)
-    size = 83 if all_bf16 else 36
     assert f"tensor<{size}xbf16>" in operands and f"tensor<{size}xf32>" in operands, operands
     assert not [o for o in operands if o.startswith(("tensor<33x", "tensor<3x"))], operands
     seed = int(jax.random.key_data(key)[0]) | int(jax.random.key_data(key)[1]) << 32
@@ -242,6 +254,7 @@ def test_apply_updates_callback_joins_small_leaves(all_bf16, monkeypatch):
             continue
         srround.stochastic_add(p, u, seed=seed, offset=(5 << 36) + int(start))
         assert_same_bits(g, p)
+    jax.clear_caches()  # no trace of the patched sizes is left for later tests
 
 
 @pytest.mark.parametrize("lane_chunk", [None, 64])

@@ -310,6 +310,12 @@ def _apply_update(cfg, w, u, bits):
     return (_narrow_out(_encode(sums, fmt, False, bits(0)), w.dtype),)
 
 
+# stream positions (other leaves' elements) the callback ``apply_updates`` computes and drops
+# between two joined leaves rather than add them as two runs: a host call each
+# (``srround.stochastic_add``, about 0.1 ms) costs more than that many elements
+_APPLY_GAP = 1 << 14
+
+
 @functools.partial(
     jax.jit, static_argnames=("impl", "names", "starts", "global_shapes", "host_bits")
 )
@@ -336,14 +342,15 @@ def _apply_narrow(ws, us, k0, k1, t, origins, *, impl, names, starts, global_sha
             )
             return [o[0] for o in outs]
         fmts = [FORMATS[name] for name in names]
-        # on one CPU device small leaves reach the host joined (as the host step's)
+        # on one CPU device small leaves reach the host joined (as the host step's), the
+        # small gaps between them in the stream taken in: one run, one kernel call
         pack = all(o is None for o in origins) and _leaves._on_one_cpu(ws)
         units = _host_units(range(len(ws)), [ws, us], pack)
         sizes = [w.size for w in ws]
-        joined, within = _joined_runs(units, sizes, starts)
+        joined, within, gaps = _joined_runs(units, sizes, starts, _APPLY_GAP)
         outs = stochastic_add_leaves(
-            _join_units(ws, units),
-            _join_units(us, units),
+            _join_units(ws, units, gaps),
+            _join_units(us, units, gaps),
             1.0,
             [fmts[u[0]] for u in units],
             k0,
@@ -1744,12 +1751,16 @@ def _host_units(live, columns, pack: bool) -> list[list[int]]:
     return units
 
 
-def _joined_runs(units, sizes, stream_starts):
+def _joined_runs(units, sizes, stream_starts, max_gap=0):
     """Per unit of leaves (``_host_units``), ``None`` for a single leaf, else the runs of its
     joined buffer as ``(buffer start, length, stream position)``, leaves that follow one
-    another in the stream merged into one run; and each joined leaf's buffer start."""
+    another in the stream merged into one run; each joined leaf's buffer start; and the gaps
+    taken in: with ``max_gap``, up to that many stream positions between two leaves of a unit
+    become part of its buffer (``gaps[i]``: the zeros before leaf ``i``, ``_join_units``),
+    so that the two are one run."""
     joined: list[Any] = []
     within: dict[int, int] = {}
+    gaps: dict[int, int] = {}
     for u in units:
         if len(u) == 1:
             joined.append(None)
@@ -1757,23 +1768,32 @@ def _joined_runs(units, sizes, stream_starts):
         runs: list[tuple[int, int, int]] = []
         at = 0
         for i in u:
-            if runs and runs[-1][2] + runs[-1][1] == stream_starts[i]:
-                runs[-1] = (runs[-1][0], runs[-1][1] + sizes[i], runs[-1][2])
+            gap = stream_starts[i] - (runs[-1][2] + runs[-1][1]) if runs else -1
+            if 0 <= gap <= max_gap:
+                if gap:
+                    gaps[i], at = gap, at + gap
+                runs[-1] = (runs[-1][0], runs[-1][1] + gap + sizes[i], runs[-1][2])
             else:
                 runs.append((at, sizes[i], stream_starts[i]))
             within[i], at = at, at + sizes[i]
         joined.append(tuple(runs))
-    return joined, within
+    return joined, within, gaps
 
 
-def _join_units(leaves, units):
-    """Per unit: its leaf, or its leaves flattened and joined (``None``: absent)."""
-    return [
-        leaves[u[0]]
-        if len(u) == 1 or leaves[u[0]] is None
-        else jnp.concatenate([leaves[i].reshape(-1) for i in u])
-        for u in units
-    ]
+def _join_units(leaves, units, gaps=None):
+    """Per unit: its leaf, or its leaves flattened and joined, ``gaps[i]`` zeros before leaf
+    ``i`` (``_joined_runs``; ``None``: absent)."""
+    gaps = gaps or {}
+
+    def joined(u):
+        pieces = []
+        for i in u:
+            if i in gaps:
+                pieces.append(jnp.zeros(gaps[i], leaves[i].dtype))
+            pieces.append(leaves[i].reshape(-1))
+        return jnp.concatenate(pieces)
+
+    return [leaves[u[0]] if len(u) == 1 or leaves[u[0]] is None else joined(u) for u in units]
 
 
 def _split_joined(within, sizes, shapes, probes):
@@ -1816,7 +1836,7 @@ def _callback_step(
     static_lr = None if not isinstance(lr, float) else lr
     tree_starts = _starts(global_shapes)
     sizes = [int(np.prod(global_shapes[i], dtype=np.int64)) for i in range(len(global_shapes))]
-    joined_runs, within = _joined_runs(units, sizes, tree_starts)
+    joined_runs, within, _ = _joined_runs(units, sizes, tree_starts)
     starts = [tree_starts[u[0]] if len(u) == 1 else 0 for u in units]
     shapes_live = [
         tuple(global_shapes[u[0]]) if len(u) == 1 else (sum(sizes[i] for i in u),) for u in units
