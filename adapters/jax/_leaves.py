@@ -97,13 +97,92 @@ def _small_leaves_call(arrays, lanes, probe, extra, *, update, cfg):
     outs = lax.cond(zero == 0, compute, lambda: absent)
     # each leaf's slice at a runtime offset: slices of one size are one kernel (at constant
     # offsets every slice is a kernel of its own, about 20 ms of XLA compile time each)
-    offsets = _opaque(np.cumsum([0] + sizes[:-1]).tolist(), (probe,))
-    return [
-        tuple(
-            None if o is None else lax.dynamic_slice(o, (at,), (size,)).reshape(shape) for o in outs
-        )
-        for shape, size, at in zip(shapes, sizes, offsets)
-    ]
+    within = dict(enumerate(np.cumsum([0] + sizes[:-1]).tolist()))
+    of_leaf = split_joined(within, sizes, shapes, (probe,))
+    return [tuple(None if o is None else of_leaf(o, k) for o in outs) for k in range(len(sizes))]
+
+
+def host_units(live, columns, pack: bool) -> list[list[int]]:
+    """The leaves ``live`` of a host call as units, each one operand per column (``columns``:
+    per-leaf lists, the first the params): with ``pack`` (whole leaves on one CPU device),
+    small leaves (``_SMALL_LEAF``) of the same dtypes in every column share a unit,
+    their buffers joined; every other leaf is a unit of its own. XLA's compile time grows
+    faster than linearly with a custom call's operands (``docs/performance.md``)."""
+    if not pack:
+        return [[i] for i in live]
+    units: list[list[int]] = []
+    joined: dict[tuple, list[int]] = {}
+    for i in live:
+        if columns[0][i].size > _SMALL_LEAF:
+            units.append([i])
+            continue
+        kind = tuple(_dtypes(col[i]) for col in columns)
+        if kind not in joined:
+            joined[kind] = []
+            units.append(joined[kind])
+        joined[kind].append(i)
+    return units
+
+
+def joined_runs(units, sizes, stream_starts, max_gap=0):
+    """Per unit of leaves (``host_units``), ``None`` for a single leaf, else the runs of its
+    joined buffer as ``(buffer start, length, stream position)``, leaves that follow one
+    another in the stream merged into one run; each joined leaf's buffer start; and the gaps
+    taken in: with ``max_gap``, up to that many stream positions between two leaves of a unit
+    become part of its buffer (``gaps[i]``: the zeros before leaf ``i``, ``join_units``),
+    so that the two are one run."""
+    joined: list[Any] = []
+    within: dict[int, int] = {}
+    gaps: dict[int, int] = {}
+    for u in units:
+        if len(u) == 1:
+            joined.append(None)
+            continue
+        runs: list[tuple[int, int, int]] = []
+        at = 0
+        for i in u:
+            gap = stream_starts[i] - (runs[-1][2] + runs[-1][1]) if runs else -1
+            if 0 <= gap <= max_gap:
+                if gap:
+                    gaps[i], at = gap, at + gap
+                runs[-1] = (runs[-1][0], runs[-1][1] + gap + sizes[i], runs[-1][2])
+            else:
+                runs.append((at, sizes[i], stream_starts[i]))
+            within[i], at = at, at + sizes[i]
+        joined.append(tuple(runs))
+    return joined, within, gaps
+
+
+def join_units(leaves, units, gaps=None):
+    """Per unit: its leaf, or its leaves flattened and joined, ``gaps[i]`` zeros before leaf
+    ``i`` (``joined_runs``; ``None``: absent)."""
+    gaps = gaps or {}
+
+    def joined(u):
+        pieces = []
+        for i in u:
+            if i in gaps:
+                pieces.append(jnp.zeros(gaps[i], leaves[i].dtype))
+            pieces.append(leaves[i].reshape(-1))
+        return jnp.concatenate(pieces)
+
+    return [leaves[u[0]] if len(u) == 1 or leaves[u[0]] is None else joined(u) for u in units]
+
+
+def split_joined(within, sizes, shapes, probes):
+    """``of_leaf(result, k)``: leaf ``k``'s piece (``sizes[k]`` elements, reshaped to
+    ``shapes[k]``) of its unit's ``result``, for the joined leaves in ``within`` (their buffer
+    starts) sliced out at runtime offsets (``_opaque`` of ``probes``: slices of one size are
+    one kernel for XLA; at constant offsets each would be one of its own); any other leaf's
+    result as it is."""
+    offset_of = dict(zip(within, _opaque(list(within.values()), probes))) if within else {}
+
+    def of_leaf(result, k):
+        if k not in offset_of:
+            return result
+        return lax.dynamic_slice(result, (offset_of[k],), (sizes[k],)).reshape(shapes[k])
+
+    return of_leaf
 
 
 def _packed(compute, shape, probe):

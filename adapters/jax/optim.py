@@ -109,7 +109,6 @@ from ._lax import (
     _check_split,
     _decode,
     _encode,
-    _opaque,
     _shard_layout,
     _u,
     block_element,
@@ -345,12 +344,12 @@ def _apply_narrow(ws, us, k0, k1, t, origins, *, impl, names, starts, global_sha
         # on one CPU device small leaves reach the host joined (as the host step's), the
         # small gaps between them in the stream taken in: one run, one kernel call
         pack = all(o is None for o in origins) and _leaves._on_one_cpu(ws)
-        units = _host_units(range(len(ws)), [ws, us], pack)
+        units = _leaves.host_units(range(len(ws)), [ws, us], pack)
         sizes = [w.size for w in ws]
-        joined, within, gaps = _joined_runs(units, sizes, starts, _APPLY_GAP)
+        joined, within, gaps = _leaves.joined_runs(units, sizes, starts, _APPLY_GAP)
         outs = stochastic_add_leaves(
-            _join_units(ws, units, gaps),
-            _join_units(us, units, gaps),
+            _leaves.join_units(ws, units, gaps),
+            _leaves.join_units(us, units, gaps),
             1.0,
             [fmts[u[0]] for u in units],
             k0,
@@ -363,7 +362,7 @@ def _apply_narrow(ws, us, k0, k1, t, origins, *, impl, names, starts, global_sha
             joined=joined,
         )
         unit_of = {k: j for j, u in enumerate(units) for k in u}
-        of_leaf = _split_joined(within, sizes, {k: ws[k].shape for k in within}, (k0, k1, t))
+        of_leaf = _leaves.split_joined(within, sizes, {k: ws[k].shape for k in within}, (k0, k1, t))
         return [of_leaf(outs[unit_of[k]], k) for k in range(len(ws))]
 
     return _straight_through(
@@ -1729,89 +1728,6 @@ def _scale_usable(inv_scale):
     return (bits > 0) & (bits < 0x7F800000)
 
 
-def _host_units(live, columns, pack: bool) -> list[list[int]]:
-    """The leaves ``live`` of a host call as units, each one operand per column (``columns``:
-    per-leaf lists, the first the params): with ``pack`` (whole leaves on one CPU device),
-    small leaves (``_leaves._SMALL_LEAF``) of the same dtypes in every column share a unit,
-    their buffers joined; every other leaf is a unit of its own. XLA's compile time grows
-    faster than linearly with a custom call's operands (``docs/performance.md``)."""
-    if not pack:
-        return [[i] for i in live]
-    units: list[list[int]] = []
-    joined: dict[tuple, list[int]] = {}
-    for i in live:
-        if columns[0][i].size > _leaves._SMALL_LEAF:
-            units.append([i])
-            continue
-        kind = tuple(_leaves._dtypes(col[i]) for col in columns)
-        if kind not in joined:
-            joined[kind] = []
-            units.append(joined[kind])
-        joined[kind].append(i)
-    return units
-
-
-def _joined_runs(units, sizes, stream_starts, max_gap=0):
-    """Per unit of leaves (``_host_units``), ``None`` for a single leaf, else the runs of its
-    joined buffer as ``(buffer start, length, stream position)``, leaves that follow one
-    another in the stream merged into one run; each joined leaf's buffer start; and the gaps
-    taken in: with ``max_gap``, up to that many stream positions between two leaves of a unit
-    become part of its buffer (``gaps[i]``: the zeros before leaf ``i``, ``_join_units``),
-    so that the two are one run."""
-    joined: list[Any] = []
-    within: dict[int, int] = {}
-    gaps: dict[int, int] = {}
-    for u in units:
-        if len(u) == 1:
-            joined.append(None)
-            continue
-        runs: list[tuple[int, int, int]] = []
-        at = 0
-        for i in u:
-            gap = stream_starts[i] - (runs[-1][2] + runs[-1][1]) if runs else -1
-            if 0 <= gap <= max_gap:
-                if gap:
-                    gaps[i], at = gap, at + gap
-                runs[-1] = (runs[-1][0], runs[-1][1] + gap + sizes[i], runs[-1][2])
-            else:
-                runs.append((at, sizes[i], stream_starts[i]))
-            within[i], at = at, at + sizes[i]
-        joined.append(tuple(runs))
-    return joined, within, gaps
-
-
-def _join_units(leaves, units, gaps=None):
-    """Per unit: its leaf, or its leaves flattened and joined, ``gaps[i]`` zeros before leaf
-    ``i`` (``_joined_runs``; ``None``: absent)."""
-    gaps = gaps or {}
-
-    def joined(u):
-        pieces = []
-        for i in u:
-            if i in gaps:
-                pieces.append(jnp.zeros(gaps[i], leaves[i].dtype))
-            pieces.append(leaves[i].reshape(-1))
-        return jnp.concatenate(pieces)
-
-    return [leaves[u[0]] if len(u) == 1 or leaves[u[0]] is None else joined(u) for u in units]
-
-
-def _split_joined(within, sizes, shapes, probes):
-    """``of_leaf(result, k)``: leaf ``k``'s piece (``sizes[k]`` elements, reshaped to
-    ``shapes[k]``) of its unit's ``result``, for the joined leaves in ``within`` (their buffer
-    starts) sliced out at runtime offsets (``_opaque`` of ``probes``: slices of one size are
-    one kernel for XLA; at constant offsets each would be one of its own); any other leaf's
-    result as it is."""
-    offset_of = dict(zip(within, _opaque(list(within.values()), probes))) if within else {}
-
-    def of_leaf(result, k):
-        if k not in offset_of:
-            return result
-        return lax.dynamic_slice(result, (offset_of[k],), (sizes[k],)).reshape(shapes[k])
-
-    return of_leaf
-
-
 def _callback_step(
     host_step, columns, t, lr, k0, k1, inv_scale, layouts, global_shapes, whole, leaves
 ):
@@ -1823,20 +1739,20 @@ def _callback_step(
     ``whole``: whole leaves only (fp8 states: their blocks span a leaf). ``leaves``: the
     indices of the leaves this call updates, at their places in the whole tree's stream; the
     others come back as they are. On one CPU device small leaves reach the host joined
-    (``_host_units``), each at its own place in the stream (same bits: the step is
+    (``_leaves.host_units``), each at its own place in the stream (same bits: the step is
     elementwise)."""
     p_leaves, g_leaves, s_leaves, a_leaves = columns
     live = [i for i in leaves if p_leaves[i].size > 0]
     unsharded = all(layouts[i] is None for i in live)
     pack = not whole and unsharded and _leaves._on_one_cpu([p_leaves[i] for i in live])
-    units = _host_units(live, [p_leaves, g_leaves, *s_leaves, a_leaves], pack)
+    units = _leaves.host_units(live, [p_leaves, g_leaves, *s_leaves, a_leaves], pack)
     has_aux = [a_leaves[u[0]] is not None for u in units]
     states = [col for col in s_leaves if any(col[i] is not None for i in live)]
     n, ns, na = len(units), len(states), sum(has_aux)
     static_lr = None if not isinstance(lr, float) else lr
     tree_starts = _starts(global_shapes)
     sizes = [int(np.prod(global_shapes[i], dtype=np.int64)) for i in range(len(global_shapes))]
-    joined_runs, within, _ = _joined_runs(units, sizes, tree_starts)
+    joined_runs, within, _ = _leaves.joined_runs(units, sizes, tree_starts)
     starts = [tree_starts[u[0]] if len(u) == 1 else 0 for u in units]
     shapes_live = [
         tuple(global_shapes[u[0]]) if len(u) == 1 else (sum(sizes[i] for i in u),) for u in units
@@ -1883,10 +1799,10 @@ def _callback_step(
     aux_leaf = [j for j, h in enumerate(has_aux) if h]
     result_leaves = (*range(n), *(list(range(n)) * ns), *aux_leaf)
     leaves_in = (
-        _join_units(p_leaves, units)
-        + _join_units(g_leaves, units)
-        + [x for col in states for x in _join_units(col, units)]
-        + [a for a, h in zip(_join_units(a_leaves, units), has_aux) if h]
+        _leaves.join_units(p_leaves, units)
+        + _leaves.join_units(g_leaves, units)
+        + [x for col in states for x in _leaves.join_units(col, units)]
+        + [a for a, h in zip(_leaves.join_units(a_leaves, units), has_aux) if h]
     )
     results_in = leaves_in[:n] + leaves_in[2 * n :]  # what the step writes, in result order
     scale = jnp.float32(1.0) if inv_scale is None else jnp.asarray(inv_scale, jnp.float32)
@@ -1925,7 +1841,7 @@ def _callback_step(
         results = [out] if len(result_leaves) == 1 else list(out)
     unit_of = {k: j for j, u in enumerate(units) for k in u}
     shapes = {k: p_leaves[k].shape for k in within}
-    of_leaf = _split_joined(within, sizes, shapes, (k0, k1, t))
+    of_leaf = _leaves.split_joined(within, sizes, shapes, (k0, k1, t))
     outs = [
         [p, *(col[k] for col in s_leaves), a] for k, (p, a) in enumerate(zip(p_leaves, a_leaves))
     ]
